@@ -1,0 +1,168 @@
+"""One attention module over the annotation vectors, with the options of the seeds.
+
+Legend: B batch, L locations (H*W grid cells), D annotation size, Q query (LSTM hidden)
+size, A attention size.
+
+    score       additive (default, Show Attend and Tell: w^T tanh(W_a a_i + W_h h)),
+                concat (v^T tanh(W [h; a_i]), built literally per step), dot, scaled_dot,
+                general (bilinear h^T W a_i), cosine
+    normalizer  softmax (default) or sparsemax (exact zeros)
+    mode        soft: z = sum_i alpha_i a_i; hard: z = a_s with s ~ Multinoulli(alpha);
+                mean: z = mean_i a_i (no attention; the baseline that shows what attention adds)
+    local_window  > 0: alpha reweighted by a 2-D Gaussian window of that half-width (cells)
+                around a predicted centre (local attention)
+
+Whatever depends only on the image (W_a a_i and the like) is computed once per image by
+``prepare``, not once per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORES = ("additive", "concat", "dot", "scaled_dot", "general", "cosine")
+NORMALIZERS = ("softmax", "sparsemax")
+MODES = ("soft", "hard", "mean")
+
+
+@dataclass
+class AttentionStep:
+    context: torch.Tensor  # (B, D) the attended annotation (before the beta gate)
+    alpha: torch.Tensor  # (B, L) attention weights, >= 0, summing to 1
+    sample: torch.Tensor | None = None  # (B,) hard attention: the sampled location
+    sample_log_prob: torch.Tensor | None = None  # (B,) log p(s_t | a), with gradient to alpha
+    entropy: torch.Tensor | None = None  # (B,) H[alpha_t]
+
+
+def sparsemax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Euclidean projection of ``scores`` onto the probability simplex (Martins & Astudillo 2016)."""
+    return _Sparsemax.apply(scores, dim)
+
+
+class _Sparsemax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, dim: int) -> torch.Tensor:
+        z = z.transpose(dim, -1)
+        z_sorted, _ = torch.sort(z, dim=-1, descending=True)
+        k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+        cumsum = z_sorted.cumsum(-1)
+        support = 1 + k * z_sorted > cumsum  # the k largest entries stay positive
+        k_z = support.sum(-1, keepdim=True)  # support size, >= 1
+        tau = (cumsum.gather(-1, k_z - 1) - 1) / k_z.to(z.dtype)
+        p = torch.clamp(z - tau, min=0).transpose(dim, -1)
+        ctx.save_for_backward(p)
+        ctx.dim = dim
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        dim = ctx.dim
+        # Jacobian = diag(s) - s s^T / |S| with s the support indicator.
+        support = (p > 0).to(grad.dtype)
+        g = grad * support
+        v = g.sum(dim, keepdim=True) / support.sum(dim, keepdim=True)
+        return support * (grad - v), None
+
+
+class Attention(nn.Module):
+    def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, score: str = "additive",
+                 normalizer: str = "softmax", mode: str = "soft", local_window: float = 0.0):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(SCORES)}")
+        if normalizer not in NORMALIZERS:
+            raise ValueError(f"unknown normalizer {normalizer!r}; choose from {', '.join(NORMALIZERS)}")
+        if mode not in MODES:
+            raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(MODES)}")
+        self.score, self.normalizer, self.mode = score, normalizer, mode
+        self.local_window = float(local_window)
+        self.key_dim = key_dim
+        if score == "additive":
+            self.key_proj = nn.Linear(key_dim, attn_dim)  # W_a, applied once per image
+            self.query_proj = nn.Linear(query_dim, attn_dim)  # W_h
+            self.v = nn.Linear(attn_dim, 1)  # w
+        elif score == "concat":
+            self.joint = nn.Linear(query_dim + key_dim, attn_dim)  # W [h; a_i]
+            self.v = nn.Linear(attn_dim, 1)
+        elif score == "general":
+            self.bilinear = nn.Linear(key_dim, query_dim, bias=False)  # W a_i, once per image
+        elif score in ("dot", "scaled_dot", "cosine") and query_dim != key_dim:
+            self.query_proj = nn.Linear(query_dim, key_dim, bias=False)  # sizes differ: project h
+        if self.local_window > 0:
+            self.centre = nn.Sequential(nn.Linear(query_dim, attn_dim), nn.Tanh(), nn.Linear(attn_dim, 2))
+
+    def prepare(self, a: torch.Tensor) -> torch.Tensor:
+        """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""
+        if self.score == "additive":
+            return self.key_proj(a)  # (B, L, A)
+        if self.score == "general":
+            return self.bilinear(a)  # (B, L, Q)
+        if self.score == "cosine":
+            return F.normalize(a, dim=-1)
+        return a
+
+    def scores(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """e_ti = f_att(a_i, h_{t-1}): (B, L)."""
+        if self.score == "additive":
+            return self.v(torch.tanh(keys + self.query_proj(h).unsqueeze(1))).squeeze(-1)
+        if self.score == "concat":
+            q = h.unsqueeze(1).expand(-1, a.shape[1], -1)  # (B, L, Q)
+            return self.v(torch.tanh(self.joint(torch.cat([q, a], dim=-1)))).squeeze(-1)
+        if self.score == "general":
+            return torch.einsum("blq,bq->bl", keys, h)
+        q = self.query_proj(h) if hasattr(self, "query_proj") else h  # (B, D)
+        if self.score == "cosine":
+            return torch.einsum("bld,bd->bl", keys, F.normalize(q, dim=-1))
+        e = torch.einsum("bld,bd->bl", keys, q)
+        return e / math.sqrt(self.key_dim) if self.score == "scaled_dot" else e
+
+    def weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
+                grid: tuple[int, int]) -> torch.Tensor:
+        """alpha_t: (B, L), non-negative, summing to 1."""
+        b, n = a.shape[:2]
+        if self.mode == "mean":
+            return a.new_full((b, n), 1.0 / n)
+        e = self.scores(keys, a, h)
+        alpha = torch.softmax(e, dim=-1) if self.normalizer == "softmax" else sparsemax(e, dim=-1)
+        if self.local_window > 0:
+            alpha = self._local(alpha, h, grid)
+        return alpha
+
+    def _local(self, alpha: torch.Tensor, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Local attention in 2-D: p_t = grid * sigmoid(v^T tanh(W h)) per axis, weights times
+        exp(-d^2 / (2 sigma^2)) with sigma = half-width / 2, renormalised."""
+        gh, gw = grid
+        size = torch.tensor([gh, gw], device=h.device, dtype=h.dtype)
+        centre = size * torch.sigmoid(self.centre(h))  # (B, 2) in cell units, (row, col)
+        rows = torch.arange(gh, device=h.device, dtype=h.dtype) + 0.5
+        cols = torch.arange(gw, device=h.device, dtype=h.dtype) + 0.5
+        d2 = (rows.view(1, gh, 1) - centre[:, 0].view(-1, 1, 1)) ** 2 + \
+             (cols.view(1, 1, gw) - centre[:, 1].view(-1, 1, 1)) ** 2  # (B, H, W)
+        sigma = self.local_window / 2
+        window = torch.exp(-d2 / (2 * sigma**2)).flatten(1)  # (B, L)
+        weighted = alpha * window
+        # Sparsemax can leave the window with no mass: fall back to the window itself there.
+        total = weighted.sum(-1, keepdim=True)
+        fallback = window / window.sum(-1, keepdim=True)
+        return torch.where(total > 1e-12, weighted / total.clamp_min(1e-12), fallback)
+
+    def forward(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor, grid: tuple[int, int],
+                *, sample: bool = False, generator: torch.Generator | None = None) -> AttentionStep:
+        """One step. ``sample`` (hard mode): draw s_t ~ Multinoulli(alpha_t) and return a_{s_t};
+        otherwise the expected context sum_i alpha_i a_i."""
+        alpha = self.weights(keys, a, h, grid)
+        if self.mode == "hard" and sample:
+            s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B,)
+            context = a[torch.arange(a.shape[0], device=a.device), s]  # (B, D): exactly one a_i
+            log_alpha = torch.log(alpha.clamp_min(1e-12))
+            log_p = log_alpha.gather(1, s.unsqueeze(1)).squeeze(1)
+            entropy = -(alpha * log_alpha).sum(-1)
+            return AttentionStep(context, alpha, s, log_p, entropy)
+        context = torch.einsum("bl,bld->bd", alpha, a)  # (B, L) x (B, L, D) -> (B, D)
+        return AttentionStep(context, alpha)

@@ -1,0 +1,172 @@
+"""Batch captioning of files and folders: streaming, resumable, never stopped by one bad file.
+
+Worker processes decode and preprocess images while the model runs; batches go through
+the encoder and the batched beam search; each result is written as one whole JSON line
+as soon as its batch is done, so memory stays flat however many images there are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from .decoding import CaptionResult
+from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path, load_image
+from .inference import Captioner, DecodeOptions
+
+
+@dataclass
+class Discovery:
+    images: list[str] = field(default_factory=list)
+    skipped: int = 0  # files in folders without an image extension
+
+
+def discover(paths: list[str]) -> Discovery:
+    """Image files named directly, and image files under folders (recursively, sorted).
+
+    Symbolic links to folders are followed once: a folder already visited (same device
+    and inode) is not entered again, so symlink loops end."""
+    found = Discovery()
+    seen_dirs: set[tuple[int, int]] = set()
+    for p in paths:
+        if os.path.isdir(p):
+            for root, dirs, files in os.walk(p, followlinks=True):
+                st = os.stat(root)
+                if (st.st_dev, st.st_ino) in seen_dirs:
+                    dirs[:] = []
+                    continue
+                seen_dirs.add((st.st_dev, st.st_ino))
+                dirs.sort()
+                for name in sorted(files):
+                    if is_image_path(name):
+                        found.images.append(os.path.join(root, name))
+                    else:
+                        found.skipped += 1
+        elif os.path.lexists(p):
+            found.images.append(p)  # named explicitly: try it whatever its extension
+        else:
+            raise FileNotFoundError(f"no such file or folder: {p}")
+    return found
+
+
+def completed_images(out_path: Path) -> set[str]:
+    """Images that already have a line in ``out_path``. A half-written last line (a run
+    killed mid-write) is cut off, so that image is done again."""
+    if not out_path.exists():
+        return set()
+    done: set[str] = set()
+    with open(out_path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1  # everything after the last newline is a torn line
+        if keep < len(data):
+            f.truncate(keep)
+        for line in data[:keep].splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "image" in rec:
+                done.add(rec["image"])
+    return done
+
+
+@dataclass
+class Loaded:
+    index: int
+    tensor: torch.Tensor | None
+    error: str | None
+
+
+class _ImageFiles(Dataset):
+    def __init__(self, paths: list[str], preprocess: Preprocess, max_pixels: int):
+        self.paths, self.preprocess, self.max_pixels = paths, preprocess, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> Loaded:
+        try:
+            return Loaded(i, self.preprocess(load_image(self.paths[i], self.max_pixels)), None)
+        except ImageLoadError as e:
+            return Loaded(i, None, str(e))
+        except Exception as e:  # anything else about this one file must not stop the run
+            return Loaded(i, None, f"{type(e).__name__}: {e}")
+
+
+def _keep_list(batch: list[Loaded]) -> list[Loaded]:
+    return batch
+
+
+@dataclass
+class BatchSummary:
+    captioned: int = 0
+    failed: int = 0
+    skipped: int = 0
+    already_done: int = 0
+
+
+def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
+                  batch_size: int = 16, workers: int = 0, with_attention: bool = False,
+                  attention_dir: Path | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
+                  progress: bool | None = None) -> BatchSummary:
+    """Caption ``images`` in order, writing one JSON line per image to ``out``."""
+    summary = BatchSummary()
+    if not images:
+        return summary
+    loader = DataLoader(_ImageFiles(images, captioner.preprocess, max_pixels), batch_size=batch_size,
+                        num_workers=workers, collate_fn=_keep_list, persistent_workers=False,
+                        prefetch_factor=4 if workers else None)
+    # progress=None: a bar only when stderr is a terminal.
+    bar = tqdm(total=len(images), unit="img", file=sys.stderr, dynamic_ncols=True,
+               disable=None if progress is None else not progress)
+    try:
+        for batch in loader:
+            good = [item for item in batch if item.tensor is not None]
+            results: dict[int, CaptionResult] = {}
+            if good:
+                res = captioner.caption_batch(torch.stack([item.tensor for item in good]), options)
+                results = {item.index: r for item, r in zip(good, res)}
+            for item in batch:
+                path = images[item.index]
+                if item.index in results:
+                    r = results[item.index]
+                    record = r.to_json(path, with_attention)
+                    if attention_dir is not None:
+                        record["attention_png"] = _save_figure(path, r, attention_dir)
+                    summary.captioned += 1
+                else:
+                    record = {"image": path, "error": item.error}
+                    summary.failed += 1
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write per whole line
+            out.flush()
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    return summary
+
+
+def _save_figure(path: str, result: CaptionResult, folder: Path) -> str:
+    from .overlay import attention_figure
+
+    folder.mkdir(parents=True, exist_ok=True)
+    # Same stem in different folders must not collide: add a short hash of the full path.
+    name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
+    attention_figure(load_image(path), result).save(folder / name)
+    return str(folder / name)
+
+
+def iter_jsonl(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)

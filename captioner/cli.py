@@ -1,0 +1,203 @@
+"""The ``captioner`` command.
+
+Library commands live here (caption, evaluate, shapes). Commands that belong to other
+parts of the project (``train`` from train/, ``app`` from app/) register themselves
+through the ``captioner.commands`` entry-point group, so the library never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad arguments or inputs the user must fix; exit code 2."""
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def add_caption_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "caption", help="caption image files and folders, one JSON line per image",
+        description="Caption images. PATHs are image files or folders (searched recursively for image "
+                    "extensions; symlink loops are safe). Each image gives one JSON line: "
+                    '{"image", "caption", "words", "score"} or {"image", "error"} for a file that cannot be '
+                    "read; the run goes on. With --out FILE that already holds results, images already "
+                    "there are skipped and new lines appended (resume). Exit code: 0 all captioned, "
+                    "1 some failed, 2 usage error.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
+    p.add_argument("--weights", default=None,
+                   help="checkpoint file, or a bundled model: demo-soft (default), demo-hard")
+    p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    p.add_argument("--length-penalty", type=float, default=0.0,
+                   help="rank finished beams by score / length**P (default 0: raw log-probability)")
+    p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
+    p.add_argument("--out", type=Path, default=None, help="JSON-lines output file (default stdout); resumable")
+    p.add_argument("--with-attention", action="store_true",
+                   help='add "alphas" (T x H x W, rounded) and "betas" (T) to each line')
+    p.add_argument("--attention-dir", type=Path, default=None,
+                   help="write one PNG per image: the image and an attention overlay per word")
+    p.add_argument("--max-pixels", type=_positive, default=None,
+                   help="refuse images with more pixels than this (default: Pillow's 89,478,485)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
+    p.set_defaults(func=cmd_caption)
+
+
+def cmd_caption(args: argparse.Namespace) -> int:
+    from .batch import caption_paths, completed_images, discover
+    from .checkpoint import CheckpointError
+    from .images import DEFAULT_MAX_PIXELS
+    from .inference import Captioner, DecodeOptions
+
+    try:
+        found = discover(args.paths)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    try:
+        captioner = Captioner.load(args.weights, device=_device(args.device))
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
+    done = completed_images(args.out) if args.out is not None else set()
+    pending = [p for p in found.images if p not in done]
+    workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
+    options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty)
+    out = open(args.out, "a", encoding="utf-8") if args.out is not None else sys.stdout
+    try:
+        summary = caption_paths(captioner, pending, out, options=options, batch_size=args.batch_size,
+                                workers=workers, with_attention=args.with_attention,
+                                attention_dir=args.attention_dir, max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+                                progress=False if args.quiet else None)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if not args.quiet:
+        print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
+              f"(not image files), already done {len(found.images) - len(pending)}", file=sys.stderr)
+    return EXIT_SOME_FAILED if summary.failed else EXIT_OK
+
+
+def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("shapes", help="generate the synthetic shapes dataset (COCO format)",
+                       description="Write the synthetic shapes dataset: images of 1-3 coloured shapes with 5 "
+                                   "captions each, as images/, captions_<split>.json, instances_<split>.json.")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--train", type=int, default=3000, help="training images (default 3000)")
+    p.add_argument("--val", type=int, default=200, help="validation images (default 200)")
+    p.add_argument("--test", type=int, default=500, help="test images (default 500)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--image-size", type=_positive, default=128, help="image side in pixels (default 128)")
+    p.set_defaults(func=cmd_shapes)
+
+
+def cmd_shapes(args: argparse.Namespace) -> int:
+    from .data.shapes import generate_dataset
+
+    counts = {k: n for k, n in (("train", args.train), ("val", args.val), ("test", args.test)) if n > 0}
+    if not counts:
+        raise UsageError("nothing to generate: all split sizes are 0")
+    summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True)
+    print(f"wrote {summary} to {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="caption metrics (BLEU, METEOR, ROUGE-L, CIDEr) and attention grounding",
+                       description="Decode a split with real decoding (no teacher forcing) and score it: "
+                                   "BLEU-1..4, METEOR (when java is on PATH), ROUGE-L, CIDEr; on shapes data also "
+                                   "object accuracy and the attention pointing game with its chance level.")
+    p.add_argument("--weights", default=None, help="checkpoint file or demo-soft / demo-hard (default demo-soft)")
+    p.add_argument("--data", type=Path, required=True, help="folder with captions_<split>.json and images/")
+    p.add_argument("--split", default="test", help="split to evaluate (default test)")
+    p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file (dataset_coco.json)")
+    p.add_argument("--beam-size", type=_positive, default=3, help="beam width (default 3)")
+    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    p.add_argument("--batch-size", type=_positive, default=32, help="images per batch (default 32)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write metrics JSON here, and the COCO results JSON beside it (default: print only)")
+    p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .evaluation import evaluate, format_table, write_report
+    from .inference import Captioner, DecodeOptions
+
+    try:
+        captioner = Captioner.load(args.weights, device=_device(args.device))
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
+    try:
+        report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
+                          options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len),
+                          batch_size=args.batch_size, limit=args.limit, meteor=False if args.no_meteor else None)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    print(format_table(report))
+    if args.out is not None:
+        write_report(report, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="captioner",
+        description="Image captioning with visual attention (Show, Attend and Tell). "
+                    "`captioner caption IMG` works out of the box with the bundled demo model.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_caption_parser(sub)
+    add_evaluate_parser(sub)
+    add_shapes_parser(sub)
+    for ep in sorted(entry_points(group="captioner.commands"), key=lambda e: e.name):
+        try:
+            ep.load()(sub)
+        except ImportError:  # that part of the project is not installed
+            continue
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"captioner {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. piped into `head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

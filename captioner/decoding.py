@@ -1,0 +1,159 @@
+"""Greedy and beam-search decoding, batched across images.
+
+Legend: B images, k beams, L locations, V vocabulary, T steps.
+
+Beam search runs B images x k beams as one (B*k)-row tensor program. A beam that has
+emitted <end> is kept, frozen: it may only continue with <pad> at zero cost, so it still
+competes with the open beams. The search stops when every beam has ended or at
+``max_len`` steps; with no <end> by then, the best open beam is returned (no crash).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .encoders import Annotations
+from .model import Decoder
+
+
+@dataclass
+class CaptionResult:
+    """A caption and, for every word, where the model looked."""
+
+    words: list[str]
+    alphas: torch.Tensor  # (T, H, W), T = len(words); each map sums to 1
+    betas: torch.Tensor  # (T,) the gate beta_t of each word's step
+    score: float  # log-probability of the whole caption (its end token included, if any)
+
+    @property
+    def caption(self) -> str:
+        return " ".join(self.words)
+
+    def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4) -> dict:
+        out: dict = {} if image is None else {"image": image}
+        out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
+        if with_attention:
+            out["alphas"] = torch.round(self.alphas.float(), decimals=digits).tolist()
+            out["betas"] = torch.round(self.betas.float(), decimals=digits).tolist()
+        return out
+
+
+@dataclass
+class DecodedIds:
+    """Raw decoder output for one image, before the vocabulary turns ids into words."""
+
+    ids: list[int]  # generated token ids, without <start>; ends with <end> if it ended
+    alphas: torch.Tensor  # (len(ids), L)
+    betas: torch.Tensor  # (len(ids),)
+    score: float
+
+
+@torch.no_grad()
+def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int,
+           max_len: int) -> list[DecodedIds]:
+    a = ann.vectors
+    b = a.shape[0]
+    keys = decoder.attention.prepare(a)
+    h, c = decoder.init_state(a)
+    y = torch.full((b,), start, dtype=torch.long, device=a.device)
+    done = torch.zeros(b, dtype=torch.bool, device=a.device)
+    ids, alphas, betas, logps = [], [], [], []
+    for _ in range(max_len):
+        o = decoder.step(y, h, c, a, keys, ann.grid)
+        h, c = o.h, o.c
+        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
+        y = logp.argmax(-1)
+        ids.append(y)
+        alphas.append(o.alpha)
+        betas.append(o.beta)
+        logps.append(torch.where(done, torch.zeros_like(y, dtype=logp.dtype), logp.gather(1, y[:, None]).squeeze(1)))
+        done = done | (y == end)
+        if bool(done.all()):
+            break
+    ids_t = torch.stack(ids, 1)  # (B, T)
+    alphas_t, betas_t = torch.stack(alphas, 1), torch.stack(betas, 1)  # (B, T, L), (B, T)
+    total = torch.stack(logps, 1).sum(1)
+    return [_trim(ids_t[i].tolist(), alphas_t[i], betas_t[i], float(total[i]), end) for i in range(b)]
+
+
+@torch.no_grad()
+def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
+                max_len: int, length_penalty: float = 0.0) -> list[DecodedIds]:
+    """``length_penalty`` > 0 ranks finished captions by score / length**length_penalty."""
+    if beam_size < 1:
+        raise ValueError("beam_size must be >= 1")
+    a = ann.vectors
+    b, n, _ = a.shape
+    k = beam_size
+    dev = a.device
+    keys = decoder.attention.prepare(a).repeat_interleave(k, 0)  # once per image, then per beam
+    h, c = decoder.init_state(a)
+    h, c = h.repeat_interleave(k, 0), c.repeat_interleave(k, 0)  # (B*k, H)
+    a_k = a.repeat_interleave(k, 0)  # (B*k, L, D)
+
+    scores = torch.full((b, k), float("-inf"), device=dev)
+    scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
+    finished = torch.zeros(b, k, dtype=torch.bool, device=dev)
+    lengths = torch.zeros(b, k, dtype=torch.long, device=dev)
+    tokens = torch.empty(b, k, 0, dtype=torch.long, device=dev)
+    alpha_hist = torch.empty(b, k, 0, n, device=dev)
+    beta_hist = torch.empty(b, k, 0, device=dev)
+    y = torch.full((b * k,), start, dtype=torch.long, device=dev)
+    base = (torch.arange(b, device=dev) * k).unsqueeze(1)  # (B, 1) row offset of each image
+
+    for _ in range(max_len):
+        o = decoder.step(y, h, c, a_k, keys, ann.grid)
+        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(b, k, -1)  # (B, k, V)
+        v = logp.shape[-1]
+        frozen = torch.full_like(logp[0, 0], float("-inf"))
+        frozen[pad] = 0.0
+        logp = torch.where(finished.unsqueeze(-1), frozen, logp)
+        cand = (scores.unsqueeze(-1) + logp).view(b, k * v)  # (B, k*V)
+        scores, idx = cand.topk(k, dim=1)  # (B, k)
+        beam = torch.div(idx, v, rounding_mode="floor")  # integer beam index
+        word = idx % v
+        was_finished = finished.gather(1, beam)
+        rows = (base + beam).view(-1)  # (B*k,) source row of each new beam
+        tokens = torch.cat([tokens.gather(1, beam.unsqueeze(-1).expand(-1, -1, tokens.shape[2])),
+                            word.unsqueeze(-1)], dim=2)
+        alpha_hist = torch.cat([alpha_hist[torch.arange(b, device=dev).unsqueeze(1), beam],
+                                o.alpha.view(b, k, n)[torch.arange(b, device=dev).unsqueeze(1), beam].unsqueeze(2)],
+                               dim=2)
+        beta_hist = torch.cat([beta_hist.gather(1, beam.unsqueeze(-1).expand(-1, -1, beta_hist.shape[2])),
+                               o.beta.view(b, k).gather(1, beam).unsqueeze(-1)], dim=2)
+        lengths = lengths.gather(1, beam) + (~was_finished).long()
+        finished = was_finished | (word == end)
+        h, c = o.h[rows], o.c[rows]
+        y = word.view(-1)
+        if bool(finished.all()):
+            break
+
+    rank = scores / lengths.clamp_min(1).float() ** length_penalty if length_penalty > 0 else scores.clone()
+    # A caption that ended beats one cut off by the length limit.
+    any_finished = finished.any(1, keepdim=True)
+    rank = torch.where(any_finished & ~finished, torch.full_like(rank, float("-inf")), rank)
+    best = rank.argmax(1)  # (B,)
+    out = []
+    for i in range(b):
+        j = int(best[i])
+        m = int(lengths[i, j])
+        out.append(_trim(tokens[i, j, :m].tolist(), alpha_hist[i, j, :m], beta_hist[i, j, :m],
+                         float(scores[i, j]), end))
+    return out
+
+
+def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
+    """<start> and <pad> are never words of a caption."""
+    logp = logp.clone()
+    logp[:, list(tokens)] = float("-inf")
+    return logp
+
+
+def _trim(ids: list[int], alphas: torch.Tensor, betas: torch.Tensor, score: float, end: int) -> DecodedIds:
+    if end in ids:
+        m = ids.index(end) + 1
+        ids, alphas, betas = ids[:m], alphas[:m], betas[:m]
+    return DecodedIds(ids, alphas, betas, score)

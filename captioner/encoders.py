@@ -1,0 +1,164 @@
+"""Image encoders: a CNN cut before pooling, giving annotation vectors a_1..a_L.
+
+Legend: B batch, C channels (= D, the annotation size), H x W the feature grid, L = H*W.
+
+Registered encoders (``create_encoder(name, ...)``):
+    small      a small CNN trained from scratch, for the synthetic shapes data and tests
+    vgg16      VGG-16 conv5_3 (the paper): 14x14x512 at 224 px
+    resnet50   ResNet-50 layer4: 2048 channels, 7x7 at 224 px (14x14 at 448 px)
+    resnet101  ResNet-101 layer4: 2048 channels
+torchvision backbones are built with its weights API: ImageNet weights when
+``pretrained`` (the user needs them in the torch hub cache or a network), random otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_REGISTRY: dict[str, Callable[..., "Encoder"]] = {}
+
+
+def register_encoder(name: str):
+    def deco(fn):
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def encoder_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create_encoder(name: str, *, pretrained: bool = False, fine_tune_blocks: int = 0) -> "Encoder":
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown encoder {name!r}; choose from {', '.join(encoder_names())}")
+    return _REGISTRY[name](pretrained=pretrained, fine_tune_blocks=fine_tune_blocks)
+
+
+@dataclass
+class Annotations:
+    """Annotation vectors of a batch of images."""
+
+    vectors: torch.Tensor  # (B, L, D)
+    grid: tuple[int, int]  # (H, W) with H * W = L
+
+
+class Encoder(nn.Module):
+    """Wraps a convolutional trunk; forward gives (B, L, D) annotation vectors."""
+
+    def __init__(self, trunk: nn.Module, dim: int, blocks: list[nn.Module] | None = None,
+                 fine_tune_blocks: int = 0, trainable: bool = False):
+        super().__init__()
+        self.trunk = trunk
+        self.dim = dim
+        self.from_scratch = trainable
+        if not trainable:
+            # A pretrained backbone is frozen except its last `fine_tune_blocks` blocks.
+            for p in self.trunk.parameters():
+                p.requires_grad_(False)
+            for block in (blocks or [])[-fine_tune_blocks:] if fine_tune_blocks > 0 else []:
+                for p in block.parameters():
+                    p.requires_grad_(True)
+
+    def train(self, mode: bool = True) -> "Encoder":
+        super().train(mode)
+        if not self.from_scratch:
+            # Batch-norm statistics of a pretrained backbone stay as they were.
+            for m in self.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.eval()
+        return self
+
+    @property
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def forward(self, images: torch.Tensor) -> Annotations:
+        fmap = self.trunk(images)  # (B, D, H, W)
+        b, d, h, w = fmap.shape
+        return Annotations(fmap.flatten(2).transpose(1, 2), (h, w))  # (B, L, D)
+
+
+class _CoordConcat(nn.Module):
+    """Appends normalised (y, x) coordinate channels, so features know where they are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        ys = torch.linspace(-1, 1, h, device=x.device, dtype=x.dtype).view(1, 1, h, 1).expand(b, 1, h, w)
+        xs = torch.linspace(-1, 1, w, device=x.device, dtype=x.dtype).view(1, 1, 1, w).expand(b, 1, h, w)
+        return torch.cat([x, ys, xs], dim=1)
+
+
+def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+@register_encoder("small")
+def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
+    """Four stride-2 stages (grid = image / 16) with a receptive field of about 33 px:
+    a cell sees its neighbourhood, not the whole image, so the decoder must attend."""
+    if pretrained:
+        raise ValueError("the 'small' encoder has no pretrained weights; it is trained from scratch")
+    dim = 128
+    trunk = nn.Sequential(
+        _CoordConcat(),
+        _conv(5, 32, 1),
+        _conv(32, 64, 2),
+        _conv(64, 96, 2),
+        _conv(96, 128, 2),
+        _conv(128, dim, 2),
+        nn.Conv2d(dim, dim, 1),
+        nn.ReLU(inplace=True),
+    )
+    return Encoder(trunk, dim, trainable=True)
+
+
+def _torchvision_weights(enum_name: str, pretrained: bool):
+    if not pretrained:
+        return None
+    import torchvision.models as tvm
+    return getattr(tvm, enum_name).DEFAULT
+
+
+def _build(builder: Callable, weights, name: str) -> nn.Module:
+    try:
+        return builder(weights=weights)
+    except Exception as e:  # network or cache failure: say what to do
+        if weights is None:
+            raise
+        raise RuntimeError(
+            f"could not load the pretrained ImageNet weights for {name} ({e}). Put the file "
+            "torchvision asks for in the torch hub cache (TORCH_HOME), or set pretrained = false "
+            "to start from random weights.") from e
+
+
+@register_encoder("vgg16")
+def vgg16(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
+    import torchvision.models as tvm
+    net = _build(tvm.vgg16, _torchvision_weights("VGG16_Weights", pretrained), "vgg16")
+    trunk = net.features[:30]  # up to conv5_3 + ReLU, before the last max-pool
+    # Blocks for fine-tuning: conv5_1, conv5_2, conv5_3 (each conv + ReLU).
+    blocks = [trunk[24:26], trunk[26:28], trunk[28:30]]
+    return Encoder(trunk, 512, blocks, fine_tune_blocks)
+
+
+def _resnet(builder_name: str, weights_name: str, pretrained: bool, fine_tune_blocks: int) -> Encoder:
+    import torchvision.models as tvm
+    net = _build(getattr(tvm, builder_name), _torchvision_weights(weights_name, pretrained), builder_name)
+    trunk = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3, net.layer4)
+    blocks = list(net.layer3) + list(net.layer4)  # fine-tuning unfreezes the last bottlenecks first
+    return Encoder(trunk, 2048, blocks, fine_tune_blocks)
+
+
+@register_encoder("resnet50")
+def resnet50(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
+    return _resnet("resnet50", "ResNet50_Weights", pretrained, fine_tune_blocks)
+
+
+@register_encoder("resnet101")
+def resnet101(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
+    return _resnet("resnet101", "ResNet101_Weights", pretrained, fine_tune_blocks)

@@ -1,0 +1,106 @@
+"""The Captioner: model + vocabulary + preprocessing, rebuilt from one checkpoint."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
+from .decoding import CaptionResult, DecodedIds, beam_search, greedy
+from .images import Preprocess
+from .model import CaptionModel, ModelConfig
+from .vocab import Vocabulary
+
+BUNDLED_DIR = Path(__file__).parent / "weights"
+BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt"}
+DEFAULT_WEIGHTS = "demo-soft"
+
+
+def resolve_weights(weights: str | os.PathLike | None) -> Path:
+    """A bundled model name (demo-soft, demo-hard) or a path to a checkpoint file."""
+    name = str(weights or DEFAULT_WEIGHTS)
+    if name in BUNDLED:
+        path = BUNDLED_DIR / BUNDLED[name]
+        if not path.is_file():
+            raise CheckpointError(f"the bundled model {name!r} is missing from this installation ({path})")
+        return path
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"no such checkpoint: {name} (use a file path, or one of {', '.join(BUNDLED)})")
+    return path
+
+
+@dataclass
+class DecodeOptions:
+    beam_size: int = 3
+    max_len: int = 20
+    length_penalty: float = 0.0
+
+
+class Captioner:
+    def __init__(self, model: CaptionModel, vocab: Vocabulary, preprocess: Preprocess, meta: dict | None = None):
+        self.model = model.eval()
+        self.vocab = vocab
+        self.preprocess = preprocess
+        self.meta = dict(meta or {})
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: dict, device: str | torch.device = "cpu") -> "Captioner":
+        cfg = ModelConfig.from_dict(ckpt["model_config"])
+        model = CaptionModel(cfg)
+        try:
+            model.load_state_dict(ckpt["state_dict"])
+        except RuntimeError as e:
+            raise CheckpointError(f"checkpoint weights do not fit its own config: {e}") from e
+        vocab = Vocabulary(list(ckpt["vocab"]))
+        if len(vocab) != cfg.vocab_size:
+            raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
+        return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"))
+
+    @classmethod
+    def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
+        return cls.from_checkpoint(load_checkpoint(resolve_weights(weights), map_location=device), device)
+
+    def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
+        return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
+                               vocab=self.vocab.to_list(), preprocess=self.preprocess.to_dict(),
+                               meta={**self.meta, **(meta or {})}, train_state=train_state)
+
+    def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
+        atomic_save(self.checkpoint(meta), path)
+
+    @torch.no_grad()
+    def caption_batch(self, images: torch.Tensor, options: DecodeOptions | None = None) -> list[CaptionResult]:
+        """Preprocessed images (B, 3, H, W) -> one CaptionResult each."""
+        opt = options or DecodeOptions()
+        self.model.eval()
+        ann = self.model.encode(images.to(self.device))
+        v = self.vocab
+        if opt.beam_size == 1 and opt.length_penalty == 0:
+            decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len)
+        else:
+            decoded = beam_search(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad,
+                                  beam_size=opt.beam_size, max_len=opt.max_len, length_penalty=opt.length_penalty)
+        return [self.to_result(d, ann.grid) for d in decoded]
+
+    def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:
+        words = self.vocab.decode(d.ids)
+        t = len(words)  # one alpha map per word; the <end> step is not shown
+        return CaptionResult(words, d.alphas[:t].reshape(t, *grid).cpu(), d.betas[:t].cpu(), d.score)
+
+    def caption_images(self, images: list[Image.Image], options: DecodeOptions | None = None) -> list[CaptionResult]:
+        if not images:
+            return []
+        batch = torch.stack([self.preprocess(im) for im in images])
+        return self.caption_batch(batch, options)
+
+    def caption(self, image: Image.Image, options: DecodeOptions | None = None) -> CaptionResult:
+        return self.caption_images([image], options)[0]

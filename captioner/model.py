@@ -1,0 +1,159 @@
+"""Show, Attend and Tell: encoder, attention LSTM decoder with the beta gate, deep output.
+
+Legend: B batch, T caption steps, L locations, D annotation size, E embedding size,
+H hidden size, V vocabulary size.
+
+    h_0 = tanh(f_init_h(mean_i a_i)),  c_0 = tanh(f_init_c(mean_i a_i))
+    alpha_t = softmax(f_att(a, h_{t-1}))                  (attention.py)
+    beta_t = sigmoid(f_beta(h_{t-1}))                     a scalar per step
+    z_t = beta_t * sum_i alpha_ti a_i                     (hard: beta_t * a_{s_t})
+    h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
+    p(y_t) = softmax(L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t)))
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .encoders import Annotations, create_encoder
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    encoder: str = "small"
+    encoder_pretrained: bool = False
+    fine_tune_blocks: int = 0
+    annotation_dim: int = 128  # D: set from the encoder
+    image_size: tuple[int, int] = (128, 128)
+    embed_dim: int = 512
+    hidden_dim: int = 512
+    attention_dim: int = 512
+    dropout: float = 0.5
+    attention: str = "soft"  # soft | hard | mean
+    score: str = "additive"
+    normalizer: str = "softmax"
+    local_window: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["image_size"] = list(self.image_size)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        d = dict(d)
+        if "image_size" in d:
+            d["image_size"] = tuple(d["image_size"])
+        return cls(**d)
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # (B, V)
+    h: torch.Tensor  # (B, H)
+    c: torch.Tensor  # (B, H)
+    alpha: torch.Tensor  # (B, L)
+    beta: torch.Tensor  # (B,)
+    sample_log_prob: torch.Tensor | None = None  # (B,) hard attention only
+    entropy: torch.Tensor | None = None  # (B,) hard attention only
+
+
+@dataclass
+class DecoderOutput:
+    """Teacher-forced outputs over T = max length - 1 steps."""
+
+    logits: torch.Tensor  # (B, T, V)
+    alphas: torch.Tensor  # (B, T, L)
+    betas: torch.Tensor  # (B, T)
+    mask: torch.Tensor  # (B, T) True on real (non-padding) steps
+    sample_log_probs: torch.Tensor | None = None  # (B, T) log p(s_t | a), hard attention
+    entropies: torch.Tensor | None = None  # (B, T)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, e, h, v = cfg.annotation_dim, cfg.embed_dim, cfg.hidden_dim, cfg.vocab_size
+        self.attention = Attention(d, h, cfg.attention_dim, score=cfg.score, normalizer=cfg.normalizer,
+                                   mode=cfg.attention, local_window=cfg.local_window)
+        self.embedding = nn.Embedding(v, e)
+        self.init_h = nn.Linear(d, h)
+        self.init_c = nn.Linear(d, h)
+        self.f_beta = nn.Linear(h, 1)  # scalar gate, as in the paper
+        self.lstm = nn.LSTMCell(e + d, h)
+        self.L_h = nn.Linear(h, e)
+        self.L_z = nn.Linear(d, e)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.L_o = nn.Linear(e, v)
+
+    def init_state(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = a.mean(dim=1)  # (B, D)
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
+
+    def step(self, y_prev: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
+             keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
+             generator: torch.Generator | None = None) -> StepOutput:
+        """One word: y_prev (B,) token ids, state (B, H), annotations (B, L, D)."""
+        att = self.attention(keys, a, h, grid, sample=sample, generator=generator)
+        beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
+        z = beta * att.context  # (B, D)
+        emb = self.embedding(y_prev)  # (B, E)
+        h, c = self.lstm(torch.cat([emb, z], dim=1), (h, c))
+        logits = self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))  # (B, V)
+        return StepOutput(logits, h, c, att.alpha, beta.squeeze(1), att.sample_log_prob, att.entropy)
+
+    def forward(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
+                sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
+        """Teacher forcing. tokens (B, T+1) = <start> w_1 .. w_n <end> <pad>..; lengths (B,)
+        count the tokens including start and end."""
+        a = ann.vectors
+        keys = self.attention.prepare(a)  # once per image
+        h, c = self.init_state(a)
+        steps = int(lengths.max()) - 1
+        mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
+        logits, alphas, betas, logps, ents = [], [], [], [], []
+        for t in range(steps):
+            o = self.step(tokens[:, t], h, c, a, keys, ann.grid, sample=sample, generator=generator)
+            h, c = o.h, o.c
+            logits.append(o.logits)
+            alphas.append(o.alpha)
+            betas.append(o.beta)
+            if o.sample_log_prob is not None:
+                logps.append(o.sample_log_prob)
+                ents.append(o.entropy)
+        return DecoderOutput(
+            torch.stack(logits, 1), torch.stack(alphas, 1), torch.stack(betas, 1), mask,
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+
+
+class CaptionModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.encoder = create_encoder(cfg.encoder, pretrained=cfg.encoder_pretrained,
+                                      fine_tune_blocks=cfg.fine_tune_blocks)
+        if cfg.annotation_dim != self.encoder.dim:
+            cfg = ModelConfig.from_dict({**cfg.to_dict(), "annotation_dim": self.encoder.dim})
+        self.config = cfg
+        self.decoder = Decoder(cfg)
+
+    def encode(self, images: torch.Tensor) -> Annotations:
+        return self.encoder(images)
+
+    def forward(self, images: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, **kw) -> DecoderOutput:
+        return self.decoder(self.encode(images), tokens, lengths, **kw)
+
+
+def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Doubly stochastic regularisation sum_i (1 - sum_t alpha_ti)^2, summed over real steps
+    only and averaged over the batch. alphas (B, T, L), mask (B, T)."""
+    coverage = (alphas * mask.unsqueeze(-1).to(alphas.dtype)).sum(dim=1)  # (B, L)
+    return ((1.0 - coverage) ** 2).sum(dim=1).mean()

@@ -1,0 +1,89 @@
+"""`captioner caption`: one JSON line per image, bad files reported, exit codes, resume."""
+
+import json
+
+import pytest
+
+from badfiles import SKIPPED_IN_BAD_FOLDER, make_bad_folder
+from captioner.cli import main
+from tiny import tiny_captioner, tiny_image
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("w") / "tiny.pt"
+    tiny_captioner(seed=1).save(path)
+    return str(path)
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_folder_with_good_and_broken_files(tmp_path, weights, capsys):
+    root = tmp_path / "imgs"
+    expect = make_bad_folder(root)
+    out = tmp_path / "out.jsonl"
+    code = main(["caption", str(root), "--weights", weights, "--out", str(out), "--max-len", "6",
+                 "--batch-size", "4", "--workers", "0"])
+    assert code == 1  # some failed
+    lines = _lines(out)
+    by_image = {rec["image"][len(str(root)) + 1:]: rec for rec in lines}
+    assert len(lines) == len(by_image) == len(expect)  # exactly one line per image, none twice
+    assert set(by_image) == set(expect)
+    for rel, ok in expect.items():
+        rec = by_image[rel]
+        if ok:
+            assert isinstance(rec["caption"], str) and rec["words"] and "error" not in rec
+            assert rec["caption"] == " ".join(rec["words"])
+            assert isinstance(rec["score"], float)
+        else:
+            assert rec["error"] and "caption" not in rec
+    summary = capsys.readouterr().err
+    assert f"skipped {SKIPPED_IN_BAD_FOLDER}" in summary
+    assert f"failed {sum(not ok for ok in expect.values())}" in summary
+
+
+def test_all_good_exits_zero_and_writes_attention(tmp_path, weights, capsys):
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"img{i}.png"
+        tiny_image(i).save(p)
+        paths.append(str(p))
+    code = main(["caption", *paths, "--weights", weights, "--with-attention", "--max-len", "5",
+                 "--attention-dir", str(tmp_path / "att")])
+    assert code == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["image"] for x in lines] == paths
+    for rec in lines:
+        t = len(rec["words"])
+        assert len(rec["alphas"]) == t and len(rec["betas"]) == t
+        assert all(len(row) == 2 and len(row[0]) == 2 for row in rec["alphas"])  # 32 px -> 2x2 grid
+        assert abs(sum(sum(r) for r in rec["alphas"][0]) - 1) < 1e-3
+    assert len(list((tmp_path / "att").glob("*.png"))) == 3
+
+
+def test_resume_skips_done_images_and_redoes_a_torn_line(tmp_path, weights):
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"img{i}.png"
+        tiny_image(i).save(p)
+        paths.append(str(p))
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", *paths[:3], "--weights", weights, "--out", str(out), "--quiet"]) == 0
+    full = out.read_text()
+    out.write_text(full[: full.rindex("\n", 0, len(full) - 1) + 1] + '{"image": "' + paths[2][:5])  # torn last line
+    assert main(["caption", *paths, "--weights", weights, "--out", str(out), "--quiet"]) == 0
+    lines = _lines(out)
+    assert sorted(x["image"] for x in lines) == sorted(paths)  # every image exactly once
+
+
+def test_usage_errors_exit_two(tmp_path, weights, capsys):
+    assert main(["caption", str(tmp_path / "nope.jpg"), "--weights", weights]) == 2
+    assert "no such file" in capsys.readouterr().err
+    p = tmp_path / "a.png"
+    tiny_image().save(p)
+    assert main(["caption", str(p), "--weights", str(tmp_path / "missing.pt")]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["caption", str(p), "--beam-size", "0"])
+    assert e.value.code == 2

@@ -1,0 +1,125 @@
+"""The decoder against the paper's equations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner.encoders import Annotations
+from captioner.model import CaptionModel, attention_penalty
+from tiny import tiny_config, tiny_vocab, token_batch
+
+CAPTIONS = ["a red circle and a blue square", "a small star", "a large green circle"]
+
+
+def _model(**kw) -> CaptionModel:
+    torch.manual_seed(0)
+    return CaptionModel(tiny_config(**kw))
+
+
+def _forward(model, images=None):
+    tokens, lengths = token_batch(tiny_vocab(), CAPTIONS)
+    images = images if images is not None else torch.randn(len(CAPTIONS), 3, 32, 32)
+    return model(images, tokens, lengths), tokens, lengths
+
+
+def test_shapes_and_normalisation():
+    model = _model()
+    out, tokens, lengths = _forward(model)
+    b, t = tokens.shape[0], tokens.shape[1] - 1
+    v, l = len(tiny_vocab()), 2 * 2  # 32 px / 16 = 2x2 grid
+    assert out.logits.shape == (b, t, v)
+    assert out.alphas.shape == (b, t, l)
+    assert out.betas.shape == (b, t)
+    assert out.mask.tolist() == [[i < n - 1 for i in range(t)] for n in lengths.tolist()]
+    assert (out.alphas >= 0).all()
+    torch.testing.assert_close(out.alphas.sum(-1), torch.ones(b, t))
+    assert ((out.betas > 0) & (out.betas < 1)).all()
+    assert model.decoder.f_beta.out_features == 1  # a scalar gate, not a D-vector
+
+
+def test_step_matches_the_equations():
+    """One decoder step recomputed by hand from the module's weights."""
+    model = _model().eval()
+    d = model.decoder
+    torch.manual_seed(1)
+    a = torch.randn(2, 4, model.config.annotation_dim)
+    y = torch.tensor([1, 5])
+    h0 = torch.tanh(d.init_h(a.mean(1)))
+    c0 = torch.tanh(d.init_c(a.mean(1)))
+    att = d.attention
+    e = (torch.tanh(a @ att.key_proj.weight.T + att.key_proj.bias + (h0 @ att.query_proj.weight.T
+                                                                      + att.query_proj.bias)[:, None])
+         @ att.v.weight.T).squeeze(-1) + att.v.bias
+    alpha = torch.softmax(e, -1)
+    beta = torch.sigmoid(h0 @ d.f_beta.weight.T + d.f_beta.bias)  # (B, 1)
+    z = beta * (alpha[:, :, None] * a).sum(1)
+    emb = d.embedding.weight[y]
+    h1, c1 = d.lstm(torch.cat([emb, z], 1), (h0, c0))
+    logits = (emb + h1 @ d.L_h.weight.T + d.L_h.bias + z @ d.L_z.weight.T + d.L_z.bias) @ d.L_o.weight.T + d.L_o.bias
+
+    h, c = d.init_state(a)
+    o = d.step(y, h, c, a, att.prepare(a), (2, 2))
+    torch.testing.assert_close(o.alpha, alpha)
+    torch.testing.assert_close(o.beta, beta.squeeze(1))
+    torch.testing.assert_close(o.h, h1)
+    torch.testing.assert_close(o.logits, logits)
+
+
+def test_annotation_projection_computed_once_per_image():
+    model = _model()
+    calls = []
+    model.decoder.attention.key_proj.register_forward_hook(lambda *args: calls.append(1))
+    out, _, _ = _forward(model)
+    assert out.logits.shape[1] > 1
+    assert len(calls) == 1
+
+
+def test_penalty_ignores_padding():
+    alphas = torch.rand(2, 3, 4)
+    alphas = alphas / alphas.sum(-1, keepdim=True)
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    expected = (((1 - alphas[0].sum(0)) ** 2).sum() + ((1 - alphas[1, 0]) ** 2).sum()) / 2
+    torch.testing.assert_close(attention_penalty(alphas, mask), expected)
+    changed = alphas.clone()
+    changed[1, 1:] = torch.tensor([1.0, 0, 0, 0])  # padded steps: must not matter
+    torch.testing.assert_close(attention_penalty(changed, mask), expected)
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_every_parameter_gets_a_gradient(mode):
+    model = _model(attention=mode).train()
+    out, tokens, _ = _forward(model)
+    targets = tokens[:, 1:]
+    loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=0)
+    loss = loss + attention_penalty(out.alphas, out.mask)
+    if mode == "hard":
+        # The attention parameters reach the loss through log p(s|a) (REINFORCE) only.
+        out_s = model.decoder(model.encode(torch.randn(3, 3, 32, 32)), tokens, _forward(model)[2], sample=True)
+        loss = loss + out_s.sample_log_probs.sum() + out_s.entropies.sum()
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
+    assert missing == []
+
+
+def test_mean_mode_is_uniform_and_ignores_the_state():
+    model = _model(attention="mean")
+    out, _, _ = _forward(model)
+    torch.testing.assert_close(out.alphas, torch.full_like(out.alphas, 0.25))
+
+
+def test_hard_sample_is_exactly_one_annotation():
+    model = _model(attention="hard")
+    a = torch.randn(5, 4, model.config.annotation_dim)
+    att = model.decoder.attention
+    h = torch.randn(5, model.config.hidden_dim)
+    step = att(att.prepare(a), a, h, (2, 2), sample=True)
+    torch.testing.assert_close(step.context, a[torch.arange(5), step.sample])
+    torch.testing.assert_close(step.sample_log_prob, torch.log(step.alpha[torch.arange(5), step.sample]))
+
+
+def test_annotations_from_encoder_cover_the_grid():
+    model = _model()
+    ann = model.encode(torch.randn(2, 3, 64, 48))
+    assert isinstance(ann, Annotations)
+    assert ann.grid == (4, 3)
+    assert ann.vectors.shape == (2, 12, model.config.annotation_dim)

@@ -99,17 +99,16 @@ def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
 
 @register_encoder("small")
 def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    """Four stride-2 stages (grid = image / 16) with a receptive field of about 33 px:
+    """Four stride-2 stages (grid = image / 16) with a receptive field of about 31 px:
     a cell sees its neighbourhood, not the whole image, so the decoder must attend."""
     if pretrained:
         raise ValueError("the 'small' encoder has no pretrained weights; it is trained from scratch")
     dim = 128
     trunk = nn.Sequential(
         _CoordConcat(),
-        _conv(5, 32, 1),
+        _conv(5, 32, 2),
         _conv(32, 64, 2),
-        _conv(64, 96, 2),
-        _conv(96, 128, 2),
+        _conv(64, 128, 2),
         _conv(128, dim, 2),
         nn.Conv2d(dim, dim, 1),
         nn.ReLU(inplace=True),

@@ -1,0 +1,301 @@
+"""COCO-format caption data: real COCO, Karpathy splits, and our synthetic shapes data.
+
+Two on-disk layouts are understood by :func:`load_split`:
+
+- the project layout (shapes data, test fixtures): ``DIR/captions_<split>.json`` with
+  image files under ``DIR/images/<file_name>``;
+- the official COCO layout: ``DIR/annotations/captions_<split>.json`` (e.g. ``train2014``)
+  with image files under ``DIR/<split>/<file_name>``.
+
+With a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``,
+``dataset_flickr30k.json``) the split membership and the captions come from that file
+instead, and image paths are ``DIR/<filepath>/<filename>``.
+
+Annotation files are read with pycocotools, so anything it accepts works here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from ..images import ImageLoadError, Preprocess, load_image
+from ..vocab import Vocabulary, tokenize
+
+# Karpathy's "restval" images (COCO val2014 images outside his val/test) are training data
+# in every published result that uses his splits.
+KARPATHY_SPLIT_ALIASES: dict[str, tuple[str, ...]] = {"train": ("train", "restval")}
+
+
+class SplitNotFoundError(FileNotFoundError):
+    """The requested split does not exist; the message lists the splits that do.
+
+    A FileNotFoundError so that command-line code can report it like a missing file.
+    """
+
+
+@dataclass
+class ImageRecord:
+    """One image and all of its reference captions."""
+
+    image_id: int
+    path: Path
+    captions: list[str]
+    width: int | None = None
+    height: int | None = None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike) -> list[ImageRecord]:
+    """Every image of a COCO captions file, with its captions, sorted by image id.
+
+    Images without captions (e.g. an ``image_info_test*.json`` file) are kept with an
+    empty caption list: they can still be captioned, just not scored or trained on.
+    """
+    from pycocotools.coco import COCO  # imported here: only this function needs it
+
+    captions_json = Path(captions_json)
+    image_root = Path(image_root)
+    if not captions_json.is_file():
+        raise FileNotFoundError(f"captions file not found: {captions_json}")
+    # pycocotools prints progress ("loading annotations into memory...") to stdout,
+    # which would corrupt output of commands that write results to stdout.
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO(str(captions_json))
+
+    records = []
+    for image_id in sorted(coco.imgs):
+        info = coco.imgs[image_id]
+        anns = sorted(coco.imgToAnns.get(image_id, []), key=lambda a: a.get("id", 0))
+        captions = [str(a["caption"]).strip() for a in anns if "caption" in a]
+        records.append(ImageRecord(
+            image_id=int(image_id),
+            path=image_root / info["file_name"],
+            captions=captions,
+            width=_int_or_none(info.get("width")),
+            height=_int_or_none(info.get("height")),
+        ))
+    return records
+
+
+def load_split(data_dir: str | os.PathLike, split: str,
+               karpathy: str | os.PathLike | None = None) -> list[ImageRecord]:
+    """The records of one split.
+
+    Without ``karpathy``: ``data_dir/captions_<split>.json`` (images under
+    ``data_dir/images``), or else the official COCO layout
+    ``data_dir/annotations/captions_<split>.json`` (images under ``data_dir/<split>``).
+
+    With ``karpathy`` (a Karpathy split file): the images whose ``split`` field matches;
+    ``"train"`` also includes ``"restval"``.
+
+    Raises :class:`SplitNotFoundError` (a FileNotFoundError) listing the available splits
+    when the split does not exist.
+    """
+    data_dir = Path(data_dir)
+    if karpathy is not None:
+        return load_karpathy(karpathy, data_dir, split)
+
+    candidates = [
+        (data_dir / f"captions_{split}.json", data_dir / "images"),
+        (data_dir / "annotations" / f"captions_{split}.json", data_dir / split),
+    ]
+    for captions_json, image_root in candidates:
+        if captions_json.is_file():
+            return load_records(captions_json, image_root)
+
+    available = available_splits(data_dir)
+    listing = ", ".join(available) if available else "none"
+    raise SplitNotFoundError(
+        f"no split {split!r} in {data_dir}: expected {candidates[0][0].name} there "
+        f"(or annotations/{candidates[1][0].name}); splits present: {listing}")
+
+
+def available_splits(data_dir: str | os.PathLike) -> list[str]:
+    """Split names with a ``captions_<split>.json`` in ``data_dir`` or ``data_dir/annotations``."""
+    data_dir = Path(data_dir)
+    names: set[str] = set()
+    for folder in (data_dir, data_dir / "annotations"):
+        if folder.is_dir():
+            names.update(p.name[len("captions_"):-len(".json")] for p in folder.glob("captions_*.json"))
+    return sorted(names)
+
+
+def load_karpathy(split_file: str | os.PathLike, data_dir: str | os.PathLike, split: str) -> list[ImageRecord]:
+    """One split of a Karpathy split file, sorted by image id.
+
+    Image ids are COCO's ``cocoid`` where present (so results match COCO's own ids),
+    else the file's ``imgid`` (Flickr8k/30k). Captions are the sentences' raw text.
+    """
+    split_file = Path(split_file)
+    data_dir = Path(data_dir)
+    if not split_file.is_file():
+        raise FileNotFoundError(f"Karpathy split file not found: {split_file}")
+    with open(split_file, encoding="utf-8") as f:
+        images = json.load(f)["images"]
+
+    wanted = KARPATHY_SPLIT_ALIASES.get(split, (split,))
+    records = []
+    for entry in images:
+        if entry.get("split") not in wanted:
+            continue
+        image_id = entry["cocoid"] if "cocoid" in entry else entry["imgid"]
+        path = data_dir / entry.get("filepath", "") / entry["filename"]
+        captions = [str(s["raw"]).strip() for s in entry.get("sentences", []) if "raw" in s]
+        records.append(ImageRecord(image_id=int(image_id), path=path, captions=captions))
+
+    if not records:
+        present = sorted({str(e.get("split")) for e in images})
+        if "restval" in present:
+            present.append("train (= train + restval)")
+        raise SplitNotFoundError(
+            f"no images in split {split!r} of {split_file}; splits present: {', '.join(present) or 'none'}")
+    records.sort(key=lambda r: r.image_id)
+    return records
+
+
+def _int_or_none(value: object) -> int | None:
+    return None if value is None else int(value)
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+
+def build_vocab(train_records: Sequence[ImageRecord], min_count: int = 5,
+                max_size: int | None = None) -> Vocabulary:
+    """Vocabulary from the given (training) records' captions only.
+
+    Passing validation or test records here would leak their words into the model.
+    """
+    return Vocabulary.build((c for r in train_records for c in r.captions),
+                            min_count=min_count, max_size=max_size)
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+class _ImageSource:
+    """Loads and preprocesses record images, optionally keeping the tensors in memory.
+
+    With DataLoader workers each worker process keeps its own cache, so caching is meant
+    for small data sets (the synthetic shapes), ideally with ``num_workers=0``. The cached
+    tensor is the output of ``preprocess``: a random augmentation inside it would be
+    frozen after the first epoch, so leave caching off when augmenting.
+    """
+
+    def __init__(self, records: Sequence[ImageRecord], preprocess: Preprocess, cache_images: bool) -> None:
+        self.records = list(records)
+        self.preprocess = preprocess
+        self.cache_images = cache_images
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def image(self, index: int) -> torch.Tensor:
+        cached = self._cache.get(index)
+        if cached is not None:
+            return cached
+        path = self.records[index].path
+        try:
+            tensor = self.preprocess(load_image(path))
+        except ImageLoadError as e:
+            # load_image's messages do not always name the file; a training run must.
+            raise ImageLoadError(f"{path}: {e}") from e
+        if self.cache_images:
+            self._cache[index] = tensor
+        return tensor
+
+
+class CaptionDataset(Dataset):
+    """One item per (image, caption) pair: every caption of every image.
+
+    Items are ``(image (3, H, W), token ids (n + 2,), image index)``: the ids are
+    ``<start> w1 .. wn <end>`` with at most ``max_len`` words, and the image index is the
+    position of the image in ``records``. Captions with no words after tokenisation are
+    skipped: there is nothing to learn from them.
+    """
+
+    def __init__(self, records: Sequence[ImageRecord], vocab: Vocabulary, preprocess: Preprocess,
+                 max_len: int | None = None, cache_images: bool = False) -> None:
+        self.records = list(records)
+        self.vocab = vocab
+        self.max_len = max_len
+        self._images = _ImageSource(self.records, preprocess, cache_images)
+        # Encoded once up front: cheap, and it keeps __getitem__ to image work only.
+        self.items: list[tuple[int, list[int]]] = [
+            (i, vocab.encode(caption, max_len))
+            for i, record in enumerate(self.records)
+            for caption in record.captions
+            if tokenize(caption)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        image_index, ids = self.items[idx]
+        return self._images.image(image_index), torch.tensor(ids, dtype=torch.long), image_index
+
+
+class ImageDataset(Dataset):
+    """One item per image, ``(image (3, H, W), image index)``: for decoding a split.
+
+    The default DataLoader collate turns a batch into ``(images (B, 3, H, W), indices (B,))``.
+    """
+
+    def __init__(self, records: Sequence[ImageRecord], preprocess: Preprocess,
+                 cache_images: bool = False) -> None:
+        self.records = list(records)
+        self._images = _ImageSource(self.records, preprocess, cache_images)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, idx: int) -> tuple[torch.Tensor, int]:
+        return self._images.image(idx), idx
+
+
+@dataclass
+class CaptionBatch:
+    """A padded training batch.
+
+    ``tokens`` is (B, T + 1), padded with 0 (the pad id) after each caption's end token:
+    inputs are ``tokens[:, :-1]`` and targets ``tokens[:, 1:]``, T steps. ``lengths``
+    counts each caption's tokens including start and end. The batch keeps the loader's
+    order (it is not sorted by length), so ``image_indices`` lines up with every row.
+    """
+
+    images: torch.Tensor
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    image_indices: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "CaptionBatch":
+        return CaptionBatch(*(t.to(device, non_blocking=non_blocking) for t in
+                              (self.images, self.tokens, self.lengths, self.image_indices)))
+
+    def pin_memory(self) -> "CaptionBatch":
+        # Called by DataLoader(pin_memory=True) on custom batch types.
+        return CaptionBatch(*(t.pin_memory() for t in
+                              (self.images, self.tokens, self.lengths, self.image_indices)))
+
+
+def collate_captions(batch: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> CaptionBatch:
+    """Stack images and right-pad token ids with 0 into a :class:`CaptionBatch`."""
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    images, token_seqs, indices = zip(*batch)
+    lengths = torch.tensor([len(t) for t in token_seqs], dtype=torch.long)
+    tokens = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)  # 0 is the pad id
+    for row, seq in enumerate(token_seqs):
+        tokens[row, : len(seq)] = seq
+    return CaptionBatch(images=torch.stack(images), tokens=tokens, lengths=lengths,
+                        image_indices=torch.tensor(indices, dtype=torch.long))

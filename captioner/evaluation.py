@@ -1,0 +1,129 @@
+"""Evaluate a captioner on a split by real decoding (no teacher forcing).
+
+Caption metrics for any COCO-format data; on shapes data (an ``instances_<split>.json``
+beside the captions) also object accuracy and the attention pointing game.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .data.coco import ImageDataset, ImageRecord, load_split
+from .decoding import CaptionResult
+from .inference import Captioner, DecodeOptions
+
+
+@dataclass
+class EvalReport:
+    split: str
+    n_images: int
+    beam_size: int
+    seconds: float
+    metrics: dict[str, float]
+    grounding: dict | None = None
+    captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("captions")
+        return d
+
+
+def decode_records(captioner: Captioner, records: list[ImageRecord], options: DecodeOptions,
+                   batch_size: int = 32, workers: int = 0, progress: bool = True,
+                   cache_images: bool = False) -> list[CaptionResult]:
+    """CaptionResults in the order of ``records``."""
+    loader = DataLoader(ImageDataset(records, captioner.preprocess, cache_images=cache_images),
+                        batch_size=batch_size, num_workers=workers, shuffle=False)
+    results: list[CaptionResult] = []
+    with tqdm(total=len(records), desc="decoding", unit="img", file=sys.stderr,
+              disable=not progress, leave=False) as bar:
+        for images, _ in loader:
+            results.extend(captioner.caption_batch(images, options))
+            bar.update(len(images))
+    return results
+
+
+def score(records: list[ImageRecord], results: list[CaptionResult], instances: Path | None = None,
+          meteor: bool | None = None) -> tuple[dict[str, float], dict | None]:
+    """Caption metrics, and grounding figures when an instances file (shapes data) is given."""
+    from .metrics import caption_metrics
+
+    scored = [(r, res) for r, res in zip(records, results) if r.captions]
+    refs = {r.image_id: r.captions for r, _ in scored}
+    cands = {r.image_id: res.caption for r, res in scored}
+    metrics = caption_metrics(refs, cands, meteor=meteor) if scored else {}
+    grounding = None
+    if instances is not None and instances.is_file():
+        from .grounding import evaluate_caption, load_shape_objects, summarize_grounding
+
+        objects = load_shape_objects(instances)
+        pointing, accuracy = [], []
+        for r, res in zip(records, results):
+            if r.image_id in objects:
+                p, a = evaluate_caption(res.words, res.alphas, objects[r.image_id])
+                pointing.append(p)
+                accuracy.append(a)
+        grounding = summarize_grounding(pointing, accuracy)
+    return metrics, grounding
+
+
+def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy: str | Path | None = None,
+             options: DecodeOptions | None = None, batch_size: int = 32, limit: int | None = None,
+             meteor: bool | None = None, progress: bool = True, workers: int = 0,
+             records: list[ImageRecord] | None = None) -> EvalReport:
+    options = options or DecodeOptions()
+    data_dir = Path(data_dir)
+    if records is None:
+        records = load_split(data_dir, split, karpathy)
+    if limit:
+        records = records[:limit]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        results = decode_records(captioner, records, options, batch_size, workers, progress)
+    seconds = time.perf_counter() - start
+    instances = data_dir / f"instances_{split}.json"
+    metrics, grounding = score(records, results, instances if karpathy is None else None, meteor)
+    return EvalReport(split, len(records), options.beam_size, round(seconds, 2), metrics, grounding,
+                      {r.image_id: res.caption for r, res in zip(records, results)})
+
+
+def format_table(report: EvalReport) -> str:
+    rows = [("images", str(report.n_images)), ("beam size", str(report.beam_size)),
+            ("decoding seconds", f"{report.seconds:.1f}")]
+    rows += [(k, f"{v:.4f}") for k, v in report.metrics.items()]
+    if report.grounding:
+        g = report.grounding
+        def fmt(key: str) -> str:
+            v = g.get(key)
+            return "n/a" if v is None else f"{v:.4f}"
+        rows += [
+            ("object accuracy (colour+shape)", fmt("object_accuracy")),
+            ("object accuracy (with size)", fmt("object_accuracy_with_size")),
+            ("pointing game (shape+colour words)", f"{fmt('pointing_accuracy')}  (chance {fmt('pointing_chance')})"),
+            ("pointing game, shape words", fmt("pointing_accuracy_shape")),
+            ("pointing game, colour words", fmt("pointing_accuracy_color")),
+            ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),
+            ("scored words", str(g.get("n_words"))),
+        ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_report(report: EvalReport, out: Path) -> Path:
+    """Metrics JSON at ``out``; the COCO results JSON ([{image_id, caption}]) beside it."""
+    from .metrics import coco_results_json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results_path = out.with_name(out.stem + ".results.json")
+    out.write_text(json.dumps({**report.summary(), "results_file": results_path.name}, indent=2) + "\n")
+    results_path.write_text(json.dumps(coco_results_json(report.captions)) + "\n")
+    return results_path

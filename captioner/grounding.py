@@ -1,0 +1,287 @@
+"""Grounded quality measures on the synthetic shapes dataset.
+
+Two questions, both answerable only because the shapes images come with exact objects:
+
+* Object accuracy: does the caption name exactly the objects in the image? Mentions
+  ("[size] colour shape") are parsed from the words and matched against the objects.
+* Pointing game: when the model emits a word that names an object uniquely present in
+  the image (its shape word or its colour word), does the argmax of that step's attention
+  map fall inside the object's box? We also report the attention mass inside the box,
+  and the chance level of both (what a uniformly random cell / a uniform map scores).
+
+The attention grid covers the whole image (images are resized, never cropped), so cell
+(r, c) of an H x W grid covers x in [c*W_img/W, (c+1)*W_img/W) and y likewise; a cell is
+"inside" a box when its centre is.
+
+Pure functions over words, arrays and objects: no model, no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from captioner.data.shapes import COLORS, SHAPES, SIZES
+
+_SHAPES = frozenset(SHAPES)
+_COLORS = frozenset(COLORS)
+_SIZES = frozenset(SIZES)
+
+
+@dataclass(frozen=True)
+class Mention:
+    """One shape word in a caption with the colour (and size) words attached to it."""
+
+    shape: str
+    color: str | None
+    size: str | None
+    shape_index: int
+    color_index: int | None
+    size_index: int | None = None
+
+
+@dataclass(frozen=True)
+class ShapeObject:
+    shape: str
+    color: str
+    size: str
+    bbox: tuple[float, float, float, float]  # x, y, w, h in pixels
+
+
+@dataclass(frozen=True)
+class ImageObjects:
+    """The objects of one image and the image's size, as read from instances JSON."""
+
+    image_id: int
+    file_name: str
+    width: int
+    height: int
+    objects: list[ShapeObject]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.width, self.height
+
+
+@dataclass(frozen=True)
+class PointingRecord:
+    step: int  # index of the word in the caption (= attention step)
+    word: str
+    kind: str  # "shape" or "color"
+    hit: bool  # the argmax cell's centre lies inside the object's box
+    mass: float  # attention mass on cells whose centre lies inside the box
+    chance: float  # fraction of cells whose centre lies inside the box
+
+
+# ------------------------------------------------------------------------- mentions
+
+def parse_mentions(words: Sequence[str]) -> list[Mention]:
+    """Mentions in a tokenised caption (see ``captioner.vocab.tokenize``).
+
+    A mention is a shape word. Its colour is the colour word right before it, or the one
+    before that when a size word sits in between ("red large circle"); its size is the
+    size word right before the colour ("large red circle", the generator's order) or
+    right before the shape. A shape word with no colour gives a mention with colour None.
+    """
+    mentions = []
+    for i, w in enumerate(words):
+        if w not in _SHAPES:
+            continue
+        color_i = size_i = None
+        j = i - 1
+        if j >= 0 and words[j] in _SIZES:  # "red large circle" / "large circle"
+            size_i, j = j, j - 1
+        if j >= 0 and words[j] in _COLORS:
+            color_i, j = j, j - 1
+            if size_i is None and j >= 0 and words[j] in _SIZES:  # "large red circle"
+                size_i = j
+        mentions.append(Mention(
+            shape=w,
+            color=words[color_i] if color_i is not None else None,
+            size=words[size_i] if size_i is not None else None,
+            shape_index=i, color_index=color_i, size_index=size_i,
+        ))
+    return mentions
+
+
+# -------------------------------------------------------------------------- loading
+
+def load_shape_objects(instances_json: Path) -> dict[int, ImageObjects]:
+    """Objects per image id from a shapes ``instances_<split>.json``.
+
+    Images without objects are included with an empty list, so that every image of the
+    split can be evaluated.
+    """
+    data = json.loads(Path(instances_json).read_text(encoding="utf-8"))
+    categories = {c["id"]: c["name"] for c in data["categories"]}
+    per_image: dict[int, list[ShapeObject]] = {img["id"]: [] for img in data["images"]}
+    for ann in data["annotations"]:
+        attrs = ann.get("attributes", {})
+        per_image[ann["image_id"]].append(ShapeObject(
+            shape=categories[ann["category_id"]], color=attrs["color"], size=attrs["size"],
+            bbox=tuple(float(v) for v in ann["bbox"]),
+        ))
+    return {
+        img["id"]: ImageObjects(img["id"], img["file_name"], int(img["width"]), int(img["height"]),
+                                per_image[img["id"]])
+        for img in data["images"]
+    }
+
+
+# ------------------------------------------------------------------ object accuracy
+
+def _max_matching(mentions: Sequence[Mention], objects: Sequence[ShapeObject],
+                  fits: Callable[[Mention, ShapeObject], bool]) -> int:
+    """Size of a maximum one-to-one matching (augmenting paths; sets are tiny)."""
+    owner: list[int | None] = [None] * len(objects)  # object -> mention matched to it
+
+    def augment(m: int, seen: set[int]) -> bool:
+        for o, obj in enumerate(objects):
+            if o in seen or not fits(mentions[m], obj):
+                continue
+            seen.add(o)
+            if owner[o] is None or augment(owner[o], seen):
+                owner[o] = m
+                return True
+        return False
+
+    return sum(augment(m, set()) for m in range(len(mentions)))
+
+
+def _fits_color_shape(m: Mention, o: ShapeObject) -> bool:
+    return m.shape == o.shape and m.color == o.color
+
+
+def _fits_full(m: Mention, o: ShapeObject) -> bool:
+    # A caption need not give sizes; when it does, they must be right.
+    return _fits_color_shape(m, o) and (m.size is None or m.size == o.size)
+
+
+def object_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, Any]:
+    """Does the caption name exactly the image's objects?
+
+    ``exact_color_shape``: the multiset of (colour, shape) mentions equals the objects'.
+    ``exact_full``: the same, and every size the caption gives is right.
+    ``matched``/``matched_full``: mentions matched one-to-one to objects, for precision
+    (matched / n_mentions) and recall (matched / n_objects).
+    """
+    mentions = parse_mentions(words)
+    matched = _max_matching(mentions, objects, _fits_color_shape)
+    matched_full = _max_matching(mentions, objects, _fits_full)
+    n_m, n_o = len(mentions), len(objects)
+    return {
+        "exact_color_shape": matched == n_m == n_o,
+        "exact_full": matched_full == n_m == n_o,
+        "n_mentions": n_m,
+        "n_objects": n_o,
+        "matched": matched,
+        "matched_full": matched_full,
+        "precision": matched / n_m if n_m else None,
+        "recall": matched / n_o if n_o else None,
+    }
+
+
+# ------------------------------------------------------------------- pointing game
+
+def _cell_centres_inside(bbox: Sequence[float], grid: tuple[int, int],
+                         image_size: tuple[int, int]) -> np.ndarray:
+    """(H, W) bool: which grid cells have their centre inside the box."""
+    h, w = grid
+    img_w, img_h = image_size
+    x, y, bw, bh = bbox
+    cx = (np.arange(w) + 0.5) * img_w / w
+    cy = (np.arange(h) + 0.5) * img_h / h
+    in_x = (cx >= x) & (cx < x + bw)
+    in_y = (cy >= y) & (cy < y + bh)
+    return in_y[:, None] & in_x[None, :]
+
+
+def _as_array(alphas: Any) -> np.ndarray:
+    if hasattr(alphas, "detach"):  # a torch tensor, possibly on a GPU
+        alphas = alphas.detach().float().cpu().numpy()
+    return np.asarray(alphas, dtype=np.float64)
+
+
+def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObject],
+                  image_size: tuple[int, int]) -> list[PointingRecord]:
+    """One record per word that names an object uniquely present in the image.
+
+    ``alphas``: (T, H, W) attention maps (tensor or array), T >= len(words); step t is
+    the map used to emit words[t]. ``image_size``: (width, height) of the image whose
+    pixels the boxes are in. A shape word counts when exactly one object has that shape,
+    a colour word when exactly one object has that colour; others are skipped.
+    """
+    maps = _as_array(alphas)
+    if maps.ndim != 3:
+        raise ValueError(f"alphas must be (T, H, W), got shape {maps.shape}")
+    if maps.shape[0] < len(words):
+        raise ValueError(f"{len(words)} words but only {maps.shape[0]} attention maps")
+    grid = (maps.shape[1], maps.shape[2])
+    records = []
+    for t, word in enumerate(words):
+        if word in _SHAPES:
+            kind, owners = "shape", [o for o in objects if o.shape == word]
+        elif word in _COLORS:
+            kind, owners = "color", [o for o in objects if o.color == word]
+        else:
+            continue
+        if len(owners) != 1:  # absent, or ambiguous which object the word points to
+            continue
+        inside = _cell_centres_inside(owners[0].bbox, grid, image_size)
+        r, c = np.unravel_index(int(np.argmax(maps[t])), grid)
+        records.append(PointingRecord(
+            step=t, word=word, kind=kind, hit=bool(inside[r, c]),
+            mass=float(maps[t][inside].sum()), chance=float(inside.mean()),
+        ))
+    return records
+
+
+def evaluate_caption(words: Sequence[str], alphas: Any,
+                     image: ImageObjects) -> tuple[list[PointingRecord], dict[str, Any]]:
+    """Pointing records and object accuracy of one generated caption."""
+    return (pointing_game(words, alphas, image.objects, image.size),
+            object_accuracy(words, image.objects))
+
+
+# -------------------------------------------------------------------- aggregation
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if len(values) else None
+
+
+def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
+                        accuracies_per_image: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregate over a split. Means over no items are None (e.g. no scorable words).
+
+    Pointing means are over words (micro-averaged), object accuracies over images;
+    precision and recall are micro-averaged over mentions and objects.
+    """
+    records = [r for per_image in records_per_image for r in per_image]
+    by_kind = {k: [r for r in records if r.kind == k] for k in ("shape", "color")}
+    acc = list(accuracies_per_image)
+    n_mentions = sum(a["n_mentions"] for a in acc)
+    n_objects = sum(a["n_objects"] for a in acc)
+    matched = sum(a["matched"] for a in acc)
+    chance = _mean([r.chance for r in records])
+    return {
+        "n_images": len(acc),
+        "object_accuracy": _mean([float(a["exact_color_shape"]) for a in acc]),
+        "object_accuracy_with_size": _mean([float(a["exact_full"]) for a in acc]),
+        "object_precision": matched / n_mentions if n_mentions else None,
+        "object_recall": matched / n_objects if n_objects else None,
+        "pointing_accuracy": _mean([float(r.hit) for r in records]),
+        "pointing_accuracy_shape": _mean([float(r.hit) for r in by_kind["shape"]]),
+        "pointing_accuracy_color": _mean([float(r.hit) for r in by_kind["color"]]),
+        "pointing_chance": chance,
+        "alpha_mass_in_box": _mean([r.mass for r in records]),
+        # A uniform map puts exactly the in-box cell fraction of its mass in the box.
+        "alpha_mass_chance": chance,
+        "n_words": len(records),
+        "n_words_shape": len(by_kind["shape"]),
+        "n_words_color": len(by_kind["color"]),
+    }

@@ -1,0 +1,178 @@
+"""Grounded measures on tiny hand-checked cases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from captioner.grounding import (
+    ImageObjects,
+    Mention,
+    ShapeObject,
+    evaluate_caption,
+    load_shape_objects,
+    object_accuracy,
+    parse_mentions,
+    pointing_game,
+    summarize_grounding,
+)
+
+RED_CIRCLE = ShapeObject("circle", "red", "small", (0, 0, 32, 32))  # top-left quadrant of 64x64
+BLUE_SQUARE = ShapeObject("square", "blue", "large", (32, 32, 32, 32))  # bottom-right quadrant
+RED_STAR = ShapeObject("star", "red", "large", (40, 0, 20, 20))  # top-right, inside cell (0, 1)
+
+
+def _peaked(t: int, cells: list[tuple[int, int]], peak: float = 0.7, grid: tuple[int, int] = (2, 2)) -> np.ndarray:
+    """(t, H, W) maps, map k with ``peak`` at cells[k] and the rest spread evenly."""
+    h, w = grid
+    maps = np.full((t, h, w), (1 - peak) / (h * w - 1))
+    for k, (r, c) in enumerate(cells):
+        maps[k, r, c] = peak
+    return maps
+
+
+# ------------------------------------------------------------------------- parsing
+
+def test_parse_mentions_orders_and_missing_parts() -> None:
+    words = "a large red circle and a blue large square near a star".split()
+    assert parse_mentions(words) == [
+        Mention("circle", "red", "large", shape_index=3, color_index=2, size_index=1),
+        Mention("square", "blue", "large", shape_index=8, color_index=6, size_index=7),
+        Mention("star", None, None, shape_index=11, color_index=None, size_index=None),
+    ]
+
+
+def test_parse_mentions_ignores_unattached_colours() -> None:
+    assert parse_mentions("red and blue things".split()) == []
+    assert [m.color for m in parse_mentions("red , circle".split())] == [None]
+
+
+# ----------------------------------------------------------------- object accuracy
+
+@pytest.mark.parametrize("caption, exact, exact_full, matched", [
+    ("a red circle and a blue square", True, True, 2),
+    ("a blue square to the right of a small red circle", True, True, 2),
+    ("a small red circle and a large blue square", True, True, 2),
+    ("a large red circle and a blue square", True, False, 2),  # wrong size
+    ("a green circle and a blue square", False, False, 1),  # wrong colour
+    ("a red circle", False, False, 1),  # missing object
+    ("a red circle , a blue square and a red star", False, False, 2),  # extra object
+    ("a red circle and a blue circle", False, False, 1),  # wrong shape
+    ("a circle and a blue square", False, False, 1),  # colour not given
+])
+def test_object_accuracy(caption: str, exact: bool, exact_full: bool, matched: int) -> None:
+    acc = object_accuracy(caption.split(), [RED_CIRCLE, BLUE_SQUARE])
+    assert (acc["exact_color_shape"], acc["exact_full"], acc["matched"]) == (exact, exact_full, matched)
+    assert acc["n_objects"] == 2
+    assert acc["recall"] == matched / 2
+    assert acc["precision"] == matched / acc["n_mentions"]
+
+
+def test_object_accuracy_duplicates_are_counted() -> None:
+    two_red = [RED_CIRCLE, ShapeObject("circle", "red", "large", (40, 40, 20, 20))]
+    assert object_accuracy("a red circle and a red circle".split(), two_red)["exact_color_shape"]
+    one = object_accuracy("a red circle".split(), two_red)
+    assert not one["exact_color_shape"] and one["recall"] == 0.5
+    three = object_accuracy("a red circle , a red circle and a red circle".split(), two_red)
+    assert not three["exact_color_shape"] and three["matched"] == 2
+    # Sizes must be assignable one-to-one: both "small" cannot match.
+    assert object_accuracy("a small red circle and a large red circle".split(), two_red)["exact_full"]
+    assert not object_accuracy("a small red circle and a small red circle".split(), two_red)["exact_full"]
+    # A mention without size can take the object a sized mention leaves over.
+    assert object_accuracy("a red circle and a small red circle".split(), two_red)["exact_full"]
+
+
+# -------------------------------------------------------------------- pointing game
+
+def test_pointing_hit_mass_and_chance() -> None:
+    words = ["a", "red", "circle"]
+    maps = _peaked(3, [(1, 1), (0, 0), (0, 0)], peak=0.7)
+    records = pointing_game(words, maps, [RED_CIRCLE], (64, 64))
+    assert [(r.step, r.word, r.kind, r.hit) for r in records] == [(1, "red", "color", True),
+                                                                  (2, "circle", "shape", True)]
+    for r in records:
+        assert r.mass == pytest.approx(0.7)
+        assert r.chance == pytest.approx(0.25)
+
+
+def test_pointing_miss_when_peak_elsewhere() -> None:
+    maps = _peaked(2, [(0, 1), (1, 0)], peak=0.4)
+    records = pointing_game(["red", "circle"], torch.tensor(maps), [RED_CIRCLE], (64, 64))
+    assert [r.hit for r in records] == [False, False]
+    assert [r.mass for r in records] == pytest.approx([0.2, 0.2])
+
+
+def test_pointing_skips_non_unique_and_absent() -> None:
+    objects = [RED_CIRCLE, RED_STAR, BLUE_SQUARE]
+    words = "a red circle , a red star and a green square".split()
+    maps = _peaked(len(words), [(0, 0)] * len(words))
+    records = pointing_game(words, maps, objects, (64, 64))
+    # "red" names two objects and "green" none: only the three shape words are scored.
+    assert [(r.word, r.hit) for r in records] == [("circle", True), ("star", False), ("square", False)]
+    # The star's box holds one cell centre (48, 16) of four.
+    assert records[1].chance == pytest.approx(0.25)
+
+
+def test_pointing_rectangular_grid_and_image() -> None:
+    # 4 columns over a 200-px-wide image: centres at x = 25, 75, 125, 175; 1 row over 100 px.
+    obj = ShapeObject("cross", "white", "large", (60, 10, 70, 80))
+    maps = np.zeros((1, 1, 4))
+    maps[0, 0, 2] = 1.0
+    (rec,) = pointing_game(["cross"], maps, [obj], (200, 100))
+    assert rec.hit and rec.mass == 1.0 and rec.chance == pytest.approx(0.5)
+
+
+def test_pointing_uses_leading_maps_and_checks_shapes() -> None:
+    maps = _peaked(4, [(0, 0)])  # an extra map (e.g. for the end token) is ignored
+    assert len(pointing_game(["circle"], maps, [RED_CIRCLE], (64, 64))) == 1
+    with pytest.raises(ValueError):
+        pointing_game(["red", "circle"], maps[:1], [RED_CIRCLE], (64, 64))
+    with pytest.raises(ValueError):
+        pointing_game(["circle"], maps[0], [RED_CIRCLE], (64, 64))
+
+
+# ---------------------------------------------------------------------- summary
+
+def test_summarize_grounding() -> None:
+    image = ImageObjects(1, "x.png", 64, 64, [RED_CIRCLE, BLUE_SQUARE])
+    good = evaluate_caption("a red circle and a blue square".split(),
+                            _peaked(7, [(0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (1, 1), (1, 1)]), image)
+    bad = evaluate_caption("a red circle".split(), _peaked(3, [(0, 0), (1, 1), (1, 1)]), image)
+    summary = summarize_grounding([good[0], bad[0]], [good[1], bad[1]])
+    assert summary["n_images"] == 2
+    assert summary["object_accuracy"] == 0.5
+    assert summary["object_recall"] == pytest.approx(3 / 4)
+    assert summary["object_precision"] == 1.0
+    # Scored words: red, circle, blue, square (all hits); then red, circle (both misses).
+    assert summary["n_words"] == 6
+    assert summary["pointing_accuracy"] == pytest.approx(4 / 6)
+    assert summary["pointing_accuracy_color"] == pytest.approx(2 / 3)
+    assert summary["pointing_chance"] == summary["alpha_mass_chance"] == pytest.approx(0.25)
+    assert summary["alpha_mass_in_box"] == pytest.approx((4 * 0.7 + 2 * 0.1) / 6)
+
+
+def test_summarize_empty_gives_none() -> None:
+    summary = summarize_grounding([], [])
+    assert summary["n_words"] == 0 and summary["pointing_accuracy"] is None
+    assert summary["object_accuracy"] is None
+
+
+def test_load_shape_objects(tmp_path: Path) -> None:
+    data = {
+        "images": [{"id": 1, "file_name": "t/a.png", "width": 64, "height": 48},
+                   {"id": 2, "file_name": "t/b.png", "width": 64, "height": 48}],
+        "categories": [{"id": 1, "name": "circle", "supercategory": "shape"},
+                       {"id": 4, "name": "star", "supercategory": "shape"}],
+        "annotations": [{"id": 1, "image_id": 1, "category_id": 4, "bbox": [1, 2, 3, 4], "area": 12,
+                         "iscrowd": 0, "attributes": {"color": "white", "size": "small"}}],
+    }
+    path = tmp_path / "instances_t.json"
+    path.write_text(json.dumps(data))
+    images = load_shape_objects(path)
+    assert images[1].size == (64, 48) and images[1].file_name == "t/a.png"
+    assert images[1].objects == [ShapeObject("star", "white", "small", (1.0, 2.0, 3.0, 4.0))]
+    assert images[2].objects == []

@@ -1,0 +1,1 @@
+"""Training for captioner: configs, the loop, the soft and hard (REINFORCE) objectives."""

@@ -1,0 +1,177 @@
+"""Training configuration: a TOML file, overridable with ``--set section.key=value``."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/shapes"
+    train_split: str = "train"
+    val_split: str = "val"
+    karpathy: str = ""  # Karpathy split file (dataset_coco.json); empty: the folder's own splits
+    min_count: int = 5  # vocabulary: words seen at least this often in training captions
+    max_vocab: int = 0  # 0: no limit
+    max_caption_len: int = 20  # words; longer captions are cut
+    cache_images: bool = False  # keep preprocessed training images in memory (small data)
+    workers: int = 2
+    # Shapes only: generate the synthetic data into `dir` when it is not there yet.
+    generate_shapes: bool = False
+    shapes_train: int = 3000
+    shapes_val: int = 200
+    shapes_seed: int = 1
+    shapes_image_size: int = 128
+
+
+@dataclass
+class ModelSection:
+    encoder: str = "small"
+    encoder_pretrained: bool = False
+    fine_tune_blocks: int = 0
+    image_size: int = 128
+    embed_dim: int = 512
+    hidden_dim: int = 512
+    attention_dim: int = 512
+    dropout: float = 0.5
+    attention: str = "soft"  # soft | hard | mean
+    score: str = "additive"
+    normalizer: str = "softmax"
+    local_window: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    epochs: int = 20
+    max_steps: int = 0  # 0: no limit
+    max_minutes: float = 0.0  # 0: no limit; stop (and save) after this much training time
+    batch_size: int = 64
+    lr: float = 4e-4  # decoder
+    encoder_lr: float = 1e-4  # encoder parameters that train (fine-tuning, or a from-scratch encoder)
+    weight_decay: float = 0.0
+    lr_decay: float = 0.8  # multiply the learning rates by this ...
+    lr_decay_every: int = 5  # ... every this many epochs
+    grad_clip: float = 5.0
+    doubly_stochastic: float = 1.0  # lambda of sum_i (1 - sum_t alpha_ti)^2
+    seed: int = 0
+    amp: bool = True  # mixed precision (bf16) on CUDA; ignored on CPU
+    device: str = "auto"
+    log_every: int = 20
+    save_every: int = 200  # steps between "last" checkpoints (and at every epoch end)
+
+
+@dataclass
+class ValConfig:
+    every_epochs: int = 1
+    metric: str = "CIDEr"  # chooses the best checkpoint; from real decoding, not teacher forcing
+    beam_size: int = 1
+    max_len: int = 20
+    limit: int = 0  # 0: the whole validation split
+    patience: int = 5  # early stopping: validations without improvement; 0 = never stop early
+
+
+@dataclass
+class HardConfig:
+    """REINFORCE for hard attention (the authors' settings by default)."""
+
+    lambda_r: float = 1.0  # weight of the score-function term
+    entropy: float = 0.002  # lambda_e, entropy bonus
+    baseline_decay: float = 0.9  # b <- decay * b + (1 - decay) * log p(y|s,a)
+    expected_context_prob: float = 0.5  # per minibatch, use the expected (soft) context instead of a sample
+
+
+@dataclass
+class TrainConfig:
+    name: str = "run"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    val: ValConfig = field(default_factory=ValConfig)
+    hard: HardConfig = field(default_factory=HardConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        cfg = cls()
+        for key, value in d.items():
+            if key == "name":
+                cfg.name = str(value)
+                continue
+            section = getattr(cfg, key, None)
+            if section is None or not isinstance(value, dict):
+                raise ValueError(f"unknown config section [{key}]")
+            for k, v in value.items():
+                _set_field(section, key, k, v)
+        return cfg
+
+
+def _set_field(section, section_name: str, key: str, value) -> None:
+    types = {f.name: f.type for f in fields(section)}
+    if key not in types:
+        raise ValueError(f"unknown config key {section_name}.{key}; known: {', '.join(sorted(types))}")
+    current = getattr(section, key)
+    if isinstance(current, bool):
+        if isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{section_name}.{key} must be true or false, got {value!r}")
+            value = value.lower() in ("true", "1")
+        value = bool(value)
+    elif isinstance(current, (int, float)) and not isinstance(current, bool):
+        try:
+            value = type(current)(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{section_name}.{key} must be a {type(current).__name__}, got {value!r}") from e
+    else:
+        value = str(value)
+    setattr(section, key, value)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    data: dict = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    return apply_overrides(TrainConfig.from_dict(data), overrides)
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """``section.key=value`` strings; values are Python/TOML literals or bare strings."""
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"--set wants section.key=value, got {item!r}")
+        dotted, raw = item.split("=", 1)
+        section_name, key = dotted.split(".", 1)
+        section = getattr(cfg, section_name, None)
+        if section is None or section_name == "name":
+            raise ValueError(f"unknown config section {section_name!r}")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        _set_field(section, section_name, key, value)
+    return cfg
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config, written into the run folder."""
+    lines = [f"name = {_toml_value(cfg.name)}", ""]
+    for section, values in cfg.to_dict().items():
+        if not isinstance(values, dict):
+            continue
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -129,14 +129,13 @@ class Attention(nn.Module):
         if self.mode == "mean":
             return a.new_full((b, n), 1.0 / n)
         e = self.scores(keys, a, h)
-        alpha = torch.softmax(e, dim=-1) if self.normalizer == "softmax" else sparsemax(e, dim=-1)
         if self.local_window > 0:
-            alpha = self._local(alpha, h, grid)
-        return alpha
+            return self._local(e, h, grid)
+        return torch.softmax(e, dim=-1) if self.normalizer == "softmax" else sparsemax(e, dim=-1)
 
-    def _local(self, alpha: torch.Tensor, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """Local attention in 2-D: p_t = grid * sigmoid(v^T tanh(W h)) per axis, weights times
-        exp(-d^2 / (2 sigma^2)) with sigma = half-width / 2, renormalised."""
+    def _log_window(self, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """log of the 2-D Gaussian window, -d^2 / (2 sigma^2): (B, L). The centre is
+        p_t = grid * sigmoid(v^T tanh(W h)) per axis, in cell units (cell i spans [i, i+1])."""
         gh, gw = grid
         size = torch.tensor([gh, gw], device=h.device, dtype=h.dtype)
         centre = size * torch.sigmoid(self.centre(h))  # (B, 2) in cell units, (row, col)
@@ -145,18 +144,39 @@ class Attention(nn.Module):
         d2 = (rows.view(1, gh, 1) - centre[:, 0].view(-1, 1, 1)) ** 2 + \
              (cols.view(1, 1, gw) - centre[:, 1].view(-1, 1, 1)) ** 2  # (B, H, W)
         sigma = self.local_window / 2
-        window = torch.exp(-d2 / (2 * sigma**2)).flatten(1)  # (B, L)
+        return (-d2 / (2 * sigma**2)).flatten(1)
+
+    def _local(self, e: torch.Tensor, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Local attention in 2-D: alpha'_i = alpha_i * exp(-d_i^2 / (2 sigma^2)), sigma =
+        half-width / 2, renormalised; computed in the log domain so that a narrow window or
+        peaked scores cannot underflow every product to zero."""
+        log_window = self._log_window(h, grid)  # (B, L)
+        if self.normalizer == "softmax":
+            # softmax(e) * window, renormalised, is exactly softmax(e + log window).
+            return torch.softmax(e + log_window, dim=-1)
+        alpha = sparsemax(e, dim=-1)
+        # Rescale the window so that its largest value on the support of alpha is 1 (the
+        # scale cancels in the renormalisation); then the weighted total is never below the
+        # smallest non-zero alpha, and alpha' keeps the exact zeros of alpha.
+        shift = log_window.masked_fill(alpha <= 0, float("-inf")).amax(-1, keepdim=True).detach()
+        window = torch.exp((log_window - shift).clamp_max(0.0))
         weighted = alpha * window
-        # Sparsemax can leave the window with no mass: fall back to the window itself there.
         total = weighted.sum(-1, keepdim=True)
-        fallback = window / window.sum(-1, keepdim=True)
-        return torch.where(total > 1e-12, weighted / total.clamp_min(1e-12), fallback)
+        tiny = torch.finfo(alpha.dtype).tiny
+        # Only if even that underflows: fall back to the window itself.
+        fallback = torch.softmax(log_window, dim=-1)
+        return torch.where(total > tiny, weighted / total.clamp_min(tiny), fallback)
 
     def forward(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor, grid: tuple[int, int],
-                *, sample: bool = False, generator: torch.Generator | None = None) -> AttentionStep:
-        """One step. ``sample`` (hard mode): draw s_t ~ Multinoulli(alpha_t) and return a_{s_t};
-        otherwise the expected context sum_i alpha_i a_i."""
+                *, sample: bool = False, argmax: bool = False,
+                generator: torch.Generator | None = None) -> AttentionStep:
+        """One step. Hard mode: ``sample`` draws s_t ~ Multinoulli(alpha_t) and returns a_{s_t};
+        ``argmax`` returns the most likely location's a_i; otherwise (and in soft mode) the
+        expected context sum_i alpha_i a_i."""
         alpha = self.weights(keys, a, h, grid)
+        if self.mode == "hard" and argmax and not sample:
+            s = alpha.argmax(-1)
+            return AttentionStep(a[torch.arange(a.shape[0], device=a.device), s], alpha, s)
         if self.mode == "hard" and sample:
             s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B,)
             context = a[torch.arange(a.shape[0], device=a.device), s]  # (B, D): exactly one a_i

@@ -51,6 +51,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
     p.add_argument("--length-penalty", type=float, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
+    p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
+                   help="hard-attention models: context from the expected location mix (default, "
+                        "deterministic), the most likely location (argmax), or a random sample")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--workers", type=int, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
@@ -83,7 +86,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
     done = completed_images(args.out) if args.out is not None else set()
     pending = [p for p in found.images if p not in done]
     workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
-    options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty)
+    options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
+                            hard_attention=args.hard_attention)
     out = open(args.out, "a", encoding="utf-8") if args.out is not None else sys.stdout
     try:
         summary = caption_paths(captioner, pending, out, options=options, batch_size=args.batch_size,
@@ -136,6 +140,8 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
     p.add_argument("--batch-size", type=_positive, default=32, help="images per batch (default 32)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
+    p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
+                   help="hard-attention models: how the context is chosen at inference (default expected)")
     p.add_argument("--out", type=Path, default=None,
                    help="write metrics JSON here, and the COCO results JSON beside it (default: print only)")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")
@@ -154,7 +160,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     try:
         report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
-                          options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len),
+                          options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len,
+                                                hard_attention=args.hard_attention),
                           batch_size=args.batch_size, limit=args.limit, meteor=False if args.no_meteor else None)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from e

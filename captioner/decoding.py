@@ -51,10 +51,21 @@ class DecodedIds:
     score: float
 
 
+HARD_INFERENCE = ("expected", "argmax", "sample")
+
+
+def _hard_kwargs(hard: str) -> dict:
+    """How a hard-attention model picks its context at inference (soft models ignore it)."""
+    if hard not in HARD_INFERENCE:
+        raise ValueError(f"hard attention inference must be one of {', '.join(HARD_INFERENCE)}, got {hard!r}")
+    return {"argmax": hard == "argmax", "sample": hard == "sample"}
+
+
 @torch.no_grad()
 def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int,
-           max_len: int) -> list[DecodedIds]:
+           max_len: int, hard: str = "expected") -> list[DecodedIds]:
     a = ann.vectors
+    kw = _hard_kwargs(hard)
     b = a.shape[0]
     keys = decoder.attention.prepare(a)
     h, c = decoder.init_state(a)
@@ -62,7 +73,7 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
     done = torch.zeros(b, dtype=torch.bool, device=a.device)
     ids, alphas, betas, logps = [], [], [], []
     for _ in range(max_len):
-        o = decoder.step(y, h, c, a, keys, ann.grid)
+        o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         h, c = o.h, o.c
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
         y = logp.argmax(-1)
@@ -81,8 +92,9 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
 
 @torch.no_grad()
 def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
-                max_len: int, length_penalty: float = 0.0) -> list[DecodedIds]:
+                max_len: int, length_penalty: float = 0.0, hard: str = "expected") -> list[DecodedIds]:
     """``length_penalty`` > 0 ranks finished captions by score / length**length_penalty."""
+    kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
     a = ann.vectors
@@ -105,7 +117,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     base = (torch.arange(b, device=dev) * k).unsqueeze(1)  # (B, 1) row offset of each image
 
     for _ in range(max_len):
-        o = decoder.step(y, h, c, a_k, keys, ann.grid)
+        o = decoder.step(y, h, c, a_k, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(b, k, -1)  # (B, k, V)
         v = logp.shape[-1]
         frozen = torch.full_like(logp[0, 0], float("-inf"))

@@ -99,8 +99,9 @@ def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
 
 @register_encoder("small")
 def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    """Four stride-2 stages (grid = image / 16) with a receptive field of about 31 px:
-    a cell sees its neighbourhood, not the whole image, so the decoder must attend."""
+    """Four stride-2 stages (grid = image / 16), then one more 3x3 layer: a receptive field
+    of about 63 px at 128 px input. A cell sees its neighbourhood, not the whole image,
+    so the decoder must attend to tell which colour goes with which shape."""
     if pretrained:
         raise ValueError("the 'small' encoder has no pretrained weights; it is trained from scratch")
     dim = 128
@@ -110,6 +111,7 @@ def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
         _conv(32, 64, 2),
         _conv(64, 128, 2),
         _conv(128, dim, 2),
+        _conv(dim, dim, 1),  # widens the view to about 63 px: a cell sees a whole large object
         nn.Conv2d(dim, dim, 1),
         nn.ReLU(inplace=True),
     )

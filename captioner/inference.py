@@ -39,6 +39,11 @@ class DecodeOptions:
     beam_size: int = 3
     max_len: int = 20
     length_penalty: float = 0.0
+    # Hard-attention models only. "expected" (default): the context is the alpha-weighted
+    # mean of the annotations, the deterministic expectation the model was also trained on
+    # (half of its minibatches); "argmax": the single most likely location (what a hard
+    # look at one place means, also deterministic); "sample": s_t ~ Multinoulli(alpha_t).
+    hard_attention: str = "expected"
 
 
 class Captioner:
@@ -85,10 +90,12 @@ class Captioner:
         ann = self.model.encode(images.to(self.device))
         v = self.vocab
         if opt.beam_size == 1 and opt.length_penalty == 0:
-            decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len)
+            decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
+                             hard=opt.hard_attention)
         else:
             decoded = beam_search(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad,
-                                  beam_size=opt.beam_size, max_len=opt.max_len, length_penalty=opt.length_penalty)
+                                  beam_size=opt.beam_size, max_len=opt.max_len, length_penalty=opt.length_penalty,
+                                  hard=opt.hard_attention)
         return [self.to_result(d, ann.grid) for d in decoded]
 
     def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:

@@ -100,10 +100,10 @@ class Decoder(nn.Module):
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
 
     def step(self, y_prev: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
-             keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
+             keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False, argmax: bool = False,
              generator: torch.Generator | None = None) -> StepOutput:
         """One word: y_prev (B,) token ids, state (B, H), annotations (B, L, D)."""
-        att = self.attention(keys, a, h, grid, sample=sample, generator=generator)
+        att = self.attention(keys, a, h, grid, sample=sample, argmax=argmax, generator=generator)
         beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
         z = beta * att.context  # (B, D)
         emb = self.embedding(y_prev)  # (B, E)

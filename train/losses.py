@@ -62,10 +62,13 @@ class HardAttentionObjective:
         self.doubly_stochastic = doubly_stochastic
         self.baseline = baseline
 
+    def use_expected_context(self) -> bool:
+        """The per-minibatch coin (global torch RNG, so a resumed run flips the same coins)."""
+        return bool(torch.rand(()) < self.cfg.expected_context_prob)
+
     def __call__(self, model: CaptionModel, images: torch.Tensor, tokens: torch.Tensor,
                  lengths: torch.Tensor) -> LossParts:
-        use_expected = bool(torch.rand(()) < self.cfg.expected_context_prob)
-        if use_expected:
+        if self.use_expected_context():
             parts = soft_loss(model, images, tokens, lengths, self.doubly_stochastic)
             parts.sampled, parts.baseline = False, self.baseline
             return parts

@@ -42,7 +42,8 @@ def decode_records(captioner: Captioner, records: list[ImageRecord], options: De
                    cache_images: bool = False) -> list[CaptionResult]:
     """CaptionResults in the order of ``records``."""
     loader = DataLoader(ImageDataset(records, captioner.preprocess, cache_images=cache_images),
-                        batch_size=batch_size, num_workers=workers, shuffle=False)
+                        batch_size=batch_size, num_workers=workers, shuffle=False,
+                        generator=torch.Generator())  # leaves the global RNG (a training run's) alone
     results: list[CaptionResult] = []
     with tqdm(total=len(records), desc="decoding", unit="img", file=sys.stderr,
               disable=not progress, leave=False) as bar:

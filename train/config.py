@@ -59,6 +59,7 @@ class OptimConfig:
     seed: int = 0
     amp: bool = True  # mixed precision (bf16) on CUDA; ignored on CPU
     device: str = "auto"
+    threads: int = 0  # CPU threads for this run (0: torch's default); 1 lets runs share a machine
     log_every: int = 20
     save_every: int = 200  # steps between "last" checkpoints (and at every epoch end)
 

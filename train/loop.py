@@ -128,6 +128,8 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
         cfg = cfg if cfg is not None else saved
     assert cfg is not None
     device = _device(cfg.optim.device)
+    if cfg.optim.threads > 0:
+        torch.set_num_threads(cfg.optim.threads)
     torch.manual_seed(cfg.optim.seed)
     random.seed(cfg.optim.seed)
     _prepare_data(cfg)
@@ -227,7 +229,10 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
                 batches = _epoch_batches(len(dataset), o.batch_size, o.seed, state["epoch"])
                 loader = DataLoader(dataset, batch_sampler=batches[state["batch_in_epoch"]:],
                                     collate_fn=collate_captions, num_workers=d.workers,
-                                    pin_memory=device.type == "cuda")
+                                    pin_memory=device.type == "cuda",
+                                    # Its own generator: creating a loader must not draw from the
+                                    # global RNG, or a resumed run would drift from the original.
+                                    generator=torch.Generator().manual_seed(o.seed + state["epoch"]))
                 bar = tqdm(total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
                            unit="batch", file=sys.stderr, disable=not progress, leave=False)
                 tick = time.perf_counter()

@@ -1,0 +1,1 @@
+"""The web app: a Streamlit page over the captioner library (UI only)."""

@@ -1,0 +1,45 @@
+"""``captioner app``: start the web page, registered into the captioner command through an entry point."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PAGE = Path(__file__).parent / "streamlit_app.py"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "app", help="start the web app: upload an image, see its caption and the attention for every word",
+        description="Start the Streamlit web app and print its address. Models offered: the bundled demo "
+                    "models that are installed, and every *.pt in $CAPTIONER_WEIGHTS_DIR (default ./weights).")
+    p.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
+    p.add_argument("--address", default="localhost",
+                   help="address to listen on (default localhost; 0.0.0.0 for every interface)")
+    p.set_defaults(func=cmd_app)
+
+
+def streamlit_command(port: int, address: str) -> list[str]:
+    return [sys.executable, "-m", "streamlit", "run", str(PAGE), "--server.headless", "true",
+            "--server.port", str(port), "--server.address", address,
+            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal"]
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    from captioner.cli import UsageError
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be between 1 and 65535, got {args.port}")
+    cmd = streamlit_command(args.port, args.address)
+    if os.name == "posix":
+        # Become the server, so that Ctrl-C or a supervisor's SIGTERM reaches it directly
+        # instead of leaving it running behind a parent that was stopped.
+        sys.stdout.flush()
+        os.execv(cmd[0], cmd)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:  # Ctrl-C stops the server; not an error
+        return 0

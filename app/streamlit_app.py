@@ -1,0 +1,290 @@
+"""Caption an image and see where the model looked for every word.
+
+Run with ``captioner app`` or ``streamlit run app/streamlit_app.py``. This page is UI only:
+loading, captioning and the overlays all come from the ``captioner`` library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+
+import streamlit as st
+import torch
+from PIL import Image
+
+from captioner import inference
+from captioner.checkpoint import CheckpointError
+from captioner.decoding import CaptionResult
+from captioner.images import ImageLoadError, load_image
+from captioner.inference import Captioner, DecodeOptions
+from captioner.overlay import attention_figure, overlay
+
+EXAMPLES_DIR = Path(__file__).parent / "examples"
+UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
+GRID_COLUMNS = 6
+PANEL_SIDE = 256  # grid overlays are drawn on a copy of the image this big (longest side)
+LARGE_SIDE = 768  # and the selected word's overlay on one this big
+LARGE_WIDTH = 560  # shown at most this wide (pixels on the page)
+HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
+              "sample": "a random draw"}
+
+
+def available_models() -> dict[str, str]:
+    """Label -> weights for Captioner.load: the installed bundled models, then *.pt in the weights folder."""
+    models = {name: name for name, file in inference.BUNDLED.items() if (inference.BUNDLED_DIR / file).is_file()}
+    folder = Path(os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights"))
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.pt")):
+            models[path.name if path.name not in models else str(path)] = str(path)
+    return models
+
+
+@st.cache_resource(show_spinner="Loading the model…", max_entries=4)
+def load_captioner(weights: str, modified: float) -> Captioner:
+    # `modified` only joins the cache key, so that a checkpoint rewritten in place is loaded again.
+    return Captioner.load(weights, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass
+class Shown:
+    """One captioned image, kept across reruns so that picking a word does not caption again."""
+
+    key: tuple
+    name: str
+    image: Image.Image
+    result: CaptionResult
+    seconds: float
+    thumb: Image.Image  # a small copy of the image
+    panels: list[Image.Image]  # one overlay per word, on the small copy
+    large: dict[int, Image.Image] = field(default_factory=dict)  # word index -> big overlay, made on demand
+
+    def large_overlay(self, t: int) -> Image.Image:
+        if t not in self.large:
+            self.large[t] = overlay(_fit(self.image, LARGE_SIDE), self.result.alphas[t])
+        return self.large[t]
+
+    @cached_property
+    def figure_png(self) -> bytes:
+        buf = io.BytesIO()
+        attention_figure(self.image, self.result).save(buf, "PNG")
+        return buf.getvalue()
+
+    @cached_property
+    def result_json(self) -> str:
+        return json.dumps(self.result.to_json(self.name, with_attention=True))
+
+
+def _fit(image: Image.Image, side: int) -> Image.Image:
+    """A copy no bigger than side x side. Overlays stay aligned: the model saw the whole image, uncropped."""
+    small = image.copy()
+    small.thumbnail((side, side), Image.Resampling.LANCZOS)
+    return small
+
+
+def decode(data: bytes) -> tuple[str, Image.Image, Image.Image]:
+    """Raw bytes -> (digest, RGB image, preview); the last image is kept, so reruns do not decode again."""
+    digest = hashlib.sha256(data).hexdigest()
+    last = st.session_state.get("decoded")
+    if last is None or last[0] != digest:
+        image = load_image(data)  # raises ImageLoadError with a message for the user
+        last = (digest, image, _fit(image, LARGE_SIDE))
+        st.session_state["decoded"] = last
+    return last
+
+
+def caption_image(captioner: Captioner, key: tuple, name: str, image: Image.Image,
+                  options: DecodeOptions) -> Shown:
+    start = time.perf_counter()
+    result = captioner.caption(image, options)
+    seconds = time.perf_counter() - start
+    thumb = _fit(image, PANEL_SIDE)
+    return Shown(key, name, image, result, seconds, thumb, [overlay(thumb, a) for a in result.alphas])
+
+
+def _markdown_text(text: str) -> str:
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~$])", r"\\\1", text)
+
+
+def _word_labels(words: list[str]) -> list[str]:
+    """Unique labels for the word picker (Streamlit tells options apart by label): "a", "star", "a (2)"."""
+    seen: dict[str, int] = {}
+    labels = []
+    for w in words:
+        seen[w] = seen.get(w, 0) + 1
+        labels.append(w if seen[w] == 1 else f"{w} ({seen[w]})")
+    return labels
+
+
+def no_model_message() -> None:
+    folder = os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights")
+    st.warning("No captioning model is available yet.", icon=":material/warning:")
+    st.markdown(
+        f"""
+The page offers the bundled demo models (`demo-soft`, `demo-hard`) when they are installed,
+and every checkpoint (`*.pt`) in the folder `{folder}` (set `CAPTIONER_WEIGHTS_DIR` to use another).
+
+To get one, train the small demo model on the synthetic shapes data (about half an hour on a CPU),
+then put its best checkpoint in that folder and reload this page:
+
+```bash
+captioner train --config train/configs/shapes-soft.toml --run-dir runs/shapes-soft
+mkdir -p {folder} && cp runs/shapes-soft/best.pt {folder}/shapes-soft.pt
+```
+""")
+
+
+def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
+    with st.sidebar:
+        st.header("Settings")
+        label = st.selectbox("Model", list(models),
+                             help="Bundled demo models, and the checkpoints (*.pt) found in the weights folder "
+                                  "(CAPTIONER_WEIGHTS_DIR, default ./weights).")
+        beam = st.slider("Beam size", 1, 10, 3,
+                         help="How many candidate captions the search keeps at every step. 1 is greedy "
+                              "decoding: fastest, sometimes worse.")
+        max_len = st.slider("Longest caption (words)", 1, 50, 20)
+        st.markdown("The model follows *Show, Attend and Tell* "
+                    "([Xu et al., 2015](https://arxiv.org/abs/1502.03044)): a CNN looks at the image, an LSTM "
+                    "writes the caption, and an attention step picks the image regions for every word.")
+    return label, DecodeOptions(beam_size=beam, max_len=max_len)
+
+
+def model_details(captioner: Captioner) -> str:
+    cfg = captioner.model.config
+    h, w = captioner.preprocess.size
+    parts = [f"{cfg.attention} attention", f"{cfg.encoder} encoder", f"{w}×{h} input",
+             f"{len(captioner.vocab):,} words"]
+    if "step" in captioner.meta:
+        parts.append(f"trained {captioner.meta['step']:,} steps")
+    return " · ".join(parts)
+
+
+def choose_image() -> tuple[str, bytes] | None:
+    """The uploaded file, else the chosen example: (name, raw bytes)."""
+    upload = st.file_uploader("Upload an image", type=UPLOAD_TYPES,
+                              help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.")
+    if upload is not None:
+        return upload.name, upload.getvalue()
+    examples = sorted(EXAMPLES_DIR.glob("*.png"))
+    if not examples:
+        return None
+    names = [p.stem.replace("-", " ") for p in examples]
+    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], default=0,
+                    required=True, wrap=True)
+    return examples[pick].name, examples[pick].read_bytes()
+
+
+def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool) -> None:
+    result = shown.result
+    with st.container(key="caption"):
+        st.header(_markdown_text(result.caption) if result.words else "(no words)", anchor=False)
+    hard = f" · hard attention: {options.hard_attention}" if hard_model else ""
+    st.caption(f"{shown.name} · {model_label} · beam {options.beam_size} · up to {options.max_len} words{hard} · "
+               f"{shown.seconds * 1000:.0f} ms · log-probability {result.score:.2f}")
+    if not result.words:
+        st.info("The model ended the caption before its first word, so there is no attention to show.")
+        return
+    words = result.words
+    labels = _word_labels(words)
+    pick = st.pills("Word", range(len(words)), format_func=lambda t: labels[t], default=0, required=True,
+                    wrap=True, help="Pick a word to see where the model looked when it wrote it.")
+    t = 0 if pick is None else pick
+    with st.container(width=LARGE_WIDTH):
+        st.image(shown.large_overlay(t), width="stretch",
+                 caption=f"“{words[t]}”: word {t + 1} of {len(words)}, β = {float(result.betas[t]):.2f}")
+
+
+def show_grid(shown: Shown) -> None:
+    result = shown.result
+    grid_h, grid_w = result.alphas.shape[1:]
+    st.subheader("Every word, where the model looked", anchor=False)
+    st.markdown(
+        f"The model writes the caption one word at a time. Before each word it spreads its attention **α** "
+        f"over a {grid_h}×{grid_w} grid of image regions; the panels light up those regions (brightest, "
+        f"orange: most weight) and darken the rest. **β** is the gate on what it saw: near 1 the image "
+        f"mattered for that word, near 0 the word came mostly from the sentence so far (words like "
+        f"*a* or *and*).")
+    cells = [(shown.thumb, "the image")]  # first, as in the paper's figures
+    cells += [(shown.panels[t], f"{w} · β {float(result.betas[t]):.2f}") for t, w in enumerate(result.words)]
+    for row in range(0, len(cells), GRID_COLUMNS):
+        columns = st.columns(GRID_COLUMNS)
+        for column, (panel, label) in zip(columns, cells[row:row + GRID_COLUMNS]):
+            column.image(panel, caption=label, width="stretch")
+
+    stem = Path(shown.name).stem
+    buttons = st.container(horizontal=True)
+    buttons.download_button("Download the figure (PNG)", shown.figure_png, file_name=f"{stem}-attention.png",
+                            mime="image/png", on_click="ignore", icon=":material/download:")
+    buttons.download_button("Download the result (JSON)", shown.result_json, file_name=f"{stem}-caption.json",
+                            mime="application/json", on_click="ignore", icon=":material/download:")
+
+
+def main() -> None:
+    st.set_page_config(page_title="Show, Attend and Tell", page_icon=":material/visibility:", layout="wide")
+    st.title("Show, attend and tell", anchor=False)
+    st.markdown("Upload a picture and the model describes it in words; then, for every word, see which part "
+                "of the picture it was looking at when it wrote that word.")
+
+    models = available_models()
+    if not models:
+        no_model_message()
+        return
+    label, options = sidebar(models)
+    weights = models[label]
+    try:
+        path = inference.resolve_weights(weights)
+        modified = path.stat().st_mtime
+        captioner = load_captioner(str(path), modified)
+    except (CheckpointError, OSError) as e:
+        st.error(f"Cannot load the model **{_markdown_text(label)}**: {_markdown_text(str(e))}. "
+                 "Pick another model in the sidebar.", icon=":material/error:")
+        return
+    if captioner.model.config.attention == "hard":
+        mode = st.sidebar.radio(
+            "Hard attention looks at", list(HARD_MODES), format_func=HARD_MODES.get,
+            help="A hard-attention model picks one region per word. At inference it can use the expected "
+                 "mix of regions (deterministic), the single most likely region, or a random draw.")
+        options = replace(options, hard_attention=mode)
+    st.sidebar.caption(model_details(captioner))
+
+    left, right = st.columns([2, 3], gap="large")
+    with left:
+        chosen = choose_image()
+    if chosen is None:
+        right.info("Upload an image, or pick an example, to get a caption.")
+        return
+    name, data = chosen
+    try:
+        digest, image, preview = decode(data)
+    except ImageLoadError as e:
+        left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.",
+                   icon=":material/error:")
+        return
+    left.image(preview, caption=f"{name} ({image.width}×{image.height})", width="stretch")
+
+    key = (digest, name, str(path), modified, options)
+    shown = st.session_state.get("shown")
+    if shown is None or shown.key != key:
+        try:
+            with right, st.spinner("Writing a caption…"):
+                shown = caption_image(captioner, key, name, image, options)
+        except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
+            right.error(f"Captioning failed: {_markdown_text(str(e))}", icon=":material/error:")
+            return
+        st.session_state["shown"] = shown
+    with right:
+        show_result(shown, label, options, captioner.model.config.attention == "hard")
+    if shown.result.words:
+        show_grid(shown)
+
+
+if __name__ == "__main__":  # streamlit runs the page as __main__; importing it runs nothing
+    main()

@@ -1,0 +1,214 @@
+"""The web page, driven by Streamlit's AppTest: same captions as the CLI, bad uploads, reruns."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from captioner import inference
+from captioner.cli import build_parser, main
+from tiny import tiny_captioner, tiny_image
+
+AppTest = pytest.importorskip("streamlit.testing.v1").AppTest
+
+APP = Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"
+MODEL = "tiny.pt"
+HARD_MODEL = "tiny-hard.pt"
+SEED = 5  # a tiny random model whose captions differ between beam sizes 3 and 5
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("weights")
+    tiny_captioner(seed=SEED).save(folder / MODEL)
+    tiny_captioner(seed=SEED, attention="hard").save(folder / HARD_MODEL)
+    return folder
+
+
+@pytest.fixture
+def app(weights_dir, monkeypatch) -> AppTest:
+    """The page with the tiny model selected (bundled demo models, when installed, are listed first)."""
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    at.sidebar.selectbox[0].select(MODEL).run()
+    return at
+
+
+def _png(seed: int, size=(64, 48)) -> bytes:
+    buf = io.BytesIO()
+    tiny_image(seed, size).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _cli_record(tmp_path, capsys, data: bytes, weights: Path, beam: int, max_len: int = 20,
+                *extra: str) -> dict:
+    """The JSON line `captioner caption --with-attention` prints for this image and these settings."""
+    path = tmp_path / "image.png"
+    path.write_bytes(data)
+    capsys.readouterr()
+    assert main(["caption", str(path), "--weights", str(weights), "--beam-size", str(beam),
+                 "--max-len", str(max_len), "--with-attention", "--quiet", *extra]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def _shown_caption(at: AppTest) -> str:
+    """The big caption, with the page's markdown escapes removed."""
+    return re.sub(r"\\(.)", r"\1", at.main.header[0].value)
+
+
+def _details(at: AppTest) -> str:
+    return next(c.value for c in at.caption if " · beam " in c.value)
+
+
+def _word_panels(at: AppTest) -> list[str]:
+    return [cap for image in at.image for cap in image.captions if " · β " in cap]
+
+
+def test_upload_shows_the_cli_caption_and_one_overlay_per_word(app, weights_dir, tmp_path, capsys):
+    data = _png(seed=3)
+    app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
+    assert not app.exception and not app.error
+    cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=3)
+    assert _shown_caption(app) == cli["caption"]
+    assert "generated.png" in _details(app) and "beam 3" in _details(app)
+    assert [p.split(" · β ")[0] for p in _word_panels(app)] == cli["words"]
+    labels = [b.label for b in app.get("download_button")]
+    assert any("PNG" in label for label in labels) and any("JSON" in label for label in labels)
+    shown = app.session_state["shown"]  # what the download buttons serve
+    # Same pixels, same model, same settings: the same numbers, attention maps included.
+    assert json.loads(shown.result_json) == {**cli, "image": "generated.png"}
+    assert Image.open(io.BytesIO(shown.figure_png)).format == "PNG"
+
+
+def _bomb_png() -> bytes:
+    buf = io.BytesIO()  # 96 M pixels, over Pillow's default limit, a few KB as a 1-bit PNG
+    Image.new("1", (12000, 8000)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("notes.jpg", b"just some text, not an image\n", "not an image"),
+    ("empty.jpg", b"", "empty file"),
+    ("cut.png", _png(seed=4)[:60], "truncated"),
+    ("huge.png", _bomb_png(), "pixel"),
+])
+def test_a_bad_upload_shows_an_error_and_the_page_keeps_working(app, name, data, message):
+    app.file_uploader[0].set_value((name, data, "image/jpeg")).run()
+    assert not app.exception
+    assert len(app.error) == 1 and message in app.error[0].value.replace("\\", "")
+    assert not _word_panels(app)
+
+    app.file_uploader[0].set_value(("fine.png", _png(seed=5), "image/png")).run()
+    assert not app.exception and not app.error
+    assert "fine.png" in _details(app) and _word_panels(app)
+
+
+def test_changing_the_beam_size_captions_again(app, weights_dir, tmp_path, capsys):
+    data = _png(seed=6)
+    app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
+    first = app.session_state["shown"]
+    assert first.key[-1].beam_size == 3 and "beam 3" in _details(app)
+    app.sidebar.slider[0].set_value(5).run()
+    assert not app.exception
+    again = app.session_state["shown"]
+    assert again is not first and again.key[-1].beam_size == 5  # captioned again, with the new beam
+    assert "beam 5" in _details(app)
+    cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=5)
+    assert _shown_caption(app) == cli["caption"]
+    assert json.loads(again.result_json) == {**cli, "image": "generated.png"}
+
+
+def test_hard_attention_models_offer_the_inference_mode(app, weights_dir, tmp_path, capsys):
+    assert not app.sidebar.radio  # a soft model has no such choice
+    app.sidebar.selectbox[0].select(HARD_MODEL).run()
+    data = _png(seed=3)
+    app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
+    assert app.sidebar.radio[0].value == "expected" and "hard attention: expected" in _details(app)
+    app.sidebar.radio[0].set_value("argmax").run()
+    assert not app.exception and "hard attention: argmax" in _details(app)
+    cli = _cli_record(tmp_path, capsys, data, weights_dir / HARD_MODEL, 3, 20, "--hard-attention", "argmax")
+    assert json.loads(app.session_state["shown"].result_json) == {**cli, "image": "generated.png"}
+
+
+def test_picking_a_word_shows_its_map_without_captioning_again(app):
+    app.file_uploader[0].set_value(("generated.png", _png(seed=3), "image/png")).run()
+    before = _details(app)  # includes the time the caption took: it changes if captioning runs again
+    words = _shown_caption(app).split()
+
+    def large() -> str:
+        return next(cap for image in app.image for cap in image.captions if cap.startswith("“"))
+
+    assert large().startswith(f"“{words[0]}”: word 1 of {len(words)}")
+    last = len(words) - 1
+    app.pills[-1].set_value(last).run()
+    assert _details(app) == before
+    assert app.pills[-1].value == last
+    assert large().startswith(f"“{words[last]}”: word {last + 1} of {len(words)}")
+
+
+def test_repeated_words_get_labels_the_picker_can_tell_apart():
+    from app.streamlit_app import _word_labels
+
+    assert _word_labels(["a", "star", "and", "a", "star", "a"]) == ["a", "star", "and", "a (2)", "star (2)", "a (3)"]
+
+
+def test_models_offered_are_installed_bundled_ones_and_the_weights_folder(tmp_path, monkeypatch):
+    from app.streamlit_app import available_models
+
+    bundled = tmp_path / "bundled"
+    bundled.mkdir()
+    (bundled / inference.BUNDLED["demo-hard"]).write_bytes(b"")  # only demo-hard is installed
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name in ("b.pt", "a.pt", "notes.txt"):
+        (folder / name).write_bytes(b"")
+    monkeypatch.setattr(inference, "BUNDLED_DIR", bundled)
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(folder))
+    assert available_models() == {"demo-hard": "demo-hard", "a.pt": str(folder / "a.pt"),
+                                  "b.pt": str(folder / "b.pt")}
+
+
+def test_examples_are_captioned_before_any_upload(app):
+    assert not app.error
+    assert app.pills[0].value == 0  # the first example
+    assert ".png" in _details(app) and _word_panels(app)
+
+
+def test_no_model_says_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path / "empty"))
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    assert "No captioning model" in at.warning[0].value
+    assert any("captioner train" in m.value for m in at.markdown)
+
+
+def test_an_unusable_checkpoint_shows_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path))
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    assert not at.exception
+    assert len(at.error) == 1 and "broken" in at.error[0].value
+    assert not at.file_uploader  # nothing to caption with
+
+
+def test_app_command_starts_streamlit_on_the_page(monkeypatch):
+    import app.cli
+
+    calls = []
+    monkeypatch.setattr(app.cli.os, "execv", lambda path, cmd: calls.append(cmd))  # would become the server
+    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0"])
+    assert args.func(args) == 0
+    cmd = calls[0]
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]) == APP
+    assert cmd[cmd.index("--server.port") + 1] == "8765"
+    assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
+    assert cmd[cmd.index("--server.headless") + 1] == "true"

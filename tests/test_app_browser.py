@@ -1,0 +1,181 @@
+"""The web page in a real browser: a Streamlit server, Chromium driven by Playwright.
+
+Needs Debian's chromium at /usr/bin/chromium and the playwright package (its own browser
+downloads are never used). The screenshot goes to $CAPTIONER_SCREENSHOT (default: a
+temporary folder) so a person can look at the page.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from captioner.cli import main
+from tiny import tiny_captioner, tiny_image
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+APP = Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"
+MODEL = "tiny.pt"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not CHROMIUM.is_file(), reason="needs chromium at /usr/bin/chromium"),
+]
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"streamlit exited with {server.returncode}:\n{log.read_text(errors='replace')}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"streamlit did not answer within {timeout:.0f} s:\n{log.read_text(errors='replace')}")
+
+
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("weights")
+    tiny_captioner(seed=5).save(folder / MODEL)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(weights_dir, tmp_path_factory):
+    """The page served on a free local port; always stopped afterwards."""
+    workdir = tmp_path_factory.mktemp("server")
+    log = workdir / "streamlit.log"
+    port = _free_port()
+    env = {**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir), "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
+    cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
+           "--server.port", str(port), "--server.address", "127.0.0.1", "--client.toolbarMode", "minimal"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(server)
+    # Select the tiny model: bundled demo models, when installed, are listed first.
+    page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+    page.get_by_role("option", name=MODEL, exact=True).click()
+    page.get_by_text(f" · {MODEL} · beam ").wait_for()
+    _wait_idle(page)
+    try:
+        yield page
+    finally:
+        context.close()
+
+
+def _upload(page, path: Path) -> None:
+    page.locator("input[type=file]").set_input_files(str(path))
+
+
+def _wait_idle(page) -> None:
+    """Until the script run has finished: no running indicator, no stale elements left from the last run."""
+    page.wait_for_function(
+        "() => !document.querySelector('[data-testid^=stStatusWidgetRunning], [data-stale=true]')")
+
+
+def _screenshot(page, path: Path) -> None:
+    # Streamlit scrolls inside its main section, so a "full page" shot would stop at the
+    # viewport: grow the viewport to the content instead.
+    height = page.evaluate(
+        "() => Math.max(...[...document.querySelectorAll("
+        "'[data-testid=stMain], [data-testid=stMainBlockContainer], [data-testid=stAppViewContainer]')]"
+        ".map(e => e.scrollHeight))")
+    page.set_viewport_size({"width": page.viewport_size["width"], "height": int(height) + 40})
+    page.wait_for_function("() => [...document.images].every(img => img.complete)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), full_page=True)
+
+
+def test_upload_in_the_browser_shows_the_cli_caption(page, weights_dir, tmp_path, capsys):
+    image = tmp_path / "browser-upload.png"
+    tiny_image(7, (96, 64)).save(image)
+    capsys.readouterr()
+    assert main(["caption", str(image), "--weights", str(weights_dir / MODEL), "--beam-size", "3",
+                 "--max-len", "20", "--quiet"]) == 0
+    cli = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = cli["caption"]
+
+    _upload(page, image)
+    details = page.get_by_text(f"{image.name} · {MODEL} · beam 3")
+    details.wait_for()
+    _wait_idle(page)
+    shown = page.locator(".st-key-caption h2").inner_text().strip()
+    assert shown == expected
+    assert f"log-probability {cli['score']:.2f}" in details.inner_text()
+    panels = page.get_by_test_id("stImageCaption").filter(has_text=" · β ")
+    assert panels.count() == len(expected.split())
+    assert page.get_by_test_id("stException").count() == 0
+
+    shot = Path(os.environ.get("CAPTIONER_SCREENSHOT") or tmp_path / "app.png")
+    _screenshot(page, shot)
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+
+
+def test_a_broken_upload_shows_an_error_not_a_traceback(page, tmp_path):
+    bad = tmp_path / "not-a-photo.jpg"
+    bad.write_bytes(b"just some text, not an image\n")
+    _upload(page, bad)
+    error = page.get_by_test_id("stAlertContentError")
+    error.wait_for()
+    _wait_idle(page)
+    assert "not an image" in error.inner_text()
+    assert page.get_by_test_id("stException").count() == 0
+
+    good = tmp_path / "after.png"
+    buf = io.BytesIO()
+    tiny_image(8, (64, 64)).save(buf, "PNG")
+    good.write_bytes(buf.getvalue())
+    _upload(page, good)
+    page.get_by_text(f"{good.name} · {MODEL} · beam 3").wait_for()
+    assert page.get_by_test_id("stAlertContentError").count() == 0

@@ -80,6 +80,35 @@ def completed_images(out_path: Path) -> set[str]:
     return done
 
 
+def part_path(out_path: Path, rank: int) -> Path:
+    """Where rank ``rank`` of a distributed run writes its lines before they are merged."""
+    return out_path.with_name(f"{out_path.name}.part{rank}")
+
+
+def merge_parts(out_path: Path) -> int:
+    """Append the whole lines of every rank's part file to ``out_path`` (an image already
+    there is not added twice), then delete the parts. Returns the number of lines added."""
+    done = completed_images(out_path)
+    added = 0
+    with open(out_path, "a", encoding="utf-8") as out:
+        for part in sorted(out_path.parent.glob(f"{out_path.name}.part*")):
+            with open(part, "rb") as f:
+                data = f.read()
+            for line in data[: data.rfind(b"\n") + 1].splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("image") not in done:
+                    out.write(line.decode("utf-8") + "\n")
+                    done.add(rec["image"])
+                    added += 1
+            out.flush()
+            os.fsync(out.fileno())
+            part.unlink()
+    return added
+
+
 @dataclass
 class Loaded:
     index: int

@@ -70,37 +70,56 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
-    from .batch import caption_paths, completed_images, discover
+    from .batch import BatchSummary, caption_paths, completed_images, discover, merge_parts, part_path
     from .checkpoint import CheckpointError
+    from .distributed import setup, teardown
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
 
+    # Under torchrun each rank captions its share into a part file; rank 0 merges them.
+    ctx = setup(args.device)
     try:
-        found = discover(args.paths)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from e
-    try:
-        captioner = Captioner.load(args.weights, device=_device(args.device))
-    except CheckpointError as e:
-        raise UsageError(str(e)) from e
-    done = completed_images(args.out) if args.out is not None else set()
-    pending = [p for p in found.images if p not in done]
-    workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
-    options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
-                            hard_attention=args.hard_attention)
-    out = open(args.out, "a", encoding="utf-8") if args.out is not None else sys.stdout
-    try:
-        summary = caption_paths(captioner, pending, out, options=options, batch_size=args.batch_size,
-                                workers=workers, with_attention=args.with_attention,
-                                attention_dir=args.attention_dir, max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
-                                progress=False if args.quiet else None)
+        if ctx.active and args.out is None:
+            raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")
+        try:
+            found = discover(args.paths)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from e
+        try:
+            captioner = Captioner.load(args.weights, device=ctx.device)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from e
+        if ctx.active and ctx.is_main:
+            merge_parts(args.out)  # parts left by an earlier, killed distributed run
+        ctx.barrier()
+        done = completed_images(args.out) if args.out is not None else set()
+        pending = [p for p in found.images if p not in done][ctx.rank::ctx.world]
+        workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
+        options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
+                                hard_attention=args.hard_attention)
+        target = part_path(args.out, ctx.rank) if ctx.active else args.out
+        out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
+        try:
+            summary = caption_paths(captioner, pending, out, options=options, batch_size=args.batch_size,
+                                    workers=workers, with_attention=args.with_attention,
+                                    attention_dir=args.attention_dir,
+                                    max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+                                    progress=False if args.quiet or not ctx.is_main else None)
+        finally:
+            if out is not sys.stdout:
+                out.close()
+        if ctx.active:
+            ctx.barrier()
+            if ctx.is_main:
+                merge_parts(args.out)
+            summary = BatchSummary(*(round(ctx.mean(float(v)) * ctx.world) for v in
+                                     (summary.captioned, summary.failed, summary.skipped, summary.already_done)))
+        if not args.quiet and ctx.is_main:
+            print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
+                  f"(not image files), already done {len(done & set(found.images))}", file=sys.stderr)
+        return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
-        if out is not sys.stdout:
-            out.close()
-    if not args.quiet:
-        print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
-              f"(not image files), already done {len(found.images) - len(pending)}", file=sys.stderr)
-    return EXIT_SOME_FAILED if summary.failed else EXIT_OK
+        teardown(ctx)
 
 
 def add_shapes_parser(sub: argparse._SubParsersAction) -> None:

@@ -33,10 +33,15 @@ def encoder_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_encoder(name: str, *, pretrained: bool = False, fine_tune_blocks: int = 0) -> "Encoder":
+def create_encoder(name: str, *, pretrained: bool = False, fine_tune_blocks: int = 0,
+                   freeze: bool = False) -> "Encoder":
+    """``freeze``: no encoder parameter trains (not even a from-scratch encoder's)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown encoder {name!r}; choose from {', '.join(encoder_names())}")
-    return _REGISTRY[name](pretrained=pretrained, fine_tune_blocks=fine_tune_blocks)
+    encoder = _REGISTRY[name](pretrained=pretrained, fine_tune_blocks=0 if freeze else fine_tune_blocks)
+    if freeze:
+        encoder.freeze()
+    return encoder
 
 
 @dataclass
@@ -63,6 +68,11 @@ class Encoder(nn.Module):
             for block in (blocks or [])[-fine_tune_blocks:] if fine_tune_blocks > 0 else []:
                 for p in block.parameters():
                     p.requires_grad_(True)
+
+    def freeze(self) -> None:
+        self.from_scratch = False
+        for p in self.parameters():
+            p.requires_grad_(False)
 
     def train(self, mode: bool = True) -> "Encoder":
         super().train(mode)

@@ -29,6 +29,7 @@ class EvalReport:
     seconds: float
     metrics: dict[str, float]
     grounding: dict | None = None
+    attention: dict | None = None  # how peaked the maps are: mean entropy, share of exact zeros
     captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
 
     def summary(self) -> dict:
@@ -77,6 +78,18 @@ def score(records: list[ImageRecord], results: list[CaptionResult], instances: P
     return metrics, grounding
 
 
+def attention_stats(results: list[CaptionResult]) -> dict:
+    """Mean entropy (nats) of the per-word maps, against log L for a uniform map, and the
+    share of exact zeros (sparsemax produces them; softmax never does)."""
+    maps = [r.alphas.flatten(1).double() for r in results if len(r.words)]
+    if not maps:
+        return {"entropy": None, "uniform_entropy": None, "zero_share": None}
+    a = torch.cat(maps)  # (words, L)
+    ent = -(a * torch.log(a.clamp_min(1e-30))).sum(1)
+    return {"entropy": round(float(ent.mean()), 4), "uniform_entropy": round(float(torch.log(torch.tensor(a.shape[1],
+            dtype=torch.float64))), 4), "zero_share": round(float((a == 0).double().mean()), 4)}
+
+
 def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy: str | Path | None = None,
              options: DecodeOptions | None = None, batch_size: int = 32, limit: int | None = None,
              meteor: bool | None = None, progress: bool = True, workers: int = 0,
@@ -94,7 +107,7 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
     instances = data_dir / f"instances_{split}.json"
     metrics, grounding = score(records, results, instances if karpathy is None else None, meteor)
     return EvalReport(split, len(records), options.beam_size, round(seconds, 2), metrics, grounding,
-                      {r.image_id: res.caption for r, res in zip(records, results)})
+                      attention_stats(results), {r.image_id: res.caption for r, res in zip(records, results)})
 
 
 def format_table(report: EvalReport) -> str:
@@ -115,6 +128,10 @@ def format_table(report: EvalReport) -> str:
             ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),
             ("scored words", str(g.get("n_words"))),
         ]
+    if report.attention and report.attention["entropy"] is not None:
+        at = report.attention
+        rows.append(("attention entropy (nats)", f"{at['entropy']:.3f}  (uniform {at['uniform_entropy']:.3f})"))
+        rows.append(("attention exact zeros", f"{at['zero_share']:.3f}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

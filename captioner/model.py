@@ -28,6 +28,7 @@ class ModelConfig:
     encoder: str = "small"
     encoder_pretrained: bool = False
     fine_tune_blocks: int = 0
+    freeze_encoder: bool = False  # keep even a from-scratch encoder fixed (e.g. for a feature cache)
     annotation_dim: int = 128  # D: set from the encoder
     image_size: tuple[int, int] = (128, 128)
     embed_dim: int = 512
@@ -139,7 +140,7 @@ class CaptionModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.encoder = create_encoder(cfg.encoder, pretrained=cfg.encoder_pretrained,
-                                      fine_tune_blocks=cfg.fine_tune_blocks)
+                                      fine_tune_blocks=cfg.fine_tune_blocks, freeze=cfg.freeze_encoder)
         if cfg.annotation_dim != self.encoder.dim:
             cfg = ModelConfig.from_dict({**cfg.to_dict(), "annotation_dim": self.encoder.dim})
         self.config = cfg
@@ -148,8 +149,11 @@ class CaptionModel(nn.Module):
     def encode(self, images: torch.Tensor) -> Annotations:
         return self.encoder(images)
 
-    def forward(self, images: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, **kw) -> DecoderOutput:
-        return self.decoder(self.encode(images), tokens, lengths, **kw)
+    def forward(self, images: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor,
+                **kw) -> DecoderOutput:
+        """Images (B, 3, H, W), or annotations already computed (a feature cache)."""
+        ann = images if isinstance(images, Annotations) else self.encode(images)
+        return self.decoder(ann, tokens, lengths, **kw)
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

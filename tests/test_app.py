@@ -34,7 +34,7 @@ def weights_dir(tmp_path_factory) -> Path:
 def app(weights_dir, monkeypatch) -> AppTest:
     """The page with the tiny model selected (bundled demo models, when installed, are listed first)."""
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
     at.sidebar.selectbox[0].select(MODEL).run()
     return at
@@ -183,7 +183,7 @@ def test_examples_are_captioned_before_any_upload(app):
 def test_no_model_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path / "empty"))
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
     assert "No captioning model" in at.warning[0].value
     assert any("captioner train" in m.value for m in at.markdown)
@@ -193,7 +193,7 @@ def test_an_unusable_checkpoint_shows_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
     (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path))
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
     assert len(at.error) == 1 and "broken" in at.error[0].value
     assert not at.file_uploader  # nothing to caption with

@@ -18,6 +18,8 @@ class DataConfig:
     max_vocab: int = 0  # 0: no limit
     max_caption_len: int = 20  # words; longer captions are cut
     cache_images: bool = False  # keep preprocessed training images in memory (small data)
+    feature_cache: bool = False  # frozen encoder: annotations computed once per image, memory-mapped fp16
+    feature_cache_dir: str = ""  # where the cache lives (default: the run folder)
     workers: int = 2
     # Shapes only: generate the synthetic data into `dir` when it is not there yet.
     generate_shapes: bool = False
@@ -32,6 +34,8 @@ class ModelSection:
     encoder: str = "small"
     encoder_pretrained: bool = False
     fine_tune_blocks: int = 0
+    freeze_encoder: bool = False  # no encoder weight trains (needed by the feature cache for "small")
+    init_from: str = ""  # start from this checkpoint's weights (same architecture), e.g. hard from soft
     image_size: int = 128
     embed_dim: int = 512
     hidden_dim: int = 512
@@ -48,7 +52,8 @@ class OptimConfig:
     epochs: int = 20
     max_steps: int = 0  # 0: no limit
     max_minutes: float = 0.0  # 0: no limit; stop (and save) after this much training time
-    batch_size: int = 64
+    batch_size: int = 64  # the global batch: under torchrun each rank takes its share
+    optimizer: str = "adam"  # adam | sgd (momentum 0.9)
     lr: float = 4e-4  # decoder
     encoder_lr: float = 1e-4  # encoder parameters that train (fine-tuning, or a from-scratch encoder)
     weight_decay: float = 0.0

@@ -24,12 +24,14 @@ from tqdm import tqdm
 from captioner.checkpoint import atomic_save, load_checkpoint
 from captioner.data.coco import CaptionDataset, build_vocab, collate_captions, load_split
 from captioner.evaluation import evaluate
+from captioner.encoders import Annotations
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import Vocabulary
 
 from .config import TrainConfig, to_toml
+from captioner.distributed import DistContext, setup, teardown
 from .losses import HardAttentionObjective, LossParts, soft_loss
 
 
@@ -68,12 +70,6 @@ class _StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def _prepare_data(cfg: TrainConfig) -> None:
@@ -118,23 +114,35 @@ def new_run_dir(cfg: TrainConfig, root: Path = Path("runs")) -> Path:
 
 
 def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progress: bool = True) -> TrainOutcome:
-    """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly."""
+    """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly.
+
+    Under torchrun every rank calls this: each trains on its share of every global batch
+    (DistributedDataParallel averages the gradients), rank 0 validates and writes."""
     ckpt = None
     if resume:
         ckpt = load_checkpoint(run_dir / "last.pt")
         if "train_state" not in ckpt:
             raise ValueError(f"{run_dir / 'last.pt'} has no training state to resume from")
-        saved = TrainConfig.from_dict(ckpt["train_state"]["config"])
-        cfg = cfg if cfg is not None else saved
+        cfg = cfg if cfg is not None else TrainConfig.from_dict(ckpt["train_state"]["config"])
     assert cfg is not None
-    device = _device(cfg.optim.device)
-    if cfg.optim.threads > 0:
-        torch.set_num_threads(cfg.optim.threads)
-    torch.manual_seed(cfg.optim.seed)
-    random.seed(cfg.optim.seed)
-    _prepare_data(cfg)
+    ctx = setup(cfg.optim.device)
+    try:
+        return _train(cfg, run_dir, ckpt, ctx, progress)
+    finally:
+        teardown(ctx)
 
+
+def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool) -> TrainOutcome:
     d, m, o = cfg.data, cfg.model, cfg.optim
+    device = ctx.device
+    if o.threads > 0:
+        torch.set_num_threads(o.threads)
+    torch.manual_seed(o.seed)  # the same initial weights on every rank
+    random.seed(o.seed)
+    if ctx.is_main:
+        _prepare_data(cfg)
+    ctx.barrier()
+
     karpathy = d.karpathy or None
     train_records = load_split(d.dir, d.train_split, karpathy)
     val_records = load_split(d.dir, d.val_split, karpathy)
@@ -143,23 +151,34 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
     else:
         vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None)
     preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD)
-    model_cfg = ModelConfig(vocab_size=len(vocab), encoder=m.encoder, encoder_pretrained=m.encoder_pretrained,
-                            fine_tune_blocks=m.fine_tune_blocks, image_size=(m.image_size, m.image_size),
-                            embed_dim=m.embed_dim, hidden_dim=m.hidden_dim, attention_dim=m.attention_dim,
-                            dropout=m.dropout, attention=m.attention, score=m.score, normalizer=m.normalizer,
-                            local_window=m.local_window)
     if ckpt is not None:
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
+    else:
+        model_cfg = ModelConfig(vocab_size=len(vocab), encoder=m.encoder, encoder_pretrained=m.encoder_pretrained,
+                                fine_tune_blocks=m.fine_tune_blocks, freeze_encoder=m.freeze_encoder,
+                                image_size=(m.image_size, m.image_size), embed_dim=m.embed_dim,
+                                hidden_dim=m.hidden_dim, attention_dim=m.attention_dim, dropout=m.dropout,
+                                attention=m.attention, score=m.score, normalizer=m.normalizer,
+                                local_window=m.local_window)
     model = CaptionModel(model_cfg).to(device)
     if ckpt is not None:
         model.load_state_dict(ckpt["state_dict"])
+    elif m.init_from:
+        _init_from(model, vocab, Path(m.init_from))
+    # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
+    torch.manual_seed(o.seed + ctx.rank)
 
     enc_params = [p for p in model.encoder.parameters() if p.requires_grad]
     groups = [{"params": list(model.decoder.parameters()), "lr": o.lr}]
     if enc_params:
         groups.append({"params": enc_params, "lr": o.encoder_lr})
-    optimizer = torch.optim.Adam(groups, weight_decay=o.weight_decay)
+    if o.optimizer == "adam":
+        optimizer = torch.optim.Adam(groups, weight_decay=o.weight_decay)
+    elif o.optimizer == "sgd":
+        optimizer = torch.optim.SGD(groups, momentum=0.9, weight_decay=o.weight_decay)
+    else:
+        raise ValueError(f"optim.optimizer must be adam or sgd, got {o.optimizer!r}")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
     hard = HardAttentionObjective(cfg.hard, o.doubly_stochastic) if model_cfg.attention == "hard" else None
 
@@ -171,55 +190,59 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
         state.update({k: ts[k] for k in state})
         if hard is not None:
             hard.baseline = float(ts.get("baseline", 0.0))
-        _set_rng_state(ts["rng"])
-    else:
+        rngs = ts.get("rng_per_rank") or [ts["rng"]]
+        if len(rngs) != ctx.world:
+            raise ValueError(f"the run was saved with {len(rngs)} processes; resume it with as many")
+        _set_rng_state(rngs[ctx.rank])
+    elif ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
+    ctx.barrier()
+    if ctx.is_main:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
 
-    dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len, cache_images=d.cache_images)
+    grid = None
+    if d.feature_cache:
+        from .features import CachedCaptionDataset, build_cache
+
+        cache = build_cache(model, train_records, preprocess, Path(d.feature_cache_dir or run_dir), ctx,
+                            workers=d.workers, progress=progress)
+        dataset = CachedCaptionDataset(train_records, vocab, cache, d.max_caption_len)
+        grid = cache.grid
+    else:
+        dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len,
+                                 cache_images=d.cache_images)
+    net = model
+    if ctx.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     captioner = Captioner(model, vocab, preprocess)
     meta = {"name": cfg.name, "data": d.dir, "attention": model_cfg.attention}
-    log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+    log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
     use_amp = o.amp and device.type == "cuda"
 
     def save_last() -> None:
+        rngs = ctx.gather(_rng_state())
+        if not ctx.is_main:
+            return
         train_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                       "rng": _rng_state(), "config": cfg.to_dict()}
+                       "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict()}
         if hard is not None:
             train_state["baseline"] = hard.baseline
         atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
                     run_dir / "last.pt")
 
     def write(record: dict) -> None:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
 
     def validate() -> bool:
-        """Real decoding on the validation split; saves best.pt; True when early stopping says stop."""
-        model.eval()
-        report = evaluate(captioner, d.dir, d.val_split, karpathy=karpathy, records=val_records,
-                          options=DecodeOptions(beam_size=cfg.val.beam_size, max_len=cfg.val.max_len),
-                          limit=cfg.val.limit or None, meteor=False, progress=False)
-        model.train()
-        value = report.metrics.get(cfg.val.metric)
-        if value is None and report.grounding:
-            value = report.grounding.get(cfg.val.metric)
-        if value is None:
-            raise ValueError(f"validation metric {cfg.val.metric!r} not among {sorted(report.metrics)}")
-        improved = state["best"] is None or value > state["best"]
-        if improved:
-            state["best"], state["bad_vals"] = value, 0
-            atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"], "epoch": state["epoch"],
-                                                   f"val_{cfg.val.metric}": value,
-                                                   "train_seconds": round(state["train_seconds"], 1)}),
-                        run_dir / "best.pt")
-        else:
-            state["bad_vals"] += 1
-        write({"step": state["step"], "epoch": state["epoch"], "val": report.metrics,
-               "grounding": report.grounding, "improved": improved})
-        print(f"epoch {state['epoch']} step {state['step']}: val {cfg.val.metric} {value:.4f}"
-              f"{' (best)' if improved else ''}", file=sys.stderr)
-        return cfg.val.patience > 0 and state["bad_vals"] >= cfg.val.patience
+        """Real decoding on the validation split (rank 0); saves best.pt; True when early stopping says stop."""
+        stop_early = False
+        if ctx.is_main:
+            stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
+        return ctx.broadcast(stop_early)
 
     reason = "finished"
     model.train()
@@ -227,24 +250,30 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
         try:
             while state["epoch"] < o.epochs:
                 batches = _epoch_batches(len(dataset), o.batch_size, o.seed, state["epoch"])
-                loader = DataLoader(dataset, batch_sampler=batches[state["batch_in_epoch"]:],
-                                    collate_fn=collate_captions, num_workers=d.workers,
-                                    pin_memory=device.type == "cuda",
+                # This rank's share of every global batch (a final batch smaller than the world is dropped).
+                todo = [b for b in batches[state["batch_in_epoch"]:] if len(b) >= ctx.world]
+                mine = [b[ctx.rank::ctx.world] for b in todo]
+                loader = DataLoader(dataset, batch_sampler=mine, collate_fn=collate_captions,
+                                    num_workers=d.workers, pin_memory=device.type == "cuda",
                                     # Its own generator: creating a loader must not draw from the
                                     # global RNG, or a resumed run would drift from the original.
                                     generator=torch.Generator().manual_seed(o.seed + state["epoch"]))
                 bar = tqdm(total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
-                           unit="batch", file=sys.stderr, disable=not progress, leave=False)
+                           unit="batch", file=sys.stderr, disable=not (progress and ctx.is_main), leave=False)
                 tick = time.perf_counter()
-                for batch in loader:
+                for batch, global_batch in zip(loader, todo):
                     batch = batch.to(device, non_blocking=True)
+                    inputs = Annotations(batch.images, grid) if grid is not None else batch.images
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                         if hard is not None:
-                            parts: LossParts = hard(model, batch.images, batch.tokens, batch.lengths)
+                            parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths)
                         else:
-                            parts = soft_loss(model, batch.images, batch.tokens, batch.lengths, o.doubly_stochastic)
+                            parts = soft_loss(net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
+                    # DDP averages gradients over ranks; weighting each rank's mean by its share
+                    # makes that the mean over the global batch even when shares differ.
+                    share = len(batch.tokens) * ctx.world / len(global_batch)
                     optimizer.zero_grad(set_to_none=True)
-                    parts.loss.backward()
+                    (parts.loss * share).backward()
                     if o.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
                     optimizer.step()
@@ -254,17 +283,18 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
                     state["step"] += 1
                     state["batch_in_epoch"] += 1
                     bar.update(1)
-                    bar.set_postfix(nll=f"{parts.nll:.2f}")
                     if state["step"] % o.log_every == 0:
-                        write({"step": state["step"], "epoch": state["epoch"], "nll": round(parts.nll, 4),
-                               "penalty": round(parts.penalty, 4), "lr": optimizer.param_groups[0]["lr"],
+                        nll = ctx.mean(parts.nll)
+                        bar.set_postfix(nll=f"{nll:.2f}")
+                        write({"step": state["step"], "epoch": state["epoch"], "nll": round(nll, 4),
+                               "penalty": round(ctx.mean(parts.penalty), 4), "lr": optimizer.param_groups[0]["lr"],
                                "train_seconds": round(state["train_seconds"], 1),
                                **({"baseline": round(hard.baseline, 4)} if hard is not None else {})})
                     if o.max_steps and state["step"] >= o.max_steps:
                         reason = "max_steps"
-                    elif o.max_minutes and state["train_seconds"] >= 60 * o.max_minutes:
+                    elif o.max_minutes and ctx.any(state["train_seconds"] >= 60 * o.max_minutes):
                         reason = "time_budget"
-                    elif stop.signal is not None:
+                    elif ctx.any(stop.signal is not None):
                         reason = "interrupted"
                     if reason != "finished":
                         break
@@ -286,5 +316,47 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
                 validate()  # a run that ends before its first validation still leaves a best.pt
             save_last()
         finally:
-            log.close()
+            if log is not None:
+                log.close()
     return TrainOutcome(run_dir, state["step"], state["epoch"], reason, state["best"], state["train_seconds"])
+
+
+def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
+    """Copy another checkpoint's weights: same sizes and the same vocabulary required
+    (the attention mode may differ: soft and hard attention share every parameter)."""
+    src = load_checkpoint(path)
+    if list(src["vocab"]) != vocab.words:
+        raise ValueError(f"{path} has a different vocabulary; it cannot initialise this run")
+    try:
+        model.load_state_dict(src["state_dict"])
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not fit this model: {e}") from e
+
+
+def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, state: dict, meta: dict,
+              run_dir: Path, write) -> bool:
+    model = captioner.model
+    model.eval()
+    report = evaluate(captioner, cfg.data.dir, cfg.data.val_split, karpathy=karpathy, records=val_records,
+                      options=DecodeOptions(beam_size=cfg.val.beam_size, max_len=cfg.val.max_len),
+                      limit=cfg.val.limit or None, meteor=False, progress=False)
+    model.train()
+    value = report.metrics.get(cfg.val.metric)
+    if value is None and report.grounding:
+        value = report.grounding.get(cfg.val.metric)
+    if value is None:
+        raise ValueError(f"validation metric {cfg.val.metric!r} not among {sorted(report.metrics)}")
+    improved = state["best"] is None or value > state["best"]
+    if improved:
+        state["best"], state["bad_vals"] = value, 0
+        atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"], "epoch": state["epoch"],
+                                               f"val_{cfg.val.metric}": value,
+                                               "train_seconds": round(state["train_seconds"], 1)}),
+                    run_dir / "best.pt")
+    else:
+        state["bad_vals"] += 1
+    write({"step": state["step"], "epoch": state["epoch"], "val": report.metrics,
+           "grounding": report.grounding, "improved": improved})
+    print(f"epoch {state['epoch']} step {state['step']}: val {cfg.val.metric} {value:.4f}"
+          f"{' (best)' if improved else ''}", file=sys.stderr)
+    return cfg.val.patience > 0 and state["bad_vals"] >= cfg.val.patience

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from captioner.encoders import Annotations
 from captioner.model import CaptionModel, DecoderOutput, attention_penalty
 
 from .config import HardConfig
@@ -34,7 +35,7 @@ def caption_log_likelihood(out: DecoderOutput, targets: torch.Tensor) -> torch.T
     return (token_logp * out.mask).sum(1)
 
 
-def soft_loss(model: CaptionModel, images: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor,
               doubly_stochastic: float) -> LossParts:
     """-log p(y|a) summed over words (mean over captions) + lambda * sum_i (1 - sum_t alpha_ti)^2,
     as in the paper; with the 'mean' (no attention) mode the penalty is constant and skipped."""
@@ -42,7 +43,8 @@ def soft_loss(model: CaptionModel, images: torch.Tensor, tokens: torch.Tensor, l
     ll = caption_log_likelihood(out, tokens[:, 1:])
     nll = -ll.mean()
     penalty = attention_penalty(out.alphas.float(), out.mask)
-    loss = nll + doubly_stochastic * penalty if model.config.attention != "mean" else nll
+    mode = getattr(model, "module", model).config.attention  # model may be wrapped in DDP
+    loss = nll + doubly_stochastic * penalty if mode != "mean" else nll
     return LossParts(loss, nll.item(), penalty.item(), int(out.mask.sum()))
 
 

@@ -1,0 +1,131 @@
+"""Batch captioning speed and memory.
+
+    python benchmarks/bench_caption.py [--images 300] [--batch-size 32] [--workers 2]
+
+1. Speed, on the same few hundred generated photos (JPEG, 640x480): images/s of the whole
+   `captioner caption` pipeline (decode + preprocess in worker processes, encoder, batched
+   beam search k=3, JSON lines written) and of the encoder's forward pass alone on
+   already-preprocessed tensors; their ratio says what loading, decoding and writing cost
+   on top of the encoder. For the bundled default model and for a ResNet-101 model at the
+   paper's sizes (random weights: speed does not depend on them).
+2. Memory: peak resident memory of `captioner caption` on 200 and on 2,000 images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from captioner.batch import caption_paths
+from captioner.images import Preprocess, load_image
+from captioner.inference import Captioner, DecodeOptions
+from captioner.model import CaptionModel, ModelConfig
+from captioner.vocab import SPECIALS, Vocabulary
+
+
+def make_photos(folder: Path, n: int, seed: int = 0) -> list[str]:
+    """Smooth gradients with a few shapes: JPEG-compressible like real photos."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:480, 0:640].astype(np.float32)
+    paths = []
+    for i in range(n):
+        c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+        t = (xx / 640 * rng.uniform(0.3, 1) + yy / 480 * rng.uniform(0.3, 1))[..., None] / 2
+        im = Image.fromarray((c0 * (1 - t) + c1 * t).astype(np.uint8), "RGB")
+        draw = ImageDraw.Draw(im)
+        for _ in range(3):
+            x, y, s = rng.integers(0, 560), rng.integers(0, 400), rng.integers(30, 120)
+            draw.ellipse([x, y, x + s, y + s], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        path = folder / f"photo_{i:05d}.jpg"
+        im.save(path, quality=90)
+        paths.append(str(path))
+    return paths
+
+
+def resnet101_captioner() -> Captioner:
+    torch.manual_seed(0)
+    vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
+    cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
+                      hidden_dim=512, attention_dim=512, dropout=0.5)
+    return Captioner(CaptionModel(cfg), vocab, Preprocess(size=(224, 224)))
+
+
+def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers: int) -> tuple[float, float]:
+    """(images/s of the whole caption pipeline, images/s of the encoder's forward pass alone)."""
+    options = DecodeOptions(beam_size=3, max_len=20)
+    tensors = [captioner.preprocess(load_image(p)) for p in paths]  # outside the encoder timing
+    batches = [torch.stack(tensors[i:i + batch_size]) for i in range(0, len(tensors), batch_size)]
+    with torch.inference_mode():
+        captioner.caption_batch(batches[0], options)  # warm-up
+        t0 = time.perf_counter()
+        for batch in batches:
+            captioner.model.encode(batch)
+        encoder_time = time.perf_counter() - t0
+    out = io.StringIO()
+    t0 = time.perf_counter()
+    caption_paths(captioner, paths, out, options=options, batch_size=batch_size, workers=workers, progress=False)
+    caption_time = time.perf_counter() - t0
+    assert out.getvalue().count("\n") == len(paths)
+    return len(paths) / caption_time, len(paths) / encoder_time
+
+
+def peak_memory_mb(folder: Path, n: int, workers: int) -> float:
+    """Peak RSS of a fresh `captioner caption` process (and its workers) over n images."""
+    code = (
+        "import resource, sys; from captioner.cli import main; "
+        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}']); "
+        "me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
+        "print(max(me, kids) / 1024)"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run([sys.executable, "-c", code, str(Path(tmp) / "out.jsonl")], capture_output=True,
+                             text=True, check=True)
+    return float(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--skip-resnet", action="store_true")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch_size}, "
+          f"workers {args.workers}, beam 3")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "photos"
+        paths = make_photos(folder, args.images)
+        models = [("demo-soft (default)", Captioner.load())]
+        if not args.skip_resnet:
+            models.append(("resnet101, paper sizes", resnet101_captioner()))
+        for name, cap in models:
+            full, enc = bench_speed(cap, paths, args.batch_size, args.workers)
+            print(f"{name}: caption {full:.1f} img/s, encoder alone {enc:.1f} img/s, "
+                  f"caption time / encoder time = {enc / full:.2f}")
+        if not args.skip_memory:
+            big = Path(tmp) / "many"
+            make_photos(big, 2000, seed=1)
+            small = Path(tmp) / "few"
+            small.mkdir()
+            for p in sorted(big.iterdir())[:200]:
+                (small / p.name).symlink_to(p)
+            m200 = peak_memory_mb(small, 200, args.workers)
+            m2000 = peak_memory_mb(big, 2000, args.workers)
+            print(f"peak memory (default model): 200 images {m200:.0f} MB, 2000 images {m2000:.0f} MB "
+                  f"({m2000 / m200:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""torch.distributed for training and batch captioning: set up from torchrun's environment.
+
+Under ``torchrun --nproc_per_node N`` (WORLD_SIZE > 1) every rank joins one process group:
+NCCL on GPUs, gloo on CPUs. Without torchrun this is a world of one and every helper is a
+no-op, so the training loop reads the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    def mean(self, value: float) -> float:
+        """The mean of a per-rank number over all ranks."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t)
+        return float(t) / self.world
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on some rank (a stop request, say)."""
+        if not self.active:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def broadcast(self, obj):
+        """Rank 0's object, on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank's object, as a list on rank 0 (None elsewhere)."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def setup(device_name: str = "auto") -> DistContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
+    if world <= 1:
+        if device_name == "auto":
+            return DistContext(device=torch.device("cuda" if cuda else "cpu"))
+        return DistContext(device=torch.device(device_name))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.active and dist.is_initialized():
+        dist.destroy_process_group()

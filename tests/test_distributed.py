@@ -1,0 +1,76 @@
+"""torch.distributed on CPU (gloo): two processes train like one over the same global batch,
+and distributed captioning yields every image exactly once."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from captioner.checkpoint import load_checkpoint
+from captioner.model import CaptionModel, ModelConfig
+from test_train import tiny_config
+from tiny import tiny_captioner, tiny_image
+from train.config import to_toml
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def _run(args, **kw):
+    res = subprocess.run(args, capture_output=True, text=True, timeout=600, **kw)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, tmp_path):
+    # Dropout off (each rank draws its own masks); a frozen encoder read through the feature
+    # cache (batch-norm statistics would otherwise be per rank); SGD, because Adam divides
+    # by the gradient's own size and so turns rounding noise in near-zero gradients (the
+    # score's bias, which softmax ignores) into full-size steps.
+    cfg = tiny_config(tiny_coco, **{"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0,
+                                    "optim.optimizer": "sgd", "optim.lr": 0.05,
+                                    "model.freeze_encoder": True, "data.feature_cache": True,
+                                    "val.every_epochs": 0, "optim.save_every": 0})
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(to_toml(cfg))
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    _run([sys.executable, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(single),
+          "--quiet"])
+    _run([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"])
+
+    a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
+    assert b["train_state"]["step"] == 6 and len(b["train_state"]["rng_per_rank"]) == 2
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5)
+    torch.manual_seed(cfg.optim.seed)  # the weights both runs started from
+    start = CaptionModel(ModelConfig.from_dict(a["model_config"])).state_dict()
+    assert not torch.allclose(start["decoder.L_o.weight"], a["state_dict"]["decoder.L_o.weight"])  # they trained
+    # Only rank 0 wrote: one log line per logged step, not two.
+    steps = [json.loads(x)["step"] for x in (multi / "metrics.jsonl").read_text().splitlines() if '"nll"' in x]
+    assert steps == sorted(set(steps))
+
+
+@pytest.mark.slow
+def test_distributed_captioning_gives_every_image_exactly_once(tmp_path):
+    weights = tmp_path / "tiny.pt"
+    tiny_captioner(seed=1).save(weights)
+    folder = tmp_path / "imgs"
+    (folder / "sub").mkdir(parents=True)
+    paths = []
+    for i in range(23):  # an odd count: the shards differ in size
+        p = folder / ("sub" if i % 3 else "") / f"img{i:02d}.png"
+        tiny_image(i, size=(24, 24)).save(p)
+        paths.append(str(p))
+    (folder / "broken.jpg").write_bytes(b"not an image")
+    out = tmp_path / "out.jsonl"
+    # One image is already done: it must not be captioned again.
+    out.write_text(json.dumps({"image": paths[0], "caption": "x", "words": ["x"], "score": 0.0}) + "\n")
+    res = subprocess.run([*TORCHRUN, "-m", "captioner.cli", "caption", str(folder), "--weights", str(weights),
+                          "--out", str(out), "--max-len", "5", "--batch-size", "3", "--quiet"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]  # the broken file failed, the rest were captioned
+    images = [json.loads(x)["image"] for x in out.read_text().splitlines()]
+    assert sorted(images) == sorted(paths + [str(folder / "broken.jpg")])
+    assert not list(tmp_path.glob("out.jsonl.part*"))  # parts merged and removed

@@ -123,3 +123,16 @@ def test_annotations_from_encoder_cover_the_grid():
     assert isinstance(ann, Annotations)
     assert ann.grid == (4, 3)
     assert ann.vectors.shape == (2, 12, model.config.annotation_dim)
+
+
+def test_hard_inference_modes():
+    """Expected context (default) is the soft context; argmax takes one annotation."""
+    model = _model(attention="hard").eval()
+    att = model.decoder.attention
+    a = torch.randn(3, 4, model.config.annotation_dim)
+    h = torch.randn(3, model.config.hidden_dim)
+    keys = att.prepare(a)
+    expected = att(keys, a, h, (2, 2))
+    torch.testing.assert_close(expected.context, torch.einsum("bl,bld->bd", expected.alpha, a))
+    top = att(keys, a, h, (2, 2), argmax=True)
+    torch.testing.assert_close(top.context, a[torch.arange(3), expected.alpha.argmax(-1)])

@@ -125,7 +125,8 @@ class _ImageFiles(Dataset):
 
     def __getitem__(self, i: int) -> Loaded:
         try:
-            return Loaded(i, self.preprocess(load_image(self.paths[i], self.max_pixels)), None)
+            image = load_image(self.paths[i], self.max_pixels, at_least=max(self.preprocess.size))
+            return Loaded(i, self.preprocess(image), None)
         except ImageLoadError as e:
             return Loaded(i, None, str(e))
         except Exception as e:  # anything else about this one file must not stop the run

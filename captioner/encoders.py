@@ -104,13 +104,18 @@ class _CoordConcat(nn.Module):
 
 
 def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+    # Stride 2 uses a 4x4 kernel (padding 1): output i is centred on input 2i + 0.5, so after
+    # four of them cell (r, c) is centred on its own 16x16 block of pixels. A 3x3 stride-2
+    # kernel centres it on 2i instead, half a cell up and left of the block, and the
+    # attention maps then land half a cell off the objects they look at.
+    k = 4 if stride == 2 else 3
+    return nn.Sequential(nn.Conv2d(cin, cout, k, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
 
 
 @register_encoder("small")
 def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
     """Four stride-2 stages (grid = image / 16), then one more 3x3 layer: a receptive field
-    of about 63 px at 128 px input. A cell sees its neighbourhood, not the whole image,
+    of about 78 px, centred on each cell's own block of pixels. A cell sees its neighbourhood, not the whole image,
     so the decoder must attend to tell which colour goes with which shape."""
     if pretrained:
         raise ValueError("the 'small' encoder has no pretrained weights; it is trained from scratch")

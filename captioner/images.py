@@ -60,8 +60,13 @@ def is_image_path(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() in IMAGE_EXTENSIONS
 
 
-def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Read a file path or raw bytes into an 8-bit RGB image, or raise ImageLoadError."""
+def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_PIXELS,
+               at_least: int | None = None) -> Image.Image:
+    """Read a file path or raw bytes into an 8-bit RGB image, or raise ImageLoadError.
+
+    ``at_least``: the caller will shrink the image to about this many pixels a side, so a
+    JPEG may be decoded at a reduced scale (1/2, 1/4, 1/8) that keeps both sides at least
+    this long: several times faster for photos, and the same picture after the resize."""
     name = "upload" if isinstance(source, bytes) else str(source)
     if isinstance(source, bytes):
         if not source:
@@ -85,6 +90,8 @@ def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_
                         f"image is {w}x{h} = {w * h:,} pixels, over the limit of {max_pixels:,} "
                         "(possible decompression bomb)")
                 im.seek(0)  # first frame of animations
+                if at_least is not None and im.format == "JPEG":
+                    im.draft(None, (at_least, at_least))
                 im = ImageOps.exif_transpose(im)
                 return to_rgb(im)
     except ImageLoadError:

@@ -80,3 +80,15 @@ def test_preprocess_resizes_the_whole_image_without_crop():
     assert x[:, :, -1].mean() > 0.8  # the right edge survived: nothing was cropped
     assert x[:, :, :8].max() < 0.05
     assert isinstance(x, torch.Tensor)
+
+
+def test_jpeg_decoded_at_reduced_scale_keeps_the_target_size(tmp_path):
+    im = Image.new("RGB", (1600, 1200), "red")
+    path = tmp_path / "big.jpg"
+    im.save(path, quality=90)
+    small = load_image(path, at_least=224)
+    assert small.size == (400, 300)  # 1/4 scale: the largest reduction that keeps both sides >= 224
+    assert load_image(path).size == (1600, 1200)
+    png = tmp_path / "big.png"
+    im.save(png)
+    assert load_image(png, at_least=224).size == (1600, 1200)  # only JPEG has reduced decoding

@@ -136,3 +136,21 @@ def test_hard_inference_modes():
     torch.testing.assert_close(expected.context, torch.einsum("bl,bld->bd", expected.alpha, a))
     top = att(keys, a, h, (2, 2), argmax=True)
     torch.testing.assert_close(top.context, a[torch.arange(3), expected.alpha.argmax(-1)])
+
+
+def test_small_encoder_cells_are_centred_on_their_pixel_blocks():
+    """A dot in the middle of block (2, 5) excites cell (2, 5) most, and its neighbours
+    symmetrically: the grid the overlays and the pointing game use is the encoder's own."""
+    from captioner.encoders import create_encoder
+
+    enc = create_encoder("small").eval()
+    with torch.no_grad():
+        for m in enc.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                torch.nn.init.constant_(m.weight, 0.05)
+        dot = torch.zeros(1, 3, 128, 128)
+        dot[:, :, 2 * 16 + 7:2 * 16 + 9, 5 * 16 + 7:5 * 16 + 9] = 10.0
+        response = (enc(dot).vectors - enc(torch.zeros(1, 3, 128, 128)).vectors).norm(dim=-1).view(8, 8)
+    assert divmod(int(response.argmax()), 8) == (2, 5)
+    torch.testing.assert_close(response[2, 4], response[2, 6], rtol=1e-3, atol=0)
+    torch.testing.assert_close(response[1, 5], response[3, 5], rtol=1e-3, atol=0)

@@ -35,6 +35,17 @@ def _device(name: str) -> str:
     return name
 
 
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and how it decodes: shared by caption and evaluate."""
+    p.add_argument("--weights", default=None,
+                   help="checkpoint file, or a bundled model: demo-soft (default), demo-hard")
+    p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
+                   help="hard-attention models: context from the expected location mix (default, "
+                        "deterministic), the most likely location (argmax), or a random sample")
+
+
 def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "caption", help="caption image files and folders, one JSON line per image",
@@ -45,15 +56,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                     "there are skipped and new lines appended (resume). Exit code: 0 all captioned, "
                     "1 some failed, 2 usage error.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
-    p.add_argument("--weights", default=None,
-                   help="checkpoint file, or a bundled model: demo-soft (default), demo-hard")
-    p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    _add_model_args(p)
     p.add_argument("--length-penalty", type=float, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
-    p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
-                   help="hard-attention models: context from the expected location mix (default, "
-                        "deterministic), the most likely location (argmax), or a random sample")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--workers", type=int, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
@@ -151,16 +156,12 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
                        description="Decode a split with real decoding (no teacher forcing) and score it: "
                                    "BLEU-1..4, METEOR (when java is on PATH), ROUGE-L, CIDEr; on shapes data also "
                                    "object accuracy and the attention pointing game with its chance level.")
-    p.add_argument("--weights", default=None, help="checkpoint file or demo-soft / demo-hard (default demo-soft)")
     p.add_argument("--data", type=Path, required=True, help="folder with captions_<split>.json and images/")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
     p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file (dataset_coco.json)")
-    p.add_argument("--beam-size", type=_positive, default=3, help="beam width (default 3)")
-    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    _add_model_args(p)
     p.add_argument("--batch-size", type=_positive, default=32, help="images per batch (default 32)")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
-    p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
-                   help="hard-attention models: how the context is chosen at inference (default expected)")
     p.add_argument("--out", type=Path, default=None,
                    help="write metrics JSON here, and the COCO results JSON beside it (default: print only)")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")

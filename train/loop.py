@@ -13,7 +13,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -155,12 +155,9 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
     else:
-        model_cfg = ModelConfig(vocab_size=len(vocab), encoder=m.encoder, encoder_pretrained=m.encoder_pretrained,
-                                fine_tune_blocks=m.fine_tune_blocks, freeze_encoder=m.freeze_encoder,
-                                image_size=(m.image_size, m.image_size), embed_dim=m.embed_dim,
-                                hidden_dim=m.hidden_dim, attention_dim=m.attention_dim, dropout=m.dropout,
-                                attention=m.attention, score=m.score, normalizer=m.normalizer,
-                                local_window=m.local_window)
+        fields = {k: v for k, v in asdict(m).items() if k != "init_from"}  # the rest is the model's shape
+        model_cfg = ModelConfig.from_dict({**fields, "vocab_size": len(vocab),
+                                           "image_size": (m.image_size, m.image_size)})
     model = CaptionModel(model_cfg).to(device)
     if ckpt is not None:
         model.load_state_dict(ckpt["state_dict"])

@@ -114,9 +114,9 @@ def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
 
 @register_encoder("small")
 def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    """Four stride-2 stages (grid = image / 16), then one more 3x3 layer: a receptive field
-    of about 78 px, centred on each cell's own block of pixels. A cell sees its neighbourhood, not the whole image,
-    so the decoder must attend to tell which colour goes with which shape."""
+    """Four stride-2 stages (grid = image / 16) with a receptive field of 30 px, centred on
+    each cell's own block: a cell sees its block and a little around it, not a whole object,
+    so naming an object means attending to the cells it covers, word by word."""
     if pretrained:
         raise ValueError("the 'small' encoder has no pretrained weights; it is trained from scratch")
     dim = 128
@@ -125,8 +125,8 @@ def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
         _conv(5, 32, 2),
         _conv(32, 64, 2),
         _conv(64, 128, 2),
-        _conv(128, dim, 2),
-        _conv(dim, dim, 1),  # widens the view to about 63 px: a cell sees a whole large object
+        # Last stage: 2x2 stride 2, so a cell sees its own 16x16 block and 7 px around it.
+        nn.Conv2d(128, dim, 2, 2, bias=False), nn.BatchNorm2d(dim), nn.ReLU(inplace=True),
         nn.Conv2d(dim, dim, 1),
         nn.ReLU(inplace=True),
     )

@@ -79,11 +79,12 @@ def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers
     return len(paths) / caption_time, len(paths) / encoder_time
 
 
-def peak_memory_mb(folder: Path, n: int, workers: int) -> float:
-    """Peak RSS of a fresh `captioner caption` process (and its workers) over n images."""
+def peak_memory_mb(folder: Path, weights: str | None, workers: int) -> float:
+    """Peak RSS of a fresh `captioner caption` process (or of its largest worker) over a folder."""
+    extra = f", '--weights', {weights!r}" if weights else ""
     code = (
         "import resource, sys; from captioner.cli import main; "
-        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}']); "
+        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}'{extra}]); "
         "me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
         "print(max(me, kids) / 1024)"
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--weights", default=None, help="the default model (demo-soft) or another checkpoint")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-resnet", action="store_true")
     args = ap.parse_args()
@@ -107,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "photos"
         paths = make_photos(folder, args.images)
-        models = [("demo-soft (default)", Captioner.load())]
+        models = [(f"{args.weights or 'demo-soft'} (small encoder, 128 px)", Captioner.load(args.weights))]
         if not args.skip_resnet:
             models.append(("resnet101, paper sizes", resnet101_captioner()))
         for name, cap in models:
@@ -121,8 +123,8 @@ def main() -> None:
             small.mkdir()
             for p in sorted(big.iterdir())[:200]:
                 (small / p.name).symlink_to(p)
-            m200 = peak_memory_mb(small, 200, args.workers)
-            m2000 = peak_memory_mb(big, 2000, args.workers)
+            m200 = peak_memory_mb(small, args.weights, args.workers)
+            m2000 = peak_memory_mb(big, args.weights, args.workers)
             print(f"peak memory (default model): 200 images {m200:.0f} MB, 2000 images {m2000:.0f} MB "
                   f"({m2000 / m200:.2f}x)")
 

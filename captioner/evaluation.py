@@ -123,6 +123,8 @@ def format_table(report: EvalReport) -> str:
             ("object accuracy (colour+shape)", fmt("object_accuracy")),
             ("object accuracy (with size)", fmt("object_accuracy_with_size")),
             ("pointing game (shape+colour words)", f"{fmt('pointing_accuracy')}  (chance {fmt('pointing_chance')})"),
+            ("pointing game, argmax cell touches the box", f"{fmt('pointing_accuracy_touch')}  "
+                                                           f"(chance {fmt('pointing_chance_touch')})"),
             ("pointing game, shape words", fmt("pointing_accuracy_shape")),
             ("pointing game, colour words", fmt("pointing_accuracy_color")),
             ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),

@@ -76,6 +76,8 @@ class PointingRecord:
     hit: bool  # the argmax cell's centre lies inside the object's box
     mass: float  # attention mass on cells whose centre lies inside the box
     chance: float  # fraction of cells whose centre lies inside the box
+    hit_touch: bool = False  # the argmax cell's own area overlaps the box (the lenient reading)
+    chance_touch: float = 0.0  # fraction of cells whose area overlaps the box
 
 
 # ------------------------------------------------------------------------- mentions
@@ -201,6 +203,20 @@ def _cell_centres_inside(bbox: Sequence[float], grid: tuple[int, int],
     return in_y[:, None] & in_x[None, :]
 
 
+def _cells_touching(bbox: Sequence[float], grid: tuple[int, int], image_size: tuple[int, int]) -> np.ndarray:
+    """(H, W) bool: which grid cells' areas overlap the box. A model that looks at an
+    object's outline (where its shape shows) often peaks on a cell that straddles the
+    edge, with its centre just outside the box: this counts it, the strict test does not."""
+    h, w = grid
+    img_w, img_h = image_size
+    x, y, bw, bh = bbox
+    left = np.arange(w) * img_w / w
+    top = np.arange(h) * img_h / h
+    in_x = (left < x + bw) & (left + img_w / w > x)
+    in_y = (top < y + bh) & (top + img_h / h > y)
+    return in_y[:, None] & in_x[None, :]
+
+
 def _as_array(alphas: Any) -> np.ndarray:
     if hasattr(alphas, "detach"):  # a torch tensor, possibly on a GPU
         alphas = alphas.detach().float().cpu().numpy()
@@ -233,10 +249,12 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
         if len(owners) != 1:  # absent, or ambiguous which object the word points to
             continue
         inside = _cell_centres_inside(owners[0].bbox, grid, image_size)
+        touching = _cells_touching(owners[0].bbox, grid, image_size)
         r, c = np.unravel_index(int(np.argmax(maps[t])), grid)
         records.append(PointingRecord(
             step=t, word=word, kind=kind, hit=bool(inside[r, c]),
             mass=float(maps[t][inside].sum()), chance=float(inside.mean()),
+            hit_touch=bool(touching[r, c]), chance_touch=float(touching.mean()),
         ))
     return records
 
@@ -278,6 +296,8 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
         "pointing_accuracy_shape": _mean([float(r.hit) for r in by_kind["shape"]]),
         "pointing_accuracy_color": _mean([float(r.hit) for r in by_kind["color"]]),
         "pointing_chance": chance,
+        "pointing_accuracy_touch": _mean([float(r.hit_touch) for r in records]),
+        "pointing_chance_touch": _mean([r.chance_touch for r in records]),
         "alpha_mass_in_box": _mean([r.mass for r in records]),
         # A uniform map puts exactly the in-box cell fraction of its mass in the box.
         "alpha_mass_chance": chance,

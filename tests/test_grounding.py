@@ -176,3 +176,19 @@ def test_load_shape_objects(tmp_path: Path) -> None:
     assert images[1].size == (64, 48) and images[1].file_name == "t/a.png"
     assert images[1].objects == [ShapeObject("star", "white", "small", (1.0, 2.0, 3.0, 4.0))]
     assert images[2].objects == []
+
+
+def test_pointing_touch_counts_a_cell_straddling_the_edge() -> None:
+    # 4x4 grid over 64x64 px (16 px cells, centres at 8, 24, 40, 56); the box x 10-30,
+    # y 10-30 holds one cell centre, (1, 1)'s (24, 24), and overlaps cells (0..1, 0..1).
+    obj = ShapeObject("circle", "red", "small", (10.0, 10.0, 20.0, 20.0))
+    maps = np.zeros((2, 4, 4))
+    maps[0, 0, 0] = 1.0  # straddles the box's top-left corner: centre outside, area overlapping
+    maps[1, 2, 3] = 1.0  # cell x 48-64, y 32-48: nowhere near
+    rec = pointing_game(["red", "circle"], maps, [obj], (64, 64))
+    assert [(r.hit, r.hit_touch) for r in rec] == [(False, True), (False, False)]
+    assert rec[0].chance == pytest.approx(1 / 16)  # only (1, 1) has its centre inside
+    assert rec[0].chance_touch == pytest.approx(4 / 16)  # (0..1, 0..1) overlap the box
+    summary = summarize_grounding([rec], [object_accuracy(["red", "circle"], [obj])])
+    assert summary["pointing_accuracy_touch"] == pytest.approx(0.5)
+    assert summary["pointing_chance_touch"] == pytest.approx(0.25)

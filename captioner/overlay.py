@@ -58,7 +58,7 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     shown = image.convert("RGB").resize((pw, ph), Image.Resampling.BICUBIC)
     panels = [(shown, "(image)")]
     for t, word in enumerate(result.words):
-        panels.append((overlay(shown, result.alphas[t], smooth), f"{word}  β={float(result.betas[t]):.2f}"))
+        panels.append((overlay(shown, result.alphas[t], smooth), f"{word}  beta {float(result.betas[t]):.2f}"))
     font = _font(max(12, panel // 14))
     label_h = font.size + 8 if hasattr(font, "size") else 20
     cols = min(columns, len(panels))

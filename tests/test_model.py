@@ -160,3 +160,25 @@ def test_small_encoder_cells_are_centred_on_their_pixel_blocks():
         assert seen(y, x), (y, x)
     for y, x in [(24, 88), (55, 88), (40, 72), (40, 103)]:
         assert not seen(y, x), (y, x)
+
+
+@pytest.mark.parametrize("name,channels,grid", [("vgg16", 512, (14, 14)), ("resnet50", 2048, (7, 7)),
+                                                ("resnet101", 2048, (7, 7))])
+def test_torchvision_encoders_give_the_papers_grids(name, channels, grid):
+    """Random weights (no download): VGG-16 conv5_3 is 14x14x512 at 224 px, ResNet layer4 7x7x2048."""
+    from captioner.encoders import create_encoder
+
+    enc = create_encoder(name).eval()
+    with torch.no_grad():
+        ann = enc(torch.randn(1, 3, 224, 224))
+    assert ann.grid == grid and ann.vectors.shape == (1, grid[0] * grid[1], channels)
+    assert not any(p.requires_grad for p in enc.parameters())  # frozen unless fine-tuned
+
+
+def test_fine_tuning_unfreezes_only_the_last_blocks():
+    from captioner.encoders import create_encoder
+
+    enc = create_encoder("vgg16", fine_tune_blocks=1)
+    trainable = {n for n, p in enc.named_parameters() if p.requires_grad}
+    assert trainable == {"trunk.28.weight", "trunk.28.bias"}  # conv5_3 only
+    assert create_encoder("vgg16", fine_tune_blocks=1, freeze=True).trainable is False

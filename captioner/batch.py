@@ -59,25 +59,28 @@ def discover(paths: list[str]) -> Discovery:
     return found
 
 
+def _whole_lines(data: bytes) -> Iterator[tuple[bytes, dict]]:
+    """(raw line, record) for every complete JSON line; a torn last line is not returned."""
+    for line in data[: data.rfind(b"\n") + 1].splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "image" in rec:
+            yield line, rec
+
+
 def completed_images(out_path: Path) -> set[str]:
     """Images that already have a line in ``out_path``. A half-written last line (a run
     killed mid-write) is cut off, so that image is done again."""
     if not out_path.exists():
         return set()
-    done: set[str] = set()
     with open(out_path, "rb+") as f:
         data = f.read()
         keep = data.rfind(b"\n") + 1  # everything after the last newline is a torn line
         if keep < len(data):
             f.truncate(keep)
-        for line in data[:keep].splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "image" in rec:
-                done.add(rec["image"])
-    return done
+    return {rec["image"] for _, rec in _whole_lines(data)}
 
 
 def part_path(out_path: Path, rank: int) -> Path:
@@ -92,14 +95,8 @@ def merge_parts(out_path: Path) -> int:
     added = 0
     with open(out_path, "a", encoding="utf-8") as out:
         for part in sorted(out_path.parent.glob(f"{out_path.name}.part*")):
-            with open(part, "rb") as f:
-                data = f.read()
-            for line in data[: data.rfind(b"\n") + 1].splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("image") not in done:
+            for line, rec in _whole_lines(part.read_bytes()):
+                if rec["image"] not in done:
                     out.write(line.decode("utf-8") + "\n")
                     done.add(rec["image"])
                     added += 1
@@ -141,8 +138,6 @@ def _keep_list(batch: list[Loaded]) -> list[Loaded]:
 class BatchSummary:
     captioned: int = 0
     failed: int = 0
-    skipped: int = 0
-    already_done: int = 0
 
 
 def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
@@ -193,10 +188,3 @@ def _save_figure(path: str, result: CaptionResult, folder: Path) -> str:
     name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
     attention_figure(load_image(path), result).save(folder / name)
     return str(folder / name)
-
-
-def iter_jsonl(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)

@@ -117,8 +117,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
             ctx.barrier()
             if ctx.is_main:
                 merge_parts(args.out)
-            summary = BatchSummary(*(round(ctx.mean(float(v)) * ctx.world) for v in
-                                     (summary.captioned, summary.failed, summary.skipped, summary.already_done)))
+            summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)))
         if not args.quiet and ctx.is_main:
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
                   f"(not image files), already done {len(done & set(found.images))}", file=sys.stderr)

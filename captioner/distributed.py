@@ -29,13 +29,17 @@ class DistContext:
     def active(self) -> bool:
         return self.world > 1
 
-    def mean(self, value: float) -> float:
-        """The mean of a per-rank number over all ranks."""
+    def sum(self, value: float) -> float:
+        """The sum of a per-rank number over all ranks."""
         if not self.active:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t)
-        return float(t) / self.world
+        return float(t)
+
+    def mean(self, value: float) -> float:
+        """The mean of a per-rank number over all ranks."""
+        return self.sum(value) / self.world
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on some rank (a stop request, say)."""

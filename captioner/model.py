@@ -95,6 +95,21 @@ class Decoder(nn.Module):
         self.L_z = nn.Linear(d, e)
         self.dropout = nn.Dropout(cfg.dropout)
         self.L_o = nn.Linear(e, v)
+        self._compiled_step = None
+
+    def compile_step(self, **options) -> None:
+        """Run the per-word step through ``torch.compile`` from now on (training and decoding).
+
+        One step is some twenty small kernels (attention, gate, LSTM cell, deep output);
+        on CUDA the compiler fuses them, which is where the step's time goes at these sizes.
+        Hard attention's sampling draws from a torch.Generator, which the compiler leaves
+        to eager mode (a graph break), so the soft step gains most. ``options`` go to
+        torch.compile (e.g. backend, mode)."""
+        self._compiled_step = torch.compile(self._step, dynamic=True, **options)
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_step is not None
 
     def init_state(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = a.mean(dim=1)  # (B, D)
@@ -104,6 +119,12 @@ class Decoder(nn.Module):
              keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False, argmax: bool = False,
              generator: torch.Generator | None = None) -> StepOutput:
         """One word: y_prev (B,) token ids, state (B, H), annotations (B, L, D)."""
+        fn = self._compiled_step if self._compiled_step is not None else self._step
+        return fn(y_prev, h, c, a, keys, grid, sample=sample, argmax=argmax, generator=generator)
+
+    def _step(self, y_prev: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
+              keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False, argmax: bool = False,
+              generator: torch.Generator | None = None) -> StepOutput:
         att = self.attention(keys, a, h, grid, sample=sample, argmax=argmax, generator=generator)
         beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
         z = beta * att.context  # (B, D)

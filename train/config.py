@@ -62,7 +62,10 @@ class OptimConfig:
     grad_clip: float = 5.0
     doubly_stochastic: float = 1.0  # lambda of sum_i (1 - sum_t alpha_ti)^2
     seed: int = 0
-    amp: bool = True  # mixed precision (bf16) on CUDA; ignored on CPU
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (with a gradient scaler)
+    # torch.compile the decoder's per-word step with this backend: "" (off), "inductor"
+    # (fused kernels; pays off on CUDA), or e.g. "aot_eager" (traces without generating code).
+    compile: str = ""
     device: str = "auto"
     threads: int = 0  # CPU threads for this run (0: torch's default); 1 lets runs share a machine
     log_every: int = 20

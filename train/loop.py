@@ -30,9 +30,11 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import Vocabulary
 
-from .config import TrainConfig, to_toml
 from captioner.distributed import DistContext, setup, teardown
+
+from .config import TrainConfig, to_toml
 from .losses import HardAttentionObjective, LossParts, soft_loss
+from .precision import MixedPrecision
 
 
 @dataclass
@@ -216,14 +218,19 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     captioner = Captioner(model, vocab, preprocess)
     meta = {"name": cfg.name, "data": d.dir, "attention": model_cfg.attention}
     log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
-    use_amp = o.amp and device.type == "cuda"
+    precision = MixedPrecision(o.precision, device)
+    if ckpt is not None:
+        precision.load_state_dict(ckpt["train_state"].get("grad_scaler"))
+    if o.compile:
+        model.decoder.compile_step(backend=o.compile)
 
     def save_last() -> None:
         rngs = ctx.gather(_rng_state())
         if not ctx.is_main:
             return
         train_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                       "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict()}
+                       "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict(),
+                       "grad_scaler": precision.state_dict()}
         if hard is not None:
             train_state["baseline"] = hard.baseline
         atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
@@ -261,7 +268,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                 for batch, global_batch in zip(loader, todo):
                     batch = batch.to(device, non_blocking=True)
                     inputs = Annotations(batch.images, grid) if grid is not None else batch.images
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                    with precision.autocast():
                         if hard is not None:
                             parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths)
                         else:
@@ -270,10 +277,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     # makes that the mean over the global batch even when shares differ.
                     share = len(batch.tokens) * ctx.world / len(global_batch)
                     optimizer.zero_grad(set_to_none=True)
-                    (parts.loss * share).backward()
-                    if o.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-                    optimizer.step()
+                    precision.backward(parts.loss * share)
+                    precision.step(optimizer, model.parameters(), o.grad_clip)
                     now = time.perf_counter()
                     state["train_seconds"] += now - tick
                     tick = now
@@ -286,7 +291,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                         write({"step": state["step"], "epoch": state["epoch"], "nll": round(nll, 4),
                                "penalty": round(ctx.mean(parts.penalty), 4), "lr": optimizer.param_groups[0]["lr"],
                                "train_seconds": round(state["train_seconds"], 1),
-                               **({"baseline": round(hard.baseline, 4)} if hard is not None else {})})
+                               **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
+                               **({"grad_scale": precision.scaler.get_scale()} if precision.scaler else {})})
                     if o.max_steps and state["step"] >= o.max_steps:
                         reason = "max_steps"
                     elif o.max_minutes and ctx.any(state["train_seconds"] >= 60 * o.max_minutes):

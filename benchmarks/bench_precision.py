@@ -1,0 +1,116 @@
+"""Training and captioning throughput of a ResNet-101 model at the paper's sizes, by
+numeric precision and with or without torch.compile of the decoder step. Meant for a GPU.
+
+    python benchmarks/bench_precision.py --device cuda [--batch-size 32] [--repeats 5]
+    python benchmarks/bench_precision.py --device cpu --batch-size 4 --repeats 1 --variants fp32,bf16
+
+ResNet-101 (random weights: speed does not depend on them) at 224 px gives 14x14x2048
+annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions.
+- training: images/s of one optimiser step (frozen encoder forward, teacher-forced decoder
+  forward and backward, doubly stochastic penalty, Adam), autocast and gradient scaling as
+  `captioner train` does them (train/precision.py);
+- captioning: images/s of encoder + batched beam search (k=3, 20 steps: <end> never wins,
+  the worst case), as `captioner caption --precision P [--compile]` runs it.
+Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (inductor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from captioner.inference import Captioner, DecodeOptions
+from captioner.model import CaptionModel, ModelConfig, attention_penalty
+from captioner.images import Preprocess
+from captioner.vocab import SPECIALS, Vocabulary
+from train.losses import caption_log_likelihood
+from train.precision import MixedPrecision
+
+STEPS = 20
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeats: int, dev: torch.device) -> float:
+    fn()  # warm-up (and compilation)
+    _sync(dev)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def build(dev: torch.device, compile_step: bool) -> Captioner:
+    torch.manual_seed(0)
+    vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
+    cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
+                      hidden_dim=512, attention_dim=512, dropout=0.5, freeze_encoder=True)
+    model = CaptionModel(cfg).to(dev)
+    with torch.no_grad():
+        model.decoder.L_o.bias[vocab.end] = -1e4  # no caption ends early
+    cap = Captioner(model, vocab, Preprocess(size=(224, 224)))
+    if compile_step:
+        cap.compile()
+    return cap
+
+
+def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> tuple[float, float]:
+    precision, _, extra = variant.partition("+")
+    cap = build(dev, extra == "compile")
+    model = cap.model
+    images = torch.randn(batch, 3, 224, 224, device=dev)
+    tokens = torch.randint(len(SPECIALS), len(cap.vocab), (batch, STEPS + 1), device=dev)
+    tokens[:, 0] = cap.vocab.start
+    lengths = torch.full((batch,), STEPS + 1, device=dev)
+    mp = MixedPrecision(precision, dev)
+    opt = torch.optim.Adam(model.decoder.parameters(), lr=1e-4)
+
+    def train_step() -> None:
+        model.train()
+        with mp.autocast():
+            out = model(images, tokens, lengths)
+            loss = -caption_log_likelihood(out, tokens[:, 1:]).mean() + attention_penalty(out.alphas.float(), out.mask)
+        opt.zero_grad(set_to_none=True)
+        mp.backward(loss)
+        mp.step(opt, model.decoder.parameters(), 5.0)
+
+    cap.use_precision(precision)
+
+    def caption() -> None:
+        cap.caption_batch(images, DecodeOptions(beam_size=3, max_len=STEPS))
+
+    t_train = _best(train_step, repeats, dev)
+    t_cap = _best(caption, repeats, dev)
+    return batch / t_train, batch / t_cap
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
+    ap.add_argument("--variants", default="fp32,bf16,fp16,fp32+compile,bf16+compile",
+                    help="comma-separated, from fp32, bf16, fp16, each optionally +compile")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{name}; torch {torch.__version__}; ResNet-101 224 px, decoder 512/512/512, V=10k, "
+          f"batch {args.batch_size}, {STEPS} steps, beam 3")
+    print(f"{'variant':<14} {'train img/s':>12} {'caption img/s':>14}")
+    base = None
+    for variant in args.variants.split(","):
+        tr, cp = bench_variant(variant.strip(), dev, args.batch_size, args.repeats)
+        base = base or (tr, cp)
+        print(f"{variant:<14} {tr:>12.1f} {cp:>14.1f}   ({tr / base[0]:.2f}x, {cp / base[1]:.2f}x the first)")
+
+
+if __name__ == "__main__":
+    main()

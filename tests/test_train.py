@@ -8,7 +8,7 @@ import torch
 
 from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
-from train.config import apply_overrides, load_config
+from train.config import TrainConfig, apply_overrides, load_config
 from train.loop import train
 
 CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*.toml"))
@@ -77,3 +77,11 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, at
     assert a["train_state"]["epoch"] == b["train_state"]["epoch"] >= 1  # an epoch boundary was crossed
     if attention == "hard":
         assert a["train_state"]["baseline"] == b["train_state"]["baseline"] != 0.0
+
+
+def test_configs_of_older_runs_with_amp_still_load(tmp_path):
+    saved = tiny_config(tmp_path).to_dict()
+    del saved["optim"]["precision"]
+    for amp, precision in ((True, "auto"), (False, "fp32")):
+        saved["optim"]["amp"] = amp
+        assert TrainConfig.from_dict(saved).optim.precision == precision

@@ -492,3 +492,23 @@ def test_variant_is_selected_by_the_config_and_survives_a_checkpoint(variant, tm
 def test_model_refuses_an_unknown_score():
     with pytest.raises(ValueError, match="unknown attention score"):
         tiny_captioner(score="telepathy")
+
+
+@pytest.mark.parametrize("block_bytes", [1, 300, 1 << 30])
+def test_blocked_additive_scores_equal_the_plain_expression(monkeypatch, block_bytes):
+    import captioner.attention as att_mod
+
+    torch.manual_seed(0)
+    att = Attention(6, 5, 4)
+    a, h = torch.randn(7, 9, 6), torch.randn(7, 5)
+    keys = att.prepare(a)
+    with torch.no_grad():
+        plain = att.v(torch.tanh(keys + att.query_proj(h).unsqueeze(1))).squeeze(-1)
+        monkeypatch.setattr(att_mod, "BLOCK_BYTES", block_bytes)  # 1 row, 2 rows (7 = 2+2+2+1), plain
+        blocked_used = att_mod._blocked_ok(keys, att.query_proj(h))
+        got = att.scores(keys, a, h)
+    assert blocked_used == (block_bytes < 7 * 9 * 4 * 4)
+    torch.testing.assert_close(got, plain)
+    # With gradients on, the plain (differentiable) expression is used.
+    e = att.scores(keys, a, h)
+    assert e.requires_grad

@@ -84,20 +84,23 @@ def _blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
 def _additive_blocked(keys: torch.Tensor, q: torch.Tensor, v: nn.Linear) -> torch.Tensor:
     """w^T tanh(keys + q) (B, L), a few rows at a time into one reused buffer. The plain
     expression writes and rereads two (B, L, A) tensors per decoding step (at the paper's
-    sizes with beam 3: 96 x 196 x 512 floats, 38 MB each); this keeps the work in cache,
-    2-3x faster on a CPU. Same values; inference only (no autograd through the buffer)."""
+    sizes with beam 3: 96 x 196 x 512 floats, 38 MB each); this keeps the work in cache.
+    It also uses tanh(u) = 2 sigmoid(2u) - 1, so w^T tanh(u) = 2 w^T sigmoid(2u) - sum(w):
+    a CPU's sigmoid is about 4x faster than its tanh. Same values up to float rounding;
+    inference only (no autograd through the buffer)."""
     b, n, d = keys.shape
     rows = max(1, BLOCK_BYTES // (n * d * keys.element_size()))
     out = keys.new_empty(b, n)
     buf = keys.new_empty(min(rows, b), n, d)
     w = v.weight[0]
+    q2 = (2 * q).unsqueeze(1)  # (B, 1, A)
     for i in range(0, b, rows):
         j = min(i + rows, b)
         blk = buf[: j - i]
-        torch.add(keys[i:j], q[i:j].unsqueeze(1), out=blk)
-        blk.tanh_()
+        torch.add(q2[i:j], keys[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
+        blk.sigmoid_()
         torch.matmul(blk, w, out=out[i:j])
-    return out + v.bias
+    return out.mul_(2).add_(v.bias - w.sum())
 
 
 class Attention(nn.Module):

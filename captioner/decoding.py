@@ -93,7 +93,10 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
 @torch.no_grad()
 def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
                 max_len: int, length_penalty: float = 0.0, hard: str = "expected") -> list[DecodedIds]:
-    """``length_penalty`` > 0 ranks finished captions by score / length**length_penalty."""
+    """``length_penalty`` > 0 ranks finished captions by score / length**length_penalty.
+
+    B images x k beams run as one tensor program. An image leaves the batch as soon as all
+    its beams have ended, so the remaining steps only cost what is still being decoded."""
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
@@ -114,47 +117,58 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     alpha_hist = torch.empty(b, k, 0, n, device=dev)
     beta_hist = torch.empty(b, k, 0, device=dev)
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
-    base = (torch.arange(b, device=dev) * k).unsqueeze(1)  # (B, 1) row offset of each image
+    active = list(range(b))  # original index of each image still in the batch
+    out: list[DecodedIds | None] = [None] * b
+
+    def emit(rows: list[int]) -> None:
+        """Store the best caption of these (batch-relative) images."""
+        sel = torch.tensor(rows, dtype=torch.long, device=dev)
+        sc, fin, ln = scores[sel], finished[sel], lengths[sel]
+        rank = sc / ln.clamp_min(1).float() ** length_penalty if length_penalty > 0 else sc.clone()
+        # A caption that ended beats one cut off by the length limit.
+        rank = torch.where(fin.any(1, keepdim=True) & ~fin, torch.full_like(rank, float("-inf")), rank)
+        best = rank.argmax(1).tolist()
+        for r, i, j in zip(range(len(rows)), rows, best):
+            m = int(ln[r, j])
+            out[active[i]] = _trim(tokens[i, j, :m].tolist(), alpha_hist[i, j, :m], beta_hist[i, j, :m],
+                                   float(sc[r, j]), end)
 
     for _ in range(max_len):
+        bb = len(active)
         o = decoder.step(y, h, c, a_k, keys, ann.grid, **kw)
-        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(b, k, -1)  # (B, k, V)
+        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(bb, k, -1)  # (b', k, V)
         v = logp.shape[-1]
         frozen = torch.full_like(logp[0, 0], float("-inf"))
         frozen[pad] = 0.0
         logp = torch.where(finished.unsqueeze(-1), frozen, logp)
-        cand = (scores.unsqueeze(-1) + logp).view(b, k * v)  # (B, k*V)
-        scores, idx = cand.topk(k, dim=1)  # (B, k)
+        cand = (scores.unsqueeze(-1) + logp).view(bb, k * v)  # (b', k*V)
+        scores, idx = cand.topk(k, dim=1)  # (b', k)
         beam = torch.div(idx, v, rounding_mode="floor")  # integer beam index
         word = idx % v
         was_finished = finished.gather(1, beam)
-        rows = (base + beam).view(-1)  # (B*k,) source row of each new beam
-        tokens = torch.cat([tokens.gather(1, beam.unsqueeze(-1).expand(-1, -1, tokens.shape[2])),
-                            word.unsqueeze(-1)], dim=2)
-        alpha_hist = torch.cat([alpha_hist[torch.arange(b, device=dev).unsqueeze(1), beam],
-                                o.alpha.view(b, k, n)[torch.arange(b, device=dev).unsqueeze(1), beam].unsqueeze(2)],
-                               dim=2)
-        beta_hist = torch.cat([beta_hist.gather(1, beam.unsqueeze(-1).expand(-1, -1, beta_hist.shape[2])),
-                               o.beta.view(b, k).gather(1, beam).unsqueeze(-1)], dim=2)
+        img = torch.arange(bb, device=dev).unsqueeze(1)
+        rows = (img * k + beam).view(-1)  # (b'*k,) source row of each new beam
+        tokens = torch.cat([tokens[img, beam], word.unsqueeze(-1)], dim=2)
+        alpha_hist = torch.cat([alpha_hist[img, beam], o.alpha.view(bb, k, n)[img, beam].unsqueeze(2)], dim=2)
+        beta_hist = torch.cat([beta_hist[img, beam], o.beta.view(bb, k)[img, beam].unsqueeze(-1)], dim=2)
         lengths = lengths.gather(1, beam) + (~was_finished).long()
         finished = was_finished | (word == end)
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
-        if bool(finished.all()):
-            break
-
-    rank = scores / lengths.clamp_min(1).float() ** length_penalty if length_penalty > 0 else scores.clone()
-    # A caption that ended beats one cut off by the length limit.
-    any_finished = finished.any(1, keepdim=True)
-    rank = torch.where(any_finished & ~finished, torch.full_like(rank, float("-inf")), rank)
-    best = rank.argmax(1)  # (B,)
-    out = []
-    for i in range(b):
-        j = int(best[i])
-        m = int(lengths[i, j])
-        out.append(_trim(tokens[i, j, :m].tolist(), alpha_hist[i, j, :m], beta_hist[i, j, :m],
-                         float(scores[i, j]), end))
-    return out
+        done = finished.all(1)
+        if bool(done.any()):
+            emit(done.nonzero().flatten().tolist())
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
+            active = [active[i] for i in keep.tolist()]
+            scores, finished, lengths = scores[keep], finished[keep], lengths[keep]
+            tokens, alpha_hist, beta_hist = tokens[keep], alpha_hist[keep], beta_hist[keep]
+            h, c, y, a_k, keys = h[kept_rows], c[kept_rows], y[kept_rows], a_k[kept_rows], keys[kept_rows]
+    else:
+        emit(list(range(len(active))))  # the length limit: the best of what is there
+    return out  # type: ignore[return-value]
 
 
 def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from captioner.decoding import beam_search, greedy
-from captioner.inference import DecodeOptions
+from captioner.inference import Captioner, DecodeOptions
 from tiny import tiny_captioner
 
 
@@ -101,3 +101,33 @@ def test_results_carry_one_map_per_word():
         assert r.alphas.shape == (len(r.words), 2, 2)
         torch.testing.assert_close(r.alphas.sum((1, 2)), torch.ones(len(r.words)))
         assert "<end>" not in r.words and "<start>" not in r.words
+
+
+def test_images_whose_beams_all_ended_leave_the_batch(tmp_path):
+    from captioner.data.shapes import generate_dataset
+    from captioner.images import load_image
+
+    generate_dataset(tmp_path, {"test": 6}, seed=99)  # 1-3 objects: captions of different lengths
+    images = [load_image(p) for p in sorted((tmp_path / "images" / "test").glob("*.png"))]
+    cap = Captioner.load("demo-soft")
+    opts = DecodeOptions(beam_size=3, max_len=20)
+    decoder = cap.model.decoder
+    rows, real_step = [], decoder.step
+
+    def counting_step(y, *args, **kw):
+        rows.append(y.shape[0])
+        return real_step(y, *args, **kw)
+
+    decoder.step = counting_step
+    try:
+        together = cap.caption_images(images, opts)
+    finally:
+        del decoder.step
+    lengths = sorted(len(r.words) for r in together)
+    assert lengths[0] < lengths[-1]  # the captions end at different steps ...
+    assert rows[0] == 6 * 3 and rows[-1] < rows[0]  # ... and the batch shrinks as they do
+    assert rows == sorted(rows, reverse=True)
+    for image, r in zip(images, together):  # leaving the batch changes no result
+        alone = cap.caption(image, opts)
+        assert alone.words == r.words and abs(alone.score - r.score) < 1e-4
+        torch.testing.assert_close(alone.alphas, r.alphas, atol=1e-5, rtol=1e-4)

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from captioner.batch import caption_paths
+from captioner.batch import caption_paths, image_loader
+from captioner.decoding import beam_search
 from captioner.images import Preprocess, load_image
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
@@ -60,23 +61,36 @@ def resnet101_captioner() -> Captioner:
     return Captioner(CaptionModel(cfg), vocab, Preprocess(size=(224, 224)))
 
 
-def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers: int) -> tuple[float, float]:
-    """(images/s of the whole caption pipeline, images/s of the encoder's forward pass alone)."""
+def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers: int) -> dict[str, float]:
+    """Images/s of the whole caption pipeline, of the encoder's forward pass alone, and, to
+    show where the rest goes, of loading alone (the same DataLoader, no model) and of the
+    beam search alone (on annotations already computed)."""
     options = DecodeOptions(beam_size=3, max_len=20)
     tensors = [captioner.preprocess(load_image(p)) for p in paths]  # outside the encoder timing
     batches = [torch.stack(tensors[i:i + batch_size]) for i in range(0, len(tensors), batch_size)]
+    v = captioner.vocab
     with torch.inference_mode():
         captioner.caption_batch(batches[0], options)  # warm-up
         t0 = time.perf_counter()
-        for batch in batches:
-            captioner.model.encode(batch)
+        anns = [captioner.model.encode(batch) for batch in batches]
         encoder_time = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for ann in anns:
+            beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
+        search_time = time.perf_counter() - t0
+    del anns
+    t0 = time.perf_counter()
+    for _ in image_loader(paths, captioner.preprocess, batch_size, workers):
+        pass
+    loading_time = time.perf_counter() - t0
     out = io.StringIO()
     t0 = time.perf_counter()
     caption_paths(captioner, paths, out, options=options, batch_size=batch_size, workers=workers, progress=False)
     caption_time = time.perf_counter() - t0
     assert out.getvalue().count("\n") == len(paths)
-    return len(paths) / caption_time, len(paths) / encoder_time
+    n = len(paths)
+    return {"caption": n / caption_time, "encoder": n / encoder_time, "search": n / search_time,
+            "loading": n / loading_time}
 
 
 def peak_memory_mb(folder: Path, weights: str | None, workers: int) -> float:
@@ -113,9 +127,12 @@ def main() -> None:
         if not args.skip_resnet:
             models.append(("resnet101, paper sizes", resnet101_captioner()))
         for name, cap in models:
-            full, enc = bench_speed(cap, paths, args.batch_size, args.workers)
-            print(f"{name}: caption {full:.1f} img/s, encoder alone {enc:.1f} img/s, "
-                  f"caption time / encoder time = {enc / full:.2f}")
+            r = bench_speed(cap, paths, args.batch_size, args.workers)
+            print(f"{name}: caption {r['caption']:.1f} img/s, encoder alone {r['encoder']:.1f} img/s, "
+                  f"caption time / encoder time = {r['encoder'] / r['caption']:.2f}")
+            print(f"    of which: beam search alone {r['search']:.1f} img/s "
+                  f"({r['encoder'] / r['search']:.2f} encoder times), loading alone ({args.workers} workers) "
+                  f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times)")
         if not args.skip_memory:
             big = Path(tmp) / "many"
             make_photos(big, 2000, seed=1)

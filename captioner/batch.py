@@ -134,6 +134,14 @@ def _keep_list(batch: list[Loaded]) -> list[Loaded]:
     return batch
 
 
+def image_loader(paths: list[str], preprocess: Preprocess, batch_size: int, workers: int,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> DataLoader:
+    """Batches (lists) of Loaded items in the order of ``paths``: each a preprocessed tensor or
+    the reason it could not be loaded. ``workers`` processes decode ahead of the model."""
+    return DataLoader(_ImageFiles(paths, preprocess, max_pixels), batch_size=batch_size, num_workers=workers,
+                      collate_fn=_keep_list, persistent_workers=False, prefetch_factor=4 if workers else None)
+
+
 @dataclass
 class BatchSummary:
     captioned: int = 0
@@ -148,9 +156,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     summary = BatchSummary()
     if not images:
         return summary
-    loader = DataLoader(_ImageFiles(images, captioner.preprocess, max_pixels), batch_size=batch_size,
-                        num_workers=workers, collate_fn=_keep_list, persistent_workers=False,
-                        prefetch_factor=4 if workers else None)
+    loader = image_loader(images, captioner.preprocess, batch_size, workers, max_pixels)
     # progress=None: a bar only when stderr is a terminal.
     bar = tqdm(total=len(images), unit="img", file=sys.stderr, dynamic_ncols=True,
                disable=None if progress is None else not progress)

@@ -162,6 +162,30 @@ def test_small_encoder_cells_are_centred_on_their_pixel_blocks():
         assert not seen(y, x), (y, x)
 
 
+def test_small8_encoder_cells_are_centred_on_their_pixel_blocks():
+    """Cell (5, 11) of the 16x16 grid sees its own 8x8 block (rows 40-47, columns 88-95)
+    and 7 px around it on every side."""
+    from captioner.encoders import create_encoder
+
+    enc = create_encoder("small8").eval()
+    with torch.no_grad():
+        for m in enc.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                torch.nn.init.constant_(m.weight, 0.05)
+        blank = enc(torch.zeros(1, 3, 128, 128))
+        assert blank.grid == (16, 16)
+
+        def seen(y: int, x: int) -> bool:
+            dot = torch.zeros(1, 3, 128, 128)
+            dot[:, :, y, x] = 10.0
+            return bool((enc(dot).vectors - blank.vectors).view(16, 16, -1)[5, 11].abs().sum() > 0)
+
+    for y, x in [(40, 88), (47, 95), (33, 88), (54, 88), (40, 81), (40, 102)]:
+        assert seen(y, x), (y, x)
+    for y, x in [(32, 88), (55, 88), (40, 80), (40, 103)]:
+        assert not seen(y, x), (y, x)
+
+
 @pytest.mark.parametrize("name,channels,grid", [("vgg16", 512, (14, 14)), ("resnet50", 2048, (7, 7)),
                                                 ("resnet101", 2048, (7, 7))])
 def test_torchvision_encoders_give_the_papers_grids(name, channels, grid):

@@ -71,7 +71,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help="refuse images with more pixels than this (default: Pillow's 89,478,485)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="fp32 (default), or bf16/fp16 autocast: faster on a GPU, same captions up to rounding")
+                   help="fp32 (default), or bf16/fp16 autocast: faster on a GPU (bf16 also on CPUs with "
+                        "bf16 instructions), the same captions up to rounding")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder step: pays off on a GPU for large folders "
                         "(the first batch waits for the compiler)")

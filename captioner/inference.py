@@ -59,7 +59,7 @@ class Captioner:
 
     def use_precision(self, precision: str) -> "Captioner":
         """"fp32" (default), or "bf16"/"fp16" autocast for encoder and decoder (a GPU's fast
-        path; on CPU bf16 works but is seldom faster). Scores and maps come back as fp32."""
+        path; on a CPU bf16 helps where it has bf16 instructions). Scores and maps come back as fp32."""
         if precision not in INFERENCE_PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(INFERENCE_PRECISIONS)}, got {precision!r}")
         self.precision = precision

@@ -104,52 +104,41 @@ class _CoordConcat(nn.Module):
 
 
 def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
-    # Stride 2 uses a 4x4 kernel (padding 1): output i is centred on input 2i + 0.5, so after
-    # four of them cell (r, c) is centred on its own 16x16 block of pixels. A 3x3 stride-2
-    # kernel centres it on 2i instead, half a cell up and left of the block, and the
-    # attention maps then land half a cell off the objects they look at.
+    # Stride 2 uses a 4x4 kernel (padding 1): output i is centred on input 2i + 0.5, so each
+    # cell stays centred on its own block of pixels. A 3x3 stride-2 kernel centres it on 2i
+    # instead, half a block up and left, and the attention maps then land off the objects
+    # they look at.
     k = 4 if stride == 2 else 3
     return nn.Sequential(nn.Conv2d(cin, cout, k, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
 
 
+def _small_encoder(name: str, pretrained: bool, cell: int) -> Encoder:
+    """The from-scratch encoders: coordinate channels, three 4x4 stride-2 stages (8-px
+    cells, receptive field 22 px), for 16-px cells one more 2x2 stride-2 stage (receptive
+    field 30 px), then a 1x1 layer. Every cell is centred on its own block of pixels."""
+    if pretrained:
+        raise ValueError(f"the {name!r} encoder has no pretrained weights; it is trained from scratch")
+    dim = 128
+    layers: list[nn.Module] = [_CoordConcat(), _conv(5, 32, 2), _conv(32, 64, 2), _conv(64, dim, 2)]
+    if cell == 16:
+        layers += [nn.Conv2d(dim, dim, 2, 2, bias=False), nn.BatchNorm2d(dim), nn.ReLU(inplace=True)]
+    layers += [nn.Conv2d(dim, dim, 1), nn.ReLU(inplace=True)]
+    return Encoder(nn.Sequential(*layers), dim, trainable=True)
+
+
 @register_encoder("small")
 def small(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    """Four stride-2 stages (grid = image / 16) with a receptive field of 30 px, centred on
-    each cell's own block: a cell sees its block and a little around it, not a whole object,
-    so naming an object means attending to the cells it covers, word by word."""
-    if pretrained:
-        raise ValueError("the 'small' encoder has no pretrained weights; it is trained from scratch")
-    dim = 128
-    trunk = nn.Sequential(
-        _CoordConcat(),
-        _conv(5, 32, 2),
-        _conv(32, 64, 2),
-        _conv(64, 128, 2),
-        # Last stage: 2x2 stride 2, so a cell sees its own 16x16 block and 7 px around it.
-        nn.Conv2d(128, dim, 2, 2, bias=False), nn.BatchNorm2d(dim), nn.ReLU(inplace=True),
-        nn.Conv2d(dim, dim, 1),
-        nn.ReLU(inplace=True),
-    )
-    return Encoder(trunk, dim, trainable=True)
+    """16-px cells (grid = image / 16) with a receptive field of 30 px: a cell sees its own
+    block and 7 px around it, not a whole object, so naming an object means attending to
+    the cells it covers, word by word."""
+    return _small_encoder("small", pretrained, cell=16)
 
 
 @register_encoder("small8")
 def small8(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    """The small encoder at twice the resolution: three stride-2 stages (grid = image / 8)
-    with a receptive field of 22 px, centred on each cell's own 8x8 block. Four times the
-    locations of "small" (16x16 at 128 px), so the maps can say more precisely where."""
-    if pretrained:
-        raise ValueError("the 'small8' encoder has no pretrained weights; it is trained from scratch")
-    dim = 128
-    trunk = nn.Sequential(
-        _CoordConcat(),
-        _conv(5, 32, 2),
-        _conv(32, 64, 2),
-        _conv(64, dim, 2),
-        nn.Conv2d(dim, dim, 1),
-        nn.ReLU(inplace=True),
-    )
-    return Encoder(trunk, dim, trainable=True)
+    """The small encoder at twice the resolution: 8-px cells (16x16 at 128 px) with a
+    receptive field of 22 px, so the maps can say more precisely where."""
+    return _small_encoder("small8", pretrained, cell=8)
 
 
 def _torchvision_weights(enum_name: str, pretrained: bool):

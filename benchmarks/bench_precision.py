@@ -4,7 +4,7 @@ numeric precision and with or without torch.compile of the decoder step. Meant f
     python benchmarks/bench_precision.py --device cuda [--batch-size 32] [--repeats 5]
     python benchmarks/bench_precision.py --device cpu --batch-size 4 --repeats 1 --variants fp32,bf16
 
-ResNet-101 (random weights: speed does not depend on them) at 224 px gives 14x14x2048
+ResNet-101 (random weights: speed does not depend on them) at 224 px gives 7x7x2048
 annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions.
 - training: images/s of one optimiser step (frozen encoder forward, teacher-forced decoder
   forward and backward, doubly stochastic penalty, Adam), autocast and gradient scaling as

@@ -128,7 +128,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         # A caption that ended beats one cut off by the length limit.
         rank = torch.where(fin.any(1, keepdim=True) & ~fin, torch.full_like(rank, float("-inf")), rank)
         best = rank.argmax(1).tolist()
-        for r, i, j in zip(range(len(rows)), rows, best):
+        for r, (i, j) in enumerate(zip(rows, best)):
             m = int(ln[r, j])
             out[active[i]] = _trim(tokens[i, j, :m].tolist(), alpha_hist[i, j, :m], beta_hist[i, j, :m],
                                    float(sc[r, j]), end)

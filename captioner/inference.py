@@ -34,7 +34,9 @@ def resolve_weights(weights: str | os.PathLike | None) -> Path:
     return path
 
 
-INFERENCE_PRECISIONS = ("fp32", "bf16", "fp16")
+# Numeric precision -> autocast dtype (None: no autocast). Training uses the same names.
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+INFERENCE_PRECISIONS = tuple(AUTOCAST_DTYPES)
 
 
 @dataclass
@@ -105,7 +107,7 @@ class Captioner:
         """Preprocessed images (B, 3, H, W) -> one CaptionResult each."""
         opt = options or DecodeOptions()
         self.model.eval()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        dtype = AUTOCAST_DTYPES[self.precision]
         v = self.vocab
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             ann = self.model.encode(images.to(self.device))

@@ -91,13 +91,21 @@ def test_compiled_step_matches_eager_values_and_gradients():
         torch.testing.assert_close(g1[n], g2[n], msg=n)
 
 
-def test_training_with_a_compiled_step_equals_eager_training(tiny_coco, tmp_path):
+def test_training_with_a_compiled_step_equals_eager_training(tiny_coco, tmp_path, monkeypatch):
+    backends, real_compile = [], Decoder.compile_step
+
+    def recording_compile(self, **options):
+        backends.append(options.get("backend"))
+        real_compile(self, **options)
+
+    monkeypatch.setattr(Decoder, "compile_step", recording_compile)
     weights = []
     for backend in ("", "aot_eager"):
         run = tmp_path / f"run-{backend or 'eager'}"
         train(tiny_config(tiny_coco, **{"optim.max_steps": 3, "val.every_epochs": 0, "optim.compile": backend}),
               run, progress=False)
         weights.append(torch.load(run / "last.pt", weights_only=True)["state_dict"])
+    assert backends == ["aot_eager"]  # only the second run compiled its step, with that backend
     for k in weights[0]:
         torch.testing.assert_close(weights[0][k], weights[1][k], rtol=1e-5, atol=1e-6)
 

@@ -23,14 +23,13 @@ from tqdm import tqdm
 
 from captioner.checkpoint import atomic_save, load_checkpoint
 from captioner.data.coco import CaptionDataset, build_vocab, collate_captions, load_split
-from captioner.evaluation import evaluate
+from captioner.distributed import DistContext, setup, teardown
 from captioner.encoders import Annotations
+from captioner.evaluation import evaluate
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import Vocabulary
-
-from captioner.distributed import DistContext, setup, teardown
 
 from .config import TrainConfig, to_toml
 from .losses import HardAttentionObjective, LossParts, soft_loss

@@ -19,8 +19,9 @@ from collections.abc import Iterable
 
 import torch
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from captioner.inference import AUTOCAST_DTYPES
+
+PRECISIONS = ("auto", *AUTOCAST_DTYPES)
 
 
 class MixedPrecision:
@@ -33,7 +34,7 @@ class MixedPrecision:
             raise ValueError("this GPU has no bfloat16 support: use optim.precision = \"fp16\"")
         self.name = precision
         self.device_type = device.type
-        self.dtype = _DTYPES[precision]
+        self.dtype = AUTOCAST_DTYPES[precision]
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     def autocast(self):

@@ -14,6 +14,10 @@ size, A attention size.
 
 Whatever depends only on the image (W_a a_i and the like) is computed once per image by
 ``prepare``, not once per step.
+
+Queries may come k to an image (beam search: k beams per image): h then has B*k rows,
+image-major, and each query attends over its own image's annotations and keys, which are
+held once per image rather than copied k times.
 """
 
 from __future__ import annotations
@@ -76,28 +80,31 @@ BLOCK_BYTES = 1 << 20
 
 
 def _blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
+    """keys (B, L, A), q (B, k, A): is the sum of the two big enough to block, and may it be?"""
     return (not torch.is_grad_enabled() and keys.device.type == "cpu" and keys.dtype == q.dtype
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and keys.shape[0] * keys.shape[1] * keys.shape[2] * keys.element_size() > BLOCK_BYTES)
+            and keys.numel() * q.shape[1] * keys.element_size() > BLOCK_BYTES)
 
 
 def _additive_blocked(keys: torch.Tensor, q: torch.Tensor, v: nn.Linear) -> torch.Tensor:
-    """w^T tanh(keys + q) (B, L), a few rows at a time into one reused buffer. The plain
-    expression writes and rereads two (B, L, A) tensors per decoding step (at the paper's
-    sizes with beam 3: 96 x 196 x 512 floats, 38 MB each); this keeps the work in cache.
-    It also uses tanh(u) = 2 sigmoid(2u) - 1, so w^T tanh(u) = 2 w^T sigmoid(2u) - sum(w):
-    a CPU's sigmoid is about 4x faster than its tanh. Same values up to float rounding;
-    inference only (no autograd through the buffer)."""
+    """w^T tanh(keys + q): keys (B, L, A), q (B, k, A) -> (B, k, L), a few images at a time
+    into one reused buffer. The plain expression writes and rereads two (B, k, L, A) tensors
+    per decoding step (at the paper's sizes with beam 3: 96 x 196 x 512 floats, 38 MB each);
+    this keeps the work in cache. It also uses tanh(u) = 2 sigmoid(2u) - 1, so
+    w^T tanh(u) = 2 w^T sigmoid(2u) - sum(w): a CPU's sigmoid is about 4x faster than its
+    tanh. Same values up to float rounding; inference only (no autograd through the buffer)."""
     b, n, d = keys.shape
-    rows = max(1, BLOCK_BYTES // (n * d * keys.element_size()))
-    out = keys.new_empty(b, n)
-    buf = keys.new_empty(min(rows, b), n, d)
+    k = q.shape[1]
+    rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
+    out = keys.new_empty(b, k, n)
+    buf = keys.new_empty(min(rows, b), k, n, d)
     w = v.weight[0]
-    q2 = (2 * q).unsqueeze(1)  # (B, 1, A)
+    q2 = (2 * q).unsqueeze(2)  # (B, k, 1, A)
+    k2 = keys.unsqueeze(1)  # (B, 1, L, A)
     for i in range(0, b, rows):
         j = min(i + rows, b)
         blk = buf[: j - i]
-        torch.add(q2[i:j], keys[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
+        torch.add(q2[i:j], k2[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
         blk.sigmoid_()
         torch.matmul(blk, w, out=out[i:j])
     return out.mul_(2).add_(v.bias - w.sum())
@@ -141,29 +148,36 @@ class Attention(nn.Module):
         return a
 
     def scores(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """e_ti = f_att(a_i, h_{t-1}): (B, L)."""
+        """e_ti = f_att(a_i, h_{t-1}): keys (B, L, K), a (B, L, D), h (B*k, Q) -> (B*k, L)."""
+        b, n = a.shape[:2]
+        hq = h.view(b, -1, h.shape[-1])  # (B, k, Q): the k queries of each image
+        return self._scores(keys, a, hq).reshape(-1, n)
+
+    def _scores(self, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        """(B, k, L) from queries grouped by image, hq (B, k, Q)."""
         if self.score == "additive":
-            q = self.query_proj(h)  # (B, A)
+            q = self.query_proj(hq)  # (B, k, A)
             if _blocked_ok(keys, q):
                 return _additive_blocked(keys, q, self.v)
-            return self.v(torch.tanh(keys + q.unsqueeze(1))).squeeze(-1)
+            return self.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
         if self.score == "concat":
-            q = h.unsqueeze(1).expand(-1, a.shape[1], -1)  # (B, L, Q)
-            return self.v(torch.tanh(self.joint(torch.cat([q, a], dim=-1)))).squeeze(-1)
+            b, k = hq.shape[:2]
+            n = a.shape[1]
+            joint = torch.cat([hq.unsqueeze(2).expand(-1, -1, n, -1), a.unsqueeze(1).expand(-1, k, -1, -1)], dim=-1)
+            return self.v(torch.tanh(self.joint(joint))).squeeze(-1)  # (B, k, L)
         if self.score == "general":
-            return torch.einsum("blq,bq->bl", keys, h)
-        q = self.query_proj(h) if hasattr(self, "query_proj") else h  # (B, D)
+            return torch.einsum("blq,bkq->bkl", keys, hq)
+        q = self.query_proj(hq) if hasattr(self, "query_proj") else hq  # (B, k, D)
         if self.score == "cosine":
-            return torch.einsum("bld,bd->bl", keys, F.normalize(q, dim=-1))
-        e = torch.einsum("bld,bd->bl", keys, q)
+            return torch.einsum("bld,bkd->bkl", keys, F.normalize(q, dim=-1))
+        e = torch.einsum("bld,bkd->bkl", keys, q)
         return e / math.sqrt(self.key_dim) if self.score == "scaled_dot" else e
 
     def weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
                 grid: tuple[int, int]) -> torch.Tensor:
-        """alpha_t: (B, L), non-negative, summing to 1."""
-        b, n = a.shape[:2]
+        """alpha_t: (B*k, L), non-negative, summing to 1."""
         if self.mode == "mean":
-            return a.new_full((b, n), 1.0 / n)
+            return a.new_full((h.shape[0], a.shape[1]), 1.0 / a.shape[1])
         e = self.scores(keys, a, h)
         if self.local_window > 0:
             return self._local(e, h, grid)
@@ -206,19 +220,23 @@ class Attention(nn.Module):
     def forward(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor, grid: tuple[int, int],
                 *, sample: bool = False, argmax: bool = False,
                 generator: torch.Generator | None = None) -> AttentionStep:
-        """One step. Hard mode: ``sample`` draws s_t ~ Multinoulli(alpha_t) and returns a_{s_t};
+        """One step: keys and a hold B images, h holds B*k queries (k per image, image-major).
+        Hard mode: ``sample`` draws s_t ~ Multinoulli(alpha_t) and returns a_{s_t};
         ``argmax`` returns the most likely location's a_i; otherwise (and in soft mode) the
         expected context sum_i alpha_i a_i."""
-        alpha = self.weights(keys, a, h, grid)
-        if self.mode == "hard" and argmax and not sample:
-            s = alpha.argmax(-1)
-            return AttentionStep(a[torch.arange(a.shape[0], device=a.device), s], alpha, s)
-        if self.mode == "hard" and sample:
-            s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B,)
-            context = a[torch.arange(a.shape[0], device=a.device), s]  # (B, D): exactly one a_i
+        alpha = self.weights(keys, a, h, grid)  # (B*k, L)
+        b, n, d = a.shape
+        if self.mode == "hard" and (sample or argmax):
+            image = torch.div(torch.arange(h.shape[0], device=a.device), h.shape[0] // b, rounding_mode="floor")
+            if not sample:
+                s = alpha.argmax(-1)
+                return AttentionStep(a[image, s], alpha, s)
+            s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B*k,)
+            context = a[image, s]  # (B*k, D): exactly one a_i
             log_alpha = torch.log(alpha.clamp_min(1e-12))
             log_p = log_alpha.gather(1, s.unsqueeze(1)).squeeze(1)
             entropy = -(alpha * log_alpha).sum(-1)
             return AttentionStep(context, alpha, s, log_p, entropy)
-        context = torch.einsum("bl,bld->bd", alpha, a)  # (B, L) x (B, L, D) -> (B, D)
+        # (B, k, L) x (B, L, D) -> (B, k, D): every image's annotations read once for its k queries
+        context = torch.bmm(alpha.view(b, -1, n), a).view(-1, d)
         return AttentionStep(context, alpha)

@@ -130,16 +130,31 @@ class _ImageFiles(Dataset):
             return Loaded(i, None, f"{type(e).__name__}: {e}")
 
 
-def _keep_list(batch: list[Loaded]) -> list[Loaded]:
-    return batch
+@dataclass
+class LoadedBatch:
+    """Consecutive images of ``paths``: those that loaded, stacked into one tensor (one
+    shared-memory transfer from a worker process per batch, not one per image), and why the
+    others could not be loaded."""
+
+    indices: list[int]  # positions in ``paths`` of every image of the batch, in order
+    loaded: list[int]  # positions of the images in ``tensors``, in order
+    tensors: torch.Tensor | None  # (len(loaded), 3, H, W); None when none loaded
+    errors: dict[int, str]  # position -> the reason
+
+
+def _collate(batch: list[Loaded]) -> LoadedBatch:
+    good = [item for item in batch if item.tensor is not None]
+    return LoadedBatch([item.index for item in batch], [item.index for item in good],
+                       torch.stack([item.tensor for item in good]) if good else None,
+                       {item.index: item.error for item in batch if item.tensor is None})
 
 
 def image_loader(paths: list[str], preprocess: Preprocess, batch_size: int, workers: int,
                  max_pixels: int = DEFAULT_MAX_PIXELS) -> DataLoader:
-    """Batches (lists) of Loaded items in the order of ``paths``: each a preprocessed tensor or
-    the reason it could not be loaded. ``workers`` processes decode ahead of the model."""
+    """LoadedBatch after LoadedBatch, in the order of ``paths``. ``workers`` processes decode
+    ahead of the model."""
     return DataLoader(_ImageFiles(paths, preprocess, max_pixels), batch_size=batch_size, num_workers=workers,
-                      collate_fn=_keep_list, persistent_workers=False, prefetch_factor=4 if workers else None)
+                      collate_fn=_collate, persistent_workers=False, prefetch_factor=4 if workers else None)
 
 
 @dataclass
@@ -162,25 +177,23 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                disable=None if progress is None else not progress)
     try:
         for batch in loader:
-            good = [item for item in batch if item.tensor is not None]
             results: dict[int, CaptionResult] = {}
-            if good:
-                res = captioner.caption_batch(torch.stack([item.tensor for item in good]), options)
-                results = {item.index: r for item, r in zip(good, res)}
-            for item in batch:
-                path = images[item.index]
-                if item.index in results:
-                    r = results[item.index]
+            if batch.tensors is not None:
+                results = dict(zip(batch.loaded, captioner.caption_batch(batch.tensors, options)))
+            for index in batch.indices:
+                path = images[index]
+                if index in results:
+                    r = results[index]
                     record = r.to_json(path, with_attention)
                     if attention_dir is not None:
                         record["attention_png"] = _save_figure(path, r, attention_dir)
                     summary.captioned += 1
                 else:
-                    record = {"image": path, "error": item.error}
+                    record = {"image": path, "error": batch.errors[index]}
                     summary.failed += 1
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write per whole line
             out.flush()
-            bar.update(len(batch))
+            bar.update(len(batch.indices))
     finally:
         bar.close()
     return summary

@@ -95,8 +95,12 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
                 max_len: int, length_penalty: float = 0.0, hard: str = "expected") -> list[DecodedIds]:
     """``length_penalty`` > 0 ranks finished captions by score / length**length_penalty.
 
-    B images x k beams run as one tensor program. An image leaves the batch as soon as all
-    its beams have ended, so the remaining steps only cost what is still being decoded."""
+    B images x k beams run as one tensor program; the k beams of an image share one copy of
+    its annotations and keys. Each step records, per beam, its word, the beam it extends and
+    the attention map it was computed with; a caption is read back along these pointers when
+    its image is done, so no history is copied as beams are reordered. An image leaves the
+    batch as soon as all its beams have ended: the remaining steps only cost what is still
+    being decoded."""
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
@@ -104,38 +108,48 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     b, n, _ = a.shape
     k = beam_size
     dev = a.device
-    keys = decoder.attention.prepare(a).repeat_interleave(k, 0)  # once per image, then per beam
+    keys = decoder.attention.prepare(a)  # once per image, shared by its beams
     h, c = decoder.init_state(a)
     h, c = h.repeat_interleave(k, 0), c.repeat_interleave(k, 0)  # (B*k, H)
-    a_k = a.repeat_interleave(k, 0)  # (B*k, L, D)
 
     scores = torch.full((b, k), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
     finished = torch.zeros(b, k, dtype=torch.bool, device=dev)
     lengths = torch.zeros(b, k, dtype=torch.long, device=dev)
-    tokens = torch.empty(b, k, 0, dtype=torch.long, device=dev)
-    alpha_hist = torch.empty(b, k, 0, n, device=dev)
-    beta_hist = torch.empty(b, k, 0, device=dev)
+    # Per step, indexed by the original image: the chosen words, the beam each extends
+    # (its parent) and the maps and gates the parents' step computed.
+    words = torch.full((max_len, b, k), pad, dtype=torch.long, device=dev)
+    parents = torch.zeros(max_len, b, k, dtype=torch.long, device=dev)
+    alpha_steps = torch.zeros(max_len, b, k, n, device=dev)
+    beta_steps = torch.zeros(max_len, b, k, device=dev)
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
-    active = list(range(b))  # original index of each image still in the batch
+    active = torch.arange(b, device=dev)  # original index of each image still in the batch
     out: list[DecodedIds | None] = [None] * b
 
-    def emit(rows: list[int]) -> None:
-        """Store the best caption of these (batch-relative) images."""
-        sel = torch.tensor(rows, dtype=torch.long, device=dev)
-        sc, fin, ln = scores[sel], finished[sel], lengths[sel]
+    def emit(rows: torch.Tensor, last: int) -> None:
+        """Store the best caption of these (batch-relative) images, read back from step ``last``."""
+        sc, fin, ln = scores[rows], finished[rows], lengths[rows]
         rank = sc / ln.clamp_min(1).float() ** length_penalty if length_penalty > 0 else sc.clone()
         # A caption that ended beats one cut off by the length limit.
         rank = torch.where(fin.any(1, keepdim=True) & ~fin, torch.full_like(rank, float("-inf")), rank)
-        best = rank.argmax(1).tolist()
-        for r, (i, j) in enumerate(zip(rows, best)):
-            m = int(ln[r, j])
-            out[active[i]] = _trim(tokens[i, j, :m].tolist(), alpha_hist[i, j, :m], beta_hist[i, j, :m],
-                                   float(sc[r, j]), end)
+        best = rank.argmax(1)
+        img = active[rows]
+        ids = torch.empty(len(img), last + 1, dtype=torch.long, device=dev)
+        alphas = torch.empty(len(img), last + 1, n, device=dev)
+        betas = torch.empty(len(img), last + 1, device=dev)
+        j = best
+        for t in range(last, -1, -1):
+            ids[:, t] = words[t, img, j]
+            j = parents[t, img, j]
+            alphas[:, t], betas[:, t] = alpha_steps[t, img, j], beta_steps[t, img, j]
+        m = ln.gather(1, best[:, None]).squeeze(1).tolist()
+        score = sc.gather(1, best[:, None]).squeeze(1).tolist()
+        for r, i in enumerate(img.tolist()):
+            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], score[r], end)
 
-    for _ in range(max_len):
+    for t in range(max_len):
         bb = len(active)
-        o = decoder.step(y, h, c, a_k, keys, ann.grid, **kw)
+        o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(bb, k, -1)  # (b', k, V)
         v = logp.shape[-1]
         frozen = torch.full_like(logp[0, 0], float("-inf"))
@@ -143,31 +157,29 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         logp = torch.where(finished.unsqueeze(-1), frozen, logp)
         cand = (scores.unsqueeze(-1) + logp).view(bb, k * v)  # (b', k*V)
         scores, idx = cand.topk(k, dim=1)  # (b', k)
-        beam = torch.div(idx, v, rounding_mode="floor")  # integer beam index
+        beam = torch.div(idx, v, rounding_mode="floor")  # the parent beam of each new beam
         word = idx % v
+        words[t, active], parents[t, active] = word, beam
+        alpha_steps[t, active] = o.alpha.view(bb, k, n).float()
+        beta_steps[t, active] = o.beta.view(bb, k).float()
         was_finished = finished.gather(1, beam)
-        img = torch.arange(bb, device=dev).unsqueeze(1)
-        rows = (img * k + beam).view(-1)  # (b'*k,) source row of each new beam
-        tokens = torch.cat([tokens[img, beam], word.unsqueeze(-1)], dim=2)
-        alpha_hist = torch.cat([alpha_hist[img, beam], o.alpha.view(bb, k, n)[img, beam].unsqueeze(2)], dim=2)
-        beta_hist = torch.cat([beta_hist[img, beam], o.beta.view(bb, k)[img, beam].unsqueeze(-1)], dim=2)
         lengths = lengths.gather(1, beam) + (~was_finished).long()
         finished = was_finished | (word == end)
+        rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
         done = finished.all(1)
         if bool(done.any()):
-            emit(done.nonzero().flatten().tolist())
+            emit(done.nonzero().flatten(), t)
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:
                 break
             kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
-            active = [active[i] for i in keep.tolist()]
+            active, a, keys = active[keep], a[keep], keys[keep]
             scores, finished, lengths = scores[keep], finished[keep], lengths[keep]
-            tokens, alpha_hist, beta_hist = tokens[keep], alpha_hist[keep], beta_hist[keep]
-            h, c, y, a_k, keys = h[kept_rows], c[kept_rows], y[kept_rows], a_k[kept_rows], keys[kept_rows]
+            h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
     else:
-        emit(list(range(len(active))))  # the length limit: the best of what is there
+        emit(torch.arange(len(active), device=dev), max_len - 1)  # the length limit: the best of what is there
     return out  # type: ignore[return-value]
 
 

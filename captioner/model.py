@@ -118,7 +118,8 @@ class Decoder(nn.Module):
     def step(self, y_prev: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
              keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False, argmax: bool = False,
              generator: torch.Generator | None = None) -> StepOutput:
-        """One word: y_prev (B,) token ids, state (B, H), annotations (B, L, D)."""
+        """One word: y_prev (B*k,) token ids, state (B*k, H), annotations (B, L, D) and keys
+        of B images; k rows per image (k > 1 in beam search: the beams of each image)."""
         fn = self._compiled_step if self._compiled_step is not None else self._step
         return fn(y_prev, h, c, a, keys, grid, sample=sample, argmax=argmax, generator=generator)
 

@@ -495,20 +495,56 @@ def test_model_refuses_an_unknown_score():
 
 
 @pytest.mark.parametrize("block_bytes", [1, 300, 1 << 30])
-def test_blocked_additive_scores_equal_the_plain_expression(monkeypatch, block_bytes):
+@pytest.mark.parametrize("k", [1, 3])
+def test_blocked_additive_scores_equal_the_plain_expression(monkeypatch, block_bytes, k):
     import captioner.attention as att_mod
 
     torch.manual_seed(0)
     att = Attention(6, 5, 4)
-    a, h = torch.randn(7, 9, 6), torch.randn(7, 5)
+    a, h = torch.randn(7, 9, 6), torch.randn(7 * k, 5)  # k queries per image
     keys = att.prepare(a)
     with torch.no_grad():
-        plain = att.v(torch.tanh(keys + att.query_proj(h).unsqueeze(1))).squeeze(-1)
-        monkeypatch.setattr(att_mod, "BLOCK_BYTES", block_bytes)  # 1 row, 2 rows (7 = 2+2+2+1), plain
-        blocked_used = att_mod._blocked_ok(keys, att.query_proj(h))
+        q = att.query_proj(h)
+        plain = att.v(torch.tanh(keys.repeat_interleave(k, 0) + q.unsqueeze(1))).squeeze(-1)  # (7k, 9)
+        monkeypatch.setattr(att_mod, "BLOCK_BYTES", block_bytes)  # 1 image, 2 images (7 = 2+2+2+1), plain
+        blocked_used = att_mod._blocked_ok(keys, q.view(7, k, 4))
         got = att.scores(keys, a, h)
-    assert blocked_used == (block_bytes < 7 * 9 * 4 * 4)
+    assert blocked_used == (block_bytes < 7 * k * 9 * 4 * 4)
     torch.testing.assert_close(got, plain)
     # With gradients on, the plain (differentiable) expression is used.
     e = att.scores(keys, a, h)
     assert e.requires_grad
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("variant", ["softmax", "sparsemax", "local", "hard-argmax", "hard-expected", "mean"])
+def test_queries_sharing_an_image_equal_queries_with_their_own_copy(score, variant):
+    """Beam search's k beams per image attend over one copy of the image's annotations:
+    the result equals giving every beam its own copy."""
+    k = 3
+    kw = {"sparsemax": {"normalizer": "sparsemax"}, "local": {"local_window": 1.5},
+          "hard-argmax": {"mode": "hard"}, "hard-expected": {"mode": "hard"}, "mean": {"mode": "mean"}}.get(variant, {})
+    att = make(score, **kw)
+    a, _ = inputs()
+    h = torch.randn(B * k, Q, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    a_rep = a.repeat_interleave(k, 0)
+    argmax = variant == "hard-argmax"
+    with torch.no_grad():
+        shared = att(att.prepare(a), a, h, GRID, argmax=argmax)
+        copied = att(att.prepare(a_rep), a_rep, h, GRID, argmax=argmax)
+    torch.testing.assert_close(shared.alpha, copied.alpha)
+    torch.testing.assert_close(shared.context, copied.context)
+    assert shared.alpha.shape == (B * k, L) and shared.context.shape == (B * k, D)
+    if argmax:  # the context is exactly the chosen annotation of the query's own image
+        torch.testing.assert_close(shared.context, a_rep[torch.arange(B * k), shared.sample])
+
+
+def test_sampled_contexts_come_from_the_querys_own_image():
+    k = 4
+    att = make(mode="hard")
+    a, _ = inputs()
+    h = torch.randn(B * k, Q, dtype=torch.float64)
+    with torch.no_grad():
+        o = att(att.prepare(a), a, h, GRID, sample=True, generator=torch.Generator().manual_seed(0))
+    image = torch.arange(B * k) // k
+    torch.testing.assert_close(o.context, a[image, o.sample])

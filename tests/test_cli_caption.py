@@ -3,9 +3,12 @@
 import json
 
 import pytest
+import torch
 
 from badfiles import SKIPPED_IN_BAD_FOLDER, make_bad_folder
+from captioner.batch import image_loader
 from captioner.cli import main
+from captioner.images import Preprocess, load_image
 from tiny import tiny_captioner, tiny_image
 
 
@@ -87,3 +90,28 @@ def test_usage_errors_exit_two(tmp_path, weights, capsys):
     with pytest.raises(SystemExit) as e:
         main(["caption", str(p), "--beam-size", "0"])
     assert e.value.code == 2
+
+
+def test_worker_batches_cross_as_one_tensor_in_path_order(tmp_path):
+    """A worker sends each batch's good images stacked into one tensor, with the bad ones'
+    reasons beside it; every path comes back once, in order, whatever a file holds."""
+    paths = []
+    for i in range(5):
+        p = tmp_path / f"img{i}.png"
+        if i in (1, 4):
+            p.write_bytes(b"<html>not an image</html>")
+        else:
+            tiny_image(i).save(p)
+        paths.append(str(p))
+    prep = Preprocess(size=(16, 16))
+    batches = list(image_loader(paths, prep, batch_size=3, workers=1))
+    assert [b.indices for b in batches] == [[0, 1, 2], [3, 4]]
+    assert [b.loaded for b in batches] == [[0, 2], [3]]
+    assert set(batches[0].errors) == {1} and set(batches[1].errors) == {4}
+    assert "not an image" in batches[0].errors[1]
+    assert batches[0].tensors.shape == (2, 3, 16, 16)
+    for b in batches:  # the stacked rows are those images, preprocessed
+        for row, index in enumerate(b.loaded):
+            torch.testing.assert_close(b.tensors[row], prep(load_image(paths[index])))
+    only_bad = list(image_loader([paths[1]], prep, batch_size=3, workers=0))
+    assert only_bad[0].tensors is None and only_bad[0].loaded == []

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
+from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.batch import caption_paths, image_loader
 from captioner.decoding import beam_search
@@ -106,6 +107,20 @@ def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers
     return {name: len(paths) / seconds for name, seconds in best.items()}
 
 
+def flops_per_image(captioner: Captioner, paths: list[str], batch_size: int) -> tuple[float, float]:
+    """Arithmetic of the encoder and of the beam search (k=3) per image, counting matrix
+    products and convolutions only: what no pipelining can hide."""
+    batch = torch.stack([captioner.preprocess(load_image(p)) for p in paths[:batch_size]])
+    v = captioner.vocab
+    with torch.inference_mode():
+        with FlopCounterMode(display=False) as count:
+            ann = captioner.model.encode(batch)
+        encoder = count.get_total_flops()
+        with FlopCounterMode(display=False) as count:
+            beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
+    return encoder / len(batch), count.get_total_flops() / len(batch)
+
+
 def peak_memory_mb(folder: Path, weights: str | None, workers: int) -> float:
     """Peak RSS of a fresh `captioner caption` process (or of its largest worker) over a folder."""
     extra = f", '--weights', {weights!r}" if weights else ""
@@ -144,6 +159,9 @@ def main() -> None:
             r = bench_speed(cap, paths, args.batch_size, args.workers, args.repeats)
             print(f"{name}: caption {r['caption']:.1f} img/s, encoder alone {r['encoder']:.1f} img/s, "
                   f"caption time / encoder time = {r['encoder'] / r['caption']:.2f}")
+            enc_flops, search_flops = flops_per_image(cap, paths, args.batch_size)
+            print(f"    arithmetic per image: encoder {enc_flops / 1e6:.0f} MFLOP, beam search "
+                  f"{search_flops / 1e6:.0f} MFLOP ({search_flops / enc_flops:.2f} of the encoder's)")
             print(f"    of which: beam search alone {r['search']:.1f} img/s "
                   f"({r['encoder'] / r['search']:.2f} encoder times), loading alone ({args.workers} workers) "
                   f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times)")

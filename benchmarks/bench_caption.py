@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.batch import caption_paths, image_loader
 from captioner.decoding import beam_search
+from captioner.encoders import Annotations
 from captioner.images import Preprocess, load_image
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
@@ -62,16 +63,24 @@ def resnet101_captioner() -> Captioner:
     return Captioner(CaptionModel(cfg), vocab, Preprocess(size=(224, 224)))
 
 
-def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers: int,
-                repeats: int) -> dict[str, float]:
+def preprocessed_batches(captioner: Captioner, paths: list[str], batch_size: int) -> list[torch.Tensor]:
+    tensors = [captioner.preprocess(load_image(p)) for p in paths]
+    return [torch.stack(tensors[i:i + batch_size]) for i in range(0, len(tensors), batch_size)]
+
+
+def search(captioner: Captioner, ann: Annotations) -> None:
+    """The beam search (k=3) alone, on annotations already computed."""
+    v = captioner.vocab
+    beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
+
+
+def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tensor], batch_size: int,
+                workers: int, repeats: int) -> dict[str, float]:
     """Images/s of the whole caption pipeline, of the encoder's forward pass alone, and, to
     show where the rest goes, of loading alone (the same DataLoader, no model) and of the
     beam search alone (on annotations already computed). Each is the best of ``repeats``
     timings, taken in turn, so that a slow moment of the machine does not skew one ratio."""
     options = DecodeOptions(beam_size=3, max_len=20)
-    tensors = [captioner.preprocess(load_image(p)) for p in paths]  # outside the encoder timing
-    batches = [torch.stack(tensors[i:i + batch_size]) for i in range(0, len(tensors), batch_size)]
-    v = captioner.vocab
     with torch.inference_mode():
         captioner.caption_batch(batches[0], options)  # warm-up
         anns = [captioner.model.encode(batch) for batch in batches]
@@ -81,11 +90,10 @@ def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers
             for batch in batches:
                 captioner.model.encode(batch)
 
-    def search() -> None:
+    def searches() -> None:
         with torch.inference_mode():
             for ann in anns:
-                beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3,
-                            max_len=20)
+                search(captioner, ann)
 
     def loading() -> None:
         for _ in image_loader(paths, captioner.preprocess, batch_size, workers):
@@ -97,7 +105,7 @@ def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers
                       progress=False)
         assert out.getvalue().count("\n") == len(paths)
 
-    jobs = {"caption": caption, "encoder": encoder, "search": search, "loading": loading}
+    jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading}
     best = {name: float("inf") for name in jobs}
     for _ in range(repeats):
         for name, job in jobs.items():
@@ -107,17 +115,15 @@ def bench_speed(captioner: Captioner, paths: list[str], batch_size: int, workers
     return {name: len(paths) / seconds for name, seconds in best.items()}
 
 
-def flops_per_image(captioner: Captioner, paths: list[str], batch_size: int) -> tuple[float, float]:
+def flops_per_image(captioner: Captioner, batch: torch.Tensor) -> tuple[float, float]:
     """Arithmetic of the encoder and of the beam search (k=3) per image, counting matrix
     products and convolutions only: what no pipelining can hide."""
-    batch = torch.stack([captioner.preprocess(load_image(p)) for p in paths[:batch_size]])
-    v = captioner.vocab
     with torch.inference_mode():
         with FlopCounterMode(display=False) as count:
             ann = captioner.model.encode(batch)
         encoder = count.get_total_flops()
         with FlopCounterMode(display=False) as count:
-            beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
+            search(captioner, ann)
     return encoder / len(batch), count.get_total_flops() / len(batch)
 
 
@@ -156,10 +162,11 @@ def main() -> None:
         if not args.skip_resnet:
             models.append(("resnet101, paper sizes", resnet101_captioner()))
         for name, cap in models:
-            r = bench_speed(cap, paths, args.batch_size, args.workers, args.repeats)
+            batches = preprocessed_batches(cap, paths, args.batch_size)  # outside the encoder timing
+            r = bench_speed(cap, paths, batches, args.batch_size, args.workers, args.repeats)
             print(f"{name}: caption {r['caption']:.1f} img/s, encoder alone {r['encoder']:.1f} img/s, "
                   f"caption time / encoder time = {r['encoder'] / r['caption']:.2f}")
-            enc_flops, search_flops = flops_per_image(cap, paths, args.batch_size)
+            enc_flops, search_flops = flops_per_image(cap, batches[0])
             print(f"    arithmetic per image: encoder {enc_flops / 1e6:.0f} MFLOP, beam search "
                   f"{search_flops / 1e6:.0f} MFLOP ({search_flops / enc_flops:.2f} of the encoder's)")
             print(f"    of which: beam search alone {r['search']:.1f} img/s "

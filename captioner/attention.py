@@ -74,8 +74,9 @@ class _Sparsemax(torch.autograd.Function):
         return support * (grad - v), None
 
 
-# Rows of the (B, L, A) additive-attention sum handled at once when no gradient is needed:
-# about 1 MiB, so the sum is made, squashed and reduced while it sits in the CPU's cache.
+# Size of the slice of the (B, k, L, A) additive-attention sum handled at once when no
+# gradient is needed: about 1 MiB, so the sum is made, squashed and reduced while it sits
+# in the CPU's cache.
 BLOCK_BYTES = 1 << 20
 
 
@@ -161,8 +162,7 @@ class Attention(nn.Module):
                 return _additive_blocked(keys, q, self.v)
             return self.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
         if self.score == "concat":
-            b, k = hq.shape[:2]
-            n = a.shape[1]
+            k, n = hq.shape[1], a.shape[1]
             joint = torch.cat([hq.unsqueeze(2).expand(-1, -1, n, -1), a.unsqueeze(1).expand(-1, k, -1, -1)], dim=-1)
             return self.v(torch.tanh(self.joint(joint))).squeeze(-1)  # (B, k, L)
         if self.score == "general":

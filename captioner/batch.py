@@ -137,15 +137,18 @@ class LoadedBatch:
     others could not be loaded."""
 
     indices: list[int]  # positions in ``paths`` of every image of the batch, in order
-    loaded: list[int]  # positions of the images in ``tensors``, in order
     tensors: torch.Tensor | None  # (len(loaded), 3, H, W); None when none loaded
     errors: dict[int, str]  # position -> the reason
 
+    @property
+    def loaded(self) -> list[int]:
+        """Positions of the images in ``tensors``, in order."""
+        return [i for i in self.indices if i not in self.errors]
+
 
 def _collate(batch: list[Loaded]) -> LoadedBatch:
-    good = [item for item in batch if item.tensor is not None]
-    return LoadedBatch([item.index for item in batch], [item.index for item in good],
-                       torch.stack([item.tensor for item in good]) if good else None,
+    good = [item.tensor for item in batch if item.tensor is not None]
+    return LoadedBatch([item.index for item in batch], torch.stack(good) if good else None,
                        {item.index: item.error for item in batch if item.tensor is None})
 
 

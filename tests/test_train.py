@@ -8,8 +8,9 @@ import torch
 
 from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
+from train.averaging import WeightAverage
 from train.config import TrainConfig, apply_overrides, load_config
-from train.loop import train
+from train.loop import train, validation_value
 
 CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*.toml"))
 
@@ -57,9 +58,10 @@ def test_fixture_trains_and_the_loss_falls(tiny_coco, tmp_path):
     assert (run / "config.toml").read_text().startswith('name = "run"')
 
 
-@pytest.mark.parametrize("attention", ["soft", "hard"])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, attention):
-    sets = {"model.attention": attention, "optim.max_steps": 9}
+@pytest.mark.parametrize("attention,ema", [("soft", 0.0), ("hard", 0.0), ("soft", 0.9)],
+                         ids=["soft", "hard", "soft-weight-average"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, attention, ema):
+    sets = {"model.attention": attention, "optim.max_steps": 9, "optim.ema": ema}
     straight = tmp_path / "straight"
     train(tiny_config(tiny_coco, **sets), straight, progress=False)
 
@@ -77,6 +79,58 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, at
     assert a["train_state"]["epoch"] == b["train_state"]["epoch"] >= 1  # an epoch boundary was crossed
     if attention == "hard":
         assert a["train_state"]["baseline"] == b["train_state"]["baseline"] != 0.0
+    if ema:
+        wa, wb = a["train_state"]["weight_average"], b["train_state"]["weight_average"]
+        assert wa["updates"] == wb["updates"] == 9
+        for k in wa["tensors"]:
+            assert torch.equal(wa["tensors"][k], wb["tensors"][k]), k
+        best_a, best_b = load_checkpoint(straight / "best.pt"), load_checkpoint(split / "best.pt")
+        for k in best_a["state_dict"]:
+            assert torch.equal(best_a["state_dict"][k], best_b["state_dict"][k]), k
+
+
+def test_weight_average_follows_its_formula_and_swaps_back():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    average = WeightAverage(model, decay=0.5)
+    expected = start["0.weight"].clone()
+    for n in range(3):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+            model[1].num_batches_tracked += 1
+        d = min(0.5, (1 + n) / (10 + n))  # 0.1, 0.18..., 0.25
+        expected = d * expected + (1 - d) * model[0].weight.detach()
+        average.update(model)
+    assert torch.allclose(average.tensors["0.weight"], expected)
+    assert not torch.allclose(expected, model[0].weight)  # the average lags the weights
+    assert average.tensors["1.num_batches_tracked"].item() == 3  # integers are copied
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    with average.applied(model):
+        assert torch.allclose(model[0].weight, expected)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, own[k]), k
+    with pytest.raises(ValueError, match="strictly between"):
+        WeightAverage(model, decay=1.0)
+
+
+def test_best_checkpoint_holds_the_averaged_weights(tiny_coco, tmp_path):
+    run = tmp_path / "run"
+    outcome = train(tiny_config(tiny_coco, **{"optim.epochs": 1, "optim.ema": 0.9}), run, progress=False)
+    assert outcome.reason == "finished"
+    last, best = load_checkpoint(run / "last.pt"), load_checkpoint(run / "best.pt")
+    averaged = last["train_state"]["weight_average"]["tensors"]
+    assert best["meta"]["weight_average"] == 0.9
+    key = "decoder.L_o.weight"
+    assert torch.equal(best["state_dict"][key], averaged[key])  # validated and saved: the average
+    assert not torch.equal(best["state_dict"][key], last["state_dict"][key])  # not the last step's weights
+
+
+def test_validation_value_takes_one_figure_or_the_smallest_of_several():
+    figures = {"object_accuracy": 0.96, "pointing_accuracy": 0.91, "CIDEr": 5.0}
+    assert validation_value("CIDEr", figures) == 5.0
+    assert validation_value("min:object_accuracy,pointing_accuracy", figures) == 0.91
+    with pytest.raises(ValueError, match="BLEU-9 not among"):
+        validation_value("min:object_accuracy,BLEU-9", figures)
 
 
 def test_configs_of_older_runs_with_amp_still_load(tmp_path):

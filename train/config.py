@@ -60,6 +60,9 @@ class OptimConfig:
     lr_decay: float = 0.8  # multiply the learning rates by this ...
     lr_decay_every: int = 5  # ... every this many epochs
     grad_clip: float = 5.0
+    # 0: off. Otherwise the decay of an exponential moving average of the weights (e.g. 0.999):
+    # validation decodes with the averaged weights and best.pt holds them.
+    ema: float = 0.0
     doubly_stochastic: float = 1.0  # lambda of sum_i (1 - sum_t alpha_ti)^2
     seed: int = 0
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (with a gradient scaler)
@@ -75,7 +78,10 @@ class OptimConfig:
 @dataclass
 class ValConfig:
     every_epochs: int = 1
-    metric: str = "CIDEr"  # chooses the best checkpoint; from real decoding, not teacher forcing
+    # Chooses the best checkpoint; from real decoding, not teacher forcing. A caption metric
+    # (CIDEr, BLEU-4, ...), on shapes data a grounding figure (object_accuracy, pointing_accuracy,
+    # ...), or "min:A,B" for the smaller of several.
+    metric: str = "CIDEr"
     beam_size: int = 1
     max_len: int = 20
     limit: int = 0  # 0: the whole validation split

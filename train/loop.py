@@ -31,6 +31,7 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import Vocabulary
 
+from .averaging import WeightAverage
 from .config import TrainConfig, to_toml
 from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
@@ -179,6 +180,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         raise ValueError(f"optim.optimizer must be adam or sgd, got {o.optimizer!r}")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
     hard = HardAttentionObjective(cfg.hard, o.doubly_stochastic) if model_cfg.attention == "hard" else None
+    average = WeightAverage(model, o.ema) if o.ema else None
 
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best": None, "bad_vals": 0, "train_seconds": 0.0}
     if ckpt is not None:
@@ -188,6 +190,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         state.update({k: ts[k] for k in state})
         if hard is not None:
             hard.baseline = float(ts.get("baseline", 0.0))
+        if average is not None and "weight_average" in ts:  # else the average starts from here
+            average.load_state_dict(ts["weight_average"])
         rngs = ts.get("rng_per_rank") or [ts["rng"]]
         if len(rngs) != ctx.world:
             raise ValueError(f"the run was saved with {len(rngs)} processes; resume it with as many")
@@ -215,7 +219,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     captioner = Captioner(model, vocab, preprocess)
-    meta = {"name": cfg.name, "data": d.dir, "attention": model_cfg.attention}
+    meta = {"name": cfg.name, "data": d.dir, "attention": model_cfg.attention,
+            **({"weight_average": o.ema} if average is not None else {})}
     log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
     precision = MixedPrecision(o.precision, device)
     if ckpt is not None:
@@ -232,6 +237,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                        "grad_scaler": precision.state_dict()}
         if hard is not None:
             train_state["baseline"] = hard.baseline
+        if average is not None:
+            train_state["weight_average"] = average.state_dict()
         atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
                     run_dir / "last.pt")
 
@@ -244,7 +251,11 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         """Real decoding on the validation split (rank 0); saves best.pt; True when early stopping says stop."""
         stop_early = False
         if ctx.is_main:
-            stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
+            if average is not None:
+                with average.applied(model):
+                    stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
+            else:
+                stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
         return ctx.broadcast(stop_early)
 
     reason = "finished"
@@ -278,6 +289,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     optimizer.zero_grad(set_to_none=True)
                     precision.backward(parts.loss * share)
                     precision.step(optimizer, model.parameters(), o.grad_clip)
+                    if average is not None:
+                        average.update(model)
                     now = time.perf_counter()
                     state["train_seconds"] += now - tick
                     tick = now
@@ -335,6 +348,15 @@ def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
         raise ValueError(f"{path} does not fit this model: {e}") from e
 
 
+def validation_value(metric: str, figures: dict) -> float:
+    """The figure named by ``val.metric``: one name, or ``min:A,B,...`` for the smallest of several."""
+    names = metric[len("min:"):].split(",") if metric.startswith("min:") else [metric]
+    missing = [n for n in names if n.strip() not in figures]
+    if missing or not names:
+        raise ValueError(f"validation metric {metric!r}: {', '.join(missing)} not among {sorted(figures)}")
+    return min(float(figures[n.strip()]) for n in names)
+
+
 def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, state: dict, meta: dict,
               run_dir: Path, write) -> bool:
     model = captioner.model
@@ -343,11 +365,7 @@ def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, sta
                       options=DecodeOptions(beam_size=cfg.val.beam_size, max_len=cfg.val.max_len),
                       limit=cfg.val.limit or None, meteor=False, progress=False)
     model.train()
-    value = report.metrics.get(cfg.val.metric)
-    if value is None and report.grounding:
-        value = report.grounding.get(cfg.val.metric)
-    if value is None:
-        raise ValueError(f"validation metric {cfg.val.metric!r} not among {sorted(report.metrics)}")
+    value = validation_value(cfg.val.metric, {**report.metrics, **(report.grounding or {})})
     improved = state["best"] is None or value > state["best"]
     if improved:
         state["best"], state["bad_vals"] = value, 0

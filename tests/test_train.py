@@ -129,8 +129,11 @@ def test_validation_value_takes_one_figure_or_the_smallest_of_several():
     figures = {"object_accuracy": 0.96, "pointing_accuracy": 0.91, "CIDEr": 5.0}
     assert validation_value("CIDEr", figures) == 5.0
     assert validation_value("min:object_accuracy,pointing_accuracy", figures) == 0.91
-    with pytest.raises(ValueError, match="BLEU-9 not among"):
+    assert validation_value("min: CIDEr, pointing_accuracy", figures) == 0.91
+    with pytest.raises(ValueError, match="'BLEU-9' not among"):
         validation_value("min:object_accuracy,BLEU-9", figures)
+    with pytest.raises(ValueError, match="'' not among"):
+        validation_value("min:", figures)
 
 
 def test_configs_of_older_runs_with_amp_still_load(tmp_path):

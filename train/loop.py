@@ -13,6 +13,7 @@ import random
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -251,10 +252,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         """Real decoding on the validation split (rank 0); saves best.pt; True when early stopping says stop."""
         stop_early = False
         if ctx.is_main:
-            if average is not None:
-                with average.applied(model):
-                    stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
-            else:
+            with average.applied(model) if average is not None else nullcontext():
                 stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
         return ctx.broadcast(stop_early)
 
@@ -350,11 +348,11 @@ def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
 
 def validation_value(metric: str, figures: dict) -> float:
     """The figure named by ``val.metric``: one name, or ``min:A,B,...`` for the smallest of several."""
-    names = metric[len("min:"):].split(",") if metric.startswith("min:") else [metric]
-    missing = [n for n in names if n.strip() not in figures]
-    if missing or not names:
+    names = [n.strip() for n in metric.removeprefix("min:").split(",")] if metric.startswith("min:") else [metric]
+    missing = [repr(n) for n in names if n not in figures]
+    if missing:
         raise ValueError(f"validation metric {metric!r}: {', '.join(missing)} not among {sorted(figures)}")
-    return min(float(figures[n.strip()]) for n in names)
+    return min(float(figures[n]) for n in names)
 
 
 def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, state: dict, meta: dict,

@@ -3,10 +3,11 @@
 The scorers are pycocoevalcap's (the COCO caption evaluation code). Two deliberate
 differences from its ``COCOEvalCap`` driver:
 
-- Tokenisation uses :func:`captioner.vocab.tokenize` (the tokenizer the vocabulary is
-  built with) instead of the Stanford PTBTokenizer, which needs java and a large jar just
-  to split words. Both lower-case and drop punctuation, so scores are close to, but not
-  guaranteed identical with, numbers from the official script.
+- Tokenisation of references and candidates uses :func:`captioner.vocab.tokenize` (the
+  tokenizer the vocabulary is built with) instead of running the Stanford PTBTokenizer
+  in java. It reproduces that tokenizer's output on captions (full stops inside a
+  caption, commas, clitics, brackets as ``-lrb-``, hyphens, numbers; a table is checked
+  against java in the tests), so the scores are the official script's.
 - SPICE is left out: it needs a separate model download.
 
 BLEU is corpus-level (clipped n-gram counts and lengths are summed over all images

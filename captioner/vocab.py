@@ -1,12 +1,17 @@
 """Vocabulary and tokenisation.
 
-Tokenisation uses nltk's TreebankWordTokenizer, which needs no downloaded data
-(``nltk.word_tokenize`` would need the punkt models). The vocabulary is stored in
+Tokenisation is the COCO caption evaluation toolkit's, in pure Python: pycocoevalcap's
+PTBTokenizer runs Stanford's PTB tokenizer (java) lower-casing, then drops the tokens in
+its punctuation list. :func:`tokenize` gives the same tokens for captions (a table of
+tricky ones is checked against java in the tests), with nltk's TreebankWordTokenizer,
+which needs no downloaded data (``nltk.word_tokenize`` would need the punkt models).
+The vocabulary and the metrics use this one tokenizer. The vocabulary is stored in
 checkpoints as a plain list of strings.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,11 +23,35 @@ SPECIALS = (PAD, START, END, UNK)
 
 _tokenizer = TreebankWordTokenizer()
 
+# pycocoevalcap's PUNCTUATIONS as they can match: its bracket tokens are spelt "-LRB-" but
+# the tokens come out lower-cased, so "-lrb-" and friends stay, as do "&", "%", "#", "$".
+_DROPPED = frozenset({"''", "'", "``", "`", ".", "?", "!", ",", ":", "-", "--", "...", ";"})
+# Words whose final full stop belongs to them (Stanford keeps it): acronyms such as
+# "u.s." or "p.m.", and common abbreviations before a name.
+_ABBREVIATION = re.compile(r"(?:[^\W\d_]\.){2,}|(?:mr|mrs|ms|dr|st|jr|sr|prof|mt|ft|vs|etc|inc|co|ltd|no)\.")
+_CLITIC = re.compile(r"'(?:s|m|d|ll|re|ve)$")
+
 
 def tokenize(text: str) -> list[str]:
-    """Lower-cased word tokens; punctuation other than inner apostrophes is dropped."""
-    tokens = _tokenizer.tokenize(text.lower())
-    return [t for t in tokens if any(ch.isalnum() for ch in t)]
+    """Lower-cased PTB tokens, as the COCO evaluation toolkit gives them.
+
+    Each whitespace-separated chunk is tokenised on its own, so a full stop ending a word
+    inside a caption ("sits. It") is split off like the caption's last one; brackets become
+    ``-lrb-``/``-rrb-``/..., clitics are split ("dog 's", "do n't"), quotes and the
+    toolkit's punctuation tokens are dropped.
+    """
+    tokens: list[str] = []
+    for chunk in text.lower().replace("`", " ` ").split():
+        if _ABBREVIATION.fullmatch(chunk):
+            tokens.append(chunk)
+            continue
+        for tok in _tokenizer.tokenize(chunk, convert_parentheses=True):
+            # An opening single quote ('quoted) is a quote, not part of the word.
+            if tok.startswith("'") and len(tok) > 1 and not _CLITIC.match(tok):
+                tokens.extend(["'", tok[1:]])
+            else:
+                tokens.append(tok.lower())
+    return [t for t in tokens if t not in _DROPPED]
 
 
 @dataclass

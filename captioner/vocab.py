@@ -71,7 +71,12 @@ class Vocabulary:
     @classmethod
     def build(cls, captions: Iterable[str], min_count: int = 5, max_size: int | None = None) -> "Vocabulary":
         """Words seen at least ``min_count`` times, most frequent first (ties alphabetical)."""
-        counts = Counter(tok for caption in captions for tok in tokenize(caption))
+        return cls.from_counts(Counter(tok for caption in captions for tok in tokenize(caption)),
+                               min_count=min_count, max_size=max_size)
+
+    @classmethod
+    def from_counts(cls, counts: Counter, min_count: int = 5, max_size: int | None = None) -> "Vocabulary":
+        """Words counted at least ``min_count`` times, most frequent first (ties alphabetical)."""
         kept = sorted((w for w, c in counts.items() if c >= min_count and w not in SPECIALS),
                       key=lambda w: (-counts[w], w))
         if max_size is not None:

@@ -84,3 +84,16 @@ def tiny_karpathy(tiny_coco: Path) -> Path:
     path = tiny_coco / "dataset_coco.json"
     path.write_text(json.dumps({"dataset": "coco", "images": images}), encoding="utf-8")
     return path
+
+
+PHOTOS = Path(__file__).parent / "fixtures" / "photos"
+
+
+@pytest.fixture
+def photos(tmp_path: Path) -> Path:
+    """A copy of the photo fixture (real photographs in COCO 2014 and Flickr8k layouts):
+    ``coco/`` (train2014/, val2014/, annotations/, dataset_coco.json) and ``flickr8k/``
+    (Flicker8k_Dataset/, dataset_flickr8k.json). See tests/fixtures/photos/NOTICE.md."""
+    import shutil
+
+    return Path(shutil.copytree(PHOTOS, tmp_path / "photos"))

@@ -123,16 +123,17 @@ def test_caption_dataset_items(tiny_coco: Path) -> None:
     records = load_split(tiny_coco, "train")
     vocab = build_vocab(records, min_count=1)
     ds = CaptionDataset(records, vocab, PRE, max_len=3)
-    assert len(ds) == sum(len(r.captions) for r in records)  # one item per caption
+    # One item per caption of at most 3 words; the 6 longer ones are left out, not cut.
+    assert len(ds) == sum(len(r.captions) for r in records) - 6 and ds.too_long == 6
 
     image, tokens, index = ds[0]
     assert image.shape == (3, 8, 8) and image.dtype == torch.float32
     assert index == 0
-    # "A red square on a table." cut to 3 words, framed by start and end.
-    assert tokens.tolist() == [vocab.start, vocab.index("a"), vocab.index("red"), vocab.index("square"), vocab.end]
+    # "a red box" (the first caption, "A red square on a table.", is too long), framed by start and end.
+    assert tokens.tolist() == [vocab.start, vocab.index("a"), vocab.index("red"), vocab.index("box"), vocab.end]
     assert tokens.dtype == torch.long
     # The items of one image point at that image.
-    assert [ds[i][2] for i in range(len(records[0].captions))] == [0] * len(records[0].captions)
+    assert [ds[i][2] for i in range(len(records[0].captions) - 1)] == [0] * (len(records[0].captions) - 1)
     assert ds[len(ds) - 1][2] == len(records) - 1
 
 

@@ -16,7 +16,7 @@ class DataConfig:
     karpathy: str = ""  # Karpathy split file (dataset_coco.json); empty: the folder's own splits
     min_count: int = 5  # vocabulary: words seen at least this often in training captions
     max_vocab: int = 0  # 0: no limit
-    max_caption_len: int = 20  # words; longer captions are cut
+    max_caption_len: int = 20  # words; longer training captions are left out (counted at start-up), never cut
     cache_images: bool = False  # keep preprocessed training images in memory (small data)
     feature_cache: bool = False  # frozen encoder: annotations computed once per image, memory-mapped fp16
     feature_cache_dir: str = ""  # where the cache lives (default: the run folder)

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.data.coco import ImageDataset, ImageRecord
+from captioner.data.coco import ImageDataset, ImageRecord, training_captions
 from captioner.images import Preprocess
 from captioner.model import CaptionModel
 from captioner.vocab import Vocabulary
@@ -110,12 +110,12 @@ class CachedCaptionDataset(Dataset):
     """Like CaptionDataset, but items carry the cached annotations (L, D) instead of pixels."""
 
     def __init__(self, records: list[ImageRecord], vocab: Vocabulary, cache: FeatureCache, max_len: int | None):
-        from captioner.vocab import tokenize
-
         if len(cache) != len(records):
             raise ValueError(f"feature cache has {len(cache)} rows for {len(records)} images")
         self.cache = cache
-        self.items = [(i, vocab.encode(c, max_len)) for i, r in enumerate(records) for c in r.captions if tokenize(c)]
+        kept = training_captions(records, max_len)  # captions over max_len words left out, not cut
+        self.too_long = kept.too_long
+        self.items = [(i, vocab.encode(tokens)) for i, tokens in kept.items]
 
     def __len__(self) -> int:
         return len(self.items)

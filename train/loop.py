@@ -152,7 +152,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     if ckpt is not None:
         vocab = Vocabulary(list(ckpt["vocab"]))
     else:
-        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None)
+        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None,
+                            max_len=d.max_caption_len)
     preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD)
     if ckpt is not None:
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])

@@ -20,6 +20,7 @@ import contextlib
 import io
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,14 +172,43 @@ def _int_or_none(value: object) -> int | None:
 # --------------------------------------------------------------------------- vocabulary
 
 
+@dataclass
+class TrainingCaptions:
+    """The captions a model trains on, tokenised, and how many were left out."""
+
+    items: list[tuple[int, list[str]]]  # (index of the image in the records, tokens)
+    too_long: int  # captions over max_len words: left out, never cut
+    empty: int  # captions with no words after tokenisation
+
+
+def training_captions(records: Sequence[ImageRecord], max_len: int | None = None) -> TrainingCaptions:
+    """Every caption of every record with at most ``max_len`` words.
+
+    A longer caption is left out rather than cut: a cut caption followed by ``<end>``
+    would teach the model to stop mid-sentence.
+    """
+    items, too_long, empty = [], 0, 0
+    for i, record in enumerate(records):
+        for caption in record.captions:
+            tokens = tokenize(caption)
+            if not tokens:
+                empty += 1
+            elif max_len is not None and max_len > 0 and len(tokens) > max_len:
+                too_long += 1
+            else:
+                items.append((i, tokens))
+    return TrainingCaptions(items, too_long, empty)
+
+
 def build_vocab(train_records: Sequence[ImageRecord], min_count: int = 5,
-                max_size: int | None = None) -> Vocabulary:
-    """Vocabulary from the given (training) records' captions only.
+                max_size: int | None = None, max_len: int | None = None) -> Vocabulary:
+    """Vocabulary from the given (training) records' captions only, those the model trains
+    on (at most ``max_len`` words).
 
     Passing validation or test records here would leak their words into the model.
     """
-    return Vocabulary.build((c for r in train_records for c in r.captions),
-                            min_count=min_count, max_size=max_size)
+    counts = Counter(t for _, tokens in training_captions(train_records, max_len).items for t in tokens)
+    return Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size)
 
 
 # --------------------------------------------------------------------------- datasets
@@ -218,9 +248,10 @@ class CaptionDataset(Dataset):
     """One item per (image, caption) pair: every caption of every image.
 
     Items are ``(image (3, H, W), token ids (n + 2,), image index)``: the ids are
-    ``<start> w1 .. wn <end>`` with at most ``max_len`` words, and the image index is the
-    position of the image in ``records``. Captions with no words after tokenisation are
-    skipped: there is nothing to learn from them.
+    ``<start> w1 .. wn <end>``, and the image index is the position of the image in
+    ``records``. Captions over ``max_len`` words are left out (``too_long`` counts them),
+    never cut; captions with no words after tokenisation are skipped: there is nothing to
+    learn from them.
     """
 
     def __init__(self, records: Sequence[ImageRecord], vocab: Vocabulary, preprocess: Preprocess,
@@ -229,13 +260,10 @@ class CaptionDataset(Dataset):
         self.vocab = vocab
         self.max_len = max_len
         self._images = _ImageSource(self.records, preprocess, cache_images)
+        kept = training_captions(self.records, max_len)
+        self.too_long = kept.too_long
         # Encoded once up front: cheap, and it keeps __getitem__ to image work only.
-        self.items: list[tuple[int, list[int]]] = [
-            (i, vocab.encode(caption, max_len))
-            for i, record in enumerate(self.records)
-            for caption in record.captions
-            if tokenize(caption)
-        ]
+        self.items: list[tuple[int, list[int]]] = [(i, vocab.encode(tokens)) for i, tokens in kept.items]
 
     def __len__(self) -> int:
         return len(self.items)

@@ -4,11 +4,17 @@ Legend: B batch, C channels (= D, the annotation size), H x W the feature grid, 
 
 Registered encoders (``create_encoder(name, ...)``):
     small      a small CNN trained from scratch, for the synthetic shapes data and tests
-    vgg16      VGG-16 conv5_3 (the paper): 14x14x512 at 224 px
+    vgg19      VGG-19 conv5_4 after its ReLU, before the last max-pool (the paper's
+               annotation vectors): 14x14x512 at 224 px
+    vgg16      VGG-16 conv5_3 (not the paper's; kept for older checkpoints): 14x14x512 at 224 px
+    resnet18   ResNet-18 layer4: 512 channels, 7x7 at 224 px (small and quick)
     resnet50   ResNet-50 layer4: 2048 channels, 7x7 at 224 px (14x14 at 448 px)
     resnet101  ResNet-101 layer4: 2048 channels
 torchvision backbones are built with its weights API: ImageNet weights when
-``pretrained`` (the user needs them in the torch hub cache or a network), random otherwise.
+``pretrained`` (from the torch hub cache, ``$TORCH_HOME/hub/checkpoints/<file>``, or the
+network), random otherwise. The weights are torchvision's ImageNet training, not the
+Oxford VGG group's Caffe release the paper used. A checkpoint holds the whole encoder,
+so loading one builds it with ``pretrained=False`` and never fetches these files.
 """
 
 from __future__ import annotations
@@ -160,6 +166,16 @@ def _build(builder: Callable, weights, name: str) -> nn.Module:
             "to start from random weights.") from e
 
 
+@register_encoder("vgg19")
+def vgg19(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
+    import torchvision.models as tvm
+    net = _build(tvm.vgg19, _torchvision_weights("VGG19_Weights", pretrained), "vgg19")
+    trunk = net.features[:36]  # up to conv5_4 + ReLU, before the last max-pool: (B, 512, 14, 14) at 224 px
+    # Blocks for fine-tuning: conv5_1 .. conv5_4 (each conv + ReLU).
+    blocks = [trunk[28:30], trunk[30:32], trunk[32:34], trunk[34:36]]
+    return Encoder(trunk, 512, blocks, fine_tune_blocks)
+
+
 @register_encoder("vgg16")
 def vgg16(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
     import torchvision.models as tvm
@@ -170,12 +186,18 @@ def vgg16(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
     return Encoder(trunk, 512, blocks, fine_tune_blocks)
 
 
-def _resnet(builder_name: str, weights_name: str, pretrained: bool, fine_tune_blocks: int) -> Encoder:
+def _resnet(builder_name: str, weights_name: str, pretrained: bool, fine_tune_blocks: int,
+            dim: int = 2048) -> Encoder:
     import torchvision.models as tvm
     net = _build(getattr(tvm, builder_name), _torchvision_weights(weights_name, pretrained), builder_name)
     trunk = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3, net.layer4)
-    blocks = list(net.layer3) + list(net.layer4)  # fine-tuning unfreezes the last bottlenecks first
-    return Encoder(trunk, 2048, blocks, fine_tune_blocks)
+    blocks = list(net.layer3) + list(net.layer4)  # fine-tuning unfreezes the last blocks first
+    return Encoder(trunk, dim, blocks, fine_tune_blocks)
+
+
+@register_encoder("resnet18")
+def resnet18(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
+    return _resnet("resnet18", "ResNet18_Weights", pretrained, fine_tune_blocks, dim=512)
 
 
 @register_encoder("resnet50")

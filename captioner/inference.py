@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -80,7 +80,11 @@ class Captioner:
     @classmethod
     def from_checkpoint(cls, ckpt: dict, device: str | torch.device = "cpu") -> "Captioner":
         cfg = ModelConfig.from_dict(ckpt["model_config"])
-        model = CaptionModel(cfg)
+        # The checkpoint holds every encoder weight: build the encoder without asking
+        # torchvision for ImageNet weights (no network, no hub cache needed), and keep the
+        # config saying how the model was trained.
+        model = CaptionModel(replace(cfg, encoder_pretrained=False))
+        model.config = replace(model.config, encoder_pretrained=cfg.encoder_pretrained)
         try:
             model.load_state_dict(ckpt["state_dict"])
         except RuntimeError as e:

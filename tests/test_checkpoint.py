@@ -91,3 +91,26 @@ def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch):
         cap.save(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
+
+
+def test_loading_never_asks_for_pretrained_weights(tmp_path, monkeypatch):
+    # A checkpoint trained from ImageNet weights holds every weight it needs: loading it
+    # on a machine without them (empty TORCH_HOME, no network) must not try to fetch them.
+    from pretrained import forbid_downloads
+
+    from captioner.model import CaptionModel
+    from tiny import tiny_config, tiny_vocab
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))
+    asked = forbid_downloads(monkeypatch)
+    torch.manual_seed(0)
+    model = CaptionModel(tiny_config(encoder="resnet18", image_size=(64, 64)))
+    cap = Captioner(model, tiny_vocab(), __import__("captioner.images").images.Preprocess(size=(64, 64)))
+    ckpt = cap.checkpoint()
+    ckpt["model_config"]["encoder_pretrained"] = True  # as a run with encoder_pretrained = true saves it
+    torch.save(ckpt, tmp_path / "model.pt")
+    again = Captioner.load(tmp_path / "model.pt")
+    assert asked == []
+    assert again.model.config.encoder_pretrained is True  # still says how it was trained
+    image = tiny_image(0, (64, 64))
+    assert again.caption(image).words == cap.caption(image).words

@@ -101,12 +101,15 @@ def decode(data: bytes) -> tuple[str, Image.Image, Image.Image]:
 
 
 def caption_image(captioner: Captioner, key: tuple, name: str, image: Image.Image,
-                  options: DecodeOptions) -> Shown:
+                  options: DecodeOptions, data: bytes | None = None) -> Shown:
     start = time.perf_counter()
-    result = captioner.caption(image, options)
+    # From the raw bytes, decoded as training and `captioner caption` decode them (a JPEG
+    # may decode at reduced scale), so the page gives the checkpoint's own caption.
+    result = captioner.caption(captioner.preprocess.load(data) if data is not None else image, options)
     seconds = time.perf_counter() - start
-    thumb = _fit(image, PANEL_SIDE)
-    return Shown(key, name, image, result, seconds, thumb, [overlay(thumb, a) for a in result.alphas])
+    seen = captioner.preprocess.seen(image)  # the part the model saw (all of it without a crop)
+    thumb = _fit(seen, PANEL_SIDE)
+    return Shown(key, name, seen, result, seconds, thumb, [overlay(thumb, a) for a in result.alphas])
 
 
 def _markdown_text(text: str) -> str:
@@ -275,7 +278,7 @@ def main() -> None:
     if shown is None or shown.key != key:
         try:
             with right, st.spinner("Writing a caption…"):
-                shown = caption_image(captioner, key, name, image, options)
+                shown = caption_image(captioner, key, name, image, options, data)
         except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
             right.error(f"Captioning failed: {_markdown_text(str(e))}", icon=":material/error:")
             return

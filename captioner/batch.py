@@ -122,7 +122,7 @@ class _ImageFiles(Dataset):
 
     def __getitem__(self, i: int) -> Loaded:
         try:
-            image = load_image(self.paths[i], self.max_pixels, at_least=max(self.preprocess.size))
+            image = self.preprocess.load(self.paths[i], self.max_pixels)
             return Loaded(i, self.preprocess(image), None)
         except ImageLoadError as e:
             return Loaded(i, None, str(e))
@@ -189,7 +189,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                     r = results[index]
                     record = r.to_json(path, with_attention)
                     if attention_dir is not None:
-                        record["attention_png"] = _save_figure(path, r, attention_dir)
+                        record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess)
                     summary.captioned += 1
                 else:
                     record = {"image": path, "error": batch.errors[index]}
@@ -202,11 +202,11 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     return summary
 
 
-def _save_figure(path: str, result: CaptionResult, folder: Path) -> str:
+def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess) -> str:
     from .overlay import attention_figure
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.
     name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
-    attention_figure(load_image(path), result).save(folder / name)
+    attention_figure(preprocess.seen(load_image(path)), result).save(folder / name)  # the part the model saw
     return str(folder / name)

@@ -1,9 +1,16 @@
-"""Safe image loading and the one preprocessing used at inference.
+"""Safe image loading and the one preprocessing used everywhere.
 
 Every image becomes an 8-bit RGB PIL image: first frame of animations, EXIF orientation
 applied, palette/alpha/CMYK/16-bit modes converted, a pixel-count limit against
-decompression bombs. At inference the whole image is resized (never cropped), so the
-attention grid covers the whole original image and overlays line up with it.
+decompression bombs.
+
+:class:`Preprocess` is stored in every checkpoint and used by training, ``evaluate``,
+``caption`` and the app alike, decoding included (:meth:`Preprocess.load`), so one
+checkpoint sees the same pixels for one image whichever way it arrives. Two geometries:
+the whole image resized to the input size (``resize = 0``, the default: the attention
+grid covers the whole picture), or torchvision's ImageNet recipe (``resize = 256`` for a
+224 input: shorter side to 256, centre crop 224), the paper's preprocessing; overlays
+are then drawn on :meth:`Preprocess.seen`, the part of the image the model saw.
 """
 
 from __future__ import annotations
@@ -33,27 +40,87 @@ class ImageLoadError(ValueError):
 
 @dataclass(frozen=True)
 class Preprocess:
-    """Resize (whole image, no crop) to ``size`` = (height, width), then normalise."""
+    """Image -> normalised (3, H, W) tensor for ``size`` = (H, W).
+
+    ``resize = 0``: the whole image resized (bicubic) to ``size``, no crop.
+    ``resize = N``: torchvision's ImageNet recipe: the shorter side resized (bilinear) to
+    N, then the centre ``size`` cropped (N = 256 for 224 px, as in the paper).
+    """
 
     size: tuple[int, int] = (224, 224)
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
+    resize: int = 0
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """RGB PIL image -> (3, H, W) float tensor."""
         h, w = self.size
-        resized = image.resize((w, h), Image.Resampling.BICUBIC)
-        x = torch.from_numpy(np.asarray(resized, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
+        if self.resize:
+            image = self._center_crop(image.resize(self._resized(image.size), Image.Resampling.BILINEAR))
+        else:
+            image = image.resize((w, h), Image.Resampling.BICUBIC)
+        x = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
         mean = torch.tensor(self.mean).view(3, 1, 1)
         std = torch.tensor(self.std).view(3, 1, 1)
         return (x - mean) / std
 
+    def _resized(self, image_size: tuple[int, int]) -> tuple[int, int]:
+        """(width, height) after resizing the shorter side to ``resize`` (torchvision's rounding)."""
+        w, h = image_size
+        if w <= h:
+            return self.resize, int(self.resize * h / w)
+        return int(self.resize * w / h), self.resize
+
+    def _crop_origin(self, resized: tuple[int, int]) -> tuple[int, int]:
+        """(left, top) of the centre crop in the resized image (torchvision's CenterCrop)."""
+        (rw, rh), (h, w) = resized, self.size
+        return int(round((rw - w) / 2.0)), int(round((rh - h) / 2.0))
+
+    def _center_crop(self, image: Image.Image) -> Image.Image:
+        h, w = self.size
+        left, top = self._crop_origin(image.size)
+        return image.crop((left, top, left + w, top + h))
+
+    def crop_box(self, image_size: tuple[int, int]) -> tuple[float, float, float, float]:
+        """(left, top, right, bottom) of the region the model sees, in the original image's
+        pixels (``image_size`` = (width, height)): the attention grid covers exactly this."""
+        if not self.resize:
+            return (0, 0, image_size[0], image_size[1])
+        resized = self._resized(image_size)
+        scale = resized[0] / image_size[0] if image_size[0] <= image_size[1] else resized[1] / image_size[1]
+        left, top = self._crop_origin(resized)
+        h, w = self.size
+        return (left / scale, top / scale, (left + w) / scale, (top + h) / scale)
+
+    def seen(self, image: Image.Image) -> Image.Image:
+        """The part of ``image`` the model sees (all of it without a crop): overlays go on this."""
+        if not self.resize:
+            return image
+        left, top, right, bottom = self.crop_box(image.size)
+        x, y = round(left), round(top)
+        return image.crop((x, y, x + round(right - left), y + round(bottom - top)))
+
+    @property
+    def decode_side(self) -> int:
+        """JPEGs may be decoded at a reduced scale that keeps both sides at least this long."""
+        return self.resize or max(self.size)
+
+    def load(self, source: str | os.PathLike | bytes, max_pixels: int | None = None) -> Image.Image:
+        """Decode ``source`` as every path of the project does for this preprocessing.
+
+        JPEGs are decoded at the reduced scale that still leaves :attr:`decode_side` pixels
+        (several times faster for large photos); training, evaluation, batch captioning and
+        the app all decode through here, so they see the same pixels."""
+        return load_image(source, max_pixels or DEFAULT_MAX_PIXELS, at_least=self.decode_side)
+
     def to_dict(self) -> dict:
-        return {k: list(v) for k, v in asdict(self).items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Preprocess":
-        return cls(size=tuple(d["size"]), mean=tuple(d["mean"]), std=tuple(d["std"]))
+        # Checkpoints saved before the crop option have no "resize": whole-image resizing.
+        return cls(size=tuple(d["size"]), mean=tuple(d["mean"]), std=tuple(d["std"]),
+                   resize=int(d.get("resize", 0)))
 
 
 def is_image_path(path: str | os.PathLike) -> bool:

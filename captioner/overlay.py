@@ -1,8 +1,9 @@
 """Attention overlays aligned with the image (no plotting library, works headless).
 
-The model saw the whole image resized to its input size (no crop), so cell (r, c) of an
-H x W map covers exactly rows r/H..(r+1)/H and columns c/W..(c+1)/W of the original
-image. Maps are upsampled to the image's own size with that geometry, then smoothed.
+Overlays are drawn on the image the model saw: the whole image when its preprocessing
+resizes without cropping, else the centre crop (``Preprocess.seen``). Cell (r, c) of an
+H x W map then covers exactly rows r/H..(r+1)/H and columns c/W..(c+1)/W of that image.
+Maps are upsampled to the image's own size with that geometry, then smoothed.
 """
 
 from __future__ import annotations

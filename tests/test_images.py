@@ -92,3 +92,52 @@ def test_jpeg_decoded_at_reduced_scale_keeps_the_target_size(tmp_path):
     png = tmp_path / "big.png"
     im.save(png)
     assert load_image(png, at_least=224).size == (1600, 1200)  # only JPEG has reduced decoding
+
+
+def _photo(photos, name="COCO_val2014_000000000074.jpg"):
+    return photos / "coco" / "val2014" / name
+
+
+def test_crop_preprocess_is_torchvisions_imagenet_recipe(photos):
+    # Resize the shorter side to 256, centre-crop 224, normalise: VGG19_Weights.transforms().
+    import torchvision.models as tvm
+
+    image = load_image(_photo(photos, "COCO_val2014_000000000133.jpg"))  # 320x240, grayscale
+    ours = Preprocess(size=(224, 224), resize=256)(image)
+    theirs = tvm.VGG19_Weights.DEFAULT.transforms()(image)
+    assert ours.shape == theirs.shape == (3, 224, 224)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_crop_box_is_the_region_the_model_sees():
+    pre = Preprocess(size=(224, 224), resize=256)
+    # 400x200: shorter side 200 -> 256 (scale 1.28), long side 512; crop 224 from the middle.
+    assert pre.crop_box((400, 200)) == pytest.approx((112.5, 12.5, 287.5, 187.5))
+    assert Preprocess(size=(224, 224)).crop_box((400, 200)) == (0, 0, 400, 200)  # squash: all of it
+    im = Image.new("RGB", (400, 200))
+    assert pre.seen(im).size == (175, 175)
+    assert Preprocess(size=(224, 224)).seen(im) is im
+
+
+@pytest.mark.parametrize("pre", [Preprocess(size=(64, 64)), Preprocess(size=(64, 64), resize=73)],
+                         ids=["squash", "crop"])
+def test_training_evaluate_caption_and_app_see_the_same_pixels(photos, pre):
+    # A 320 px JPEG that a 64 px input may decode at reduced scale: every path must decode
+    # it the same way, or one checkpoint gives two captions for one image.
+    from captioner.batch import _ImageFiles
+    from captioner.data.coco import ImageDataset, ImageRecord
+    from captioner.images import DEFAULT_MAX_PIXELS
+
+    path = _photo(photos)
+    from_dataset = ImageDataset([ImageRecord(74, path, ["x"])], pre)[0][0]  # training and evaluate
+    from_batch = _ImageFiles([str(path)], pre, DEFAULT_MAX_PIXELS)[0].tensor  # captioner caption
+    assert torch.equal(from_dataset, from_batch)
+    from_upload = pre(pre.load(path.read_bytes()))  # the app: uploaded bytes
+    assert torch.equal(from_dataset, from_upload)
+
+
+def test_preprocess_round_trips_and_reads_older_checkpoints():
+    pre = Preprocess(size=(224, 224), resize=256)
+    assert Preprocess.from_dict(pre.to_dict()) == pre
+    old = {"size": [128, 128], "mean": [0.5] * 3, "std": [0.25] * 3}  # saved before crop existed
+    assert Preprocess.from_dict(old) == Preprocess(size=(128, 128), mean=(0.5,) * 3, std=(0.25,) * 3, resize=0)

@@ -37,6 +37,9 @@ class ModelSection:
     freeze_encoder: bool = False  # no encoder weight trains (needed by the feature cache for "small")
     init_from: str = ""  # start from this checkpoint's weights (same architecture), e.g. hard from soft
     image_size: int = 128
+    # 0: the whole image resized to image_size (no crop). N: torchvision's ImageNet recipe,
+    # the shorter side resized to N then the centre image_size cropped (the paper: 256 -> 224).
+    resize: int = 0
     embed_dim: int = 512
     hidden_dim: int = 512
     attention_dim: int = 512

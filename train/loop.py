@@ -154,12 +154,14 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     else:
         vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None,
                             max_len=d.max_caption_len)
-    preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD)
+    preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                            resize=m.resize)
     if ckpt is not None:
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
     else:
-        fields = {k: v for k, v in asdict(m).items() if k != "init_from"}  # the rest is the model's shape
+        # init_from is where to start, resize belongs to the preprocessing: the rest is the model's shape.
+        fields = {k: v for k, v in asdict(m).items() if k not in ("init_from", "resize")}
         model_cfg = ModelConfig.from_dict({**fields, "vocab_size": len(vocab),
                                            "image_size": (m.image_size, m.image_size)})
     model = CaptionModel(model_cfg).to(device)

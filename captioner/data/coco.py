@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..images import ImageLoadError, Preprocess, load_image
+from ..images import ImageLoadError, Preprocess
 from ..vocab import Vocabulary, tokenize
 
 # Karpathy's "restval" images (COCO val2014 images outside his val/test) are training data
@@ -235,7 +235,7 @@ class _ImageSource:
             return cached
         path = self.records[index].path
         try:
-            tensor = self.preprocess(load_image(path))
+            tensor = self.preprocess(self.preprocess.load(path))
         except ImageLoadError as e:
             # load_image's messages do not always name the file; a training run must.
             raise ImageLoadError(f"{path}: {e}") from e

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .data.coco import ImageDataset, ImageRecord, load_split
+from .data.coco import ImageDataset, ImageRecord, load_split, require_images
 from .decoding import CaptionResult
 from .inference import Captioner, DecodeOptions
 
@@ -100,6 +100,7 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
         records = load_split(data_dir, split, karpathy)
     if limit:
         records = records[:limit]
+    require_images(records, split)  # a missing file is a one-line error now, not a traceback mid-run
     start = time.perf_counter()
     with torch.inference_mode():
         results = decode_records(captioner, records, options, batch_size, workers, progress)

@@ -30,6 +30,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from captioner.cli import UsageError
 
     from .config import TrainConfig, apply_overrides, load_config
+    from .data_cli import require_data
     from .loop import new_run_dir, train
 
     if args.resume is None and args.config is None:
@@ -45,6 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
             run_dir = args.run_dir or new_run_dir(cfg)
+        require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
     except (OSError, ValueError, KeyError, CheckpointError) as e:
         raise UsageError(str(e)) from e
     outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)

@@ -217,6 +217,9 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     else:
         dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len,
                                  cache_images=d.cache_images)
+    if ctx.is_main:
+        _print_summary(cfg, {d.train_split: train_records, d.val_split: val_records}, vocab, dataset.too_long,
+                       model, device, run_dir)
     net = model
     if ctx.active:
         from torch.nn.parallel import DistributedDataParallel
@@ -335,6 +338,24 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
             if log is not None:
                 log.close()
     return TrainOutcome(run_dir, state["step"], state["epoch"], reason, state["best"], state["train_seconds"])
+
+
+def _print_summary(cfg: TrainConfig, splits: dict, vocab: Vocabulary, too_long: int, model: CaptionModel,
+                   device: torch.device, run_dir: Path) -> None:
+    """The start-up summary on stderr: what the run trains on, with what, where it writes."""
+    from .data_cli import summary_lines
+
+    m = model.config
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    threads = torch.get_num_threads()
+    lines = summary_lines(cfg, splits, len(vocab), too_long) + [
+        f"model: {m.attention} attention, {m.encoder} encoder"
+        f"{' (ImageNet weights)' if m.encoder_pretrained else ''}, {total:,} parameters ({trainable:,} trained)",
+        f"device: {device}, {threads} thread{'s' if threads != 1 else ''}",
+        f"run folder: {run_dir}",
+    ]
+    print("\n".join(lines), file=sys.stderr)
 
 
 def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:

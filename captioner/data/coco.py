@@ -43,6 +43,26 @@ class SplitNotFoundError(FileNotFoundError):
     """
 
 
+class MissingImagesError(FileNotFoundError):
+    """Image files of a split are not where the annotations say; the message says how many."""
+
+
+# Where users get the published files, for one-line "not found" messages.
+COCO_ANNOTATIONS_HINT = ("COCO 2014 captions: annotations_trainval2014.zip from https://cocodataset.org/#download, "
+                         "unzipped into the data folder (gives annotations/captions_train2014.json)")
+KARPATHY_HINT = ("Karpathy's split files (dataset_coco.json, dataset_flickr8k.json, dataset_flickr30k.json) "
+                 "are in caption_datasets.zip from https://cs.stanford.edu/people/karpathy/deepimagesent/")
+
+
+def _images_hint(path: Path) -> str:
+    text = str(path)
+    if "2014" in text or "COCO_" in text:
+        return "COCO 2014 images: train2014.zip and val2014.zip from https://cocodataset.org/#download"
+    if "licker8k" in text:
+        return "Flickr8k images: Flickr8k_Dataset.zip (folder Flicker8k_Dataset/), see the README"
+    return "check data.dir (or --data)"
+
+
 @dataclass
 class ImageRecord:
     """One image and all of its reference captions."""
@@ -68,7 +88,7 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
     captions_json = Path(captions_json)
     image_root = Path(image_root)
     if not captions_json.is_file():
-        raise FileNotFoundError(f"captions file not found: {captions_json}")
+        raise FileNotFoundError(f"captions file not found: {captions_json} ({COCO_ANNOTATIONS_HINT})")
     # pycocotools prints progress ("loading annotations into memory...") to stdout,
     # which would corrupt output of commands that write results to stdout.
     with contextlib.redirect_stdout(io.StringIO()):
@@ -117,9 +137,10 @@ def load_split(data_dir: str | os.PathLike, split: str,
 
     available = available_splits(data_dir)
     listing = ", ".join(available) if available else "none"
+    hint = f"; {COCO_ANNOTATIONS_HINT}" if not available else ""
     raise SplitNotFoundError(
         f"no split {split!r} in {data_dir}: expected {candidates[0][0].name} there "
-        f"(or annotations/{candidates[1][0].name}); splits present: {listing}")
+        f"(or annotations/{candidates[1][0].name}); splits present: {listing}{hint}")
 
 
 def available_splits(data_dir: str | os.PathLike) -> list[str]:
@@ -141,7 +162,7 @@ def load_karpathy(split_file: str | os.PathLike, data_dir: str | os.PathLike, sp
     split_file = Path(split_file)
     data_dir = Path(data_dir)
     if not split_file.is_file():
-        raise FileNotFoundError(f"Karpathy split file not found: {split_file}")
+        raise FileNotFoundError(f"Karpathy split file not found: {split_file} ({KARPATHY_HINT})")
     with open(split_file, encoding="utf-8") as f:
         images = json.load(f)["images"]
 
@@ -163,6 +184,21 @@ def load_karpathy(split_file: str | os.PathLike, data_dir: str | os.PathLike, sp
             f"no images in split {split!r} of {split_file}; splits present: {', '.join(present) or 'none'}")
     records.sort(key=lambda r: r.image_id)
     return records
+
+
+def missing_images(records: Sequence[ImageRecord]) -> list[Path]:
+    """The records' image files that do not exist (one stat per image: seconds for COCO)."""
+    return [r.path for r in records if not r.path.is_file()]
+
+
+def require_images(records: Sequence[ImageRecord], split: str) -> None:
+    """Raise :class:`MissingImagesError` (one line: how many, the first, where to get them)
+    when image files of ``split`` are missing."""
+    missing = missing_images(records)
+    if missing:
+        raise MissingImagesError(
+            f"{len(missing):,} of {len(records):,} images of split {split!r} not found, e.g. {missing[0]} "
+            f"({_images_hint(missing[0])}; `captioner data check --config FILE` lists them all)")
 
 
 def _int_or_none(value: object) -> int | None:

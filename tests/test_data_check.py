@@ -90,3 +90,37 @@ def test_training_prints_the_start_up_summary(tmp_path, photos, capsys):
                      "3 training captions over 20 words left out", "vocabulary:", "parameters",
                      "device: cpu, 1 thread", f"run folder: {tmp_path / 'run'}"):
         assert expected in err, expected
+
+
+def test_flickr8k_layout_checks(tmp_path, photos, capsys):
+    flickr = photos / "flickr8k"
+    config = tmp_path / "flickr.toml"
+    config.write_text(f'name = "f"\n[data]\ndir = "{flickr / "Flicker8k_Dataset"}"\n'
+                      f'karpathy = "{flickr / "dataset_flickr8k.json"}"\nmin_count = 1\nworkers = 0\n')
+    assert data_main(["check", "--config", str(config), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 5 images" in out and "val: 1 image," in out and "test: 2 images" in out
+    assert "all 8 images found and decoded" in out
+
+
+PAPER_CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*-vgg19-*.toml"))
+
+
+@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=[p.stem for p in PAPER_CONFIGS])
+def test_paper_configs_use_the_papers_encoder_and_say_where_they_depart(path):
+    from train.config import load_config
+
+    cfg = load_config(path)
+    m = cfg.model
+    assert (m.encoder, m.image_size, m.resize, m.fine_tune_blocks) == ("vgg19", 224, 256, 0)
+    assert m.encoder_pretrained and cfg.data.max_vocab == 10000 and cfg.optim.batch_size == 64
+    assert cfg.val.metric == "BLEU-4"
+    header = path.read_text().split("\nname =")[0]
+    assert "Departs from the paper" in header
+
+
+def test_no_other_config_claims_the_papers_settings():
+    for path in (Path(__file__).parent.parent / "train" / "configs").glob("coco-*.toml"):
+        header = path.read_text().split("\nname =")[0]
+        assert "Departs from the paper" in header, path.name
+        assert "as in the paper" not in header and "the paper's settings" not in header, path.name

@@ -56,7 +56,7 @@ class OptimConfig:
     max_steps: int = 0  # 0: no limit
     max_minutes: float = 0.0  # 0: no limit; stop (and save) after this much training time
     batch_size: int = 64  # the global batch: under torchrun each rank takes its share
-    optimizer: str = "adam"  # adam | sgd (momentum 0.9)
+    optimizer: str = "adam"  # adam | rmsprop (centred, momentum 0.9, as the authors' code) | sgd (momentum 0.9)
     lr: float = 4e-4  # decoder
     encoder_lr: float = 1e-4  # encoder parameters that train (fine-tuning, or a from-scratch encoder)
     weight_decay: float = 0.0

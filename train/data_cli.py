@@ -64,7 +64,8 @@ def summary_lines(cfg: TrainConfig, splits: dict[str, list[ImageRecord]], vocab_
     for name, records in splits.items():
         counts = [len(r.captions) for r in records]
         n = sum(counts)
-        line = (f"{name}: {len(records):,} images, {n:,} captions, {n / max(1, len(records)):.1f} per image "
+        images = f"{len(records):,} image{'s' if len(records) != 1 else ''}"
+        line = (f"{name}: {images}, {n:,} captions, {n / max(1, len(records)):.1f} per image "
                 f"(min {min(counts, default=0)}, max {max(counts, default=0)})")
         if name == d.train_split:
             line += f"; {too_long:,} training captions over {d.max_caption_len} words left out"

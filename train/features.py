@@ -65,7 +65,7 @@ def build_cache(model: CaptionModel, records: list[ImageRecord], preprocess: Pre
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("complete"):
         return FeatureCache(path)
     model.encoder.eval()
-    probe = model.encode(preprocess(_first_image(records)).unsqueeze(0).to(ctx.device))
+    probe = model.encode(preprocess(preprocess.load(records[0].path)).unsqueeze(0).to(ctx.device))
     n, (l, d), grid = len(records), probe.vectors.shape[1:], probe.grid
     if ctx.is_main:
         np.memmap(path, dtype=np.float16, mode="w+", shape=(n, l, d)).flush()
@@ -88,11 +88,6 @@ def build_cache(model: CaptionModel, records: list[ImageRecord], preprocess: Pre
     ctx.barrier()
     return FeatureCache(path)
 
-
-def _first_image(records: list[ImageRecord]):
-    from captioner.images import load_image
-
-    return load_image(records[0].path)
 
 
 class _Subset(Dataset):

@@ -180,8 +180,13 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         optimizer = torch.optim.Adam(groups, weight_decay=o.weight_decay)
     elif o.optimizer == "sgd":
         optimizer = torch.optim.SGD(groups, momentum=0.9, weight_decay=o.weight_decay)
+    elif o.optimizer == "rmsprop":
+        # Graves' centred RMSProp with momentum, the form of the authors' rmsprop() (the paper's
+        # choice for Flickr8k): averages decaying by 0.95, epsilon 1e-4, momentum 0.9.
+        optimizer = torch.optim.RMSprop(groups, alpha=0.95, eps=1e-4, momentum=0.9, centered=True,
+                                        weight_decay=o.weight_decay)
     else:
-        raise ValueError(f"optim.optimizer must be adam or sgd, got {o.optimizer!r}")
+        raise ValueError(f"optim.optimizer must be adam, rmsprop or sgd, got {o.optimizer!r}")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
     hard = HardAttentionObjective(cfg.hard, o.doubly_stochastic) if model_cfg.attention == "hard" else None
     average = WeightAverage(model, o.ema) if o.ema else None

@@ -1,10 +1,10 @@
 """captioner: image captioning with visual attention (Show, Attend and Tell).
 
     from captioner.inference import Captioner, DecodeOptions
-    from captioner.images import load_image
 
     cap = Captioner.load()  # the bundled demo-soft model, or a checkpoint path
-    result = cap.caption(load_image("photo.jpg"), DecodeOptions(beam_size=3))
+    image = cap.preprocess.load("photo.jpg")  # decoded as training and `captioner caption` decode it
+    result = cap.caption(image, DecodeOptions(beam_size=3))
     result.caption, result.words, result.alphas  # (T, H, W): where it looked for each word
 
 Importing the package itself is cheap: the modules load torch when they are used.

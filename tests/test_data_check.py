@@ -124,3 +124,19 @@ def test_no_other_config_claims_the_papers_settings():
         header = path.read_text().split("\nname =")[0]
         assert "Departs from the paper" in header, path.name
         assert "as in the paper" not in header and "the paper's settings" not in header, path.name
+
+
+def test_data_command_is_registered_as_captioner_data(tmp_path, photos, capsys):
+    # pyproject's entry point puts `data` under the `captioner` command, as `train` and `app`.
+    import argparse
+    import importlib
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    target = project["project"]["entry-points"]["captioner.commands"]["data"]
+    module, func = target.split(":")
+    parser = argparse.ArgumentParser(prog="captioner")
+    getattr(importlib.import_module(module), func)(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["data", "check", "--config", str(coco_config(tmp_path, photos)), "--quiet"])
+    assert args.func(args) == 0
+    assert "all 12 images found and decoded" in capsys.readouterr().out

@@ -98,6 +98,7 @@ def test_loading_never_asks_for_pretrained_weights(tmp_path, monkeypatch):
     # on a machine without them (empty TORCH_HOME, no network) must not try to fetch them.
     from pretrained import forbid_downloads
 
+    from captioner.images import Preprocess
     from captioner.model import CaptionModel
     from tiny import tiny_config, tiny_vocab
 
@@ -105,7 +106,7 @@ def test_loading_never_asks_for_pretrained_weights(tmp_path, monkeypatch):
     asked = forbid_downloads(monkeypatch)
     torch.manual_seed(0)
     model = CaptionModel(tiny_config(encoder="resnet18", image_size=(64, 64)))
-    cap = Captioner(model, tiny_vocab(), __import__("captioner.images").images.Preprocess(size=(64, 64)))
+    cap = Captioner(model, tiny_vocab(), Preprocess(size=(64, 64)))
     ckpt = cap.checkpoint()
     ckpt["model_config"]["encoder_pretrained"] = True  # as a run with encoder_pretrained = true saves it
     torch.save(ckpt, tmp_path / "model.pt")

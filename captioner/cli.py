@@ -223,6 +223,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
                     (f", {again} again for their attention" if again else "")
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
                   f"(not image files), already done {already}{extra}", file=sys.stderr)
+        # torchrun stops every rank as soon as one exits non-zero (some images failed): no
+        # rank leaves before rank 0 has merged the parts and printed the summary.
+        ctx.barrier()
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
         teardown(ctx)

@@ -64,19 +64,24 @@ def discover(paths: list[str]) -> Discovery:
     return found
 
 
-def resume_key(path: str) -> str:
+def resume_key(path: str, real_folders: dict[str, str] | None = None) -> str:
     """What resume matches an image on: its folder's real, absolute location, and its name.
 
     Any spelling of a folder (relative, absolute, ".", through a symlink) gives the same
     key; the file name stays as the folder walk saw it, so two links side by side in one
-    folder are two images, as the walk lists them."""
+    folder are two images, as the walk lists them. ``real_folders`` caches each folder's
+    real path across calls (a folder of many images is resolved once)."""
     folder, name = os.path.split(os.path.abspath(path))
-    return os.path.join(os.path.realpath(folder), name)
+    if real_folders is None:
+        return os.path.join(os.path.realpath(folder), name)
+    if folder not in real_folders:
+        real_folders[folder] = os.path.realpath(folder)
+    return os.path.join(real_folders[folder], name)
 
 
-def _key(rec: dict) -> str:
+def _key(rec: dict, real_folders: dict[str, str] | None = None) -> str:
     # Lines written before "resolved" existed: resolved against the current folder.
-    return rec.get("resolved") or resume_key(rec["image"])
+    return rec.get("resolved") or resume_key(rec["image"], real_folders)
 
 
 def _whole_lines(data: bytes) -> Iterator[tuple[bytes, dict | None]]:
@@ -119,10 +124,11 @@ def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: 
     ok: set[str] = set()
     good: set[str] = set()
     errors: set[str] = set()
+    real_folders: dict[str, str] = {}
     for _, rec in _whole_lines(_read_cut(out_path)):
         if rec is None:
             continue
-        key = _key(rec)
+        key = _key(rec, real_folders)
         if "error" in rec:
             errors.add(key)
             continue
@@ -142,9 +148,10 @@ def compact(out_path: Path) -> int:
     data = _read_cut(out_path)
     lines = list(_whole_lines(data))
     winner: dict[str, tuple[bool, int]] = {}  # key -> (is a caption, line index)
+    real_folders: dict[str, str] = {}
     for i, (_, rec) in enumerate(lines):
         if rec is not None:
-            key, caption = _key(rec), "error" not in rec
+            key, caption = _key(rec, real_folders), "error" not in rec
             if caption or not winner.get(key, (False, -1))[0]:
                 winner[key] = (caption, i)
     keep = {i for _, i in winner.values()}
@@ -254,6 +261,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     summary = BatchSummary()
     if not images:
         return summary
+    real_folders: dict[str, str] = {}
     loader = image_loader(images, captioner.preprocess, batch_size, workers, max_pixels)
     # progress=None: a bar only when stderr is a terminal.
     bar = tqdm(total=len(images), unit="img", file=sys.stderr, dynamic_ncols=True,
@@ -275,7 +283,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                     record = {"image": path, "error": batch.errors[index]}
                     summary.failed += 1
                 if resolved:
-                    record["resolved"] = resume_key(path)
+                    record["resolved"] = resume_key(path, real_folders)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write per whole line
             out.flush()
             bar.update(len(batch.indices))

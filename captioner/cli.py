@@ -182,17 +182,15 @@ def cmd_caption(args: argparse.Namespace) -> int:
         ctx.barrier()
         resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir)
                   if args.out is not None else None)
-        todo, keys, already = [], set(), 0
+        todo, keys, todo_keys, real_folders = [], set(), set(), {}
         for path in found.images:  # each image once, however often it was named
-            key = resume_key(path)
-            if key in keys:
-                continue
-            keys.add(key)
-            if resume is not None and key in resume.done:
-                already += 1
-            else:
-                todo.append(path)
-        todo_keys = {resume_key(p) for p in todo}
+            key = resume_key(path, real_folders)
+            if key not in keys:
+                keys.add(key)
+                if resume is None or key not in resume.done:
+                    todo.append(path)
+                    todo_keys.add(key)
+        already = len(keys) - len(todo)
         retried = len(todo_keys & resume.failed) if resume is not None else 0
         again = len(todo_keys & resume.lacking) if resume is not None else 0
         pending = todo[ctx.rank::ctx.world]

@@ -265,10 +265,11 @@ def shapes_summary(summary: dict) -> str:
     splits = summary["splits"]
     total = sum(s["images"] for s in splits.values())
     px = summary["image_size"]
-    lines = [f"wrote {total:,} images ({px}x{px} px, seed {summary['seed']}) to {summary['out_dir']}:"]
+    lines = [f"wrote {total:,} images ({px}x{px} px, seed {summary['seed']}) to {summary['out_dir']}:",
+             f"  {'split':<8}{'images':>8}{'captions':>10}{'shapes':>8}  files"]
     for name, s in splits.items():
-        lines.append(f"  {name:<6} {s['images']:>7,} images  {s['captions']:>8,} captions  {s['objects']:>7,} shapes"
-                     f"  captions_{name}.json, instances_{name}.json")
+        lines.append(f"  {name:<8}{s['images']:>8,}{s['captions']:>10,}{s['objects']:>8,}  "
+                     f"captions_{name}.json, instances_{name}.json")
     lines.append(f"  images in {Path(summary['out_dir']) / 'images'}")
     return "\n".join(lines)
 

@@ -63,5 +63,6 @@ def test_shapes_prints_a_readable_summary(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "{" not in err and "}" not in err  # no raw Python dict
     assert f"wrote 5 images (64x64 px, seed 4) to {tmp_path / 's'}" in err
-    assert re.search(r"train +3 images +15 captions", err) and re.search(r"val +2 images +10 captions", err)
+    assert re.search(r"split +images +captions +shapes", err)
+    assert re.search(r"train +3 +15 +\d+ +captions_train.json", err) and re.search(r"val +2 +10 +\d+ ", err)
     assert not re.search(r"^ +test ", err, re.M)  # a split of size 0 is not written

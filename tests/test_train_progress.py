@@ -29,14 +29,14 @@ def test_the_bar_counts_epochs_as_the_logs_do_with_a_fresh_loss_and_the_time_lef
     assert re.search(r"(^|\r)epoch 1 step 4: val ", err, re.M)
     stepped = [f for f in frames if re.search(r"\| [1-9]\d*/\d+ \[", f)]  # after a step of its epoch
     assert len(stepped) >= 3 and all("nll=" in f for f in stepped)
-    assert all(re.search(r"left=(\d+:)?\d\d:\d\d", f) for f in frames if "nll=" in f)
+    assert all(re.search(r"nll=\d+\.\d\d, budget left (\d+:)?\d\d:\d\d", f) for f in frames if "nll=" in f)
 
 
 def test_the_bar_shows_no_time_left_without_a_budget(tiny_coco, tmp_path, capsys):
     cfg = tiny_config(tiny_coco, **{"optim.max_steps": 2, "optim.log_every": 1000, "val.every_epochs": 0})
     train(cfg, tmp_path / "run", progress=True)
     frames = _frames(capsys.readouterr().err)
-    assert any("nll=" in f for f in frames) and not any("left=" in f for f in frames)
+    assert any("nll=" in f for f in frames) and not any("budget left" in f for f in frames)
 
 
 def test_checkpoints_name_their_training_data(tiny_coco, tmp_path):

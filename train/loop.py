@@ -92,12 +92,13 @@ class _BarLoss:
         if now - self.shown_at < 1.0 and bar is self.bar:  # a new epoch's bar gets it at once
             return
         self.shown_at, self.bar = now, bar
-        postfix = {"nll": f"{float(self.average):.2f}"}
+        text = f"nll={self.average:.2f}"
         if self.max_minutes:
             left = max(0, round(60 * self.max_minutes - train_seconds))
-            postfix["left"] = f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}" if left >= 3600 \
+            clock = f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}" if left >= 3600 \
                 else f"{left // 60:02d}:{left % 60:02d}"
-        bar.set_postfix(postfix, refresh=False)
+            text += f", budget left {clock}"  # tqdm's own estimate is for this epoch only
+        bar.set_postfix_str(text, refresh=False)
 
 
 def _prepare_data(cfg: TrainConfig) -> None:
@@ -245,8 +246,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     captioner = Captioner(model, vocab, preprocess)
-    meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d), "attention": model_cfg.attention,
-            **({"weight_average": o.ema} if average is not None else {})}
+    meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
+            "attention": model_cfg.attention, **({"weight_average": o.ema} if average is not None else {})}
     log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
     precision = MixedPrecision(o.precision, device)
     if ckpt is not None:
@@ -296,7 +297,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                                     # Its own generator: creating a loader must not draw from the
                                     # global RNG, or a resumed run would drift from the original.
                                     generator=torch.Generator().manual_seed(o.seed + state["epoch"]))
-                # Epochs counted from 1, as the validation lines and the final message count them.
+                # Epochs counted from 1, as the validation lines count them ("epoch 1 step ...: val").
                 bar = tqdm(total=len(batches), initial=state["batch_in_epoch"],
                            desc=f"epoch {state['epoch'] + 1}/{o.epochs}", unit="batch", file=sys.stderr,
                            disable=not (progress and ctx.is_main), leave=False)

@@ -160,6 +160,34 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
     return label, DecodeOptions(beam_size=beam, max_len=max_len)
 
 
+SHAPES = "coloured circles, squares, triangles, stars and crosses on a dark background"
+
+
+def shapes_notice(captioner: Captioner, label: str) -> str | None:
+    """What to show beside the caption of a model that knows the synthetic shapes only (the demos)."""
+    if not captioner.shapes_only:
+        return None
+    who = f"{'Demo model: ' if captioner.bundled else ''}{_markdown_text(label)}"
+    return (f"**{who} is trained on synthetic shapes only** ({SHAPES}). It describes any picture, a "
+            "photograph too, as coloured shapes. For photographs, train a model on photographs "
+            "(see the README) and put its checkpoint in the weights folder.")
+
+
+def model_card(captioner: Captioner) -> None:
+    """The sidebar's model card: what the model was trained on, then its shape."""
+    with st.sidebar.container(key="model_card"):
+        st.subheader("Model card", anchor=False)
+        data = captioner.training_data
+        if captioner.bundled:
+            trained = f"synthetic shapes only ({SHAPES}): a demo model shipped with captioner"
+        elif data is None:
+            trained = "not recorded in this checkpoint"
+        else:
+            trained = _markdown_text(data)
+        st.markdown(f"**Trained on:** {trained}")
+        st.caption(model_details(captioner))
+
+
 def model_details(captioner: Captioner) -> str:
     cfg = captioner.model.config
     h, w = captioner.preprocess.size
@@ -185,10 +213,13 @@ def choose_image() -> tuple[str, bytes] | None:
     return examples[pick].name, examples[pick].read_bytes()
 
 
-def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool) -> None:
+def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool,
+                notice: str | None = None) -> None:
     result = shown.result
     with st.container(key="caption"):
         st.header(_markdown_text(result.caption) if result.words else "(no words)", anchor=False)
+    if notice:  # right under the caption, where a photograph's "three objects ..." is read
+        st.warning(notice, icon=":material/info:")
     hard = f" · hard attention: {options.hard_attention}" if hard_model else ""
     st.caption(f"{shown.name} · {model_label} · beam {options.beam_size} · up to {options.max_len} words{hard} · "
                f"{shown.seconds * 1000:.0f} ms · log-probability {result.score:.2f}")
@@ -256,7 +287,7 @@ def main() -> None:
             help="A hard-attention model picks one region per word. At inference it can use the expected "
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)
-    st.sidebar.caption(model_details(captioner))
+    model_card(captioner)
 
     left, right = st.columns([2, 3], gap="large")
     with left:
@@ -284,7 +315,8 @@ def main() -> None:
             return
         st.session_state["shown"] = shown
     with right:
-        show_result(shown, label, options, captioner.model.config.attention == "hard")
+        show_result(shown, label, options, captioner.model.config.attention == "hard",
+                    shapes_notice(captioner, label))
     if shown.result.words:
         show_grid(shown)
 

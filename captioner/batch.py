@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,9 +36,11 @@ def discover(paths: list[str]) -> Discovery:
     """Image files named directly, and image files under folders (recursively, sorted).
 
     Symbolic links to folders are followed once: a folder already visited (same device
-    and inode) is not entered again, so symlink loops end."""
+    and inode) is not entered again, so symlink loops end. Every path that does not exist
+    is named in one FileNotFoundError."""
     found = Discovery()
     seen_dirs: set[tuple[int, int]] = set()
+    missing = []
     for p in paths:
         if os.path.isdir(p):
             for root, dirs, files in os.walk(p, followlinks=True):
@@ -55,32 +58,114 @@ def discover(paths: list[str]) -> Discovery:
         elif os.path.lexists(p):
             found.images.append(p)  # named explicitly: try it whatever its extension
         else:
-            raise FileNotFoundError(f"no such file or folder: {p}")
+            missing.append(p)
+    if missing:
+        raise FileNotFoundError(f"no such file or folder: {', '.join(missing)}")
     return found
 
 
-def _whole_lines(data: bytes) -> Iterator[tuple[bytes, dict]]:
-    """(raw line, record) for every complete JSON line; a torn last line is not returned."""
+def resume_key(path: str, real_folders: dict[str, str] | None = None) -> str:
+    """What resume matches an image on: its folder's real, absolute location, and its name.
+
+    Any spelling of a folder (relative, absolute, ".", through a symlink) gives the same
+    key; the file name stays as the folder walk saw it, so two links side by side in one
+    folder are two images, as the walk lists them. ``real_folders`` caches each folder's
+    real path across calls (a folder of many images is resolved once)."""
+    folder, name = os.path.split(os.path.abspath(path))
+    if real_folders is None:
+        return os.path.join(os.path.realpath(folder), name)
+    if folder not in real_folders:
+        real_folders[folder] = os.path.realpath(folder)
+    return os.path.join(real_folders[folder], name)
+
+
+def _key(rec: dict, real_folders: dict[str, str] | None = None) -> str:
+    # Lines written before "resolved" existed: resolved against the current folder.
+    return rec.get("resolved") or resume_key(rec["image"], real_folders)
+
+
+def _whole_lines(data: bytes) -> Iterator[tuple[bytes, dict | None]]:
+    """(raw line, record) for every complete line; record is None for a line that is not
+    an image record. A torn last line is not returned."""
     for line in data[: data.rfind(b"\n") + 1].splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "image" in rec:
-            yield line, rec
+            rec = None
+        yield line, rec if isinstance(rec, dict) and isinstance(rec.get("image"), str) else None
 
 
-def completed_images(out_path: Path) -> set[str]:
-    """Images that already have a line in ``out_path``. A half-written last line (a run
-    killed mid-write) is cut off, so that image is done again."""
+def _read_cut(out_path: Path) -> bytes:
+    """The file's bytes; a half-written last line (a run killed mid-write) is cut off the file."""
     if not out_path.exists():
-        return set()
+        return b""
     with open(out_path, "rb+") as f:
         data = f.read()
         keep = data.rfind(b"\n") + 1  # everything after the last newline is a torn line
         if keep < len(data):
             f.truncate(keep)
-    return {rec["image"] for _, rec in _whole_lines(data)}
+            data = data[:keep]
+    return data
+
+
+@dataclass
+class Resume:
+    """What an output file already holds, by resume key."""
+
+    done: set[str] = field(default_factory=set)  # a line this run accepts: not captioned again
+    failed: set[str] = field(default_factory=set)  # only error lines: tried again
+    lacking: set[str] = field(default_factory=set)  # captioned, without the attention this run asks for
+
+
+def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: Path | None = None) -> Resume:
+    """Sort the images of ``out_path`` into done, failed before, and captioned without the
+    attention asked for now (``alphas`` for --with-attention, an existing ``attention_png``
+    for --attention-dir): the last two are captioned again."""
+    ok: set[str] = set()
+    good: set[str] = set()
+    errors: set[str] = set()
+    real_folders: dict[str, str] = {}
+    for _, rec in _whole_lines(_read_cut(out_path)):
+        if rec is None:
+            continue
+        key = _key(rec, real_folders)
+        if "error" in rec:
+            errors.add(key)
+            continue
+        good.add(key)
+        enough = (not with_attention or "alphas" in rec) and \
+            (attention_dir is None or os.path.isfile(str(rec.get("attention_png", ""))))
+        if enough:
+            ok.add(key)
+    return Resume(done=ok, failed=errors - good, lacking=good - ok)
+
+
+def compact(out_path: Path) -> int:
+    """Keep one line per image: the last caption, else the last error. A caption always wins
+    over an error (a retry that fails again loses nothing), a newer caption over an older one
+    (one with attention over one without). Lines that are not image records are kept. The
+    file is replaced atomically, and only when something is dropped. Returns the lines dropped."""
+    data = _read_cut(out_path)
+    lines = list(_whole_lines(data))
+    winner: dict[str, tuple[bool, int]] = {}  # key -> (is a caption, line index)
+    real_folders: dict[str, str] = {}
+    for i, (_, rec) in enumerate(lines):
+        if rec is not None:
+            key, caption = _key(rec, real_folders), "error" not in rec
+            if caption or not winner.get(key, (False, -1))[0]:
+                winner[key] = (caption, i)
+    keep = {i for _, i in winner.values()}
+    kept = [line for i, (line, rec) in enumerate(lines) if rec is None or i in keep]
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = out_path.with_name(f".{out_path.name}.compact")
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.copymode(out_path, tmp)
+        os.replace(tmp, out_path)
+    return dropped
 
 
 def part_path(out_path: Path, rank: int) -> Path:
@@ -89,20 +174,20 @@ def part_path(out_path: Path, rank: int) -> Path:
 
 
 def merge_parts(out_path: Path) -> int:
-    """Append the whole lines of every rank's part file to ``out_path`` (an image already
-    there is not added twice), then delete the parts. Returns the number of lines added."""
-    done = completed_images(out_path)
+    """Append the whole lines of every rank's part file to ``out_path``, delete the parts,
+    then keep one line per image (see ``compact``). Returns the number of lines added."""
+    _read_cut(out_path)
     added = 0
     with open(out_path, "a", encoding="utf-8") as out:
         for part in sorted(out_path.parent.glob(f"{out_path.name}.part*")):
             for line, rec in _whole_lines(part.read_bytes()):
-                if rec["image"] not in done:
+                if rec is not None:
                     out.write(line.decode("utf-8") + "\n")
-                    done.add(rec["image"])
                     added += 1
             out.flush()
             os.fsync(out.fileno())
             part.unlink()
+    compact(out_path)
     return added
 
 
@@ -169,11 +254,14 @@ class BatchSummary:
 def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
                   batch_size: int = 16, workers: int = 0, with_attention: bool = False,
                   attention_dir: Path | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
-                  progress: bool | None = None) -> BatchSummary:
-    """Caption ``images`` in order, writing one JSON line per image to ``out``."""
+                  progress: bool | None = None, resolved: bool = False) -> BatchSummary:
+    """Caption ``images`` in order, writing one JSON line per image to ``out``. With
+    ``resolved``, each line also holds the image's resume key (for an output file that a
+    later run resumes)."""
     summary = BatchSummary()
     if not images:
         return summary
+    real_folders: dict[str, str] = {}
     loader = image_loader(images, captioner.preprocess, batch_size, workers, max_pixels)
     # progress=None: a bar only when stderr is a terminal.
     bar = tqdm(total=len(images), unit="img", file=sys.stderr, dynamic_ncols=True,
@@ -194,6 +282,8 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                 else:
                     record = {"image": path, "error": batch.errors[index]}
                     summary.failed += 1
+                if resolved:
+                    record["resolved"] = resume_key(path, real_folders)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write per whole line
             out.flush()
             bar.update(len(batch.indices))

@@ -20,25 +20,81 @@ class UsageError(Exception):
     """Bad arguments or inputs the user must fix; exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (usage is one --help away), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+
+
 def _positive(value: str) -> int:
-    n = int(value)
+    n = _integer(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
 
 
-def _device(name: str) -> str:
-    if name == "auto":
-        import torch
+def _non_negative(value: str) -> int:
+    n = _integer(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
 
+
+def check_device(name: str) -> str:
+    """``name`` if this machine has that device ("auto": the GPU if there is one, else the CPU)."""
+    import torch
+
+    if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device name (cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise UsageError(f"--device {name}: no such device (this machine has {count} CUDA "
+                             f"device{'s' if count != 1 else ''}; --device cpu runs on the CPU)")
     return name
+
+
+def check_out_file(path: Path, *, create_folder: bool = False) -> None:
+    """Refuse, before any work, an output file that cannot be written."""
+    if path.is_dir():
+        raise UsageError(f"--out {path} is a folder; give a file name, e.g. {path / 'captions.jsonl'}")
+    if not path.parent.is_dir():
+        if path.parent.exists() or not create_folder:
+            raise UsageError(f"--out {path}: the folder {path.parent} does not exist")
+        return  # made when the file is written
+    existed = path.exists()
+    try:
+        open(path, "a").close()
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def demo_notice(command: str, captioner) -> None:
+    """One line on stderr when the model knows synthetic shapes only (the bundled demos)."""
+    notice = captioner.notice()
+    if notice:
+        print(f"captioner {command}: note: {notice}", file=sys.stderr)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
     p.add_argument("--weights", default=None,
-                   help="checkpoint file, or a bundled model: demo-soft (default), demo-hard")
+                   help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard. The demo "
+                        "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
     p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
     p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
@@ -52,17 +108,22 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
         description="Caption images. PATHs are image files or folders (searched recursively for image "
                     "extensions; symlink loops are safe). Each image gives one JSON line: "
                     '{"image", "caption", "words", "score"} or {"image", "error"} for a file that cannot be '
-                    "read; the run goes on. With --out FILE that already holds results, images already "
-                    "there are skipped and new lines appended (resume). Exit code: 0 all captioned, "
-                    "1 some failed, 2 usage error.")
+                    "read; the run goes on. With --out FILE that already holds results, the run resumes: "
+                    "images already captioned there (found by their real location, however the folder is "
+                    "spelled) are skipped, images that failed before are tried again, and images captioned "
+                    "without the attention asked for now are captioned again; the file keeps one line per "
+                    "image. Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. "
+                    "The default model is a demo trained on synthetic shapes only.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     _add_model_args(p)
     p.add_argument("--length-penalty", type=float, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
-    p.add_argument("--out", type=Path, default=None, help="JSON-lines output file (default stdout); resumable")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON-lines output file in an existing folder (default stdout); resumable: each line "
+                        'also holds "resolved", the absolute path resume matches on')
     p.add_argument("--with-attention", action="store_true",
                    help='add "alphas" (T x H x W, rounded) and "betas" (T) to each line')
     p.add_argument("--attention-dir", type=Path, default=None,
@@ -76,17 +137,29 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder step: pays off on a GPU for large folders "
                         "(the first batch waits for the compiler)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or summary on stderr (the demo-model note is still printed)")
     p.set_defaults(func=cmd_caption)
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
-    from .batch import BatchSummary, caption_paths, completed_images, discover, merge_parts, part_path
+    from .batch import (BatchSummary, caption_paths, compact, discover, merge_parts, part_path, read_resume,
+                        resume_key)
     from .checkpoint import CheckpointError
     from .distributed import setup, teardown
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
 
+    check_device(args.device)
+    if args.out is not None:
+        check_out_file(args.out)
+    if args.attention_dir is not None:
+        if args.attention_dir.exists() and not args.attention_dir.is_dir():
+            raise UsageError(f"--attention-dir {args.attention_dir} is not a folder")
+        try:
+            args.attention_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--attention-dir {args.attention_dir}: {e.strerror or e}") from None
     # Under torchrun each rank captions its share into a part file; rank 0 merges them.
     ctx = setup(args.device)
     try:
@@ -100,13 +173,27 @@ def cmd_caption(args: argparse.Namespace) -> int:
             captioner = Captioner.load(args.weights, device=ctx.device).use_precision(args.precision)
         except CheckpointError as e:
             raise UsageError(str(e)) from e
+        if ctx.is_main:
+            demo_notice("caption", captioner)
         if args.compile:
             captioner.compile()
         if ctx.active and ctx.is_main:
             merge_parts(args.out)  # parts left by an earlier, killed distributed run
         ctx.barrier()
-        done = completed_images(args.out) if args.out is not None else set()
-        pending = [p for p in found.images if p not in done][ctx.rank::ctx.world]
+        resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir)
+                  if args.out is not None else None)
+        todo, keys, todo_keys, real_folders = [], set(), set(), {}
+        for path in found.images:  # each image once, however often it was named
+            key = resume_key(path, real_folders)
+            if key not in keys:
+                keys.add(key)
+                if resume is None or key not in resume.done:
+                    todo.append(path)
+                    todo_keys.add(key)
+        already = len(keys) - len(todo)
+        retried = len(todo_keys & resume.failed) if resume is not None else 0
+        again = len(todo_keys & resume.lacking) if resume is not None else 0
+        pending = todo[ctx.rank::ctx.world]
         workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
         options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
                                 hard_attention=args.hard_attention)
@@ -117,7 +204,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
                                     workers=workers, with_attention=args.with_attention,
                                     attention_dir=args.attention_dir,
                                     max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
-                                    progress=False if args.quiet or not ctx.is_main else None)
+                                    progress=False if args.quiet or not ctx.is_main else None,
+                                    resolved=args.out is not None)
         finally:
             if out is not sys.stdout:
                 out.close()
@@ -126,9 +214,16 @@ def cmd_caption(args: argparse.Namespace) -> int:
             if ctx.is_main:
                 merge_parts(args.out)
             summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)))
+        elif args.out is not None and (retried or again):
+            compact(args.out)  # the new lines replace the error lines and the lines without attention
         if not args.quiet and ctx.is_main:
+            extra = (f", retried {retried} (failed before)" if retried else "") + \
+                    (f", {again} again for their attention" if again else "")
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
-                  f"(not image files), already done {len(done & set(found.images))}", file=sys.stderr)
+                  f"(not image files), already done {already}{extra}", file=sys.stderr)
+        # torchrun stops every rank as soon as one exits non-zero (some images failed): no
+        # rank leaves before rank 0 has merged the parts and printed the summary.
+        ctx.barrier()
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
         teardown(ctx)
@@ -139,10 +234,10 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
                        description="Write the synthetic shapes dataset: images of 1-3 coloured shapes with 5 "
                                    "captions each, as images/, captions_<split>.json, instances_<split>.json.")
     p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--train", type=int, default=3000, help="training images (default 3000)")
-    p.add_argument("--val", type=int, default=200, help="validation images (default 200)")
-    p.add_argument("--test", type=int, default=500, help="test images (default 500)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--train", type=_non_negative, default=3000, help="training images (default 3000)")
+    p.add_argument("--val", type=_non_negative, default=200, help="validation images (default 200)")
+    p.add_argument("--test", type=_non_negative, default=500, help="test images (default 500)")
+    p.add_argument("--seed", type=_integer, default=0, help="random seed (default 0)")
     p.add_argument("--image-size", type=_positive, default=128, help="image side in pixels (default 128)")
     p.set_defaults(func=cmd_shapes)
 
@@ -153,9 +248,30 @@ def cmd_shapes(args: argparse.Namespace) -> int:
     counts = {k: n for k, n in (("train", args.train), ("val", args.val), ("test", args.test)) if n > 0}
     if not counts:
         raise UsageError("nothing to generate: all split sizes are 0")
-    summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True)
-    print(f"wrote {summary} to {args.out}", file=sys.stderr)
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out} is a file, not a folder")
+    try:
+        summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True)
+    except ValueError as e:  # e.g. an image size too small to draw shapes in
+        raise UsageError(str(e)) from e
+    except OSError as e:
+        raise UsageError(f"--out {args.out}: {e.strerror or e}") from e
+    print(shapes_summary(summary), file=sys.stderr)
     return EXIT_OK
+
+
+def shapes_summary(summary: dict) -> str:
+    """What ``captioner shapes`` wrote, in a few readable lines."""
+    splits = summary["splits"]
+    total = sum(s["images"] for s in splits.values())
+    px = summary["image_size"]
+    lines = [f"wrote {total:,} images ({px}x{px} px, seed {summary['seed']}) to {summary['out_dir']}:",
+             f"  {'split':<8}{'images':>8}{'captions':>10}{'shapes':>8}  files"]
+    for name, s in splits.items():
+        lines.append(f"  {name:<8}{s['images']:>8,}{s['captions']:>10,}{s['objects']:>8,}  "
+                     f"captions_{name}.json, instances_{name}.json")
+    lines.append(f"  images in {Path(summary['out_dir']) / 'images'}")
+    return "\n".join(lines)
 
 
 def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
@@ -168,9 +284,10 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file (dataset_coco.json)")
     _add_model_args(p)
     p.add_argument("--batch-size", type=_positive, default=32, help="images per batch (default 32)")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N images")
+    p.add_argument("--limit", type=_positive, default=None, help="evaluate only the first N images")
     p.add_argument("--out", type=Path, default=None,
-                   help="write metrics JSON here, and the COCO results JSON beside it (default: print only)")
+                   help="write metrics JSON here (its folder is made if needed), and the COCO results JSON "
+                        "beside it (default: print only)")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.set_defaults(func=cmd_evaluate)
@@ -181,10 +298,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from .evaluation import evaluate, format_table, write_report
     from .inference import Captioner, DecodeOptions
 
+    device = check_device(args.device)
+    if args.out is not None:
+        check_out_file(args.out, create_folder=True)
     try:
-        captioner = Captioner.load(args.weights, device=_device(args.device))
+        captioner = Captioner.load(args.weights, device=device)
     except CheckpointError as e:
         raise UsageError(str(e)) from e
+    demo_notice("evaluate", captioner)
     try:
         report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
                           options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len,
@@ -200,10 +321,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="captioner",
-        description="Image captioning with visual attention (Show, Attend and Tell). "
-                    "`captioner caption IMG` works out of the box with the bundled demo model.")
+        description="Image captioning with visual attention (Show, Attend and Tell). `captioner caption IMG` "
+                    "runs with no download, on the bundled demo model: it is trained on synthetic shapes only "
+                    "(coloured circles, squares, triangles, stars and crosses), so it describes any picture, "
+                    "a photograph too, as coloured shapes. For photographs, train a model on your own data "
+                    "(captioner train) and pass it with --weights.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_caption_parser(sub)
     add_evaluate_parser(sub)
@@ -218,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        parser.error(f"give a command: {', '.join(commands)}")
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -18,6 +18,10 @@ from .vocab import Vocabulary
 BUNDLED_DIR = Path(__file__).parent / "weights"
 BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt"}
 DEFAULT_WEIGHTS = "demo-soft"
+# What the bundled demo models were trained on, and the start of the training-data name
+# that training writes into a checkpoint made from the shapes data (see ``training_data``).
+SYNTHETIC_SHAPES = "synthetic shapes"
+SHAPES_ONLY = "trained on synthetic shapes only: it describes any picture, a photograph too, as coloured shapes"
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
@@ -52,12 +56,40 @@ class DecodeOptions:
 
 
 class Captioner:
-    def __init__(self, model: CaptionModel, vocab: Vocabulary, preprocess: Preprocess, meta: dict | None = None):
+    def __init__(self, model: CaptionModel, vocab: Vocabulary, preprocess: Preprocess, meta: dict | None = None,
+                 *, name: str | None = None, bundled: bool = False):
         self.model = model.eval()
         self.vocab = vocab
         self.preprocess = preprocess
         self.meta = dict(meta or {})
         self.precision = "fp32"
+        self.name = name  # what the user chose: a bundled model's name or the file's name
+        self.bundled = bundled  # one of the demo models shipped in the package
+
+    @property
+    def training_data(self) -> str | None:
+        """What the model was trained on, in words, when known. Checkpoints from ``captioner
+        train`` store it as ``meta["training_data"]``; the bundled models are trained on the
+        synthetic shapes whatever their metadata says (older files name only the data folder)."""
+        for key in ("training_data", "trained_on"):
+            if isinstance(self.meta.get(key), str) and self.meta[key]:
+                return self.meta[key]
+        if self.bundled:
+            return SYNTHETIC_SHAPES
+        data = self.meta.get("data")
+        return f"the data in {data}" if isinstance(data, str) and data else None
+
+    @property
+    def shapes_only(self) -> bool:
+        """True for a model that has seen the synthetic shapes and nothing else."""
+        return self.bundled or (self.training_data or "").startswith(SYNTHETIC_SHAPES)
+
+    def notice(self) -> str | None:
+        """One sentence for the user of a shapes-only model (the demos); None for others."""
+        if not self.shapes_only:
+            return None
+        what = f"{self.name} is a demo model" if self.bundled and self.name else f"{self.name or 'this model'} is"
+        return f"{what} {SHAPES_ONLY} (for photographs, train a model on photographs: see the README)"
 
     def use_precision(self, precision: str) -> "Captioner":
         """"fp32" (default), or "bf16"/"fp16" autocast for encoder and decoder (a GPU's fast
@@ -78,7 +110,8 @@ class Captioner:
         return next(self.model.parameters()).device
 
     @classmethod
-    def from_checkpoint(cls, ckpt: dict, device: str | torch.device = "cpu") -> "Captioner":
+    def from_checkpoint(cls, ckpt: dict, device: str | torch.device = "cpu", *, name: str | None = None,
+                        bundled: bool = False) -> "Captioner":
         cfg = ModelConfig.from_dict(ckpt["model_config"])
         # The checkpoint holds every encoder weight: build the encoder without asking
         # torchvision for ImageNet weights (no network, no hub cache needed), and keep the
@@ -92,11 +125,16 @@ class Captioner:
         vocab = Vocabulary(list(ckpt["vocab"]))
         if len(vocab) != cfg.vocab_size:
             raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
-        return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"))
+        return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
+                   name=name, bundled=bundled)
 
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
-        return cls.from_checkpoint(load_checkpoint(resolve_weights(weights), map_location=device), device)
+        path = resolve_weights(weights)
+        # A shipped file is a demo however it is named: "demo-soft" or its path in the package.
+        bundled = path.resolve().parent == BUNDLED_DIR.resolve()
+        name = path.stem if bundled else path.name
+        return cls.from_checkpoint(load_checkpoint(path, map_location=device), device, name=name, bundled=bundled)
 
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),

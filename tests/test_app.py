@@ -19,6 +19,8 @@ AppTest = pytest.importorskip("streamlit.testing.v1").AppTest
 APP = Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"
 MODEL = "tiny.pt"
 HARD_MODEL = "tiny-hard.pt"
+COCO_MODEL = "tiny-coco.pt"  # a user checkpoint that names its training data
+SHAPES_MODEL = "tiny-shapes.pt"  # a user checkpoint trained on the synthetic shapes
 SEED = 5  # a tiny random model whose captions differ between beam sizes 3 and 5
 
 
@@ -27,6 +29,8 @@ def weights_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("weights")
     tiny_captioner(seed=SEED).save(folder / MODEL)
     tiny_captioner(seed=SEED, attention="hard").save(folder / HARD_MODEL)
+    tiny_captioner(seed=SEED).save(folder / COCO_MODEL, meta={"training_data": "COCO 2014 Dataset (data/coco)"})
+    tiny_captioner(seed=SEED).save(folder / SHAPES_MODEL, meta={"training_data": "synthetic shapes (data/shapes)"})
     return folder
 
 
@@ -212,3 +216,49 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     assert cmd[cmd.index("--server.port") + 1] == "8765"
     assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
     assert cmd[cmd.index("--server.headless") + 1] == "true"
+
+
+def _notices(at: AppTest) -> list[str]:
+    return [w.value for w in at.main.warning if "synthetic shapes" in w.value]
+
+
+def _model_card(at: AppTest) -> str:
+    """The sidebar's text, with the page's markdown escapes removed."""
+    return re.sub(r"\\(.)", r"\1", " ".join(m.value for m in at.sidebar.markdown))
+
+
+@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]).is_file(),
+                    reason="the bundled demo model is not installed")
+def test_a_demo_model_shows_a_notice_beside_the_caption_and_in_its_card(weights_dir, monkeypatch):
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    assert not at.exception
+    assert at.sidebar.selectbox[0].value == "demo-soft"  # the default
+    assert at.main.header[0].value  # an example was captioned
+    notices = _notices(at)
+    assert len(notices) == 1 and "trained on synthetic shapes only" in notices[0]
+    assert "photograph" in notices[0]
+    card = _model_card(at)
+    assert "Trained on" in card and "synthetic shapes" in card
+
+    at.file_uploader[0].set_value(("cat.png", _png(seed=3), "image/png")).run()  # an upload too
+    assert len(_notices(at)) == 1
+
+
+def test_a_user_checkpoint_shows_its_training_data_and_no_notice(app):
+    app.sidebar.selectbox[0].select(COCO_MODEL).run()
+    assert not app.exception and _word_panels(app)
+    assert not _notices(app)
+    assert "COCO 2014 Dataset (data/coco)" in _model_card(app)
+
+
+def test_a_user_checkpoint_trained_on_shapes_shows_the_notice(app):
+    app.sidebar.selectbox[0].select(SHAPES_MODEL).run()
+    assert not app.exception
+    assert len(_notices(app)) == 1
+    assert "synthetic shapes (data/shapes)" in _model_card(app)
+
+
+def test_a_checkpoint_that_does_not_say_its_data_says_so_in_its_card(app):
+    assert not _notices(app)
+    assert "Trained on" in _model_card(app) and "not recorded" in _model_card(app)

@@ -1,8 +1,9 @@
 """The web page in a real browser: a Streamlit server, Chromium driven by Playwright.
 
 Needs Debian's chromium at /usr/bin/chromium and the playwright package (its own browser
-downloads are never used). The screenshot goes to $CAPTIONER_SCREENSHOT (default: a
-temporary folder) so a person can look at the page.
+downloads are never used). The screenshots go to $CAPTIONER_SCREENSHOT and
+$CAPTIONER_DEMO_SCREENSHOT (default: a temporary folder) so a person can look at the page;
+docs/app-demo.png is the second one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from captioner import inference
 from captioner.cli import main
 from tiny import tiny_captioner, tiny_image
 
@@ -179,3 +181,31 @@ def test_a_broken_upload_shows_an_error_not_a_traceback(page, tmp_path):
     _upload(page, good)
     page.get_by_text(f"{good.name} · {MODEL} · beam 3").wait_for()
     assert page.get_by_test_id("stAlertContentError").count() == 0
+
+
+@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]).is_file(),
+                    reason="the bundled demo model is not installed")
+def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_path):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(90_000)
+        page.goto(server)  # the default model is demo-soft, and the first example is captioned
+        page.get_by_text(" · demo-soft · beam ").wait_for()
+        _wait_idle(page)
+        notice = page.get_by_test_id("stAlertContentWarning").filter(has_text="trained on synthetic shapes only")
+        assert notice.count() == 1 and notice.is_visible()
+        caption_box = page.locator(".st-key-caption").bounding_box()
+        notice_box = notice.bounding_box()
+        assert 0 <= notice_box["y"] - (caption_box["y"] + caption_box["height"]) < 150  # right under the caption
+        card = page.get_by_test_id("stSidebar").locator(".st-key-model_card")
+        assert "Trained on: synthetic shapes only" in card.inner_text()
+
+        page.get_by_test_id("stImageCaption").filter(has_text=" · β ").first.wait_for()
+        page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
+        shot = Path(os.environ.get("CAPTIONER_DEMO_SCREENSHOT") or tmp_path / "app-demo.png")
+        _screenshot(page, shot)
+        print(f"screenshot: {shot}")
+        assert shot.stat().st_size > 10_000
+    finally:
+        context.close()

@@ -34,6 +34,7 @@ from captioner.vocab import Vocabulary
 
 from .averaging import WeightAverage
 from .config import TrainConfig, to_toml
+from .datainfo import training_data_name
 from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
 
@@ -73,6 +74,31 @@ class _StopFlag:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class _BarLoss:
+    """The progress bar's loss, fresh every step (a moving average of this rank's losses,
+    written into the bar at most once a second), and the time left of ``optim.max_minutes``."""
+
+    def __init__(self, max_minutes: float) -> None:
+        self.max_minutes = max_minutes
+        self.average: float | None = None
+        self.shown_at = float("-inf")
+        self.bar: tqdm | None = None
+
+    def show(self, bar: tqdm, nll: float, train_seconds: float) -> None:
+        self.average = nll if self.average is None else 0.9 * self.average + 0.1 * nll
+        now = time.monotonic()
+        if now - self.shown_at < 1.0 and bar is self.bar:  # a new epoch's bar gets it at once
+            return
+        self.shown_at, self.bar = now, bar
+        text = f"nll={self.average:.2f}"
+        if self.max_minutes:
+            left = max(0, round(60 * self.max_minutes - train_seconds))
+            clock = f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}" if left >= 3600 \
+                else f"{left // 60:02d}:{left % 60:02d}"
+            text += f", budget left {clock}"  # tqdm's own estimate is for this epoch only
+        bar.set_postfix_str(text, refresh=False)
 
 
 def _prepare_data(cfg: TrainConfig) -> None:
@@ -231,8 +257,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     captioner = Captioner(model, vocab, preprocess)
-    meta = {"name": cfg.name, "data": d.dir, "attention": model_cfg.attention,
-            **({"weight_average": o.ema} if average is not None else {})}
+    meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
+            "attention": model_cfg.attention, **({"weight_average": o.ema} if average is not None else {})}
     log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
     precision = MixedPrecision(o.precision, device)
     if ckpt is not None:
@@ -269,6 +295,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 
     reason = "finished"
     model.train()
+    bar_loss = _BarLoss(o.max_minutes)
     with _StopFlag() as stop:
         try:
             while state["epoch"] < o.epochs:
@@ -281,8 +308,10 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                                     # Its own generator: creating a loader must not draw from the
                                     # global RNG, or a resumed run would drift from the original.
                                     generator=torch.Generator().manual_seed(o.seed + state["epoch"]))
-                bar = tqdm(total=len(batches), initial=state["batch_in_epoch"], desc=f"epoch {state['epoch']}",
-                           unit="batch", file=sys.stderr, disable=not (progress and ctx.is_main), leave=False)
+                # Epochs counted from 1, as the validation lines count them ("epoch 1 step ...: val").
+                bar = tqdm(total=len(batches), initial=state["batch_in_epoch"],
+                           desc=f"epoch {state['epoch'] + 1}/{o.epochs}", unit="batch", file=sys.stderr,
+                           disable=not (progress and ctx.is_main), leave=False)
                 tick = time.perf_counter()
                 for batch, global_batch in zip(loader, todo):
                     batch = batch.to(device, non_blocking=True)
@@ -305,10 +334,11 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     tick = now
                     state["step"] += 1
                     state["batch_in_epoch"] += 1
+                    if not bar.disable:
+                        bar_loss.show(bar, parts.nll, state["train_seconds"])
                     bar.update(1)
                     if state["step"] % o.log_every == 0:
                         nll = ctx.mean(parts.nll)
-                        bar.set_postfix(nll=f"{nll:.2f}")
                         write({"step": state["step"], "epoch": state["epoch"], "nll": round(nll, 4),
                                "penalty": round(ctx.mean(parts.penalty), 4), "lr": optimizer.param_groups[0]["lr"],
                                "train_seconds": round(state["train_seconds"], 1),
@@ -325,6 +355,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     if o.save_every and state["step"] % o.save_every == 0:
                         save_last()
                         tick = time.perf_counter()  # saving is not training time
+                if not bar.disable:
+                    bar.refresh()  # the epoch's last loss is seen even when steps outpace the bar
                 bar.close()
                 if reason != "finished":
                     break

@@ -295,24 +295,30 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
+    from .data.coco import load_split, require_images
     from .evaluation import evaluate, format_table, write_report
     from .inference import Captioner, DecodeOptions
 
     device = check_device(args.device)
     if args.out is not None:
         check_out_file(args.out, create_folder=True)
+    # The data first: a missing file is the one line a user sees, before any model is loaded.
+    try:
+        records = load_split(args.data, args.split, args.karpathy)
+        if args.limit:
+            records = records[:args.limit]
+        require_images(records, args.split)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
     try:
         captioner = Captioner.load(args.weights, device=device)
     except CheckpointError as e:
         raise UsageError(str(e)) from e
     demo_notice("evaluate", captioner)
-    try:
-        report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
-                          options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len,
-                                                hard_attention=args.hard_attention),
-                          batch_size=args.batch_size, limit=args.limit, meteor=False if args.no_meteor else None)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from e
+    report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
+                      options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len,
+                                            hard_attention=args.hard_attention),
+                      batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
     print(format_table(report))
     if args.out is not None:
         write_report(report, args.out)

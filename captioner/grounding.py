@@ -4,6 +4,9 @@ Two questions, both answerable only because the shapes images come with exact ob
 
 * Object accuracy: does the caption name exactly the objects in the image? Mentions
   ("[size] colour shape") are parsed from the words and matched against the objects.
+* Relation accuracy: is each spatial relation the caption states ("X above Y", "X below
+  Y", "X to the left / right of Y", "from left to right: A, B and C") true of the objects'
+  centres? A random direction is right half the time: chance 0.5.
 * Pointing game: when the model emits a word that names an object uniquely present in
   the image (its shape word or its colour word), does the argmax of that step's attention
   map fall inside the object's box? We also report the attention mass inside the box,
@@ -188,6 +191,78 @@ def object_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dic
     }
 
 
+# --------------------------------------------------------------- spatial relations
+
+RELATION_CHANCE = 0.5  # a stated direction between two named objects, picked at random
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A stated relation, normalised: ``first`` is ``"left_of"`` or ``"above"`` ``second``."""
+
+    first: Mention
+    relation: str
+    second: Mention
+
+
+def _start(m: Mention) -> int:
+    return min(i for i in (m.shape_index, m.color_index, m.size_index) if i is not None)
+
+
+def parse_relations(words: Sequence[str]) -> list[Relation]:
+    """Spatial relations stated in a tokenised caption.
+
+    Between two consecutive mentions, "above"/"below" and "left"/"right" (as in "to the
+    left of", "on the left of", "to the right of") relate them; a caption opening with
+    "from left to right" puts each listed object left of the next.
+    """
+    mentions = parse_mentions(words)
+    if not mentions:
+        return []
+    head = set(words[:_start(mentions[0])])
+    ordered = {"from", "left", "right"} <= head
+    relations = []
+    for a, b in zip(mentions, mentions[1:]):
+        between = set(words[a.shape_index + 1:_start(b)])
+        if "above" in between:
+            relations.append(Relation(a, "above", b))
+        elif "below" in between:
+            relations.append(Relation(b, "above", a))
+        elif "left" in between:
+            relations.append(Relation(a, "left_of", b))
+        elif "right" in between:
+            relations.append(Relation(b, "left_of", a))
+        elif ordered:
+            relations.append(Relation(a, "left_of", b))
+    return relations
+
+
+def _centre(o: ShapeObject) -> tuple[float, float]:
+    x, y, w, h = o.bbox
+    return x + w / 2, y + h / 2
+
+
+def relation_holds(rel: Relation, objects: Sequence[ShapeObject]) -> bool:
+    """True when two distinct objects named by the relation's mentions (colour and shape;
+    size too where the caption gives one) stand as it says: ``above`` is the smaller
+    centre y, ``left_of`` the smaller centre x. A mention that names no object is false."""
+    axis = 1 if rel.relation == "above" else 0
+    for i, o1 in enumerate(objects):
+        if not _fits_full(rel.first, o1):
+            continue
+        for j, o2 in enumerate(objects):
+            if i != j and _fits_full(rel.second, o2) and _centre(o1)[axis] < _centre(o2)[axis]:
+                return True
+    return False
+
+
+def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, int]:
+    """How many relations the caption states, and how many of them are true."""
+    relations = parse_relations(words)
+    return {"n_relations": len(relations),
+            "relations_true": sum(relation_holds(r, objects) for r in relations)}
+
+
 # ------------------------------------------------------------------- pointing game
 
 def _cell_centres_inside(bbox: Sequence[float], grid: tuple[int, int],
@@ -261,9 +336,9 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
 
 def evaluate_caption(words: Sequence[str], alphas: Any,
                      image: ImageObjects) -> tuple[list[PointingRecord], dict[str, Any]]:
-    """Pointing records and object accuracy of one generated caption."""
+    """Pointing records, and object and relation accuracy, of one generated caption."""
     return (pointing_game(words, alphas, image.objects, image.size),
-            object_accuracy(words, image.objects))
+            {**object_accuracy(words, image.objects), **relation_accuracy(words, image.objects)})
 
 
 # -------------------------------------------------------------------- aggregation
@@ -286,12 +361,17 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
     n_objects = sum(a["n_objects"] for a in acc)
     matched = sum(a["matched"] for a in acc)
     chance = _mean([r.chance for r in records])
+    n_relations = sum(a.get("n_relations", 0) for a in acc)
     return {
         "n_images": len(acc),
         "object_accuracy": _mean([float(a["exact_color_shape"]) for a in acc]),
         "object_accuracy_with_size": _mean([float(a["exact_full"]) for a in acc]),
         "object_precision": matched / n_mentions if n_mentions else None,
         "object_recall": matched / n_objects if n_objects else None,
+        # Relations are micro-averaged over the relations stated, in every image.
+        "relation_accuracy": sum(a.get("relations_true", 0) for a in acc) / n_relations if n_relations else None,
+        "relation_chance": RELATION_CHANCE,
+        "n_relations": n_relations,
         "pointing_accuracy": _mean([float(r.hit) for r in records]),
         "pointing_accuracy_shape": _mean([float(r.hit) for r in by_kind["shape"]]),
         "pointing_accuracy_color": _mean([float(r.hit) for r in by_kind["color"]]),

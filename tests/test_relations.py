@@ -1,0 +1,96 @@
+"""Relation accuracy: spatial relations stated in a caption, checked against the boxes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from captioner.data.shapes import generate_split
+from captioner.grounding import (
+    ImageObjects,
+    ShapeObject,
+    evaluate_caption,
+    load_shape_objects,
+    parse_relations,
+    relation_accuracy,
+    summarize_grounding,
+)
+from captioner.vocab import tokenize
+
+# Centres: circle (16, 16) top-left, square (48, 48) bottom-right, star (50, 10) top-right.
+RED_CIRCLE = ShapeObject("circle", "red", "small", (0, 0, 32, 32))
+BLUE_SQUARE = ShapeObject("square", "blue", "large", (32, 32, 32, 32))
+RED_STAR = ShapeObject("star", "red", "large", (40, 0, 20, 20))
+OBJECTS = [RED_CIRCLE, BLUE_SQUARE, RED_STAR]
+
+
+@pytest.mark.parametrize("caption,stated,true", [
+    ("a red circle above a blue square", 1, 1),
+    ("a blue square above a red circle", 1, 0),
+    ("a blue square below a red circle", 1, 1),
+    ("a red circle below a blue square", 1, 0),
+    ("a red circle to the left of a red star", 1, 1),
+    ("a red star to the left of a red circle", 1, 0),
+    ("a red star to the right of a red circle", 1, 1),
+    ("an image with a red circle on the left of a blue square", 1, 1),
+    ("from left to right: a red circle, a blue square and a red star", 2, 2),
+    ("from left to right: a red star and a red circle", 1, 0),
+    ("from left to right: a red circle, a red star and a blue square", 2, 1),
+    ("a green circle above a blue square", 1, 0),  # names no object: not true
+    ("a large red circle above a blue square", 1, 0),  # the circle is small
+    ("a small red circle above a large blue square", 1, 1),
+    ("a red circle and a blue square", 0, 0),
+    ("two objects: a red circle and a blue square", 0, 0),
+    ("a red star above", 0, 0),
+])
+def test_relations_stated_and_true(caption: str, stated: int, true: int) -> None:
+    assert relation_accuracy(tokenize(caption), OBJECTS) == {"n_relations": stated, "relations_true": true}
+
+
+def test_relations_are_normalised_to_left_of_and_above() -> None:
+    (below,) = parse_relations(tokenize("a blue square below a red circle"))
+    assert (below.first.shape, below.relation, below.second.shape) == ("circle", "above", "square")
+    (right,) = parse_relations(tokenize("a red star to the right of a red circle"))
+    assert (right.first.shape, right.relation, right.second.shape) == ("circle", "left_of", "star")
+
+
+def test_two_objects_of_one_kind_need_distinct_objects() -> None:
+    left, right = ShapeObject("star", "red", "small", (0, 0, 10, 10)), ShapeObject("star", "red", "small", (50, 0, 10, 10))
+    words = tokenize("a red star to the left of a red star")
+    assert relation_accuracy(words, [left, right]) == {"n_relations": 1, "relations_true": 1}
+    assert relation_accuracy(words, [left]) == {"n_relations": 1, "relations_true": 0}
+
+
+def test_summary_micro_averages_relations_with_chance_and_count() -> None:
+    image = ImageObjects(1, "x.png", 64, 64, OBJECTS)
+    captions = ["a red circle above a blue square",  # 1 of 1
+                "from left to right: a red circle, a red star and a blue square",  # 1 of 2
+                "a red circle and a blue square"]  # none stated
+    per_image = [evaluate_caption(words, np.full((len(words), 2, 2), 0.25), image)
+                 for words in map(tokenize, captions)]
+    summary = summarize_grounding([p for p, _ in per_image], [a for _, a in per_image])
+    assert summary["n_relations"] == 3
+    assert summary["relation_accuracy"] == pytest.approx(2 / 3)
+    assert summary["relation_chance"] == 0.5
+    assert summarize_grounding([], [])["relation_accuracy"] is None
+
+
+def test_generated_reference_captions_state_only_true_relations(tmp_path: Path) -> None:
+    """Every relation in the generator's own captions is true of its own boxes, and
+    the same captions scored against another image's objects are not all true."""
+    generate_split(tmp_path, "val", 40, seed=3, image_size=64)
+    objects = load_shape_objects(tmp_path / "instances_val.json")
+    captions = json.loads((tmp_path / "captions_val.json").read_text())["annotations"]
+    own = [relation_accuracy(tokenize(c["caption"]), objects[c["image_id"]].objects) for c in captions]
+    stated = sum(r["n_relations"] for r in own)
+    assert stated >= 20
+    assert sum(r["relations_true"] for r in own) == stated
+    # The same captions with the image's objects mirrored left-right and top-bottom.
+    mirrored = {i: [ShapeObject(o.shape, o.color, o.size, (64 - o.bbox[0] - o.bbox[2], 64 - o.bbox[1] - o.bbox[3],
+                                                            o.bbox[2], o.bbox[3])) for o in im.objects]
+                for i, im in objects.items()}
+    flipped = [relation_accuracy(tokenize(c["caption"]), mirrored[c["image_id"]]) for c in captions]
+    assert sum(r["relations_true"] for r in flipped) == 0

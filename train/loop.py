@@ -180,7 +180,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     else:
         raise ValueError(f"optim.optimizer must be adam or sgd, got {o.optimizer!r}")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
-    hard = HardAttentionObjective(cfg.hard, o.doubly_stochastic) if model_cfg.attention == "hard" else None
+    hard = (HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx)
+            if model_cfg.attention == "hard" else None)
     average = WeightAverage(model, o.ema) if o.ema else None
 
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best": None, "bad_vals": 0, "train_seconds": 0.0}
@@ -190,7 +191,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         scheduler.load_state_dict(ts["scheduler"])
         state.update({k: ts[k] for k in state})
         if hard is not None:
-            hard.baseline = float(ts.get("baseline", 0.0))
+            hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
         if average is not None and "weight_average" in ts:  # else the average starts from here
             average.load_state_dict(ts["weight_average"])
         rngs = ts.get("rng_per_rank") or [ts["rng"]]
@@ -238,6 +239,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                        "grad_scaler": precision.state_dict()}
         if hard is not None:
             train_state["baseline"] = hard.baseline
+            train_state["hard"] = hard.state_dict()  # the baseline and the expected-context coin
         if average is not None:
             train_state["weight_average"] = average.state_dict()
         atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
@@ -278,7 +280,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     inputs = Annotations(batch.images, grid) if grid is not None else batch.images
                     with precision.autocast():
                         if hard is not None:
-                            parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths)
+                            parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths, len(global_batch))
                         else:
                             parts = soft_loss(net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
                     # DDP averages gradients over ranks; weighting each rank's mean by its share

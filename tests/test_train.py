@@ -89,6 +89,35 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, at
             assert torch.equal(best_a["state_dict"][k], best_b["state_dict"][k]), k
 
 
+@pytest.mark.parametrize("limit,reason", [({"optim.max_steps": 5}, "max_steps"),
+                                          ({"optim.epochs": 2}, "finished"),
+                                          ({"optim.max_minutes": 1e-4}, "time_budget")],
+                         ids=["max_steps", "last_epoch", "max_minutes"])
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_coco, tmp_path, capsys, limit, reason):
+    """--resume of a run that reached its limit (or was killed after its final checkpoint)
+    must not take one more step."""
+    run = tmp_path / "run"
+    sets = {"val.every_epochs": 0, "optim.save_every": 0, **limit}
+    first = train(tiny_config(tiny_coco, **sets), run, progress=False)
+    assert first.reason == reason
+    before = load_checkpoint(run / "last.pt")
+    files = {p.name: p.read_bytes() for p in run.iterdir()}
+    capsys.readouterr()
+
+    again = train(None, run, resume=True, progress=False)  # `captioner train --resume RUN`: the run's own config
+    assert (again.step, again.epoch, again.reason) == (first.step, first.epoch, reason)
+    assert f"already finished ({reason}" in capsys.readouterr().err
+    after = load_checkpoint(run / "last.pt")
+    assert after["train_state"]["step"] == first.step
+    for k in before["state_dict"]:
+        assert torch.equal(before["state_dict"][k], after["state_dict"][k]), k
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == files  # nothing rewritten
+
+    if reason == "max_steps":  # a higher limit continues the run
+        more = train(tiny_config(tiny_coco, **{**sets, "optim.max_steps": 7}), run, resume=True, progress=False)
+        assert more.step == 7
+
+
 def test_weight_average_follows_its_formula_and_swaps_back():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     start = {k: v.clone() for k, v in model.state_dict().items()}

@@ -198,6 +198,13 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         if len(rngs) != ctx.world:
             raise ValueError(f"the run was saved with {len(rngs)} processes; resume it with as many")
         _set_rng_state(rngs[ctx.rank])
+        done = _finished(cfg, state)
+        if done is not None:  # resuming must not take one more step (nor rewrite the run)
+            if ctx.is_main:
+                print(f"{run_dir} already finished ({done} at step {state['step']}, epoch {state['epoch']}): "
+                      "nothing to train; raise optim.max_steps, optim.max_minutes or optim.epochs with --set "
+                      "to go on", file=sys.stderr)
+            return TrainOutcome(run_dir, state["step"], state["epoch"], done, state["best"], state["train_seconds"])
     elif ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
@@ -334,6 +341,20 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
             if log is not None:
                 log.close()
     return TrainOutcome(run_dir, state["step"], state["epoch"], reason, state["best"], state["train_seconds"])
+
+
+def _finished(cfg: TrainConfig, state: dict) -> str | None:
+    """Why a run in this state has nothing left to train under ``cfg``, or None."""
+    o, v = cfg.optim, cfg.val
+    if o.max_steps and state["step"] >= o.max_steps:
+        return "max_steps"
+    if o.max_minutes and state["train_seconds"] >= 60 * o.max_minutes:
+        return "time_budget"
+    if state["epoch"] >= o.epochs:
+        return "finished"
+    if v.patience > 0 and state["bad_vals"] >= v.patience:
+        return "early_stop"
+    return None
 
 
 def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:

@@ -206,7 +206,7 @@ def test_expected_minibatches_add_the_entropy_bonus_and_update_the_baseline():
     mask = out.mask.double()
     entropy = (-(out.alphas * torch.log(out.alphas)).sum(-1) * mask).sum(1)  # (B,)
     hand = -ll.mean() - 0.002 * entropy.sum()
-    torch.testing.assert_close(float(parts.loss), float(hand), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(parts.loss.item(), hand.item(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, _flat_grad(soft, hand), rtol=1e-4, atol=1e-6)
     word_mean = (ll / mask.sum(1)).mean().item()
     assert abs(objective.baseline - (0.9 * -2.0 + 0.1 * word_mean)) < 1e-6

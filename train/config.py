@@ -94,7 +94,8 @@ class HardConfig:
     ``RL_sumCost``): reward = per-word mean log p(y|s,a) against a moving-average baseline
     of the same, divided by 10, entropy bonus 0.002, both added over the minibatch's
     captions; see ``train.losses.HardAttentionObjective``. This project's first form was
-    reward = "caption", lambda_r = 1, reduction = "mean"."""
+    reward = "caption", lambda_r = 1, reduction = "mean" (and it also left out the entropy
+    bonus and the baseline update on expected-context minibatches)."""
 
     reward: str = "word_mean"  # word_mean: mean over the caption's words of log p | caption: their sum
     lambda_r: float = 0.1  # weight of the score-function term (the authors' "/10.")

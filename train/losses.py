@@ -55,21 +55,21 @@ class HardAttentionObjective:
     """REINFORCE for stochastic hard attention (Xu et al. 2015, sec. 4.1), scaled as the
     authors' code scales it (capgen.py with ``RL_sumCost``; the defaults of ``HardConfig``).
 
-    Per minibatch of B captions (the global batch under torchrun), with r_b the reward of
-    caption b and b the baseline, the loss whose gradient is followed is
+    Per minibatch of B captions (the global batch under torchrun), with r_i the reward of
+    caption i and b the baseline, the loss whose gradient is followed is
 
-        mean_b -log p(y_b|s_b,a) + lambda_ds * penalty
-          - c * sum_b [ lambda_r (r_b - b) log p(s_b|a) + lambda_e H[alpha_b] ]
+        mean_i -log p(y_i|s_i,a) + lambda_ds * penalty
+          - c * sum_i [ lambda_r (r_i - b) log p(s_i|a) + lambda_e H[alpha_i] ]
 
-    - r_b = mean over the caption's real words of log p(y_t|s,a) (``reward = "word_mean"``;
+    - r_i = mean over the caption's real words of log p(y_t|s,a) (``reward = "word_mean"``;
       the authors' ``-masked_cost.mean(0)``, whose minibatches hold captions of one length),
-      or the whole caption's log p(y|s,a) (``reward = "caption"``). (r_b - b) is a constant.
+      or the whole caption's log p(y|s,a) (``reward = "caption"``). (r_i - b) is a constant.
     - lambda_r = 0.1: the authors' "/10.".
     - c = 1 with ``reduction = "sum"``: the authors give these two terms as known gradients
       with no 1/B, while their NLL is a minibatch mean, so they add over the captions.
       ``reduction = "mean"`` (c = 1/B) weighs them like the NLL instead.
-    - H[alpha_b] = sum over real steps of the entropy of alpha_t (nats); lambda_e = 0.002.
-    - b <- decay * b + (1 - decay) * mean_b r_b, on every minibatch.
+    - H[alpha_i] = sum over real steps of the entropy of alpha_t (nats); lambda_e = 0.002.
+    - b <- decay * b + (1 - decay) * mean_i r_i, on every minibatch (the authors: 0.9).
 
     With probability ``expected_context_prob`` a minibatch uses the expected context
     sum_i alpha_i a_i instead of a sample (the authors' 0.5 coin): then there is no

@@ -2,10 +2,12 @@
 
 Legend: B images, k beams, L locations, V vocabulary, T steps.
 
-Beam search runs B images x k beams as one (B*k)-row tensor program. A beam that has
-emitted <end> is kept, frozen: it may only continue with <pad> at zero cost, so it still
-competes with the open beams. The search stops when every beam has ended or at
-``max_len`` steps; with no <end> by then, the best open beam is returned (no crash).
+Beam search runs B images x k beams as one (B*k)-row tensor program. A caption that
+emits <end> leaves the open beams for a pool of finished captions kept apart, per image
+(as in the authors' code), so open beams can never push it out; the best of the pool is
+returned. The search stops for an image when its pool is full or no open beam can beat
+the pool's best, else at ``max_len`` steps; with no <end> by then, the best open beam is
+returned (no crash).
 """
 
 from __future__ import annotations
@@ -93,14 +95,22 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
 @torch.no_grad()
 def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
                 max_len: int, length_penalty: float = 0.0, hard: str = "expected") -> list[DecodedIds]:
-    """``length_penalty`` > 0 ranks finished captions by score / length**length_penalty.
+    """The caption of highest rank per image: rank = log p, or with ``length_penalty`` > 0
+    log p / length**length_penalty (length counts the <end> token).
+
+    Each image keeps k open beams and, apart from them, a pool of the best k captions that
+    ended. Every step ranks the k*V extensions of the open beams: an extension ending in
+    <end> that is among the best k joins the pool (so a finished caption is never pushed
+    out by open ones), and the best k extensions that did not end are the new open beams.
+    An image is done when its pool holds k captions, or when no open beam can still beat
+    the pool's best (log p only falls as words are added, so an open beam's best possible
+    rank is its score / max_len**length_penalty). It returns the pool's best; a caption
+    that ended beats one cut off by the length limit, which is returned only when none ended.
 
     B images x k beams run as one tensor program; the k beams of an image share one copy of
     its annotations and keys. Each step records, per beam, its word, the beam it extends and
     the attention map it was computed with; a caption is read back along these pointers when
-    its image is done, so no history is copied as beams are reordered. An image leaves the
-    batch as soon as all its beams have ended: the remaining steps only cost what is still
-    being decoded."""
+    its image is done. An image leaves the batch as soon as it is done."""
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
@@ -108,16 +118,21 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     b, n, _ = a.shape
     k = beam_size
     dev = a.device
+    ninf = float("-inf")
     keys = decoder.attention.prepare(a)  # once per image, shared by its beams
     h, c = decoder.init_state(a)
     h, c = h.repeat_interleave(k, 0), c.repeat_interleave(k, 0)  # (B*k, H)
 
-    scores = torch.full((b, k), float("-inf"), device=dev)
+    scores = torch.full((b, k), ninf, device=dev)  # open beams' log p
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
-    finished = torch.zeros(b, k, dtype=torch.bool, device=dev)
-    lengths = torch.zeros(b, k, dtype=torch.long, device=dev)
-    # Per step, indexed by the original image: the chosen words, the beam each extends
-    # (its parent) and the maps and gates the parents' step computed.
+    # The pool of finished captions, (B, k) each: rank, log p, the step of their <end> and
+    # the open beam that <end> extended (an empty entry has rank -inf).
+    pool_rank = torch.full((b, k), ninf, device=dev)
+    pool_score = torch.full((b, k), ninf, device=dev)
+    pool_step = torch.zeros(b, k, dtype=torch.long, device=dev)
+    pool_parent = torch.zeros(b, k, dtype=torch.long, device=dev)
+    # Per step, indexed by the original image: the open beams' words, the beam each extends
+    # (its parent) and the maps and gates each beam's step computed (indexed by that beam).
     words = torch.full((max_len, b, k), pad, dtype=torch.long, device=dev)
     parents = torch.zeros(max_len, b, k, dtype=torch.long, device=dev)
     alpha_steps = torch.zeros(max_len, b, k, n, device=dev)
@@ -125,50 +140,63 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
     active = torch.arange(b, device=dev)  # original index of each image still in the batch
     out: list[DecodedIds | None] = [None] * b
+    best_possible = max_len ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
+    width = 2 * k  # k may end, k go on
 
     def emit(rows: torch.Tensor, last: int) -> None:
-        """Store the best caption of these (batch-relative) images, read back from step ``last``."""
-        sc, fin, ln = scores[rows], finished[rows], lengths[rows]
-        rank = sc / ln.clamp_min(1).float() ** length_penalty if length_penalty > 0 else sc.clone()
-        # A caption that ended beats one cut off by the length limit.
-        rank = torch.where(fin.any(1, keepdim=True) & ~fin, torch.full_like(rank, float("-inf")), rank)
-        best = rank.argmax(1)
+        """Store the best caption of these (batch-relative) images; none ends after step ``last``."""
         img = active[rows]
-        ids = torch.empty(len(img), last + 1, dtype=torch.long, device=dev)
-        alphas = torch.empty(len(img), last + 1, n, device=dev)
-        betas = torch.empty(len(img), last + 1, device=dev)
-        j = best
+        ended = torch.isfinite(pool_rank[rows, 0])  # the pool is sorted: entry 0 is its best
+        slot = scores[rows].argmax(1)  # else the best open beam, cut off by the length limit
+        step = torch.where(ended, pool_step[rows, 0], torch.full_like(slot, last))
+        word = torch.where(ended, torch.full_like(slot, end), words[last, img, slot])
+        j = torch.where(ended, pool_parent[rows, 0], parents[last, img, slot])
+        score = torch.where(ended, pool_score[rows, 0], scores[rows].gather(1, slot[:, None]).squeeze(1))
+        ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
+        alphas = torch.zeros(len(img), last + 1, n, device=dev)
+        betas = torch.zeros(len(img), last + 1, device=dev)
         for t in range(last, -1, -1):
-            ids[:, t] = words[t, img, j]
-            j = parents[t, img, j]
+            before = step > t  # rows whose caption goes on after step t
+            ids[:, t] = torch.where(step == t, word, torch.where(before, words[t, img, j], ids[:, t]))
+            j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
             alphas[:, t], betas[:, t] = alpha_steps[t, img, j], beta_steps[t, img, j]
-        m = ln.gather(1, best[:, None]).squeeze(1).tolist()
-        score = sc.gather(1, best[:, None]).squeeze(1).tolist()
+        m = (step + 1).tolist()
         for r, i in enumerate(img.tolist()):
-            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], score[r], end)
+            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], float(score[r]), end)
 
     for t in range(max_len):
         bb = len(active)
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(bb, k, -1)  # (b', k, V)
         v = logp.shape[-1]
-        frozen = torch.full_like(logp[0, 0], float("-inf"))
-        frozen[pad] = 0.0
-        logp = torch.where(finished.unsqueeze(-1), frozen, logp)
-        cand = (scores.unsqueeze(-1) + logp).view(bb, k * v)  # (b', k*V)
-        scores, idx = cand.topk(k, dim=1)  # (b', k)
-        beam = torch.div(idx, v, rounding_mode="floor")  # the parent beam of each new beam
-        word = idx % v
-        words[t, active], parents[t, active] = word, beam
         alpha_steps[t, active] = o.alpha.view(bb, k, n).float()
         beta_steps[t, active] = o.beta.view(bb, k).float()
-        was_finished = finished.gather(1, beam)
-        lengths = lengths.gather(1, beam) + (~was_finished).long()
-        finished = was_finished | (word == end)
+        cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)  # (b', 2k) sorted
+        beam = torch.div(idx, v, rounding_mode="floor")  # the open beam each candidate extends
+        word = idx % v
+        ended = (word == end) & torch.isfinite(cand)
+        # Into the pool: the ended candidates among the best k, if they rank among the pool's best k.
+        joins = ended.clone()
+        joins[:, k:] = False
+        rank = cand / (t + 1) ** length_penalty if length_penalty > 0 else cand
+        merged = torch.cat([pool_rank, torch.where(joins, rank, torch.full_like(rank, ninf))], 1)
+        pool_rank, pick = merged.topk(k, dim=1)  # (b', k), sorted: entry 0 is the best
+        pool_score = torch.cat([pool_score, cand], 1).gather(1, pick)
+        pool_step = torch.cat([pool_step, torch.full_like(beam, t)], 1).gather(1, pick)
+        pool_parent = torch.cat([pool_parent, beam], 1).gather(1, pick)
+        # The new open beams: the best k candidates that did not end (at most k of 2k ended).
+        position = torch.arange(cand.shape[1], device=dev).expand_as(cand)
+        go_on = torch.sort(position + cand.shape[1] * ended.long(), dim=1).values[:, :k] % cand.shape[1]  # (b', k)
+        scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
+        words[t, active], parents[t, active] = word, beam
         rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
-        done = finished.all(1)
+        best = pool_rank[:, 0]
+        done = torch.isfinite(pool_rank[:, -1]) | (torch.isfinite(best) & (best >= scores[:, 0] / best_possible))
+        if t == max_len - 1:
+            emit(torch.arange(bb, device=dev), t)  # the length limit: the best of what is there
+            break
         if bool(done.any()):
             emit(done.nonzero().flatten(), t)
             keep = (~done).nonzero().flatten()
@@ -176,10 +204,9 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
                 break
             kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
             active, a, keys = active[keep], a[keep], keys[keep]
-            scores, finished, lengths = scores[keep], finished[keep], lengths[keep]
+            scores, pool_rank, pool_score = scores[keep], pool_rank[keep], pool_score[keep]
+            pool_step, pool_parent = pool_step[keep], pool_parent[keep]
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
-    else:
-        emit(torch.arange(len(active), device=dev), max_len - 1)  # the length limit: the best of what is there
     return out  # type: ignore[return-value]
 
 

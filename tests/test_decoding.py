@@ -1,9 +1,12 @@
 """Greedy and batched beam search."""
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from captioner.decoding import beam_search, greedy
+from captioner.encoders import Annotations
 from captioner.inference import Captioner, DecodeOptions
 from tiny import tiny_captioner
 
@@ -88,11 +91,13 @@ def test_no_end_token_within_the_limit_does_not_crash():
     images = _images(3)
     for k in (1, 3):
         results = cap.caption_batch(images, DecodeOptions(beam_size=k, max_len=7))
-        for r in results:
+        for i, r in enumerate(results):
             assert len(r.words) == 7
             assert r.alphas.shape == (7, 2, 2)
             assert r.betas.shape == (7,)
-            assert r.score < 0
+            # The score is the cut-off caption's own log-probability (no <end> in it).
+            ids = [cap.vocab.index(w) for w in r.words]
+            assert abs(r.score - _sequence_log_prob(cap, images[i], ids)) < 1e-3
 
 
 def test_results_carry_one_map_per_word():
@@ -131,3 +136,155 @@ def test_images_whose_beams_all_ended_leave_the_batch(tmp_path):
         alone = cap.caption(image, opts)
         assert alone.words == r.words and abs(alone.score - r.score) < 1e-4
         torch.testing.assert_close(alone.alphas, r.alphas, atol=1e-5, rtol=1e-4)
+
+
+# --- the finished pool -------------------------------------------------------------------
+# A stub decoder whose next-word distribution depends only on the step: the searches below
+# are worked out by hand. Vocabulary: 0 <pad>, 1 <start>, 2 <end>, 3 A, 4 B, 5 C.
+PAD, START, END, A, B, C = range(6)
+
+
+class _StepTable:
+    """Stands in for a Decoder: p(w_t) = table[t] whatever came before; h carries t."""
+
+    def __init__(self, table: list[dict[int, float]]):
+        rows = []
+        for probs in table:
+            p = torch.zeros(6, dtype=torch.float64)
+            for w, q in probs.items():
+                p[w] = q
+            assert abs(float(p.sum()) - 1) < 1e-9
+            rows.append(torch.log(p))
+        self.logp = torch.stack(rows)  # (T, V); <pad> and <start> get -inf
+        self.attention = self
+
+    def prepare(self, a):
+        return a
+
+    def init_state(self, a):
+        z = torch.zeros(a.shape[0], 1)
+        return z, z
+
+    def step(self, y, h, c, a, keys, grid, **kw):
+        from captioner.model import StepOutput
+
+        t = int(h[0, 0])
+        n = y.shape[0]
+        logits = self.logp[t].float().expand(n, -1)
+        return StepOutput(logits, h + 1, c, torch.full((n, a.shape[1]), 1.0 / a.shape[1]), torch.ones(n))
+
+
+# Beam 2. Step 0: "A" (-0.105). Step 1: "A <end>" (-2.81) is second of the best two,
+# behind "A C" (-0.27). Step 2: "A C A", "A C B" (-1.18, -1.32) both beat it. Step 4: the
+# two best extensions end, at -2.95 and -3.09. Keeping "A <end>" among the beams loses it
+# at step 2 and returns "A C A A <end>" (-2.95); the pool keeps it.
+PUSHED_OUT = [
+    {A: 0.9, B: 0.05, C: 0.04, END: 0.01},
+    {C: 0.85, END: math.exp(-2.71), A: 0.04, B: 0.15 - math.exp(-2.71) - 0.04},
+    {A: 0.4, B: 0.35, C: 0.125, END: 0.125},
+    {A: 0.45, B: 0.35, END: 0.2},
+    {END: 0.38, A: 0.32, B: 0.3},
+]
+LONG = math.log(0.9 * 0.85 * 0.4 * 0.45 * 0.38)  # "A C A A <end>"
+
+
+def _stub_search(table, k, max_len, length_penalty=0.0):
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    return beam_search(_StepTable(table), ann, start=START, end=END, pad=PAD, beam_size=k, max_len=max_len,
+                       length_penalty=length_penalty)[0]
+
+
+def test_a_finished_caption_pushed_out_of_the_beams_is_still_returned():
+    r = _stub_search(PUSHED_OUT, k=2, max_len=5)
+    assert r.ids == [A, END]
+    assert abs(r.score - (math.log(0.9) - 2.71)) < 1e-5  # -2.81, not -2.95
+    assert r.alphas.shape == (2, 4) and r.betas.shape == (2,)
+
+
+def test_length_penalty_ranks_the_finished_pool_by_score_per_length():
+    # Same search: the pool ends with "A <end>" (-2.81, 2 tokens) and "A C A A <end>"
+    # (-2.95, 5 tokens). By score the short one wins; divided by the length, the long one.
+    assert _stub_search(PUSHED_OUT, k=2, max_len=5, length_penalty=0.0).ids == [A, END]
+    r = _stub_search(PUSHED_OUT, k=2, max_len=5, length_penalty=1.0)
+    assert r.ids == [A, C, A, A, END]
+    assert abs(r.score - LONG) < 1e-5  # the log p, not the rank
+
+
+def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption():
+    # Step 0: "<end>" alone has p 0.6; every open beam is already below it: done at once,
+    # even though the pool holds one caption of k = 3.
+    table = [{END: 0.6, A: 0.2, B: 0.1, C: 0.1}] + [{A: 0.5, END: 0.5}] * 5
+    calls = []
+    stub = _StepTable(table)
+    real = stub.step
+    stub.step = lambda *x, **kw: calls.append(1) or real(*x, **kw)
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    r = beam_search(stub, ann, start=START, end=END, pad=PAD, beam_size=3, max_len=6)[0]
+    assert r.ids == [END] and len(calls) == 1
+
+
+# --- against a plain search, one image and one beam at a time ------------------------------
+@torch.no_grad()
+def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
+    """The same search written the plain way, for one image: lists of (score, ids, h, c),
+    every candidate scored one at a time. Returns the chosen (ids, score) and every
+    finished caption the pool held, as (rank, ids)."""
+    rank = (lambda s, n: s / n ** length_penalty) if length_penalty > 0 else (lambda s, n: s)
+    keys = decoder.attention.prepare(a)
+    h, c = decoder.init_state(a)
+    beams = [(torch.zeros((), dtype=torch.float32), [], h, c)]
+    pool, held = [], []
+    for t in range(max_len):
+        cands = []
+        for score, ids, h, c in beams:
+            o = decoder.step(torch.tensor([ids[-1] if ids else START]), h, c, a, keys, grid)
+            logp = F.log_softmax(o.logits.float(), -1)[0]
+            for w in range(len(logp)):
+                if w not in (START, PAD):
+                    cands.append((score + logp[w], ids + [w], o.h, o.c))
+        cands.sort(key=lambda x: -float(x[0]))
+        top = cands[:2 * k]
+        for score, ids, _, _ in top[:k]:
+            if ids[-1] == END:
+                pool.append((float(rank(score, len(ids))), float(score), ids))
+                held.append((pool[-1][0], ids))
+        pool = sorted(pool, key=lambda x: -x[0])[:k]
+        beams = [x for x in top if x[1][-1] != END][:k]
+        if len(pool) == k or (pool and pool[0][0] >= float(beams[0][0]) / (max_len ** length_penalty)):
+            break
+    if pool:
+        return pool[0][2], pool[0][1], held
+    return beams[0][1], float(beams[0][0]), held
+
+
+def _random_decoder(seed):
+    from captioner.model import Decoder, ModelConfig
+
+    torch.manual_seed(seed)
+    decoder = Decoder(ModelConfig(vocab_size=6, annotation_dim=5, embed_dim=6, hidden_dim=7, attention_dim=4,
+                                  dropout=0.0)).double().eval()
+    with torch.no_grad():  # sharper or flatter word distributions, and <end> more or less likely
+        decoder.L_o.weight.mul_(1 + 5 * torch.rand(()).item())
+        decoder.L_o.bias[END] += 2 * torch.randn(()).item()
+    return decoder
+
+
+def test_batched_search_equals_the_plain_search_on_random_tiny_models():
+    differs_from_best_beam = 0
+    for seed in range(24):
+        decoder = _random_decoder(seed)
+        k, max_len = 2 + seed % 3, 4 + seed % 3
+        length_penalty = 0.7 if seed % 4 == 3 else 0.0
+        a = torch.randn(5, 4, 5, dtype=torch.float64)
+        got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
+                          max_len=max_len, length_penalty=length_penalty)
+        for i, r in enumerate(got):
+            ids, score, held = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                                 length_penalty=length_penalty)
+            assert r.ids == ids, (seed, i)
+            assert abs(r.score - score) < 1e-4
+            mine = r.score / len(r.ids) ** length_penalty if length_penalty > 0 else r.score
+            if r.ids[-1] == END:  # never below a finished caption the search held
+                assert all(mine >= rank - 1e-5 for rank, _ in held)
+            differs_from_best_beam += any(ids != h for _, h in held)
+    assert differs_from_best_beam > 0  # the pool held other captions than the one returned

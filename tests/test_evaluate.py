@@ -6,6 +6,7 @@ import torch
 
 import captioner.evaluation as evaluation
 from captioner.cli import main
+from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
 from captioner.decoding import CaptionResult
 from captioner.grounding import load_shape_objects
@@ -44,6 +45,52 @@ def test_perfect_captions_and_pointing_score_one(tmp_path, monkeypatch):
     assert report.grounding["pointing_accuracy"] == 1.0
     assert report.grounding["alpha_mass_in_box"] == 1.0
     assert 0 < report.grounding["pointing_chance"] < 0.5
+
+
+def _cell_outside(image, grid=(8, 8)):
+    """A cell whose centre lies in no object's box."""
+    for row in range(grid[0]):
+        for col in range(grid[1]):
+            x, y = (col + 0.5) * image.width / grid[1], (row + 0.5) * image.height / grid[0]
+            if not any(bx <= x <= bx + bw and by <= y <= by + bh for bx, by, bw, bh in (o.bbox for o in image.objects)):
+                return row, col
+    raise AssertionError("no free cell")
+
+
+def _pointed_words(words, image):
+    """Words the pointing game scores: a shape or colour owned by exactly one object."""
+    return [w for w in words if sum(o.shape == w for o in image.objects) == 1
+            or sum(o.color == w for o in image.objects) == 1]
+
+
+def test_wrong_captions_and_misplaced_attention_are_scored_as_such(tmp_path, monkeypatch):
+    """Images 0-1: the reference caption, looking at its objects. 2-3: the reference caption,
+    looking at empty background. 4-5: another image's objects named, looking at background.
+    Object accuracy must be 4/6, and pointing the share of scored words of images 0-1."""
+    data = tmp_path / "shapes"
+    generate_dataset(data, {"test": 6}, seed=9)
+    objects = load_shape_objects(data / "instances_test.json")
+    records = load_split(data, "test")
+    results = _perfect(records, objects)
+    kinds = lambda r: sorted((o.color, o.shape) for o in objects[r.image_id].objects)  # noqa: E731
+    for i in range(2, 6):
+        if i >= 4:  # name another image's objects
+            donor = next(j for j in range(len(records)) if kinds(records[j]) != kinds(records[i]))
+            results[i] = _perfect([records[donor]], objects)[0]
+        row, col = _cell_outside(objects[records[i].image_id])
+        alphas = torch.zeros_like(results[i].alphas)
+        alphas[:, row, col] = 1.0
+        results[i] = CaptionResult(results[i].words, alphas, results[i].betas, -1.0)
+    monkeypatch.setattr(evaluation, "decode_records", lambda cap, recs, *a, **k: results)
+    report = evaluation.evaluate(tiny_captioner(), data, "test", meteor=False, progress=False)
+
+    assert report.grounding["object_accuracy"] == 4 / 6
+    scored = [len(_pointed_words(r.words, objects[rec.image_id])) for rec, r in zip(records, results)]
+    assert scored[0] + scored[1] > 0 and sum(scored[2:]) > 0
+    assert abs(report.grounding["pointing_accuracy"] - (scored[0] + scored[1]) / sum(scored)) < 1e-9
+    assert report.grounding["n_words"] == sum(scored)
+    assert report.captions == {rec.image_id: r.caption for rec, r in zip(records, results)}
+    assert 0 < report.metrics["BLEU-4"] < 1
 
 
 def test_evaluate_command_writes_metrics_and_coco_results(tmp_path, capsys):

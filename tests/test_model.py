@@ -85,20 +85,43 @@ def test_penalty_ignores_padding():
     torch.testing.assert_close(attention_penalty(changed, mask), expected)
 
 
-@pytest.mark.parametrize("mode", ["soft", "hard"])
-def test_every_parameter_gets_a_gradient(mode):
-    model = _model(attention=mode).train()
+def test_every_parameter_gets_a_gradient():
+    model = _model(attention="soft").train()
     out, tokens, _ = _forward(model)
     targets = tokens[:, 1:]
     loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=0)
     loss = loss + attention_penalty(out.alphas, out.mask)
-    if mode == "hard":
-        # The attention parameters reach the loss through log p(s|a) (REINFORCE) only.
-        out_s = model.decoder(model.encode(torch.randn(3, 3, 32, 32)), tokens, _forward(model)[2], sample=True)
-        loss = loss + out_s.sample_log_probs.sum() + out_s.entropies.sum()
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
     assert missing == []
+
+
+def test_hard_attention_learns_where_to_look_only_through_the_score_function():
+    """With sampled contexts (the expected context off), z_t = beta_t a_{s_t} does not depend
+    on alpha: the attention's own parameters get gradient only from the REINFORCE term
+    lambda_r (r - b) d log p(s|a). With it every parameter learns; without it they get none."""
+    from train.config import HardConfig
+    from train.losses import HardAttentionObjective
+
+    model = _model(attention="hard").train()
+    tokens, lengths = token_batch(tiny_vocab(), CAPTIONS)
+    images = torch.randn(len(CAPTIONS), 3, 32, 32)
+    attention = {n for n, _ in model.named_parameters() if n.startswith("decoder.attention.")}
+
+    def gradient_sizes(lambda_r):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same samples and dropout masks for both
+        objective = HardAttentionObjective(HardConfig(lambda_r=lambda_r, entropy=0.0, expected_context_prob=0.0),
+                                           0.0, baseline=-1.0)
+        parts = objective(model, images, tokens, lengths)
+        assert parts.sampled
+        parts.loss.backward()
+        return {n: 0.0 if p.grad is None else float(p.grad.abs().sum()) for n, p in model.named_parameters()}
+
+    with_reinforce = gradient_sizes(0.1)
+    assert [n for n, g in with_reinforce.items() if g == 0] == []
+    without = gradient_sizes(0.0)
+    assert {n for n, g in without.items() if g == 0} == attention
 
 
 def test_mean_mode_is_uniform_and_ignores_the_state():

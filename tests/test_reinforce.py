@@ -10,14 +10,16 @@ errors sqrt(Var[g] / N) of the exact gradient, element by element.
 
 import itertools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from captioner.encoders import Annotations
+from captioner.model import CaptionModel, ModelConfig
 from tiny import tiny_captioner, token_batch
 from train.config import HardConfig
-from train.losses import HardAttentionObjective
+from train.losses import HardAttentionObjective, caption_log_likelihood
 
 CAPTION = "red circle"
 
@@ -35,9 +37,9 @@ class _FixedAnnotations(nn.Module):
         return Annotations(self.a.expand(images.shape[0], -1, -1), self.grid)
 
 
-def _path_terms(model, image, tokens, path):
-    """log p(s|a) and log p(y|s,a) along a forced attention path, written from the
-    equations (independent of the decoder's own loop)."""
+def _path_terms(model, image, tokens, path, with_entropy=False):
+    """log p(s|a) and log p(y|s,a) (and the summed entropy of alpha_t) along a forced
+    attention path, written from the equations (independent of the decoder's own loop)."""
     d = model.decoder
     ann = model.encode(image)
     a, grid = ann.vectors, ann.grid
@@ -45,15 +47,17 @@ def _path_terms(model, image, tokens, path):
     h, c = d.init_state(a)
     log_ps = torch.zeros(())
     log_py = torch.zeros(())
+    entropy = torch.zeros(())
     for t, s in enumerate(path):
         alpha = d.attention.weights(keys, a, h, grid)  # (1, L)
         log_ps = log_ps + torch.log(alpha[0, s])
+        entropy = entropy - (alpha * torch.log(alpha)).sum()
         z = torch.sigmoid(d.f_beta(h)) * a[:, s]  # beta_t * a_{s_t}
         emb = d.embedding(tokens[:, t])
         h, c = d.lstm(torch.cat([emb, z], 1), (h, c))
         logits = d.L_o(emb + d.L_h(h) + d.L_z(z))
         log_py = log_py + F.log_softmax(logits, -1)[0, tokens[0, t + 1]]
-    return log_ps, log_py
+    return (log_ps, log_py, entropy) if with_entropy else (log_ps, log_py)
 
 
 def _flat_grad(model, scalar):
@@ -92,7 +96,9 @@ def test_reinforce_gradient_matches_the_exact_gradient_of_the_lower_bound():
 
     # Sampled: the training objective on N copies of the image averages N estimates.
     n = 20_000
-    objective = HardAttentionObjective(HardConfig(lambda_r=1.0, entropy=0.0, expected_context_prob=0.0), 0.0, b)
+    # The estimator above: reward the caption's log-likelihood, weight 1, averaged over samples.
+    plain = HardConfig(reward="caption", lambda_r=1.0, reduction="mean", entropy=0.0, expected_context_prob=0.0)
+    objective = HardAttentionObjective(plain, 0.0, b)
     parts = objective(model, image.expand(n, -1), tokens.expand(n, -1), lengths.expand(n))
     assert parts.sampled
     estimate = -_flat_grad(model, parts.loss)  # the loss is minus the surrogate
@@ -102,25 +108,153 @@ def test_reinforce_gradient_matches_the_exact_gradient_of_the_lower_bound():
     # Elements with no variance (parameters the paths do not move) must match exactly.
     assert torch.allclose(estimate[se < 1e-12], exact[se < 1e-12], atol=1e-9)
     assert float(z[se >= 1e-12].max()) < 5.0  # ~1e-3 chance of a false alarm over all elements
-    # The test has power: leaving out the score-function term misses the exact gradient.
     # The test has power: an estimator without the score-function term fails it.
     no_score = (p_paths[:, None] * torch.stack(pathwise)).sum(0)
     assert float(((no_score - exact).abs() / se.clamp_min(1e-12)).max()) > 5
 
 
-def test_baseline_moves_towards_the_log_likelihood():
-    cap = tiny_captioner(seed=2, attention="hard")
-    tokens, lengths = token_batch(cap.vocab, ["a red circle", "a blue star"])
-    images = torch.randn(2, 3, 32, 32)
-    objective = HardAttentionObjective(HardConfig(baseline_decay=0.9, expected_context_prob=0.0), 0.0, baseline=-1.0)
-    parts = objective(cap.model, images, tokens, lengths)
-    log_py = -parts.nll  # mean log p(y|s,a) of this minibatch
-    assert abs(objective.baseline - (0.9 * -1.0 + 0.1 * log_py)) < 1e-5
+def _fixed_hard_model(seed):
+    cap = tiny_captioner(seed=seed, attention="hard", dropout=0.0)
+    model = cap.model.double().eval()  # sampling is explicit, dropout is off
+    torch.manual_seed(seed)
+    model.encoder = _FixedAnnotations(torch.randn(1, 4, model.config.annotation_dim, dtype=torch.float64), (2, 2))
+    return cap, model
+
+
+CAPTIONS = ["red circle", "a small blue star"]  # different lengths: 3 and 5 real steps
+
+
+def test_gradient_and_baseline_are_scaled_as_in_the_authors_code():
+    """The default objective against the formula written out by hand along the sampled paths:
+    loss = mean_b -log p(y_b) - sum_b [0.1 (log p(y_b)/n_b - b) log p(s_b) + 0.002 H_b],
+    b <- 0.9 b + 0.1 mean_b log p(y_b)/n_b (n_b: the caption's real steps, <end> included)."""
+    cap, model = _fixed_hard_model(4)
+    tokens, lengths = token_batch(cap.vocab, CAPTIONS)
+    images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
+    b0 = -1.5
+    objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, b0)
+    torch.manual_seed(7)
+    parts = objective(model, images, tokens, lengths)
+    assert parts.sampled
+    got = _flat_grad(model, parts.loss)
+
+    # The same draws again, to read off the sampled locations: s_t is where log alpha_t = log p(s_t).
+    torch.manual_seed(7)
+    out = model(images, tokens, lengths, sample=True)
+    paths = (torch.log(out.alphas) - out.sample_log_probs.unsqueeze(-1)).abs().argmin(-1)  # (B, T)
+    hand = torch.zeros((), dtype=torch.float64)
+    rewards = []
+    for i, n in enumerate((lengths - 1).tolist()):
+        log_ps, log_py, entropy = _path_terms(model, images[:1], tokens[i:i + 1], paths[i, :n].tolist(),
+                                              with_entropy=True)
+        reward = log_py.item() / n
+        rewards.append(reward)
+        hand = hand - log_py / len(CAPTIONS) - (0.1 * (reward - b0) * log_ps + 0.002 * entropy)
+    expected = _flat_grad(model, hand)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)  # the objective works in float32
+    assert abs(objective.baseline - (0.9 * b0 + 0.1 * sum(rewards) / len(rewards))) < 1e-6
     assert parts.baseline == objective.baseline
+    # The test has power: this project's first form (whole-caption reward, weight 1, batch mean) differs.
+    first = HardAttentionObjective(HardConfig(reward="caption", lambda_r=1.0, reduction="mean",
+                                              expected_context_prob=0.0), 0.0, b0)
+    torch.manual_seed(7)
+    other = _flat_grad(model, first(model, images, tokens, lengths).loss)
+    assert not torch.allclose(other, expected, rtol=1e-3, atol=1e-6)
+
+
+def test_the_mean_reduction_divides_the_score_and_entropy_terms_by_the_batch():
+    cap, model = _fixed_hard_model(5)
+    tokens, lengths = token_batch(cap.vocab, CAPTIONS)
+    images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
+    grads = {}
+    for reduction in ("sum", "mean"):
+        objective = HardAttentionObjective(HardConfig(reduction=reduction, expected_context_prob=0.0), 0.0, -1.0)
+        torch.manual_seed(3)
+        loss = objective(model, images, tokens, lengths).loss
+        nll_only = -caption_log_likelihood(_replay(model, images, tokens, lengths, 3), tokens[:, 1:]).mean()
+        grads[reduction] = _flat_grad(model, loss - nll_only)  # the score-function and entropy terms alone
+    torch.testing.assert_close(grads["mean"] * len(CAPTIONS), grads["sum"])
+    # Under torchrun each process holds a share: "sum" adds up over the global batch.
+    objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, -1.0)
+    torch.manual_seed(3)
+    share = objective(model, images, tokens, lengths, global_batch=8).loss
+    nll_only = -caption_log_likelihood(_replay(model, images, tokens, lengths, 3), tokens[:, 1:]).mean()
+    torch.testing.assert_close(_flat_grad(model, share - nll_only), grads["mean"] * 8)
+
+
+def _replay(model, images, tokens, lengths, seed):
+    torch.manual_seed(seed)
+    return model(images, tokens, lengths, sample=True)
+
+
+def test_expected_minibatches_add_the_entropy_bonus_and_update_the_baseline():
+    """The authors apply the entropy term and the baseline update on every minibatch; on the
+    expected context the loss is the soft model's minus the entropy bonus."""
+    cap, model = _fixed_hard_model(6)
+    tokens, lengths = token_batch(cap.vocab, CAPTIONS)
+    images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
+    objective = HardAttentionObjective(HardConfig(expected_context_prob=1.0), 0.0, baseline=-2.0)
+    parts = objective(model, images, tokens, lengths)
+    assert parts.sampled is False
+    got = _flat_grad(model, parts.loss)
+
+    soft = CaptionModel(ModelConfig.from_dict({**model.config.to_dict(), "attention": "soft"})).double().eval()
+    soft.encoder = model.encoder
+    soft.load_state_dict(model.state_dict())
+    out = soft(images, tokens, lengths)
+    ll = caption_log_likelihood(out, tokens[:, 1:])  # (B,) the expected context's log-likelihood
+    mask = out.mask.double()
+    entropy = (-(out.alphas * torch.log(out.alphas)).sum(-1) * mask).sum(1)  # (B,)
+    hand = -ll.mean() - 0.002 * entropy.sum()
+    torch.testing.assert_close(parts.loss.item(), hand.item(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, _flat_grad(soft, hand), rtol=1e-4, atol=1e-6)
+    word_mean = (ll / mask.sum(1)).mean().item()
+    assert abs(objective.baseline - (0.9 * -2.0 + 0.1 * word_mean)) < 1e-6
+
+
+def test_the_coin_is_its_own_stream_the_same_on_every_rank_and_resumed():
+    """Ranks seed the global RNG differently (their own samples and dropout): the coin must not
+    depend on it, or ranks would mix sampled and expected contexts in one update."""
+    flips = []
+    for rank in range(2):
+        torch.manual_seed(100 + rank)
+        objective = HardAttentionObjective(HardConfig(), 0.0, seed=9)
+        flips.append([objective.use_expected_context() for _ in range(64)])
+    assert flips[0] == flips[1] and 10 < sum(flips[0]) < 54
+    objective = HardAttentionObjective(HardConfig(), 0.0, seed=9)
+    for _ in range(20):
+        objective.use_expected_context()
+    resumed = HardAttentionObjective(HardConfig(), 0.0, seed=0)
+    resumed.load_state_dict(objective.state_dict())
+    assert [resumed.use_expected_context() for _ in range(44)] == flips[0][20:]
+
+
+class _TwoRanks:
+    """Stands in for a DistContext of two ranks whose other rank holds ``other`` (sum, count)."""
+
+    active = True
+
+    def __init__(self, other_sum, other_count):
+        self.others = iter([other_sum, other_count])
+
+    def sum(self, value):
+        return value + next(self.others)
+
+
+def test_the_baseline_follows_the_mean_reward_of_the_global_batch():
+    cap, model = _fixed_hard_model(8)
+    tokens, lengths = token_batch(cap.vocab, CAPTIONS)
+    images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
+    local = HardAttentionObjective(HardConfig(expected_context_prob=1.0), 0.0, baseline=-1.0)
+    local(model, images, tokens, lengths)
+    mine = (local.baseline - 0.9 * -1.0) / 0.1 * len(CAPTIONS)  # this rank's summed reward
+    shared = HardAttentionObjective(HardConfig(expected_context_prob=1.0), 0.0, baseline=-1.0,
+                                    dist=_TwoRanks(-3.0, 2))  # the other rank: two captions, rewards summing to -3
+    shared(model, images, tokens, lengths)
+    assert abs(shared.baseline - (0.9 * -1.0 + 0.1 * (mine - 3.0) / 4)) < 1e-6
 
 
 def test_expected_context_is_used_for_about_half_of_the_minibatches():
-    torch.manual_seed(0)
     objective = HardAttentionObjective(HardConfig(expected_context_prob=0.5), 0.0, baseline=0.0)
     n = 4000
     flips = sum(objective.use_expected_context() for _ in range(n))
@@ -132,15 +266,8 @@ def test_expected_context_is_used_for_about_half_of_the_minibatches():
     assert all(always.use_expected_context() for _ in range(100))
 
 
-def test_expected_minibatches_use_the_soft_context_and_leave_the_baseline():
-    cap = tiny_captioner(seed=3, attention="hard")
-    tokens, lengths = token_batch(cap.vocab, ["a red circle"])
-    images = torch.randn(1, 3, 32, 32)
-    objective = HardAttentionObjective(HardConfig(expected_context_prob=1.0), 0.0, baseline=-2.0)
-    parts = objective(cap.model, images, tokens, lengths)
-    assert parts.sampled is False and objective.baseline == -2.0
-    # The expected-context loss is the soft model's: deterministic, the same twice.
-    again = objective(cap.model, images, tokens, lengths)
-    assert abs(parts.nll - again.nll) < 1e-6
-    sampled = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, baseline=-2.0)
-    assert sampled(cap.model, images, tokens, lengths).sampled is True
+def test_unknown_reward_or_reduction_is_refused():
+    with pytest.raises(ValueError, match="hard.reward"):
+        HardAttentionObjective(HardConfig(reward="sentence"), 0.0)
+    with pytest.raises(ValueError, match="hard.reduction"):
+        HardAttentionObjective(HardConfig(reduction="max"), 0.0)

@@ -1,6 +1,8 @@
 """Training on the tiny COCO-format fixture: the loss falls, resume is exact, configs load."""
 
+import dataclasses
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
 from train.averaging import WeightAverage
-from train.config import TrainConfig, apply_overrides, load_config
+from train.config import HardConfig, TrainConfig, apply_overrides, load_config, to_toml
 from train.loop import train, validation_value
 
 CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*.toml"))
@@ -31,10 +33,45 @@ def _nll_log(run_dir):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_every_shipped_config_loads(path):
+def test_every_shipped_config_loads_with_the_values_it_states(path):
     cfg = load_config(path)
     assert cfg.name == path.stem
     assert cfg.model.attention in ("soft", "hard", "mean")
+    raw = tomllib.loads(path.read_text())
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                got = getattr(getattr(cfg, section), key)
+                assert got == value and type(got) is type(value) or isinstance(value, int) and got == float(value), \
+                    f"{section}.{key}: {got!r} from {value!r}"
+    assert load_config_text(to_toml(cfg)) == cfg  # what a run writes reads back the same
+    if cfg.model.attention == "hard":  # the hard configs say which REINFORCE they use
+        assert set(raw["hard"]) == {f.name for f in dataclasses.fields(HardConfig)}
+
+
+def load_config_text(text):
+    return TrainConfig.from_dict(tomllib.loads(text))
+
+
+def test_reinforce_defaults_are_the_authors_settings():
+    """capgen.py (RL_sumCost): the per-word mean cost against a baseline of the same, /10., no
+    1/B on the known gradients, entropy 0.002, b <- 0.9 b + 0.1 cost, the 0.5 coin."""
+    assert dataclasses.asdict(HardConfig()) == {"reward": "word_mean", "lambda_r": 0.1, "entropy": 0.002,
+                                                "reduction": "sum", "baseline_decay": 0.9,
+                                                "expected_context_prob": 0.5}
+
+
+def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[hard]\nlambda = 0.1\n')
+    with pytest.raises(ValueError, match="unknown config key hard.lambda"):
+        load_config(bad)
+    bad.write_text('name = "x"\n[optim]\ncache_images = true\n')
+    with pytest.raises(ValueError, match="unknown config key optim.cache_images"):
+        load_config(bad)
+    bad.write_text('name = "x"\n[data]\ncache_images = "sometimes"\n')
+    with pytest.raises(ValueError, match="must be true or false"):
+        load_config(bad)
 
 
 def test_overrides_are_typed_and_checked(tmp_path):
@@ -87,6 +124,35 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, at
         best_a, best_b = load_checkpoint(straight / "best.pt"), load_checkpoint(split / "best.pt")
         for k in best_a["state_dict"]:
             assert torch.equal(best_a["state_dict"][k], best_b["state_dict"][k]), k
+
+
+@pytest.mark.parametrize("limit,reason", [({"optim.max_steps": 5}, "max_steps"),
+                                          ({"optim.epochs": 2}, "finished"),
+                                          ({"optim.max_minutes": 1e-4}, "time_budget")],
+                         ids=["max_steps", "last_epoch", "max_minutes"])
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_coco, tmp_path, capsys, limit, reason):
+    """--resume of a run that reached its limit (or was killed after its final checkpoint)
+    must not take one more step."""
+    run = tmp_path / "run"
+    sets = {"val.every_epochs": 0, "optim.save_every": 0, **limit}
+    first = train(tiny_config(tiny_coco, **sets), run, progress=False)
+    assert first.reason == reason
+    before = load_checkpoint(run / "last.pt")
+    files = {p.name: p.read_bytes() for p in run.iterdir()}
+    capsys.readouterr()
+
+    again = train(None, run, resume=True, progress=False)  # `captioner train --resume RUN`: the run's own config
+    assert (again.step, again.epoch, again.reason) == (first.step, first.epoch, reason)
+    assert f"already finished ({reason}" in capsys.readouterr().err
+    after = load_checkpoint(run / "last.pt")
+    assert after["train_state"]["step"] == first.step
+    for k in before["state_dict"]:
+        assert torch.equal(before["state_dict"][k], after["state_dict"][k]), k
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == files  # nothing rewritten
+
+    if reason == "max_steps":  # a higher limit continues the run
+        more = train(tiny_config(tiny_coco, **{**sets, "optim.max_steps": 7}), run, resume=True, progress=False)
+        assert more.step == 7
 
 
 def test_weight_average_follows_its_formula_and_swaps_back():

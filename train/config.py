@@ -93,11 +93,20 @@ class ValConfig:
 
 @dataclass
 class HardConfig:
-    """REINFORCE for hard attention (the authors' settings by default)."""
+    """REINFORCE for hard attention. The defaults are the authors' code (capgen.py,
+    ``RL_sumCost``): reward = per-word mean log p(y|s,a) against a moving-average baseline
+    of the same, divided by 10, entropy bonus 0.002, both added over the minibatch's
+    captions; see ``train.losses.HardAttentionObjective``. This project's first form was
+    reward = "caption", lambda_r = 1, reduction = "mean" (and it also left out the entropy
+    bonus and the baseline update on expected-context minibatches)."""
 
-    lambda_r: float = 1.0  # weight of the score-function term
-    entropy: float = 0.002  # lambda_e, entropy bonus
-    baseline_decay: float = 0.9  # b <- decay * b + (1 - decay) * log p(y|s,a)
+    reward: str = "word_mean"  # word_mean: mean over the caption's words of log p | caption: their sum
+    lambda_r: float = 0.1  # weight of the score-function term (the authors' "/10.")
+    entropy: float = 0.002  # lambda_e, entropy bonus on every minibatch
+    # How the score-function and entropy terms add over the B captions of a minibatch:
+    # "sum" (the authors': no 1/B, beside a mean NLL) or "mean" (1/B, like the NLL).
+    reduction: str = "sum"
+    baseline_decay: float = 0.9  # b <- decay * b + (1 - decay) * mean over the minibatch of the reward
     expected_context_prob: float = 0.5  # per minibatch, use the expected (soft) context instead of a sample
 
 

@@ -214,7 +214,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     else:
         raise ValueError(f"optim.optimizer must be adam, rmsprop or sgd, got {o.optimizer!r}")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
-    hard = HardAttentionObjective(cfg.hard, o.doubly_stochastic) if model_cfg.attention == "hard" else None
+    hard = (HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx)
+            if model_cfg.attention == "hard" else None)
     average = WeightAverage(model, o.ema) if o.ema else None
 
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best": None, "bad_vals": 0, "train_seconds": 0.0}
@@ -224,13 +225,20 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         scheduler.load_state_dict(ts["scheduler"])
         state.update({k: ts[k] for k in state})
         if hard is not None:
-            hard.baseline = float(ts.get("baseline", 0.0))
+            hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
         if average is not None and "weight_average" in ts:  # else the average starts from here
             average.load_state_dict(ts["weight_average"])
         rngs = ts.get("rng_per_rank") or [ts["rng"]]
         if len(rngs) != ctx.world:
             raise ValueError(f"the run was saved with {len(rngs)} processes; resume it with as many")
         _set_rng_state(rngs[ctx.rank])
+        done = _finished(cfg, state)
+        if done is not None:  # resuming must not take one more step (nor rewrite the run)
+            if ctx.is_main:
+                print(f"{run_dir} already finished ({done} at step {state['step']}, epoch {state['epoch']}): "
+                      "nothing to train; raise optim.max_steps, optim.max_minutes or optim.epochs with --set "
+                      "to go on", file=sys.stderr)
+            return TrainOutcome(run_dir, state["step"], state["epoch"], done, state["best"], state["train_seconds"])
     elif ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
@@ -275,6 +283,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                        "grad_scaler": precision.state_dict()}
         if hard is not None:
             train_state["baseline"] = hard.baseline
+            train_state["hard"] = hard.state_dict()  # the baseline and the expected-context coin
         if average is not None:
             train_state["weight_average"] = average.state_dict()
         atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
@@ -318,7 +327,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     inputs = Annotations(batch.images, grid) if grid is not None else batch.images
                     with precision.autocast():
                         if hard is not None:
-                            parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths)
+                            parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths, len(global_batch))
                         else:
                             parts = soft_loss(net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
                     # DDP averages gradients over ranks; weighting each rank's mean by its share
@@ -393,6 +402,20 @@ def _print_summary(cfg: TrainConfig, splits: dict, vocab: Vocabulary, too_long: 
         f"run folder: {run_dir}",
     ]
     print("\n".join(lines), file=sys.stderr)
+
+
+def _finished(cfg: TrainConfig, state: dict) -> str | None:
+    """Why a run in this state has nothing left to train under ``cfg``, or None."""
+    o, v = cfg.optim, cfg.val
+    if o.max_steps and state["step"] >= o.max_steps:
+        return "max_steps"
+    if o.max_minutes and state["train_seconds"] >= 60 * o.max_minutes:
+        return "time_budget"
+    if state["epoch"] >= o.epochs:
+        return "finished"
+    if v.patience > 0 and state["bad_vals"] >= v.patience:
+        return "early_stop"
+    return None
 
 
 def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:

@@ -16,6 +16,9 @@ from captioner.model import CaptionModel, DecoderOutput, attention_penalty
 
 from .config import HardConfig
 
+REWARDS = ("word_mean", "caption")
+REDUCTIONS = ("sum", "mean")
+
 
 @dataclass
 class LossParts:
@@ -49,40 +52,83 @@ def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: t
 
 
 class HardAttentionObjective:
-    """REINFORCE for stochastic hard attention (Xu et al. 2015, sec. 4.1; authors' code).
+    """REINFORCE for stochastic hard attention (Xu et al. 2015, sec. 4.1), scaled as the
+    authors' code scales it (capgen.py with ``RL_sumCost``; the defaults of ``HardConfig``).
 
-    Per minibatch, sample s_t ~ Multinoulli(alpha_t) and follow the gradient of
-        log p(y|s,a) + lambda_r (log p(y|s,a) - b) log p(s|a) + lambda_e H[s]
-    where the reward factor (log p(y|s,a) - b) is a constant (no gradient), b is a moving
-    average b <- 0.9 b + 0.1 log p(y|s,a), and H[s] is the entropy of the attention
-    distributions. With probability ``expected_context_prob`` the minibatch instead uses the
-    expected context sum_i alpha_i a_i (the soft model's), which lowers the variance.
+    Per minibatch of B captions (the global batch under torchrun), with r_i the reward of
+    caption i and b the baseline, the loss whose gradient is followed is
+
+        mean_i -log p(y_i|s_i,a) + lambda_ds * penalty
+          - c * sum_i [ lambda_r (r_i - b) log p(s_i|a) + lambda_e H[alpha_i] ]
+
+    - r_i = mean over the caption's real words of log p(y_t|s,a) (``reward = "word_mean"``;
+      the authors' ``-masked_cost.mean(0)``, whose minibatches hold captions of one length),
+      or the whole caption's log p(y|s,a) (``reward = "caption"``). (r_i - b) is a constant.
+    - lambda_r = 0.1: the authors' "/10.".
+    - c = 1 with ``reduction = "sum"``: the authors give these two terms as known gradients
+      with no 1/B, while their NLL is a minibatch mean, so they add over the captions.
+      ``reduction = "mean"`` (c = 1/B) weighs them like the NLL instead.
+    - H[alpha_i] = sum over real steps of the entropy of alpha_t (nats); lambda_e = 0.002.
+    - b <- decay * b + (1 - decay) * mean_i r_i, on every minibatch (the authors: 0.9).
+
+    With probability ``expected_context_prob`` a minibatch uses the expected context
+    sum_i alpha_i a_i instead of a sample (the authors' 0.5 coin): then there is no
+    score-function term (their known gradient is constant over the locations, which the
+    softmax ignores), but the entropy bonus and the baseline update are applied as on
+    every minibatch. The coin comes from its own generator seeded from ``seed``, so every
+    rank flips the same coin and a resumed run the same sequence (``state_dict``).
+
+    ``dist`` (a ``DistContext``) makes the baseline's minibatch mean the global batch's.
     """
 
-    def __init__(self, cfg: HardConfig, doubly_stochastic: float = 0.0, baseline: float = 0.0):
+    def __init__(self, cfg: HardConfig, doubly_stochastic: float = 0.0, baseline: float = 0.0, *,
+                 seed: int = 0, dist=None):
+        if cfg.reward not in REWARDS:
+            raise ValueError(f"hard.reward must be one of {', '.join(REWARDS)}, got {cfg.reward!r}")
+        if cfg.reduction not in REDUCTIONS:
+            raise ValueError(f"hard.reduction must be one of {', '.join(REDUCTIONS)}, got {cfg.reduction!r}")
         self.cfg = cfg
         self.doubly_stochastic = doubly_stochastic
         self.baseline = baseline
+        self.dist = dist
+        self.coin = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"baseline": self.baseline, "coin": self.coin.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.baseline = float(state["baseline"])
+        if "coin" in state:
+            self.coin.set_state(state["coin"])
 
     def use_expected_context(self) -> bool:
-        """The per-minibatch coin (global torch RNG, so a resumed run flips the same coins)."""
-        return bool(torch.rand(()) < self.cfg.expected_context_prob)
+        """The per-minibatch coin."""
+        return bool(torch.rand((), generator=self.coin) < self.cfg.expected_context_prob)
 
-    def __call__(self, model: CaptionModel, images: torch.Tensor, tokens: torch.Tensor,
-                 lengths: torch.Tensor) -> LossParts:
-        if self.use_expected_context():
-            parts = soft_loss(model, images, tokens, lengths, self.doubly_stochastic)
-            parts.sampled, parts.baseline = False, self.baseline
-            return parts
-        out = model(images, tokens, lengths, sample=True)
+    def __call__(self, model: CaptionModel, images: torch.Tensor | Annotations, tokens: torch.Tensor,
+                 lengths: torch.Tensor, global_batch: int | None = None) -> LossParts:
+        """``global_batch``: the number of captions in the whole minibatch when this process
+        holds a share of it (under torchrun); the loop's gradient averaging then adds up
+        the shares' sums."""
+        sampled = not self.use_expected_context()
+        out = model(images, tokens, lengths, sample=sampled)
         ll = caption_log_likelihood(out, tokens[:, 1:])  # (B,) log p(y|s,a)
-        mask = out.mask.to(ll.dtype)
-        log_ps = (out.sample_log_probs * mask).sum(1)  # (B,) log p(s|a)
-        entropy = (out.entropies * mask).sum(1)  # (B,)
-        reward = (ll.detach() - self.baseline)
-        surrogate = ll + self.cfg.lambda_r * reward * log_ps + self.cfg.entropy * entropy
-        penalty = attention_penalty(out.alphas.float(), out.mask)
-        loss = -surrogate.mean() + self.doubly_stochastic * penalty
-        self.baseline = self.cfg.baseline_decay * self.baseline + (1 - self.cfg.baseline_decay) * ll.mean().item()
-        return LossParts(loss, -ll.mean().item(), penalty.item(), int(out.mask.sum()), True, self.baseline,
+        mask = out.mask.to(ll.dtype)  # (B, T)
+        words = mask.sum(1)  # (B,) real steps, the end token included
+        reward = ll.detach() / words if self.cfg.reward == "word_mean" else ll.detach()  # (B,)
+        alphas = out.alphas.float()  # (B, T, L)
+        entropy = (-(alphas * torch.log(alphas.clamp_min(1e-12))).sum(-1) * mask).sum(1)  # (B,)
+        extra = self.cfg.entropy * entropy  # (B,) what each caption adds to the surrogate
+        if sampled:
+            log_ps = (out.sample_log_probs * mask).sum(1)  # (B,) log p(s|a)
+            extra = extra + self.cfg.lambda_r * (reward - self.baseline) * log_ps
+        scale = (global_batch or len(ll)) if self.cfg.reduction == "sum" else 1.0
+        penalty = attention_penalty(alphas, out.mask)
+        loss = -ll.mean() + self.doubly_stochastic * penalty - scale * extra.mean()
+        batch_reward = float(reward.mean())
+        if self.dist is not None and self.dist.active:  # the global batch's mean
+            batch_reward = self.dist.sum(float(reward.sum())) / self.dist.sum(float(len(reward)))
+        d = self.cfg.baseline_decay
+        self.baseline = d * self.baseline + (1 - d) * batch_reward
+        return LossParts(loss, -ll.mean().item(), penalty.item(), int(out.mask.sum()), sampled, self.baseline,
                          entropy.mean().item())

@@ -160,9 +160,15 @@ class Decoder(nn.Module):
         pre = F.linear(emb.transpose(0, 1), w_ih[:, :e], self.lstm.bias_ih + self.lstm.bias_hh)
         w_zh = torch.cat([w_ih[:, e:], self.lstm.weight_hh], 1).t()  # (D + H, 4H)
         recur = self._compiled_recur if self._compiled_recur is not None else self._recur
+        deferred = None
+        if (self._compiled_recur is None and torch.is_grad_enabled() and w_zh.requires_grad
+                and not torch.is_autocast_enabled(a.device.type)):
+            deferred = _DeferredWeightGrad(w_zh)
         hs, zs, alphas, betas, logps, ents = [], [], [], [], [], []
-        for t in range(steps):
-            h, c, z, att, beta = recur(pre[t], h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator)
+        # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
+        for t, pre_t in enumerate(pre.unbind(0)):
+            h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
+                                       deferred=deferred)
             hs.append(h)
             zs.append(z)
             alphas.append(att.alpha)
@@ -184,14 +190,16 @@ class Decoder(nn.Module):
 
     def _recur(self, pre: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor, keys: torch.Tensor,
                w_zh: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
-               generator: torch.Generator | None = None):
+               generator: torch.Generator | None = None, deferred: "_DeferredWeightGrad | None" = None):
         """The part of a training step that needs h_{t-1}: pre (B, 4H) is the embedding's
         share of the LSTM gates with both biases, w_zh (D + H, 4H) the LSTM's z and h weights.
         Returns h_t, c_t (B, H), z_t (B, D), the attention step and beta_t (B,)."""
         att = self.attention(keys, a, h, grid, sample=sample, generator=generator)
         beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
         z = beta * att.context  # (B, D)
-        gates = torch.addmm(pre, torch.cat([z, h], 1), w_zh)  # (B, 4H), nn.LSTMCell's order i, f, g, o
+        zh = torch.cat([z, h], 1)  # (B, D + H)
+        # (B, 4H), nn.LSTMCell's order i, f, g, o
+        gates = torch.addmm(pre, zh, w_zh) if deferred is None else deferred(pre, zh)
         i, f, g, o = gates.chunk(4, 1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
@@ -219,6 +227,54 @@ class Decoder(nn.Module):
         return DecoderOutput(
             torch.stack(logits, 1), torch.stack(alphas, 1), torch.stack(betas, 1), mask,
             torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+
+
+class _DeferredWeightGrad:
+    """x_t @ W for every step t of a recurrence, with W's gradient sum_t x_t^T dy_t computed
+    once at the end of the backward as one product over all steps, (D + H, T B) x (T B, 4H),
+    rather than T products over B rows each added into a (D + H, 4H) buffer: at the paper's
+    sizes the T small products and their sums were a tenth of the training step.
+
+    The steps use W without gradient; each links itself to a scalar token made from W, whose
+    gradient arrives only after every step's backward has run (the engine counts the uses),
+    and that is when W's gradient is formed from what the steps left in ``store``."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w.detach()
+        self.store: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.token = _CollectWeightGrad.apply(w, self.store)  # () zero, linked to W
+
+    def __call__(self, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """bias + x @ W: bias (B, N), x (B, K) -> (B, N)."""
+        return _StepProduct.apply(bias, x, self.w, self.token, self.store)
+
+
+class _CollectWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, store: list) -> torch.Tensor:
+        ctx.store = store
+        return w.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token_grad: torch.Tensor):
+        xs, dys = zip(*ctx.store)
+        ctx.store.clear()
+        return torch.cat(xs).t() @ torch.cat(dys), None  # (K, T B) x (T B, N)
+
+
+class _StepProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bias, x, w, token, store):
+        ctx.save_for_backward(x, w)
+        ctx.store = store
+        return torch.addmm(bias, x, w)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        ctx.store.append((x, dy))
+        dx = dy @ w.t() if ctx.needs_input_grad[1] else None
+        return dy, dx, None, dy.new_zeros(()), None
 
 
 class CaptionModel(nn.Module):

@@ -23,6 +23,11 @@ from .attention import Attention
 from .encoders import Annotations, create_encoder
 
 
+# Weights of at least this many elements get their gradient over all steps at once
+# (_DeferredWeightGrad): the paper's LSTM (2560 x 2048) does, the demo models' do not.
+DEFERRED_MIN_WEIGHT = 1 << 20
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -161,8 +166,10 @@ class Decoder(nn.Module):
         w_zh = torch.cat([w_ih[:, e:], self.lstm.weight_hh], 1).t()  # (D + H, 4H)
         recur = self._compiled_recur if self._compiled_recur is not None else self._recur
         deferred = None
+        # Only for a large weight: a small one's T gradient sums stay in cache, and the
+        # deferred form's Python bookkeeping would cost more than it saves.
         if (self._compiled_recur is None and torch.is_grad_enabled() and w_zh.requires_grad
-                and not torch.is_autocast_enabled(a.device.type)):
+                and w_zh.numel() >= DEFERRED_MIN_WEIGHT and not torch.is_autocast_enabled(a.device.type)):
             deferred = _DeferredWeightGrad(w_zh)
         hs, zs, alphas, betas, logps, ents = [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones

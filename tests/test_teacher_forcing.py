@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from captioner import model
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
 from train.losses import caption_log_likelihood
@@ -62,13 +63,19 @@ def _loss_and_grads(dec: Decoder, fn, sample: bool):
     return out, loss.detach(), {n: p.grad.clone() for n, p in dec.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("deferred", [True, False])
 @pytest.mark.parametrize("mode,sample", [("soft", False), ("hard", True), ("hard", False), ("mean", False)])
-def test_fast_forward_equals_the_step_by_step_form(mode, sample):
+def test_fast_forward_equals_the_step_by_step_form(mode, sample, deferred, monkeypatch):
+    """Both with the LSTM weight's gradient formed once over all steps and with it step by step."""
+    monkeypatch.setattr(model, "DEFERRED_MIN_WEIGHT", 0 if deferred else 1 << 40)
+    made, real = [], model._DeferredWeightGrad
+    monkeypatch.setattr(model, "_DeferredWeightGrad", lambda w: made.append(w.shape) or real(w))
     dec = _decoder(mode)
     ref, ref_loss, ref_grads = _loss_and_grads(dec, dec.forward_stepwise, sample)
     dec.dropout.calls = 0
     out, loss, grads = _loss_and_grads(dec, dec.forward, sample)
     assert dec.dropout.calls == 0  # the fast form drew its masks in one call, over (B, T, E)
+    assert made == ([(D + 8, 4 * 8)] if deferred else [])  # the LSTM's z and h weights, (D + H, 4H)
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(out.alphas, ref.alphas)
     torch.testing.assert_close(out.betas, ref.betas)
@@ -81,6 +88,11 @@ def test_fast_forward_equals_the_step_by_step_form(mode, sample):
     assert all(ref_grads[n].abs().sum() > 0 for n in ("L_o.weight", "lstm.weight_ih", "lstm.weight_hh", "L_z.weight"))
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_large_weights_take_the_deferred_gradient():
+    """The paper's LSTM weight (2560 x 2048 elements) is over the size limit, the tiny one is not."""
+    assert (2048 + 512) * 4 * 512 >= model.DEFERRED_MIN_WEIGHT > (D + 8) * 4 * 8
 
 
 def test_dropout_masks_matter_to_the_comparison():

@@ -274,26 +274,30 @@ def main() -> None:
 
     peak = max(peaks)
     med = {n: statistics.median(v) for n, v in times.items()}
+
+    def ratio(table: dict[str, list[float]], name: str) -> float:
+        """The median over rounds of the tutorial's time / this one's, each pair from one round."""
+        return statistics.median(t / s for t, s in zip(table["tutorial"], table[name]))
+
     flops = train_flops(b, t)
-    print("\ntraining (median over rounds):")
+    print("\ntraining (medians over rounds; ratios: the median of each round's ratio):")
     for n, s in med.items():
         extra = f", {flops / s / 1e9:.0f} GFLOP/s ({flops / s / 1e9 / peak:.0%} of the peak)" \
             if n.startswith("project") else ""
-        print(f"  {n:28s} {1 / s:6.3f} steps/s  {med['tutorial'] / s:5.2f}x the tutorial{extra}")
+        print(f"  {n:28s} {1 / s:6.3f} steps/s  {ratio(times, n):5.2f}x the tutorial{extra}")
     print(f"  one project step: {flops / 1e9:.1f} GFLOP of matrix products")
     if args.beam_images:
         bm = {n: statistics.median(v) for n, v in beam_times.items()}
         n_img = beam_a.shape[0]
-        print(f"beam search k=3, {n_img} images, {args.beam_steps} words (median over rounds):")
+        print(f"beam search k=3, {n_img} images, {args.beam_steps} words (medians over rounds):")
         print(f"  tutorial (one image at a time) {n_img / bm['tutorial']:7.2f} images/s")
         print(f"  project (batched)              {n_img / bm['project']:7.2f} images/s  "
-              f"{bm['tutorial'] / bm['project']:5.2f}x the tutorial")
+              f"{ratio(beam_times, 'project'):5.2f}x the tutorial")
     print(f"fp32 matrix-product peak (2048 x 2048 x 2048, the best of every round's 0.5 s): {peak:.0f} GFLOP/s")
-    print(f"SUMMARY train {med['tutorial'] / med['project']:.2f}x, "
-          + (f"beam {statistics.median(beam_times['tutorial']) / statistics.median(beam_times['project']):.2f}x, "
-             if args.beam_images else "")
-          + f"train {flops / med['project'] / 1e9:.0f} GFLOP/s of a {peak:.0f} GFLOP/s peak")
-
+    print(f"SUMMARY train {ratio(times, 'project'):.2f}x, "
+          + (f"beam {ratio(beam_times, 'project'):.2f}x, " if args.beam_images else "")
+          + f"train {flops / med['project'] / 1e9:.0f} GFLOP/s, {flops / med['project'] / 1e9 / peak:.0%} "
+          f"of a {peak:.0f} GFLOP/s peak")
 
 if __name__ == "__main__":
     main()

@@ -78,7 +78,7 @@ class StepOutput:
 class DecoderOutput:
     """Teacher-forced outputs over T = max length - 1 steps."""
 
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor  # (B, T, V); Decoder.forward leaves padding steps at 0
     alphas: torch.Tensor  # (B, T, L)
     betas: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) True on real (non-padding) steps

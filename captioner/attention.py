@@ -148,18 +148,20 @@ class _AdditiveScore(torch.autograd.Function):
         dkeys = torch.empty_like(keys)
         dq = torch.empty_like(q)
         ds_sum = keys.new_zeros(d)  # sum over (B, k, L) of de * s
-        buf = keys.new_empty(min(rows, bsz), k, n, d)
+        # One query an image (training): the block is worked in dkeys itself, which it ends as.
+        buf = keys.new_empty(min(rows, bsz), k, n, d) if k > 1 else None
         q2, k2, w4 = (2 * q).unsqueeze(2), keys.unsqueeze(1), 4 * w
         for i in range(0, bsz, rows):
             j = min(i + rows, bsz)
-            s = buf[: j - i]
+            s = buf[: j - i] if buf is not None else dkeys[i:j].unsqueeze(1)
             torch.add(q2[i:j], k2[i:j], alpha=2, out=s)
             s.sigmoid_()  # (b, k, L, A)
             de_blk = de[i:j]  # (b, k, L)
             ds_sum += (de_blk.reshape(1, -1) @ s.view(-1, d)).squeeze(0)  # (1, b k L) x (b k L, A)
             s.addcmul_(s, s, value=-1)  # s (1 - s)
             s.mul_(de_blk.unsqueeze(-1)).mul_(w4)  # de_u = de * w * 4 s (1 - s)
-            torch.sum(s, dim=1, out=dkeys[i:j])  # (b, L, A): the k queries of an image
+            if buf is not None:
+                torch.sum(s, dim=1, out=dkeys[i:j])  # (b, L, A): the k queries of an image
             torch.sum(s, dim=2, out=dq[i:j])  # (b, k, A)
         dw = 2 * ds_sum - de.sum()  # e = 2 w^T s - sum(w) + b
         return dkeys, dq, dw, de.sum().reshape(1)

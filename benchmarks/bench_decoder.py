@@ -1,11 +1,16 @@
 """Decoder speed at the paper's COCO sizes, on precomputed annotations.
 
-    python benchmarks/bench_decoder.py [--device cpu] [--repeats 5]
+    python benchmarks/bench_decoder.py [--device cpu] [--repeats 5] [--previous] [--demo]
 
 L=196 locations, D=2048, hidden 512, attention 512, embedding 512, vocabulary 10,000,
 batch 32, 20 steps. Prints teacher-forced forward+backward steps/s, and beam-search
 (k=3) images/s at batch 1 and batch 32 (the batched search runs B images x k beams as
 one tensor program).
+
+--previous also times the previous training step (the decoder run step by step,
+``forward_stepwise``, with autograd's additive scores), interleaved with the current one.
+--demo takes demo-soft's whole model instead (its small8 encoder trained from scratch,
+128 px images, 128/256/128, 30 words, captions of 5 to 12 words), training only.
 """
 
 from __future__ import annotations
@@ -34,11 +39,78 @@ def _timed(fn, repeats: int) -> float:
     return best
 
 
+def compare_previous(step_now, step_previous, repeats: int) -> None:
+    """Interleaved rounds of the current and the previous training step; the median ratio."""
+    import statistics
+
+    import captioner.attention as attention
+
+    blocked = attention._grad_blocked_ok
+
+    def previous() -> None:
+        attention._grad_blocked_ok = lambda keys, q: False  # autograd's plain expression
+        try:
+            step_previous()
+        finally:
+            attention._grad_blocked_ok = blocked
+
+    step_now()
+    previous()
+    now, before = [], []
+    for _ in range(repeats):
+        for fn, times in ((step_now, now), (previous, before)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    ratios = [b / n for n, b in zip(now, before)]
+    print(f"training step: {1 / statistics.median(now):.2f} steps/s, previous form "
+          f"{1 / statistics.median(before):.2f} steps/s: {statistics.median(ratios):.2f}x "
+          f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
+
+
+def demo(args) -> None:
+    from captioner.model import CaptionModel
+
+    from train.losses import caption_log_likelihood
+
+    torch.manual_seed(0)
+    model = CaptionModel(ModelConfig(vocab_size=30, encoder="small8", image_size=(128, 128), embed_dim=128,
+                                     hidden_dim=256, attention_dim=128, dropout=0.3)).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    lengths = torch.randint(7, 15, (32,))  # <start> + 5..12 words + <end>
+    tokens = torch.randint(4, 30, (32, int(lengths.max())))
+    tokens[:, 0] = 1
+    images = torch.randn(32, 3, 128, 128)
+
+    def step(stepwise: bool):
+        def run() -> None:
+            ann = model.encode(images)
+            out = (model.decoder.forward_stepwise if stepwise else model.decoder)(ann, tokens, lengths)
+            loss = -caption_log_likelihood(out, tokens[:, 1:]).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        return run
+
+    print(f"demo-soft's model, batch 32, CPU, {torch.get_num_threads()} threads")
+    compare_previous(step(False), step(True), args.repeats)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
+    ap.add_argument("--previous", action="store_true", help="also time the previous training step, interleaved")
+    ap.add_argument("--demo", action="store_true", help="demo-soft's whole model instead (training only, CPU)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.demo:
+        demo(args)
+        return
     dev = torch.device(args.device)
     torch.manual_seed(0)
     decoder = Decoder(ModelConfig(**SIZES, dropout=0.5)).to(dev)
@@ -58,8 +130,21 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
+    print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={BATCH} steps={STEPS}")
     decoder.train()
     t_train = _timed(train_step, args.repeats)
+    if args.previous:
+        def previous_step() -> None:
+            out = decoder.forward_stepwise(Annotations(a, GRID), tokens, lengths)
+            loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) \
+                + attention_penalty(out.alphas, out.mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        compare_previous(train_step, previous_step, args.repeats)
 
     decoder.eval()
     # <end> never wins: every search runs the full 20 steps (the worst case).
@@ -75,8 +160,6 @@ def main() -> None:
 
     t1 = _timed(search(1), args.repeats)
     t32 = _timed(search(32), args.repeats)
-    print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={BATCH} steps={STEPS}")
     print(f"teacher-forced forward+backward: {1 / t_train:.2f} steps/s ({BATCH / t_train:.1f} captions/s)")
     print(f"beam search k=3, batch 1:  {1 / t1:.2f} images/s")
     print(f"beam search k=3, batch 32: {32 / t32:.2f} images/s ({t1 * 32 / t32:.1f}x batch 1)")

@@ -94,12 +94,16 @@ def _additive_blocked(keys: torch.Tensor, q: torch.Tensor, v: nn.Linear) -> torc
     this keeps the work in cache. It also uses tanh(u) = 2 sigmoid(2u) - 1, so
     w^T tanh(u) = 2 w^T sigmoid(2u) - sum(w): a CPU's sigmoid is about 4x faster than its
     tanh. Same values up to float rounding; inference only (no autograd through the buffer)."""
+    return _additive_blocked_w(keys, q, v.weight[0], v.bias)
+
+
+def _additive_blocked_w(keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """_additive_blocked with the weights given: w (A,), bias (1,)."""
     b, n, d = keys.shape
     k = q.shape[1]
     rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
     out = keys.new_empty(b, k, n)
     buf = keys.new_empty(min(rows, b), k, n, d)
-    w = v.weight[0]
     q2 = (2 * q).unsqueeze(2)  # (B, k, 1, A)
     k2 = keys.unsqueeze(1)  # (B, 1, L, A)
     for i in range(0, b, rows):
@@ -108,7 +112,59 @@ def _additive_blocked(keys: torch.Tensor, q: torch.Tensor, v: nn.Linear) -> torc
         torch.add(q2[i:j], k2[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
         blk.sigmoid_()
         torch.matmul(blk, w, out=out[i:j])
-    return out.mul_(2).add_(v.bias - w.sum())
+    return out.mul_(2).add_(bias - w.sum())
+
+
+def _grad_blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
+    """May training's additive scores take the cache-blocked autograd path (CPU, fp32 or fp64)?"""
+    return (torch.is_grad_enabled() and keys.device.type == "cpu" and keys.dtype == q.dtype
+            and keys.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling())
+
+
+class _AdditiveScore(torch.autograd.Function):
+    """e = w^T tanh(keys + q) + b with its gradient, a cache-sized block of images at a time:
+    keys (B, L, A), q (B, k, A), w (A,), b (1,) -> e (B, k, L).
+
+    Autograd's plain expression keeps the (B, k, L, A) activation of every step and makes
+    several passes over tensors of that size in the backward (the outer product with w,
+    tanh's derivative, the sums over k and L); at the paper's sizes that is some 13 MB a pass
+    and most of the attention's time. Here nothing of that size is kept: the backward
+    recomputes s = sigmoid(2u), u = keys + q, block by block while it sits in cache, and
+    uses tanh(u) = 2 s - 1, d tanh(u) / du = 4 s (1 - s)."""
+
+    @staticmethod
+    def forward(ctx, keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(keys, q, w)
+        return _additive_blocked_w(keys, q, w, b)
+
+    @staticmethod
+    def backward(ctx, de: torch.Tensor):
+        keys, q, w = ctx.saved_tensors
+        bsz, n, d = keys.shape
+        k = q.shape[1]
+        rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
+        de = de.contiguous()
+        dkeys = torch.empty_like(keys)
+        dq = torch.empty_like(q)
+        ds_sum = keys.new_zeros(d)  # sum over (B, k, L) of de * s
+        # One query an image (training): the block is worked in dkeys itself, which it ends as.
+        buf = keys.new_empty(min(rows, bsz), k, n, d) if k > 1 else None
+        q2, k2, w4 = (2 * q).unsqueeze(2), keys.unsqueeze(1), 4 * w
+        for i in range(0, bsz, rows):
+            j = min(i + rows, bsz)
+            s = buf[: j - i] if buf is not None else dkeys[i:j].unsqueeze(1)
+            torch.add(q2[i:j], k2[i:j], alpha=2, out=s)
+            s.sigmoid_()  # (b, k, L, A)
+            de_blk = de[i:j]  # (b, k, L)
+            ds_sum += (de_blk.reshape(1, -1) @ s.view(-1, d)).squeeze(0)  # (1, b k L) x (b k L, A)
+            s.addcmul_(s, s, value=-1)  # s (1 - s)
+            s.mul_(de_blk.unsqueeze(-1)).mul_(w4)  # de_u = de * w * 4 s (1 - s)
+            if buf is not None:
+                torch.sum(s, dim=1, out=dkeys[i:j])  # (b, L, A): the k queries of an image
+            torch.sum(s, dim=2, out=dq[i:j])  # (b, k, A)
+        dw = 2 * ds_sum - de.sum()  # e = 2 w^T s - sum(w) + b
+        return dkeys, dq, dw, de.sum().reshape(1)
 
 
 class Attention(nn.Module):
@@ -160,6 +216,8 @@ class Attention(nn.Module):
             q = self.query_proj(hq)  # (B, k, A)
             if _blocked_ok(keys, q):
                 return _additive_blocked(keys, q, self.v)
+            if _grad_blocked_ok(keys, q):
+                return _AdditiveScore.apply(keys, q, self.v.weight[0], self.v.bias)
             return self.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
         if self.score == "concat":
             k, n = hq.shape[1], a.shape[1]

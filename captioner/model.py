@@ -16,10 +16,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention
 from .encoders import Annotations, create_encoder
+
+
+# Weights of at least this many elements get their gradient over all steps at once
+# (_DeferredWeightGrad): the paper's LSTM (2560 x 2048) does, the demo models' do not.
+DEFERRED_MIN_WEIGHT = 1 << 20
 
 
 @dataclass
@@ -72,7 +78,7 @@ class StepOutput:
 class DecoderOutput:
     """Teacher-forced outputs over T = max length - 1 steps."""
 
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor  # (B, T, V); Decoder.forward leaves padding steps at 0
     alphas: torch.Tensor  # (B, T, L)
     betas: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) True on real (non-padding) steps
@@ -96,9 +102,11 @@ class Decoder(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.L_o = nn.Linear(e, v)
         self._compiled_step = None
+        self._compiled_recur = None
 
     def compile_step(self, **options) -> None:
-        """Run the per-word step through ``torch.compile`` from now on (training and decoding).
+        """Run the per-word step through ``torch.compile`` from now on (training's recurrent
+        part and decoding's step).
 
         One step is some twenty small kernels (attention, gate, LSTM cell, deep output);
         on CUDA the compiler fuses them, which is where the step's time goes at these sizes.
@@ -106,6 +114,7 @@ class Decoder(nn.Module):
         to eager mode (a graph break), so the soft step gains most. ``options`` go to
         torch.compile (e.g. backend, mode)."""
         self._compiled_step = torch.compile(self._step, dynamic=True, **options)
+        self._compiled_recur = torch.compile(self._recur, dynamic=True, **options)
 
     @property
     def compiled(self) -> bool:
@@ -137,7 +146,76 @@ class Decoder(nn.Module):
     def forward(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
                 sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
         """Teacher forcing. tokens (B, T+1) = <start> w_1 .. w_n <end> <pad>..; lengths (B,)
-        count the tokens including start and end."""
+        count the tokens including start and end.
+
+        The same model as ``forward_stepwise`` (T calls of ``step``), arranged for speed:
+        only what needs h_{t-1} runs inside the time loop (attention, gate, the LSTM's
+        z and h products). The embedding's share of the LSTM input runs before the loop and
+        the deep output L_o(E y + L_h h_t + L_z z_t) after it, each as one product over all
+        T steps, and the output layer only on real (non-padding) steps: padding logits are 0."""
+        a = ann.vectors
+        b, steps = a.shape[0], int(lengths.max()) - 1
+        mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
+        keys = self.attention.prepare(a)  # once per image
+        h, c = self.init_state(a)
+        e = self.embedding.embedding_dim
+        emb = self.embedding(tokens[:, :steps])  # (B, T, E)
+        w_ih = self.lstm.weight_ih  # (4H, E + D): columns [E y; z]
+        # (T, B, 4H), time-major so that each step reads one contiguous slice
+        pre = F.linear(emb.transpose(0, 1), w_ih[:, :e], self.lstm.bias_ih + self.lstm.bias_hh)
+        w_zh = torch.cat([w_ih[:, e:], self.lstm.weight_hh], 1).t()  # (D + H, 4H)
+        recur = self._compiled_recur if self._compiled_recur is not None else self._recur
+        deferred = None
+        # Only for a large weight: a small one's T gradient sums stay in cache, and the
+        # deferred form's Python bookkeeping would cost more than it saves.
+        if (self._compiled_recur is None and torch.is_grad_enabled() and w_zh.requires_grad
+                and w_zh.numel() >= DEFERRED_MIN_WEIGHT and not torch.is_autocast_enabled(a.device.type)):
+            deferred = _DeferredWeightGrad(w_zh)
+        hs, zs, alphas, betas, logps, ents = [], [], [], [], [], []
+        # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
+        for t, pre_t in enumerate(pre.unbind(0)):
+            h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
+                                       deferred=deferred)
+            hs.append(h)
+            zs.append(z)
+            alphas.append(att.alpha)
+            betas.append(beta)
+            if att.sample_log_prob is not None:
+                logps.append(att.sample_log_prob)
+                ents.append(att.entropy)
+        hs_, zs_ = torch.stack(hs, 1), torch.stack(zs, 1)  # (B, T, H), (B, T, D)
+        x = self.dropout(emb + self.L_h(hs_) + self.L_z(zs_))  # (B, T, E)
+        if bool(mask.all()):
+            logits = self.L_o(x)  # (B, T, V)
+        else:
+            real = self.L_o(x[mask])  # (N, E) -> (N, V), N real steps
+            logits = real.new_zeros(b, steps, real.shape[-1])
+            logits[mask] = real
+        return DecoderOutput(
+            logits, torch.stack(alphas, 1), torch.stack(betas, 1), mask,
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+
+    def _recur(self, pre: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor, keys: torch.Tensor,
+               w_zh: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
+               generator: torch.Generator | None = None, deferred: "_DeferredWeightGrad | None" = None):
+        """The part of a training step that needs h_{t-1}: pre (B, 4H) is the embedding's
+        share of the LSTM gates with both biases, w_zh (D + H, 4H) the LSTM's z and h weights.
+        Returns h_t, c_t (B, H), z_t (B, D), the attention step and beta_t (B,)."""
+        att = self.attention(keys, a, h, grid, sample=sample, generator=generator)
+        beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
+        z = beta * att.context  # (B, D)
+        zh = torch.cat([z, h], 1)  # (B, D + H)
+        # (B, 4H), nn.LSTMCell's order i, f, g, o
+        gates = torch.addmm(pre, zh, w_zh) if deferred is None else deferred(pre, zh)
+        i, f, g, o = gates.chunk(4, 1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return h, c, z, att, beta.squeeze(1)
+
+    def forward_stepwise(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
+                         sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
+        """Teacher forcing as T calls of ``step``, the decoding step: the reference that
+        ``forward`` must equal (logits at padding steps aside), and slower."""
         a = ann.vectors
         keys = self.attention.prepare(a)  # once per image
         h, c = self.init_state(a)
@@ -156,6 +234,54 @@ class Decoder(nn.Module):
         return DecoderOutput(
             torch.stack(logits, 1), torch.stack(alphas, 1), torch.stack(betas, 1), mask,
             torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+
+
+class _DeferredWeightGrad:
+    """x_t @ W for every step t of a recurrence, with W's gradient sum_t x_t^T dy_t computed
+    once at the end of the backward as one product over all steps, (D + H, T B) x (T B, 4H),
+    rather than T products over B rows each added into a (D + H, 4H) buffer: at the paper's
+    sizes the T small products and their sums were a tenth of the training step.
+
+    The steps use W without gradient; each links itself to a scalar token made from W, whose
+    gradient arrives only after every step's backward has run (the engine counts the uses),
+    and that is when W's gradient is formed from what the steps left in ``store``."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w.detach()
+        self.store: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.token = _CollectWeightGrad.apply(w, self.store)  # () zero, linked to W
+
+    def __call__(self, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """bias + x @ W: bias (B, N), x (B, K) -> (B, N)."""
+        return _StepProduct.apply(bias, x, self.w, self.token, self.store)
+
+
+class _CollectWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, store: list) -> torch.Tensor:
+        ctx.store = store
+        return w.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _token_grad: torch.Tensor):
+        xs, dys = zip(*ctx.store)
+        ctx.store.clear()
+        return torch.cat(xs).t() @ torch.cat(dys), None  # (K, T B) x (T B, N)
+
+
+class _StepProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bias, x, w, token, store):
+        ctx.save_for_backward(x, w)
+        ctx.store = store
+        return torch.addmm(bias, x, w)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        ctx.store.append((x, dy))
+        dx = dy @ w.t() if ctx.needs_input_grad[1] else None
+        return dy, dx, None, dy.new_zeros(()), None
 
 
 class CaptionModel(nn.Module):

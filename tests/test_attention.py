@@ -548,3 +548,34 @@ def test_sampled_contexts_come_from_the_querys_own_image():
         o = att(att.prepare(a), a, h, GRID, sample=True, generator=torch.Generator().manual_seed(0))
     image = torch.arange(B * k) // k
     torch.testing.assert_close(o.context, a[image, o.sample])
+
+
+@pytest.mark.parametrize("b,k", [(5, 1), (3, 3)])
+def test_blocked_additive_score_gradient_equals_autograds(b, k, monkeypatch):
+    """Training's cache-blocked additive score (recomputed in the backward) against the plain
+    expression w^T tanh(keys + q) + b through autograd, blocks of one image and of all."""
+    import captioner.attention as attention
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(b, 7, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    q = torch.randn(b, k, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(1, dtype=torch.float64, generator=g, requires_grad=True)
+    de = torch.randn(b, k, 7, dtype=torch.float64, generator=g)
+    plain = torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2)) @ w + bias
+    ref = torch.autograd.grad(plain, (keys, q, w, bias), de)
+    for block in (7 * 6 * k * 8, 1 << 20):  # one image a block, then all at once
+        monkeypatch.setattr(attention, "BLOCK_BYTES", block)
+        out = attention._AdditiveScore.apply(keys, q, w, bias)
+        torch.testing.assert_close(out, plain)
+        for got, want in zip(torch.autograd.grad(out, (keys, q, w, bias), de), ref):
+            torch.testing.assert_close(got, want)
+    assert torch.autograd.gradcheck(attention._AdditiveScore.apply, (keys, q, w, bias))
+
+
+def test_training_scores_take_the_blocked_path_with_autograd():
+    """With gradients on (CPU), the module's additive scores go through the blocked function."""
+    att = Attention(6, 5, 4)
+    keys = att.prepare(torch.randn(2, 3, 6))
+    e = att.scores(keys, torch.randn(2, 3, 6), torch.randn(2, 5))
+    assert type(e.grad_fn.next_functions[0][0]).__name__ == "_AdditiveScoreBackward"  # under a reshape

@@ -21,6 +21,9 @@ class DataConfig:
     feature_cache: bool = False  # frozen encoder: annotations computed once per image, memory-mapped fp16
     feature_cache_dir: str = ""  # where the cache lives (default: the run folder)
     workers: int = 2
+    # Batches of captions of about one length (sorted by length, cut into batches, batches in
+    # random order), as the authors grouped theirs: little padding. Off: uniformly random batches.
+    length_buckets: bool = False
     # Shapes only: generate the synthetic data into `dir` when it is not there yet.
     generate_shapes: bool = False
     shapes_train: int = 3000

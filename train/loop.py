@@ -125,11 +125,21 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The order of one epoch depends only on (seed, epoch): a resumed run sees the same batches."""
+def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int,
+                   lengths: list[int] | None = None) -> list[list[int]]:
+    """The order of one epoch depends only on (seed, epoch) and the items' caption lengths:
+    a resumed run sees the same batches. With ``lengths`` (one per item), batches hold
+    captions of about one length: a random order sorted (stably) by length, cut into
+    batches, and the batches shuffled; only the last of the sorted run may be short."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     perm = torch.randperm(n, generator=g).tolist()
-    return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    if lengths is None:
+        return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    if len(lengths) != n:
+        raise ValueError(f"{len(lengths)} caption lengths for {n} items")
+    perm.sort(key=lengths.__getitem__)  # stable: random order within a length
+    batches = [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
 def new_run_dir(cfg: TrainConfig, root: Path = Path("runs")) -> Path:
@@ -308,7 +318,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     with _StopFlag() as stop:
         try:
             while state["epoch"] < o.epochs:
-                batches = _epoch_batches(len(dataset), o.batch_size, o.seed, state["epoch"])
+                batches = _epoch_batches(len(dataset), o.batch_size, o.seed, state["epoch"],
+                                         [len(ids) for _, ids in dataset.items] if d.length_buckets else None)
                 # This rank's share of every global batch (a final batch smaller than the world is dropped).
                 todo = [b for b in batches[state["batch_in_epoch"]:] if len(b) >= ctx.world]
                 mine = [b[ctx.rank::ctx.world] for b in todo]

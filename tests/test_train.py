@@ -202,6 +202,14 @@ def test_validation_value_takes_one_figure_or_the_smallest_of_several():
         validation_value("min:", figures)
 
 
+def test_a_figure_with_nothing_to_score_counts_as_zero():
+    # An untrained model that names no object has no pointing figure (None): the worst
+    # score, not a crash, so any later validation that scores something beats it.
+    figures = {"object_accuracy": 0.0, "pointing_accuracy": None, "CIDEr": 0.2}
+    assert validation_value("pointing_accuracy", figures) == 0.0
+    assert validation_value("min:CIDEr,pointing_accuracy", figures) == 0.0
+
+
 def test_configs_of_older_runs_with_amp_still_load(tmp_path):
     saved = tiny_config(tmp_path).to_dict()
     del saved["optim"]["precision"]

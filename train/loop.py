@@ -447,7 +447,8 @@ def validation_value(metric: str, figures: dict) -> float:
     missing = [repr(n) for n in names if n not in figures]
     if missing:
         raise ValueError(f"validation metric {metric!r}: {', '.join(missing)} not among {sorted(figures)}")
-    return min(float(figures[n]) for n in names)
+    # None: nothing to score (no word named an object, say): the worst figure, not a crash.
+    return min(0.0 if figures[n] is None else float(figures[n]) for n in names)
 
 
 def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, state: dict, meta: dict,

@@ -208,15 +208,26 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     import app.cli
 
     calls = []
-    monkeypatch.setattr(app.cli.os, "execv", lambda path, cmd: calls.append(cmd))  # would become the server
-    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0"])
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))  # would become the server
+    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0", "--workers", "3"])
     assert args.func(args) == 0
-    cmd = calls[0]
+    cmd, env = calls[0]
     assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]) == APP
     assert cmd[cmd.index("--server.port") + 1] == "8765"
     assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
     assert cmd[cmd.index("--server.headless") + 1] == "true"
+    # A server, not a development session: no file watching, no usage statistics sent out.
+    assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"
+    assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"
+    assert env["CAPTIONER_APP_WORKERS"] == "3"
+    assert env["MALLOC_ARENA_MAX"] == "2"  # memory freed by one session's thread serves the next
+
+
+def test_app_command_refuses_a_bad_number_of_workers(capsys):
+    assert main(["app", "--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err
 
 
 def _notices(at: AppTest) -> list[str]:

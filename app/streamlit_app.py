@@ -16,7 +16,7 @@ import streamlit as st
 import torch
 
 from app.serving import (LARGE_WIDTH, Picture, Shown, caption_gate, caption_image, figure_png, result_json,
-                         results_cache)
+                         results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError
@@ -44,7 +44,9 @@ def available_models() -> dict[str, str]:
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
 def load_captioner(weights: str, modified: float) -> Captioner:
     # `modified` only joins the cache key, so that a checkpoint rewritten in place is loaded again.
-    return Captioner.load(weights, device="cuda" if torch.cuda.is_available() else "cpu")
+    captioner = Captioner.load(weights, device="cuda" if torch.cuda.is_available() else "cpu")
+    settle_heap()
+    return captioner
 
 
 def _markdown_text(text: str) -> str:

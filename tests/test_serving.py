@@ -92,3 +92,20 @@ def test_the_results_cache_keeps_the_most_recently_used():
     assert cache.get("b") == "B"  # now the freshest
     cache.put("e", "E")
     assert cache.get("c") is None and cache.get("b") == "B" and len(cache) == 3
+
+
+@pytest.mark.parametrize("size, grid", [((560, 420), (14, 14)), ((240, 180), (7, 7)), ((300, 500), (8, 6))])
+def test_smoothing_at_a_working_size_gives_the_full_size_blur(size, grid):
+    from captioner.overlay import _gaussian_blur
+
+    alpha = torch.softmax(torch.randn(grid[0] * grid[1], generator=torch.Generator().manual_seed(1)), 0)
+    alpha = alpha.view(*grid)
+    w, h = size
+    full = torch.nn.functional.interpolate(alpha[None, None], size=(h, w), mode="bilinear", align_corners=False)
+    sigma = max(h / grid[0], w / grid[1]) / 3.0
+    exact = _gaussian_blur(full, sigma)[0, 0].numpy()  # every pixel blurred: the definition
+    fast = upsample_alpha(alpha, size)
+    assert fast.shape == (h, w)
+    assert np.abs(fast - exact).max() <= 0.02 * (exact.max() - exact.min())
+    assert np.unravel_index(fast.argmax(), fast.shape) == pytest.approx(np.unravel_index(exact.argmax(), exact.shape),
+                                                                        abs=4)

@@ -140,7 +140,7 @@ def fit_width(image: Image.Image, width: int) -> Image.Image:
     if image.width <= width:
         return image.copy()
     height = max(1, round(image.height * width / image.width))
-    return image.resize((width, height), Image.Resampling.LANCZOS)
+    return image.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=2.0)
 
 
 @dataclass
@@ -153,10 +153,12 @@ class Picture:
     preview: bytes  # JPEG, at most LARGE_WIDTH wide
 
     @classmethod
-    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image]:
-        """Raw bytes -> (picture, the decoded image); raises ImageLoadError with a message for the user."""
+    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image, Image.Image]:
+        """Raw bytes -> (picture, the decoded image, its preview); raises ImageLoadError with a
+        message for the user."""
         image = load_image(data, at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
-        return cls(digest, image.width, image.height, jpeg(fit_width(image, LARGE_WIDTH))), image
+        preview = fit_width(image, LARGE_WIDTH)
+        return cls(digest, image.width, image.height, jpeg(preview)), image, preview
 
 
 @dataclass
@@ -181,17 +183,19 @@ class Shown:
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
-                  image: Image.Image | None = None, on_wait: Callable[[int], None] | None = None) -> Shown:
+                  decoded: tuple[Image.Image, Image.Image] | None = None,
+                  on_wait: Callable[[int], None] | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
-    checkpoint's own caption) and draw what the page shows. ``image``: the upload already decoded."""
+    checkpoint's own caption) and draw what the page shows. ``decoded``: (image, preview) when this
+    run has decoded the upload already."""
     with gate.turn(on_wait) as waited:
         torch.set_num_threads(gate.threads)  # this session's thread, not only the first one
         start = time.perf_counter()
         result = captioner.caption(captioner.preprocess.load(data), options)
         seconds = time.perf_counter() - start
-        if image is None:
-            image = load_image(data, at_least=LARGE_WIDTH)
-        seen = fit_width(captioner.preprocess.seen(image), LARGE_WIDTH)  # the part the model saw
+        image, preview = decoded or (load_image(data, at_least=LARGE_WIDTH), None)
+        cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
+        seen = preview if cropped is image and preview is not None else fit_width(cropped, LARGE_WIDTH)
         thumb = fit_width(seen, PANEL_WIDTH)
         panels = [jpeg(p) for p in overlays(thumb, result.alphas)] if result.words else []
         shown = Shown(key, name, result, seconds, jpeg(seen), jpeg(thumb), panels, waited=waited)

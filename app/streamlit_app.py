@@ -236,10 +236,11 @@ def main() -> None:
         return
     name, data = chosen
     digest = hashlib.sha256(data).hexdigest()
-    picture, image = st.session_state.get("picture"), None  # one per session: the last upload's
+    picture, decoded = st.session_state.get("picture"), None  # one per session: the last upload's
     if picture is None or picture.digest != digest:
         try:
-            picture, image = Picture.decode(digest, data)
+            picture, image, preview = Picture.decode(digest, data)
+            decoded = (image, preview)  # the caption below draws on them, without decoding again
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
             return
@@ -263,7 +264,7 @@ def main() -> None:
 
                 try:
                     with st.spinner("Writing a caption…"):
-                        shown = caption_image(captioner, caption_gate(), key, name, data, options, image, queued)
+                        shown = caption_image(captioner, caption_gate(), key, name, data, options, decoded, queued)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
                     right.error(f"Captioning failed: {_markdown_text(str(e))}")
                     return

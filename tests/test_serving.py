@@ -32,7 +32,7 @@ def test_overlays_in_one_go_equal_one_at_a_time():
     for a, im in zip(alphas, together):
         assert im.size == image.size
         diff = np.abs(np.asarray(im, dtype=int) - _one_overlay(image, a).astype(int))
-        assert diff.max() <= 1  # float rounding only
+        assert diff.max() <= 3  # 8-bit masks and products: within 3 levels of 255
 
 
 def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
@@ -95,7 +95,7 @@ def test_the_results_cache_keeps_the_most_recently_used():
 
 
 @pytest.mark.parametrize("size, grid", [((560, 420), (14, 14)), ((240, 180), (7, 7)), ((300, 500), (8, 6))])
-def test_smoothing_at_a_working_size_gives_the_full_size_blur(size, grid):
+def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
     from captioner.overlay import _gaussian_blur
 
     alpha = torch.softmax(torch.randn(grid[0] * grid[1], generator=torch.Generator().manual_seed(1)), 0)
@@ -106,6 +106,4 @@ def test_smoothing_at_a_working_size_gives_the_full_size_blur(size, grid):
     exact = _gaussian_blur(full, sigma)[0, 0].numpy()  # every pixel blurred: the definition
     fast = upsample_alpha(alpha, size)
     assert fast.shape == (h, w)
-    assert np.abs(fast - exact).max() <= 0.02 * (exact.max() - exact.min())
-    assert np.unravel_index(fast.argmax(), fast.shape) == pytest.approx(np.unravel_index(exact.argmax(), exact.shape),
-                                                                        abs=4)
+    assert np.abs(fast - exact).max() <= 1e-4 * exact.max()

@@ -170,7 +170,7 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
                     wrap=True, help="Pick a word to see where the model looked when it wrote it.")
     t = 0 if pick is None else pick
     with st.container(width=LARGE_WIDTH):
-        st.image(shown.large_overlay(t), width="stretch",
+        st.image(shown.large_overlay(t), width="stretch", output_format="JPEG",
                  caption=f"“{words[t]}”: word {t + 1} of {len(words)}, β = {float(result.betas[t]):.2f}")
 
 
@@ -189,7 +189,7 @@ def show_grid(shown: Shown) -> None:
     for row in range(0, len(cells), GRID_COLUMNS):
         columns = st.columns(GRID_COLUMNS)
         for column, (panel, label) in zip(columns, cells[row:row + GRID_COLUMNS]):
-            column.image(panel, caption=label, width="stretch")
+            column.image(panel, caption=label, width="stretch", output_format="JPEG")  # JPEG bytes: not reopened
 
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
@@ -245,7 +245,8 @@ def main() -> None:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
             return
         st.session_state["picture"] = picture
-    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch")
+    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch",
+               output_format="JPEG")
 
     key = (digest, str(path), modified, options)
     shown = st.session_state.get("shown")

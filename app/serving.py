@@ -59,17 +59,29 @@ class Gate:
                 ahead = self._running + len(self._queue)
                 self._queue.append(ticket)
         if ticket is not None:
-            if on_wait is not None:
-                on_wait(ahead)
-            ticket.wait()  # set by the job that hands its slot over
+            try:
+                if on_wait is not None:
+                    on_wait(ahead)
+                ticket.wait()  # set by the job that hands its slot over
+            except BaseException:  # stopped while queued (Streamlit raises in the run it stops)
+                with self._lock:
+                    if ticket in self._queue:
+                        self._queue.remove(ticket)
+                    else:  # handed a slot meanwhile: pass it on
+                        self._release()
+                raise
         try:
             yield time.perf_counter() - start
         finally:
             with self._lock:
-                if self._queue:
-                    self._queue.popleft().set()  # the slot goes straight to the next in line
-                else:
-                    self._running -= 1
+                self._release()
+
+    def _release(self) -> None:
+        """Give a slot back; the caller holds the lock."""
+        if self._queue:
+            self._queue.popleft().set()  # the slot goes straight to the next in line
+        else:
+            self._running -= 1
 
 
 class ResultCache:

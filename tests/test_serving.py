@@ -107,3 +107,29 @@ def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
     fast = upsample_alpha(alpha, size)
     assert fast.shape == (h, w)
     assert np.abs(fast - exact).max() <= 1e-4 * exact.max()
+
+
+def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
+    """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
+    waiting message itself may raise. The queued job's place must not be lost with it."""
+    from app.serving import Gate
+
+    gate = Gate(slots=1)
+    first = gate.turn()
+    first.__enter__()
+
+    def stopped(ahead: int) -> None:
+        raise KeyboardInterrupt("the page was closed")
+
+    with pytest.raises(KeyboardInterrupt):
+        with gate.turn(on_wait=stopped):
+            pass
+    first.__exit__(None, None, None)
+    done = threading.Event()
+
+    def next_job() -> None:
+        with gate.turn():
+            done.set()
+
+    threading.Thread(target=next_job, daemon=True).start()
+    assert done.wait(5)

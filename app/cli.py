@@ -34,9 +34,10 @@ def streamlit_command(port: int, address: str) -> list[str]:
 
 
 def server_env(workers: int | None = None, base: dict | None = None) -> dict:
-    """The server's environment. Streamlit runs every script run in a fresh thread: with glibc's
-    default of up to 8 malloc arenas per core, memory one run freed is rarely reused by the next
-    and the server's size only grows; two arenas keep it level."""
+    """The server's environment. Streamlit runs every script run in a fresh thread, and glibc
+    gives threads up to 8 malloc arenas per core: memory one run freed sits in an arena the next
+    run may not use. Two arenas keep the server smaller (6 browser sessions for a minute: a peak
+    of 689 MiB against 733 MiB with 16)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("MALLOC_ARENA_MAX", "2")
     if workers is not None:

@@ -123,6 +123,24 @@ def cpu_seconds(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def browser_cpu_seconds(server: psutil.Process) -> float:
+    """CPU time of this process's other children: Playwright's driver and Chromium's processes."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        if child.pid != server.pid:
+            try:
+                total += cpu_seconds(child)
+            except psutil.Error:
+                pass
+    return total
+
+
+def machine_busy() -> float:
+    """Seconds of CPU the whole machine has spent busy, all cores."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+
+
 class Run:
     """What the sessions record, shared by their coroutines (one event loop: no locks needed)."""
 
@@ -136,6 +154,9 @@ class Run:
         self.requests: list[str] = []
         self.rss_after_first: int | None = None
         self.end = 0.0  # when uploading stops (time.monotonic), set once every page is open
+        self.finished = 0  # sessions done uploading
+        self.browser_cpu = 0.0  # Chromium's and the driver's CPU-seconds over the upload phase
+        self.machine_cpu = 0.0  # the whole machine's, every process
 
     def take(self) -> int:
         i = self.next % len(self.uploads)
@@ -143,8 +164,8 @@ class Run:
         return i
 
 
-async def session(sid: int, browser, url: str, run: Run, start: asyncio.Event, timeout_s: float,
-                  ready: list) -> None:
+async def session(sid: int, browser, url: str, run: Run, start: asyncio.Event, close: asyncio.Event,
+                  timeout_s: float, ready: list) -> None:
     context = await browser.new_context(viewport={"width": 1400, "height": 1000})
     context.on("request", lambda r: run.requests.append(r.url))
     try:
@@ -176,6 +197,8 @@ async def session(sid: int, browser, url: str, run: Run, start: asyncio.Event, t
                     run.failed.append(f"{name}: an exception on the page")
             except Exception as e:  # a timeout, a closed page: counted, and the session goes on
                 run.failed.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        run.finished += 1
+        await close.wait()  # the page stays open until the browser's CPU time is read
     finally:
         await context.close()
 
@@ -187,9 +210,9 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            start, ready = asyncio.Event(), []
+            start, close, ready = asyncio.Event(), asyncio.Event(), []
             run.end = time.monotonic() + 10 * 86400
-            tasks = [asyncio.create_task(session(s, browser, url, run, start, args.upload_timeout, ready))
+            tasks = [asyncio.create_task(session(s, browser, url, run, start, close, args.upload_timeout, ready))
                      for s in range(args.sessions)]
             deadline = time.monotonic() + args.upload_timeout + 5 * args.sessions
             while len(ready) < args.sessions and time.monotonic() < deadline:
@@ -200,11 +223,21 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
             if len(ready) < args.sessions:
                 raise SystemExit(f"only {len(ready)} of {args.sessions} pages opened in time")
             cpu0, t0 = cpu_seconds(run.server), time.monotonic()
+            browser0, machine0 = browser_cpu_seconds(run.server), machine_busy()
             run.end = t0 + args.seconds
             start.set()
             # Every session ends its last upload within --upload-timeout of the end.
-            await asyncio.wait_for(asyncio.gather(*tasks), args.seconds + args.upload_timeout + 60)
-            return time.monotonic() - t0, cpu_seconds(run.server) - cpu0
+            deadline = time.monotonic() + args.seconds + args.upload_timeout + 60
+            while run.finished < args.sessions and not all(t.done() for t in tasks):
+                if time.monotonic() > deadline:
+                    raise SystemExit("sessions still uploading long after the end")
+                await asyncio.sleep(0.1)
+            run.browser_cpu = browser_cpu_seconds(run.server) - browser0
+            run.machine_cpu = machine_busy() - machine0
+            seconds, cpu = time.monotonic() - t0, cpu_seconds(run.server) - cpu0
+            close.set()
+            await asyncio.gather(*tasks)
+            return seconds, cpu
         finally:
             await browser.close()
 
@@ -315,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_peak_mib": round(sampler.peak / mib), "rss_end_mib": round(rss_end / mib),
         "failed_uploads": len(run.failed), "captions_checked": checked, "captions_differing": differ,
         "outside_requests": len(outside), "requests": len(run.requests),
+        "browser_cpu_s_per_upload": round(run.browser_cpu / max(done, 1), 4),
+        "machine_busy_cores": round(run.machine_cpu / seconds, 2), "machine_cores": psutil.cpu_count(),
     }
     ratio = figures["server_cpu_s_per_upload"] / one
     print(f"uploads: {done} in {seconds:.0f} s = {figures['uploads_per_s']:.2f}/s "
@@ -327,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
           f"ratio {ratio:.2f}")
     print(f"model alone, torch's default {default_threads} threads: {times[default_threads][0] * 1000:.0f} ms wall, "
           f"{times[default_threads][1] * 1000:.0f} ms CPU per image")
+    print(f"browsers' CPU per upload: {figures['browser_cpu_s_per_upload'] * 1000:.0f} ms; the machine was busy "
+          f"{figures['machine_busy_cores']:.2f} of {figures['machine_cores']} cores over the upload phase")
     print(f"server memory: start {figures['rss_start_mib']} MiB, after the first upload "
           f"{figures['rss_after_first_upload_mib']} MiB, peak {figures['rss_peak_mib']} MiB, "
           f"end {figures['rss_end_mib']} MiB")

@@ -136,18 +136,26 @@ def model_details(captioner: Captioner) -> str:
 
 
 def choose_image() -> tuple[str, bytes] | None:
-    """The uploaded file, else the chosen example: (name, raw bytes)."""
+    """The uploaded file, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
     upload = st.file_uploader("Upload an image", type=UPLOAD_TYPES,
                               help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.")
     if upload is not None:
+        st.session_state["had_upload"] = True
         return upload.name, upload.getvalue()
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if not examples:
         return None
+    if st.session_state.pop("had_upload", False):
+        # The upload is gone: a new file replacing it (the uploader removes the old one first, in
+        # a run of its own) or the user removed it. Either way no example was picked: the last
+        # upload stays on the page rather than an example flashing up until the next run.
+        st.session_state["example"] = None
+    elif "example" not in st.session_state:
+        st.session_state["example"] = 0  # a new page starts with the first example
     names = [p.stem.replace("-", " ") for p in examples]
-    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], default=0,
-                    required=True, wrap=True)
-    return examples[pick].name, examples[pick].read_bytes()
+    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], key="example",
+                    wrap=True)
+    return None if pick is None else (examples[pick].name, examples[pick].read_bytes())
 
 
 def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool,
@@ -200,6 +208,30 @@ def show_grid(shown: Shown) -> None:
                             file_name=f"{stem}-caption.json", mime="application/json", on_click="ignore")
 
 
+def show_last(left, right, captioner: Captioner, label: str, options: DecodeOptions, path: Path,
+              modified: float) -> None:
+    """No image chosen: the last one shown stays, while it was made with these settings."""
+    shown, picture = st.session_state.get("shown"), st.session_state.get("picture")
+    if shown is None or picture is None or shown.key != (picture.digest, str(path), modified, options):
+        right.info("Upload an image, or pick an example, to get a caption.")
+        return
+    show_preview(left, picture, shown.name)
+    show_all(right, shown, captioner, label, options)
+
+
+def show_preview(left, picture: Picture, name: str) -> None:
+    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch",
+               output_format="JPEG")
+
+
+def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
+    with right:
+        show_result(shown, label, options, captioner.model.config.attention == "hard",
+                    shapes_notice(captioner, label))
+    if shown.result.words:
+        show_grid(shown)
+
+
 def main() -> None:
     st.set_page_config(page_title="Show, Attend and Tell", page_icon=str(PAGE_ICON), layout="wide")
     st.title("Show, attend and tell", anchor=False)
@@ -232,7 +264,7 @@ def main() -> None:
     with left:
         chosen = choose_image()
     if chosen is None:
-        right.info("Upload an image, or pick an example, to get a caption.")
+        show_last(left, right, captioner, label, options, path, modified)
         return
     name, data = chosen
     digest = hashlib.sha256(data).hexdigest()
@@ -245,8 +277,7 @@ def main() -> None:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
             return
         st.session_state["picture"] = picture
-    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch",
-               output_format="JPEG")
+    show_preview(left, picture, name)
 
     key = (digest, str(path), modified, options)
     shown = st.session_state.get("shown")
@@ -273,11 +304,7 @@ def main() -> None:
                     waiting.empty()
             results_cache().put(shared_key, replace(shown, waited=0.0))
         st.session_state["shown"] = shown
-    with right:
-        show_result(shown, label, options, captioner.model.config.attention == "hard",
-                    shapes_notice(captioner, label))
-    if shown.result.words:
-        show_grid(shown)
+    show_all(right, shown, captioner, label, options)
 
 
 if __name__ == "__main__":  # streamlit runs the page as __main__; importing it runs nothing

@@ -384,3 +384,18 @@ def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, m
     at.run()
     gc.collect()
     assert len(gc.get_objects()) < 60_000
+
+
+def test_replacing_an_upload_does_not_flash_the_example_in_between(app, monkeypatch):
+    """Dropping a new file on the uploader first removes the old one (a run with no file), then
+    uploads the new one. That run keeps the last upload on the page: no example, no captioning."""
+    app.file_uploader[0].set_value(("mine.png", _png(seed=17), "image/png")).run()
+    before = _details(app)
+    calls = []
+    caption = inference.Captioner.caption
+    monkeypatch.setattr(inference.Captioner, "caption", lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    app.file_uploader[0].set_value(None).run()
+    assert not app.exception and _details(app) == before and calls == []
+    assert app.pills[0].value is None  # no example picked
+    app.pills[0].set_value(2).run()  # the user picks one: shown
+    assert not app.exception and ".png · tiny.pt" in _details(app) and "mine.png" not in _details(app)

@@ -212,12 +212,12 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
         panels = [jpeg(p) for p in overlays(thumb, result.alphas)] if result.words else []
         shown = Shown(key, name, result, seconds, jpeg(seen), jpeg(thumb), panels, waited=waited)
         if result.words:
-            shown.large_overlay(0)  # the word shown first
+            shown.large[0] = jpeg(overlays(seen, result.alphas[:1])[0])  # the word shown first
     return shown
 
 
 def figure_png(shown: Shown) -> bytes:
-    """The downloadable figure: the image and one panel per word, as `captioner caption --figures` draws it."""
+    """The downloadable figure: the image and one panel per word, as `captioner caption --attention-dir` draws it."""
     buf = io.BytesIO()
     attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result).save(buf, "PNG")
     return buf.getvalue()

@@ -209,7 +209,8 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
 
     calls = []
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))  # would become the server
+    # os.execve would make this process the server
+    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))
     monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
     args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0", "--workers", "3"])
     assert args.func(args) == 0

@@ -19,13 +19,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
     p.add_argument("--address", default="localhost",
                    help="address to listen on (default localhost; 0.0.0.0 for every interface)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="captions made at once, for all users together (default: one per CPU core, each with "
+                        "one torch thread); further uploads wait their turn and the page says so")
     p.set_defaults(func=cmd_app)
 
 
 def streamlit_command(port: int, address: str) -> list[str]:
     return [sys.executable, "-m", "streamlit", "run", str(PAGE), "--server.headless", "true",
             "--server.port", str(port), "--server.address", address,
-            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal"]
+            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "minimal",
+            # Serving, not developing: no polling of the source files for changes.
+            "--server.fileWatcherType", "none"]
+
+
+def server_env(workers: int | None = None, base: dict | None = None) -> dict:
+    """The server's environment. Streamlit runs every script run in a fresh thread, and glibc
+    gives threads up to 8 malloc arenas per core: memory one run freed sits in an arena the next
+    run may not use. Two arenas keep the server smaller (6 browser sessions for a minute: a peak
+    of 689 MiB against 733 MiB with 16)."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    if workers is not None:
+        env["CAPTIONER_APP_WORKERS"] = str(workers)
+    return env
 
 
 def cmd_app(args: argparse.Namespace) -> int:
@@ -33,13 +50,16 @@ def cmd_app(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be between 1 and 65535, got {args.port}")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
     cmd = streamlit_command(args.port, args.address)
+    env = server_env(args.workers)
     if os.name == "posix":
         # Become the server, so that Ctrl-C or a supervisor's SIGTERM reaches it directly
         # instead of leaving it running behind a parent that was stopped.
         sys.stdout.flush()
-        os.execv(cmd[0], cmd)
+        os.execve(cmd[0], cmd, env)
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:  # Ctrl-C stops the server; not an error
         return 0

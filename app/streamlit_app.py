@@ -7,32 +7,26 @@ loading, captioning and the overlays all come from the ``captioner`` library.
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import os
 import re
-import time
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import streamlit as st
 import torch
-from PIL import Image
 
+from app.serving import (LARGE_WIDTH, Picture, Shown, caption_gate, caption_image, figure_png, result_json,
+                         results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
-from captioner.decoding import CaptionResult
-from captioner.images import ImageLoadError, load_image
+from captioner.images import ImageLoadError
 from captioner.inference import Captioner, DecodeOptions
-from captioner.overlay import attention_figure, overlay
 
 EXAMPLES_DIR = Path(__file__).parent / "examples"
+# A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
+PAGE_ICON = Path(__file__).parent / "icon.png"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
 GRID_COLUMNS = 6
-PANEL_SIDE = 256  # grid overlays are drawn on a copy of the image this big (longest side)
-LARGE_SIDE = 768  # and the selected word's overlay on one this big
-LARGE_WIDTH = 560  # shown at most this wide (pixels on the page)
 HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
               "sample": "a random draw"}
 
@@ -50,66 +44,9 @@ def available_models() -> dict[str, str]:
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
 def load_captioner(weights: str, modified: float) -> Captioner:
     # `modified` only joins the cache key, so that a checkpoint rewritten in place is loaded again.
-    return Captioner.load(weights, device="cuda" if torch.cuda.is_available() else "cpu")
-
-
-@dataclass
-class Shown:
-    """One captioned image, kept across reruns so that picking a word does not caption again."""
-
-    key: tuple
-    name: str
-    image: Image.Image
-    result: CaptionResult
-    seconds: float
-    thumb: Image.Image  # a small copy of the image
-    panels: list[Image.Image]  # one overlay per word, on the small copy
-    large: dict[int, Image.Image] = field(default_factory=dict)  # word index -> big overlay, made on demand
-
-    def large_overlay(self, t: int) -> Image.Image:
-        if t not in self.large:
-            self.large[t] = overlay(_fit(self.image, LARGE_SIDE), self.result.alphas[t])
-        return self.large[t]
-
-    @cached_property
-    def figure_png(self) -> bytes:
-        buf = io.BytesIO()
-        attention_figure(self.image, self.result).save(buf, "PNG")
-        return buf.getvalue()
-
-    @cached_property
-    def result_json(self) -> str:
-        return json.dumps(self.result.to_json(self.name, with_attention=True))
-
-
-def _fit(image: Image.Image, side: int) -> Image.Image:
-    """A copy no bigger than side x side. Overlays stay aligned: the model saw the whole image, uncropped."""
-    small = image.copy()
-    small.thumbnail((side, side), Image.Resampling.LANCZOS)
-    return small
-
-
-def decode(data: bytes) -> tuple[str, Image.Image, Image.Image]:
-    """Raw bytes -> (digest, RGB image, preview); the last image is kept, so reruns do not decode again."""
-    digest = hashlib.sha256(data).hexdigest()
-    last = st.session_state.get("decoded")
-    if last is None or last[0] != digest:
-        image = load_image(data)  # raises ImageLoadError with a message for the user
-        last = (digest, image, _fit(image, LARGE_SIDE))
-        st.session_state["decoded"] = last
-    return last
-
-
-def caption_image(captioner: Captioner, key: tuple, name: str, image: Image.Image,
-                  options: DecodeOptions, data: bytes | None = None) -> Shown:
-    start = time.perf_counter()
-    # From the raw bytes, decoded as training and `captioner caption` decode them (a JPEG
-    # may decode at reduced scale), so the page gives the checkpoint's own caption.
-    result = captioner.caption(captioner.preprocess.load(data) if data is not None else image, options)
-    seconds = time.perf_counter() - start
-    seen = captioner.preprocess.seen(image)  # the part the model saw (all of it without a crop)
-    thumb = _fit(seen, PANEL_SIDE)
-    return Shown(key, name, seen, result, seconds, thumb, [overlay(thumb, a) for a in result.alphas])
+    captioner = Captioner.load(weights, device="cuda" if torch.cuda.is_available() else "cpu")
+    settle_heap()
+    return captioner
 
 
 def _markdown_text(text: str) -> str:
@@ -128,7 +65,7 @@ def _word_labels(words: list[str]) -> list[str]:
 
 def no_model_message() -> None:
     folder = os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights")
-    st.warning("No captioning model is available yet.", icon=":material/warning:")
+    st.warning("No captioning model is available yet.")
     st.markdown(
         f"""
 The page offers the bundled demo models (`demo-soft`, `demo-hard`) when they are installed,
@@ -199,18 +136,26 @@ def model_details(captioner: Captioner) -> str:
 
 
 def choose_image() -> tuple[str, bytes] | None:
-    """The uploaded file, else the chosen example: (name, raw bytes)."""
+    """The uploaded file, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
     upload = st.file_uploader("Upload an image", type=UPLOAD_TYPES,
                               help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.")
     if upload is not None:
+        st.session_state["had_upload"] = True
         return upload.name, upload.getvalue()
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if not examples:
         return None
+    if st.session_state.pop("had_upload", False):
+        # The upload is gone: a new file replacing it (the uploader removes the old one first, in
+        # a run of its own) or the user removed it. Either way no example was picked: the last
+        # upload stays on the page rather than an example flashing up until the next run.
+        st.session_state["example"] = None
+    elif "example" not in st.session_state:
+        st.session_state["example"] = 0  # a new page starts with the first example
     names = [p.stem.replace("-", " ") for p in examples]
-    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], default=0,
-                    required=True, wrap=True)
-    return examples[pick].name, examples[pick].read_bytes()
+    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], key="example",
+                    wrap=True)
+    return None if pick is None else (examples[pick].name, examples[pick].read_bytes())
 
 
 def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool,
@@ -219,10 +164,11 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     with st.container(key="caption"):
         st.header(_markdown_text(result.caption) if result.words else "(no words)", anchor=False)
     if notice:  # right under the caption, where a photograph's "three objects ..." is read
-        st.warning(notice, icon=":material/info:")
+        st.warning(notice)
     hard = f" · hard attention: {options.hard_attention}" if hard_model else ""
+    waited = f" (after {shown.waited:.1f} s waiting for the model)" if shown.waited >= 0.05 else ""
     st.caption(f"{shown.name} · {model_label} · beam {options.beam_size} · up to {options.max_len} words{hard} · "
-               f"{shown.seconds * 1000:.0f} ms · log-probability {result.score:.2f}")
+               f"{shown.seconds * 1000:.0f} ms{waited} · log-probability {result.score:.2f}")
     if not result.words:
         st.info("The model ended the caption before its first word, so there is no attention to show.")
         return
@@ -232,7 +178,7 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
                     wrap=True, help="Pick a word to see where the model looked when it wrote it.")
     t = 0 if pick is None else pick
     with st.container(width=LARGE_WIDTH):
-        st.image(shown.large_overlay(t), width="stretch",
+        st.image(shown.large_overlay(t), width="stretch", output_format="JPEG",
                  caption=f"“{words[t]}”: word {t + 1} of {len(words)}, β = {float(result.betas[t]):.2f}")
 
 
@@ -251,18 +197,43 @@ def show_grid(shown: Shown) -> None:
     for row in range(0, len(cells), GRID_COLUMNS):
         columns = st.columns(GRID_COLUMNS)
         for column, (panel, label) in zip(columns, cells[row:row + GRID_COLUMNS]):
-            column.image(panel, caption=label, width="stretch")
+            column.image(panel, caption=label, width="stretch", output_format="JPEG")  # JPEG bytes: not reopened
 
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
-    buttons.download_button("Download the figure (PNG)", shown.figure_png, file_name=f"{stem}-attention.png",
-                            mime="image/png", on_click="ignore", icon=":material/download:")
-    buttons.download_button("Download the result (JSON)", shown.result_json, file_name=f"{stem}-caption.json",
-                            mime="application/json", on_click="ignore", icon=":material/download:")
+    # Callables: made on the click (a figure costs several times the caption), not for every caption.
+    buttons.download_button("Download the figure (PNG)", lambda: figure_png(shown), file_name=f"{stem}-attention.png",
+                            mime="image/png", on_click="ignore")
+    buttons.download_button("Download the result (JSON)", lambda: result_json(shown),
+                            file_name=f"{stem}-caption.json", mime="application/json", on_click="ignore")
+
+
+def show_last(left, right, captioner: Captioner, label: str, options: DecodeOptions, path: Path,
+              modified: float) -> None:
+    """No image chosen: the last one shown stays, while it was made with these settings."""
+    shown, picture = st.session_state.get("shown"), st.session_state.get("picture")
+    if shown is None or picture is None or shown.key != (picture.digest, str(path), modified, options):
+        right.info("Upload an image, or pick an example, to get a caption.")
+        return
+    show_preview(left, picture, shown.name)
+    show_all(right, shown, captioner, label, options)
+
+
+def show_preview(left, picture: Picture, name: str) -> None:
+    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch",
+               output_format="JPEG")
+
+
+def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
+    with right:
+        show_result(shown, label, options, captioner.model.config.attention == "hard",
+                    shapes_notice(captioner, label))
+    if shown.result.words:
+        show_grid(shown)
 
 
 def main() -> None:
-    st.set_page_config(page_title="Show, Attend and Tell", page_icon=":material/visibility:", layout="wide")
+    st.set_page_config(page_title="Show, Attend and Tell", page_icon=str(PAGE_ICON), layout="wide")
     st.title("Show, attend and tell", anchor=False)
     st.markdown("Upload a picture and the model describes it in words; then, for every word, see which part "
                 "of the picture it was looking at when it wrote that word.")
@@ -279,7 +250,7 @@ def main() -> None:
         captioner = load_captioner(str(path), modified)
     except (CheckpointError, OSError) as e:
         st.error(f"Cannot load the model **{_markdown_text(label)}**: {_markdown_text(str(e))}. "
-                 "Pick another model in the sidebar.", icon=":material/error:")
+                 "Pick another model in the sidebar.")
         return
     if captioner.model.config.attention == "hard":
         mode = st.sidebar.radio(
@@ -293,32 +264,47 @@ def main() -> None:
     with left:
         chosen = choose_image()
     if chosen is None:
-        right.info("Upload an image, or pick an example, to get a caption.")
+        show_last(left, right, captioner, label, options, path, modified)
         return
     name, data = chosen
-    try:
-        digest, image, preview = decode(data)
-    except ImageLoadError as e:
-        left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.",
-                   icon=":material/error:")
-        return
-    left.image(preview, caption=f"{name} ({image.width}×{image.height})", width="stretch")
-
-    key = (digest, name, str(path), modified, options)
-    shown = st.session_state.get("shown")
-    if shown is None or shown.key != key:
+    digest = hashlib.sha256(data).hexdigest()
+    picture, decoded = st.session_state.get("picture"), None  # one per session: the last upload's
+    if picture is None or picture.digest != digest:
         try:
-            with right, st.spinner("Writing a caption…"):
-                shown = caption_image(captioner, key, name, image, options, data)
-        except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
-            right.error(f"Captioning failed: {_markdown_text(str(e))}", icon=":material/error:")
+            picture, image, preview = Picture.decode(digest, data)
+            decoded = (image, preview)  # the caption below draws on them, without decoding again
+        except ImageLoadError as e:
+            left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
             return
+        st.session_state["picture"] = picture
+    show_preview(left, picture, name)
+
+    key = (digest, str(path), modified, options)
+    shown = st.session_state.get("shown")
+    if shown is None or shown.key != key or shown.name != name:
+        shared_key = (*key[:-1], astuple(options))  # DecodeOptions is not hashable
+        shown = shared = results_cache().get(shared_key)  # an example, or the same photo from another student
+        if shared is not None:
+            shown = replace(shared, name=name, waited=0.0)
+        else:
+            with right:
+                waiting = st.empty()
+
+                def queued(ahead: int) -> None:
+                    waiting.info(f"Waiting for the model: {ahead} {'caption' if ahead == 1 else 'captions'} "
+                                 "ahead of yours…")
+
+                try:
+                    with st.spinner("Writing a caption…"):
+                        shown = caption_image(captioner, caption_gate(), key, name, data, options, decoded, queued)
+                except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
+                    right.error(f"Captioning failed: {_markdown_text(str(e))}")
+                    return
+                finally:
+                    waiting.empty()
+            results_cache().put(shared_key, replace(shown, waited=0.0))
         st.session_state["shown"] = shown
-    with right:
-        show_result(shown, label, options, captioner.model.config.attention == "hard",
-                    shapes_notice(captioner, label))
-    if shown.result.words:
-        show_grid(shown)
+    show_all(right, shown, captioner, label, options)
 
 
 if __name__ == "__main__":  # streamlit runs the page as __main__; importing it runs nothing

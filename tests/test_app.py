@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from app.serving import figure_png, result_json
 from captioner import inference
 from captioner.cli import build_parser, main
 from tiny import tiny_captioner, tiny_image
@@ -86,8 +87,8 @@ def test_upload_shows_the_cli_caption_and_one_overlay_per_word(app, weights_dir,
     assert any("PNG" in label for label in labels) and any("JSON" in label for label in labels)
     shown = app.session_state["shown"]  # what the download buttons serve
     # Same pixels, same model, same settings: the same numbers, attention maps included.
-    assert json.loads(shown.result_json) == {**cli, "image": "generated.png"}
-    assert Image.open(io.BytesIO(shown.figure_png)).format == "PNG"
+    assert json.loads(result_json(shown)) == {**cli, "image": "generated.png"}
+    assert Image.open(io.BytesIO(figure_png(shown))).format == "PNG"
 
 
 def _bomb_png() -> bytes:
@@ -125,7 +126,7 @@ def test_changing_the_beam_size_captions_again(app, weights_dir, tmp_path, capsy
     assert "beam 5" in _details(app)
     cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=5)
     assert _shown_caption(app) == cli["caption"]
-    assert json.loads(again.result_json) == {**cli, "image": "generated.png"}
+    assert json.loads(result_json(again)) == {**cli, "image": "generated.png"}
 
 
 def test_hard_attention_models_offer_the_inference_mode(app, weights_dir, tmp_path, capsys):
@@ -137,7 +138,7 @@ def test_hard_attention_models_offer_the_inference_mode(app, weights_dir, tmp_pa
     app.sidebar.radio[0].set_value("argmax").run()
     assert not app.exception and "hard attention: argmax" in _details(app)
     cli = _cli_record(tmp_path, capsys, data, weights_dir / HARD_MODEL, 3, 20, "--hard-attention", "argmax")
-    assert json.loads(app.session_state["shown"].result_json) == {**cli, "image": "generated.png"}
+    assert json.loads(result_json(app.session_state["shown"])) == {**cli, "image": "generated.png"}
 
 
 def test_picking_a_word_shows_its_map_without_captioning_again(app):
@@ -207,15 +208,27 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     import app.cli
 
     calls = []
-    monkeypatch.setattr(app.cli.os, "execv", lambda path, cmd: calls.append(cmd))  # would become the server
-    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0"])
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    # os.execve would make this process the server
+    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))
+    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0", "--workers", "3"])
     assert args.func(args) == 0
-    cmd = calls[0]
+    cmd, env = calls[0]
     assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]) == APP
     assert cmd[cmd.index("--server.port") + 1] == "8765"
     assert cmd[cmd.index("--server.address") + 1] == "0.0.0.0"
     assert cmd[cmd.index("--server.headless") + 1] == "true"
+    # A server, not a development session: no file watching, no usage statistics sent out.
+    assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"
+    assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"
+    assert env["CAPTIONER_APP_WORKERS"] == "3"
+    assert env["MALLOC_ARENA_MAX"] == "2"  # memory freed by one session's thread serves the next
+
+
+def test_app_command_refuses_a_bad_number_of_workers(capsys):
+    assert main(["app", "--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err
 
 
 def _notices(at: AppTest) -> list[str]:
@@ -262,3 +275,128 @@ def test_a_user_checkpoint_trained_on_shapes_shows_the_notice(app):
 def test_a_checkpoint_that_does_not_say_its_data_says_so_in_its_card(app):
     assert not _notices(app)
     assert "Trained on" in _model_card(app) and "not recorded" in _model_card(app)
+
+
+class _Encodes:
+    """Counts the images Pillow encodes (every PNG/JPEG the page or Streamlit writes)."""
+
+    def __init__(self, monkeypatch):
+        self.formats: list[str] = []
+        save = Image.Image.save
+
+        def counting_save(im, fp, format=None, **kw):
+            self.formats.append(str(format or Path(str(fp)).suffix).upper().lstrip("."))
+            return save(im, fp, format, **kw)
+
+        monkeypatch.setattr(Image.Image, "save", counting_save)
+
+
+def test_an_upload_makes_no_figure_until_it_is_downloaded(app, monkeypatch):
+    data = _png(seed=12)  # an image no other test uploads: results are shared between sessions
+    encodes = _Encodes(monkeypatch)
+    app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
+    assert not app.exception and _word_panels(app)
+    assert "PNG" not in encodes.formats  # the figure is the page's only PNG: not made yet
+    png = figure_png(app.session_state["shown"])  # what the button's callable serves on a click
+    assert Image.open(io.BytesIO(png)).format == "PNG" and encodes.formats.count("PNG") == 1
+
+
+def test_reruns_that_change_nothing_encode_no_image_again(app, monkeypatch):
+    app.file_uploader[0].set_value(("generated.png", _png(seed=13), "image/png")).run()
+    words = _shown_caption(app).split()
+    assert len(words) >= 2
+    encodes = _Encodes(monkeypatch)
+    app.run()  # a rerun with nothing changed
+    assert encodes.formats == []
+    app.pills[-1].set_value(len(words) - 1).run()  # a new word: its big overlay, and nothing else
+    assert len(encodes.formats) == 1
+    app.pills[-1].set_value(0).run()  # back to the first word: drawn already
+    assert len(encodes.formats) == 1
+
+
+def test_a_caption_waits_its_turn_for_the_model_and_says_so(app):
+    import threading
+    import time
+    from contextlib import ExitStack
+
+    from app.serving import caption_gate
+
+    gate = caption_gate()  # the one the page's sessions share
+    held, release = threading.Event(), threading.Event()
+
+    def busy() -> None:  # other students' captions, holding every slot for a while
+        with ExitStack() as stack:
+            for _ in range(gate.slots):
+                stack.enter_context(gate.turn())
+            held.set()
+            release.wait(10)
+            time.sleep(0.3)
+
+    other = threading.Thread(target=busy)
+    other.start()
+    held.wait(10)
+    release.set()
+    app.file_uploader[0].set_value(("queued.png", _png(seed=14), "image/png")).run()
+    other.join(10)
+    assert not app.exception and _word_panels(app)
+    assert "waiting for the model" in _details(app)
+
+
+def test_an_image_captioned_in_one_session_is_not_captioned_again_in_another(app, weights_dir, monkeypatch):
+    data = _png(seed=15)
+    app.file_uploader[0].set_value(("first.png", data, "image/png")).run()
+    calls = []
+    caption = inference.Captioner.caption
+    monkeypatch.setattr(inference.Captioner, "caption", lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    other = AppTest.from_file(str(APP), default_timeout=180).run()  # a second student
+    calls.clear()  # the default model's example, if no earlier page showed it
+    other.sidebar.selectbox[0].select(MODEL).run()
+    assert not other.exception and _word_panels(other) and calls == []  # the example: shown already by the first
+    other.file_uploader[0].set_value(("same-photo.png", data, "image/png")).run()
+    assert not other.exception and calls == []
+    assert _shown_caption(other) == _shown_caption(app) and "same-photo.png" in _details(other)
+    other.file_uploader[0].set_value(("new.png", _png(seed=16), "image/png")).run()
+    assert calls == [1]
+
+
+def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app):
+    from app.serving import Shown, results_cache
+
+    for seed in range(100, 100 + results_cache().max_entries + 5):
+        app.file_uploader[0].set_value((f"photo-{seed}.png", _png(seed=seed), "image/png")).run()
+    assert not app.exception and f"photo-{seed}.png" in _details(app)
+    state = app.session_state._state._state  # everything the session keeps
+    kept = [k for k in state.filtered_state if isinstance(state[k], Shown)]
+    assert kept == ["shown"]
+    assert len(results_cache()) == results_cache().max_entries
+
+
+def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, monkeypatch):
+    """Streamlit collects garbage after every script run; with torch and a model loaded a full
+    collection walks a few hundred thousand objects (0.1-0.2 s of CPU per rerun). Once the
+    model is loaded they are set aside, and it walks only what the runs make."""
+    import gc
+
+    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    tiny_captioner(seed=SEED).save(tmp_path / "fresh.pt")  # a model this process has not loaded yet
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path))
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    assert not at.exception and _word_panels(at)
+    at.run()
+    gc.collect()
+    assert len(gc.get_objects()) < 60_000
+
+
+def test_replacing_an_upload_does_not_flash_the_example_in_between(app, monkeypatch):
+    """Dropping a new file on the uploader first removes the old one (a run with no file), then
+    uploads the new one. That run keeps the last upload on the page: no example, no captioning."""
+    app.file_uploader[0].set_value(("mine.png", _png(seed=17), "image/png")).run()
+    before = _details(app)
+    calls = []
+    caption = inference.Captioner.caption
+    monkeypatch.setattr(inference.Captioner, "caption", lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    app.file_uploader[0].set_value(None).run()
+    assert not app.exception and _details(app) == before and calls == []
+    assert app.pills[0].value is None  # no example picked
+    app.pills[0].set_value(2).run()  # the user picks one: shown
+    assert not app.exception and ".png · tiny.pt" in _details(app) and "mine.png" not in _details(app)

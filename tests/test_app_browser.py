@@ -65,20 +65,22 @@ def weights_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(weights_dir, tmp_path_factory):
-    """The page served on a free local port; always stopped afterwards."""
+def served(weights_dir, tmp_path_factory):
+    """(address, server process): the page served as `captioner app` serves it, on a free local port;
+    always stopped afterwards."""
+    from app.cli import server_env, streamlit_command
+
     workdir = tmp_path_factory.mktemp("server")
     log = workdir / "streamlit.log"
     port = _free_port()
-    env = {**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir), "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
-    cmd = [sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true",
-           "--server.port", str(port), "--server.address", "127.0.0.1", "--client.toolbarMode", "minimal"]
+    env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir)})
+    cmd = streamlit_command(port, "127.0.0.1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -86,6 +88,11 @@ def server(weights_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(served) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +216,70 @@ def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_pat
         assert shot.stat().st_size > 10_000
     finally:
         context.close()
+
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost"}
+
+
+def _outside(urls: list[str]) -> list[str]:
+    """The requests that left the machine: any host but the app's own (data: and blob: stay in the page)."""
+    from urllib.parse import urlsplit
+
+    return [u for u in urls if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).hostname not in LOCAL_HOSTS]
+
+
+def test_the_page_asks_nothing_of_any_other_host(browser, server, tmp_path):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1,
+                                  accept_downloads=True)
+    requests: list[str] = []
+    context.on("request", lambda request: requests.append(request.url))
+    try:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(server)
+        page.get_by_text(" · beam ").wait_for()  # the first example, captioned
+        page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+        page.get_by_role("option", name=MODEL, exact=True).click()
+        page.get_by_text(f" · {MODEL} · beam ").wait_for()
+        _wait_idle(page)
+        image = tmp_path / "local-only.png"
+        tiny_image(9, (80, 60)).save(image)
+        _upload(page, image)
+        page.get_by_text(f"{image.name} · {MODEL} · beam 3").wait_for()
+        _wait_idle(page)
+        page.get_by_test_id("stImageCaption").filter(has_text=" · β ").first.wait_for()
+        page.wait_for_function("() => [...document.images].every(img => img.complete)")
+
+        # The figure is made on the click, and is the page's figure.
+        with page.expect_download() as download:
+            page.get_by_role("button", name="Download the figure (PNG)").click()
+        png = Path(download.value.path()).read_bytes()
+        assert png.startswith(b"\x89PNG") and download.value.suggested_filename == "local-only-attention.png"
+        page.wait_for_timeout(500)  # anything the page asks for late
+    finally:
+        context.close()
+    assert len(requests) > 5  # the page, its scripts, its images: recorded
+    assert _outside(requests) == []
+
+
+def test_a_long_session_keeps_the_server_memory_level(page, served, tmp_path):
+    """Hundreds of distinct uploads in one session: the server's memory stops growing."""
+    import psutil
+
+    server = psutil.Process(served[1].pid)
+    uploads = int(os.environ.get("CAPTIONER_LONG_SESSION_UPLOADS", "200"))
+    deadline = time.monotonic() + 300
+    rss = []
+    for i in range(uploads):
+        image = tmp_path / f"long-{i}.png"
+        tiny_image(1000 + i, (160, 120)).save(image)
+        _upload(page, image)
+        page.get_by_text(f"{image.name} · {MODEL} · beam 3").wait_for()
+        image.unlink()
+        rss.append(server.memory_info().rss)
+        assert time.monotonic() < deadline, f"only {i + 1} uploads in 300 s"
+    assert page.get_by_test_id("stException").count() == 0
+    settled = rss[len(rss) // 4]  # after the first quarter: caches filled, arenas grown
+    print(f"server memory: {rss[0] / 2**20:.0f} MiB after the first upload, {settled / 2**20:.0f} MiB after "
+          f"{len(rss) // 4}, {max(rss) / 2**20:.0f} MiB at most, {rss[-1] / 2**20:.0f} MiB after {len(rss)}")
+    assert rss[-1] < settled * 1.15 and max(rss[len(rss) // 4:]) < settled * 1.25

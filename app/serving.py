@@ -1,0 +1,227 @@
+"""What the page shares between its users, and what it keeps of one captioned image.
+
+A classroom on one small machine: every session's caption goes through one ``Gate`` (as
+many captions at once as there are cores, one torch thread each, the others queued in
+order), and what a caption shows is drawn once, at the size the page shows it, and kept
+as encoded JPEG bytes, so that reruns (picking a word, reopening the page) encode nothing
+and Streamlit only hashes bytes. The figure and the JSON are made when they are downloaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import json
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import streamlit as st
+import torch
+from PIL import Image
+
+from captioner.decoding import CaptionResult
+from captioner.images import load_image
+from captioner.inference import Captioner, DecodeOptions
+from captioner.overlay import attention_figure, overlays
+
+PANEL_WIDTH = 240  # the grid's panels: about a sixth of a wide page
+LARGE_WIDTH = 560  # the selected word's overlay and the upload's preview
+RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
+JPEG_QUALITY = 90
+
+
+class Gate:
+    """At most ``slots`` jobs at once; the others wait their turn, first come first served."""
+
+    def __init__(self, slots: int, threads: int = 1):
+        self.slots = max(1, int(slots))
+        self.threads = max(1, int(threads))  # torch threads per job
+        self._lock = threading.Lock()
+        self._running = 0
+        self._queue: deque[threading.Event] = deque()
+
+    @contextmanager
+    def turn(self, on_wait: Callable[[int], None] | None = None) -> Iterator[float]:
+        """Hold a slot for the ``with`` block, which gets the seconds spent waiting for it.
+        ``on_wait(ahead)`` is called before waiting, with the number of jobs ahead (running included)."""
+        start = time.perf_counter()
+        with self._lock:
+            if self._running < self.slots and not self._queue:
+                self._running += 1
+                ticket = None
+            else:
+                ticket = threading.Event()
+                ahead = self._running + len(self._queue)
+                self._queue.append(ticket)
+        if ticket is not None:
+            try:
+                if on_wait is not None:
+                    on_wait(ahead)
+                ticket.wait()  # set by the job that hands its slot over
+            except BaseException:  # stopped while queued (Streamlit raises in the run it stops)
+                with self._lock:
+                    if ticket in self._queue:
+                        self._queue.remove(ticket)
+                    else:  # handed a slot meanwhile: pass it on
+                        self._release()
+                raise
+        try:
+            yield time.perf_counter() - start
+        finally:
+            with self._lock:
+                self._release()
+
+    def _release(self) -> None:
+        """Give a slot back; the caller holds the lock."""
+        if self._queue:
+            self._queue.popleft().set()  # the slot goes straight to the next in line
+        else:
+            self._running -= 1
+
+
+class ResultCache:
+    """A small least-recently-used map, safe across sessions' threads."""
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            if key not in self._items:
+                return None
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@st.cache_resource
+def caption_gate() -> Gate:
+    """The process's one gate. CAPTIONER_APP_WORKERS captions at once (default: one per core),
+    each with cores / workers torch threads, so that concurrent uploads do not thrash."""
+    try:
+        workers = max(1, int(os.environ.get("CAPTIONER_APP_WORKERS") or cores()))
+    except ValueError:
+        workers = cores()
+    gate = Gate(workers, threads=max(1, cores() // workers))
+    torch.set_num_threads(gate.threads)
+    return gate
+
+
+@st.cache_resource
+def results_cache() -> ResultCache:
+    return ResultCache(RESULTS_KEPT)
+
+
+def settle_heap() -> None:
+    """Call once a model is loaded. Streamlit runs a full garbage collection after every script
+    run; with torch and a model in the heap that walks a few hundred thousand objects, 0.1-0.2 s
+    of CPU per rerun, more than the caption itself. Frozen, they are left out of every later
+    collection (they live as long as the server anyway); what the runs make is still collected."""
+    gc.collect()
+    gc.freeze()
+
+
+def jpeg(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", quality=JPEG_QUALITY)
+    return buf.getvalue()
+
+
+def fit_width(image: Image.Image, width: int) -> Image.Image:
+    """A copy at most ``width`` wide, same aspect. Overlays stay aligned: the whole image is kept."""
+    if image.width <= width:
+        return image.copy()
+    height = max(1, round(image.height * width / image.width))
+    return image.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=2.0)
+
+
+@dataclass
+class Picture:
+    """An upload as the page shows it before any caption: its digest, size and preview."""
+
+    digest: str
+    width: int
+    height: int
+    preview: bytes  # JPEG, at most LARGE_WIDTH wide
+
+    @classmethod
+    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image, Image.Image]:
+        """Raw bytes -> (picture, the decoded image, its preview); raises ImageLoadError with a
+        message for the user."""
+        image = load_image(data, at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
+        preview = fit_width(image, LARGE_WIDTH)
+        return cls(digest, image.width, image.height, jpeg(preview)), image, preview
+
+
+@dataclass
+class Shown:
+    """One captioned image, as the page shows it; shared by every session that shows it."""
+
+    key: tuple
+    name: str
+    result: CaptionResult
+    seconds: float  # the model's own time
+    seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: big overlays, figure
+    thumb: bytes  # JPEG, at most PANEL_WIDTH wide
+    panels: list[bytes]  # one overlay per word on the thumb, JPEG
+    large: dict[int, bytes] = field(default_factory=dict)  # word -> big overlay (JPEG), drawn when picked
+    waited: float = 0.0  # seconds this session waited for the model
+
+    def large_overlay(self, t: int) -> bytes:
+        if t not in self.large:
+            seen = Image.open(io.BytesIO(self.seen)).convert("RGB")
+            self.large[t] = jpeg(overlays(seen, self.result.alphas[t:t + 1])[0])
+        return self.large[t]
+
+
+def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
+                  decoded: tuple[Image.Image, Image.Image] | None = None,
+                  on_wait: Callable[[int], None] | None = None) -> Shown:
+    """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
+    checkpoint's own caption) and draw what the page shows. ``decoded``: (image, preview) when this
+    run has decoded the upload already."""
+    with gate.turn(on_wait) as waited:
+        torch.set_num_threads(gate.threads)  # this session's thread, not only the first one
+        start = time.perf_counter()
+        result = captioner.caption(captioner.preprocess.load(data), options)
+        seconds = time.perf_counter() - start
+        image, preview = decoded or (load_image(data, at_least=LARGE_WIDTH), None)
+        cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
+        seen = preview if cropped is image and preview is not None else fit_width(cropped, LARGE_WIDTH)
+        thumb = fit_width(seen, PANEL_WIDTH)
+        panels = [jpeg(p) for p in overlays(thumb, result.alphas)] if result.words else []
+        shown = Shown(key, name, result, seconds, jpeg(seen), jpeg(thumb), panels, waited=waited)
+        if result.words:
+            shown.large[0] = jpeg(overlays(seen, result.alphas[:1])[0])  # the word shown first
+    return shown
+
+
+def figure_png(shown: Shown) -> bytes:
+    """The downloadable figure: the image and one panel per word, as `captioner caption --attention-dir` draws it."""
+    buf = io.BytesIO()
+    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def result_json(shown: Shown) -> str:
+    return json.dumps(shown.result.to_json(shown.name, with_attention=True))

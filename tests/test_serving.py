@@ -1,0 +1,135 @@
+"""The app's shared machinery: the model gate, the results cache, overlays drawn in one go."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.overlay import overlays, upsample_alpha
+from tiny import tiny_image
+
+
+def _one_overlay(image: Image.Image, alpha: torch.Tensor) -> np.ndarray:
+    """The overlay of one map, computed on its own with the formula of the paper's figures."""
+    rgb = np.asarray(image, dtype=np.float32) / 255.0
+    m = upsample_alpha(alpha, image.size)  # (h, w)
+    m = ((m - m.min()) / (m.max() - m.min()))[..., None]
+    out = rgb * (0.2 + 0.8 * m) * (1 - 0.35 * m) + np.array([1.0, 0.55, 0.1]) * 0.35 * m
+    return np.clip(out * 255.0 + 0.5, 0, 255).astype(np.uint8)
+
+
+def test_overlays_in_one_go_equal_one_at_a_time():
+    image = tiny_image(3, (90, 60))
+    alphas = torch.softmax(torch.randn(5, 7, 7, generator=torch.Generator().manual_seed(0)).flatten(1), 1)
+    alphas = alphas.view(5, 7, 7)
+    together = overlays(image, alphas)
+    assert len(together) == 5
+    for a, im in zip(alphas, together):
+        assert im.size == image.size
+        diff = np.abs(np.asarray(im, dtype=int) - _one_overlay(image, a).astype(int))
+        assert diff.max() <= 3  # 8-bit masks and products: within 3 levels of 255
+
+
+def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
+    from app.serving import Gate
+
+    gate = Gate(slots=2)
+    running, most, order, told = [0], [0], [], {}
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        with gate.turn(on_wait=lambda ahead: told.__setitem__(i, ahead)) as waited:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+                order.append(i)
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 1
+        assert waited >= 0
+
+    threads = []
+    for i in range(6):
+        threads.append(threading.Thread(target=job, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.005)  # arrive in order
+    for t in threads:
+        t.join(10)
+    assert most[0] == 2 and sorted(order) == list(range(6))
+    assert order[2:] == [2, 3, 4, 5]  # first come, first served
+    assert told.keys() == {2, 3, 4, 5} and told[2] == 2 and told[5] == 5  # jobs ahead, running included
+
+
+def test_a_job_that_fails_gives_its_turn_back():
+    from app.serving import Gate
+
+    gate = Gate(slots=1)
+    with pytest.raises(RuntimeError):
+        with gate.turn():
+            raise RuntimeError("out of memory")
+    done = threading.Event()
+
+    def next_job() -> None:
+        with gate.turn():
+            done.set()
+
+    threading.Thread(target=next_job, daemon=True).start()
+    assert done.wait(5)
+
+
+def test_the_results_cache_keeps_the_most_recently_used():
+    from app.serving import ResultCache
+
+    cache = ResultCache(max_entries=3)
+    for k in "abcd":
+        cache.put(k, k.upper())
+    assert len(cache) == 3 and cache.get("a") is None
+    assert cache.get("b") == "B"  # now the freshest
+    cache.put("e", "E")
+    assert cache.get("c") is None and cache.get("b") == "B" and len(cache) == 3
+
+
+@pytest.mark.parametrize("size, grid", [((560, 420), (14, 14)), ((240, 180), (7, 7)), ((300, 500), (8, 6))])
+def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
+    from captioner.overlay import _gaussian_blur
+
+    alpha = torch.softmax(torch.randn(grid[0] * grid[1], generator=torch.Generator().manual_seed(1)), 0)
+    alpha = alpha.view(*grid)
+    w, h = size
+    full = torch.nn.functional.interpolate(alpha[None, None], size=(h, w), mode="bilinear", align_corners=False)
+    sigma = max(h / grid[0], w / grid[1]) / 3.0
+    exact = _gaussian_blur(full, sigma)[0, 0].numpy()  # every pixel blurred: the definition
+    fast = upsample_alpha(alpha, size)
+    assert fast.shape == (h, w)
+    assert np.abs(fast - exact).max() <= 1e-4 * exact.max()
+
+
+def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
+    """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
+    waiting message itself may raise. The queued job's place must not be lost with it."""
+    from app.serving import Gate
+
+    gate = Gate(slots=1)
+    first = gate.turn()
+    first.__enter__()
+
+    def stopped(ahead: int) -> None:
+        raise KeyboardInterrupt("the page was closed")
+
+    with pytest.raises(KeyboardInterrupt):
+        with gate.turn(on_wait=stopped):
+            pass
+    first.__exit__(None, None, None)
+    done = threading.Event()
+
+    def next_job() -> None:
+        with gate.turn():
+            done.set()
+
+    threading.Thread(target=next_job, daemon=True).start()
+    assert done.wait(5)

@@ -42,7 +42,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import psutil
-from PIL import Image, ImageDraw
+
+from bench_caption import photo_images  # the same generated photographs as the caption benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
@@ -52,18 +53,9 @@ LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 
 
 def make_photos(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
-    """Distinct 640x480 JPEGs: smooth gradients with a few shapes, compressible like photos."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:480, 0:640].astype(np.float32)
+    """Distinct 640x480 JPEGs (bench_caption's generated photos), as (name, bytes)."""
     photos = []
-    for i in range(n):
-        c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
-        t = (xx / 640 * rng.uniform(0.3, 1) + yy / 480 * rng.uniform(0.3, 1))[..., None] / 2
-        im = Image.fromarray((c0 * (1 - t) + c1 * t).astype(np.uint8), "RGB")
-        draw = ImageDraw.Draw(im)
-        for _ in range(3):
-            x, y, s = rng.integers(0, 560), rng.integers(0, 400), rng.integers(30, 120)
-            draw.ellipse((x, y, x + s, y + s), fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+    for i, im in enumerate(photo_images(n, seed)):
         buf = io.BytesIO()
         im.save(buf, "JPEG", quality=90)
         photos.append((f"photo{i:04d}.jpg", buf.getvalue()))

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,13 +36,11 @@ from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import SPECIALS, Vocabulary
 
 
-def make_photos(folder: Path, n: int, seed: int = 0) -> list[str]:
-    """Smooth gradients with a few shapes: JPEG-compressible like real photos."""
-    folder.mkdir(parents=True, exist_ok=True)
+def photo_images(n: int, seed: int = 0) -> Iterator[Image.Image]:
+    """640x480 smooth gradients with a few shapes: JPEG-compressible like real photos."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:480, 0:640].astype(np.float32)
-    paths = []
-    for i in range(n):
+    for _ in range(n):
         c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
         t = (xx / 640 * rng.uniform(0.3, 1) + yy / 480 * rng.uniform(0.3, 1))[..., None] / 2
         im = Image.fromarray((c0 * (1 - t) + c1 * t).astype(np.uint8), "RGB")
@@ -49,6 +48,14 @@ def make_photos(folder: Path, n: int, seed: int = 0) -> list[str]:
         for _ in range(3):
             x, y, s = rng.integers(0, 560), rng.integers(0, 400), rng.integers(30, 120)
             draw.ellipse([x, y, x + s, y + s], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        yield im
+
+
+def make_photos(folder: Path, n: int, seed: int = 0) -> list[str]:
+    """``n`` of :func:`photo_images` saved as JPEGs in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, im in enumerate(photo_images(n, seed)):
         path = folder / f"photo_{i:05d}.jpg"
         im.save(path, quality=90)
         paths.append(str(path))

@@ -1,24 +1,11 @@
 """Resuming `captioner caption --out FILE`: the same image however its folder is spelled,
 attention asked for on a later run, failed files retried."""
 
-import json
 import os
 
-import pytest
-
 from captioner.cli import main
-from tiny import tiny_captioner, tiny_image
-
-
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("w") / "tiny.pt"
-    tiny_captioner(seed=1).save(path)
-    return str(path)
-
-
-def _lines(path):
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+from test_cli_caption import _lines, weights  # noqa: F401  (weights: the fixture, shared)
+from tiny import tiny_image
 
 
 def _folder(root, n=3):

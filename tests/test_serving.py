@@ -23,6 +23,18 @@ def _one_overlay(image: Image.Image, alpha: torch.Tensor) -> np.ndarray:
     return np.clip(out * 255.0 + 0.5, 0, 255).astype(np.uint8)
 
 
+
+def _next_job_gets_a_turn(gate: Gate) -> bool:
+    """Whether a job started now on another thread gets its turn within 5 s."""
+    done = threading.Event()
+
+    def next_job() -> None:
+        with gate.turn():
+            done.set()
+
+    threading.Thread(target=next_job, daemon=True).start()
+    return done.wait(5)
+
 def test_overlays_in_one_go_equal_one_at_a_time():
     image = tiny_image(3, (90, 60))
     alphas = torch.softmax(torch.randn(5, 7, 7, generator=torch.Generator().manual_seed(0)).flatten(1), 1)
@@ -72,14 +84,7 @@ def test_a_job_that_fails_gives_its_turn_back():
     with pytest.raises(RuntimeError):
         with gate.turn():
             raise RuntimeError("out of memory")
-    done = threading.Event()
-
-    def next_job() -> None:
-        with gate.turn():
-            done.set()
-
-    threading.Thread(target=next_job, daemon=True).start()
-    assert done.wait(5)
+    assert _next_job_gets_a_turn(gate)
 
 
 def test_the_results_cache_keeps_the_most_recently_used():
@@ -125,11 +130,4 @@ def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
         with gate.turn(on_wait=stopped):
             pass
     first.__exit__(None, None, None)
-    done = threading.Event()
-
-    def next_job() -> None:
-        with gate.turn():
-            done.set()
-
-    threading.Thread(target=next_job, daemon=True).start()
-    assert done.wait(5)
+    assert _next_job_gets_a_turn(gate)

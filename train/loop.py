@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from captioner.checkpoint import atomic_save, load_checkpoint
-from captioner.data.coco import CaptionDataset, build_vocab, collate_captions, load_split
+from captioner.data.coco import CaptionDataset, build_vocab, collate_captions, load_splits
 from captioner.distributed import DistContext, setup, teardown
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
@@ -183,8 +183,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     ctx.barrier()
 
     karpathy = d.karpathy or None
-    train_records = load_split(d.dir, d.train_split, karpathy)
-    val_records = load_split(d.dir, d.val_split, karpathy)
+    splits = load_splits(d.dir, [d.train_split, d.val_split], karpathy)
+    train_records, val_records = splits[d.train_split], splits[d.val_split]
     if ckpt is not None:
         vocab = Vocabulary(list(ckpt["vocab"]))
     else:

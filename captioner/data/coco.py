@@ -109,6 +109,14 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
     return records
 
 
+def load_splits(data_dir: str | os.PathLike, splits: Sequence[str],
+                karpathy: str | os.PathLike | None = None) -> dict[str, list[ImageRecord]]:
+    """:func:`load_split` for several splits; a Karpathy split file is read once."""
+    if karpathy is not None:
+        return load_karpathy_splits(karpathy, data_dir, splits)
+    return {split: load_split(data_dir, split) for split in splits}
+
+
 def load_split(data_dir: str | os.PathLike, split: str,
                karpathy: str | os.PathLike | None = None) -> list[ImageRecord]:
     """The records of one split.
@@ -159,13 +167,21 @@ def load_karpathy(split_file: str | os.PathLike, data_dir: str | os.PathLike, sp
     Image ids are COCO's ``cocoid`` where present (so results match COCO's own ids),
     else the file's ``imgid`` (Flickr8k/30k). Captions are the sentences' raw text.
     """
+    return load_karpathy_splits(split_file, data_dir, [split])[split]
+
+
+def load_karpathy_splits(split_file: str | os.PathLike, data_dir: str | os.PathLike,
+                         splits: Sequence[str]) -> dict[str, list[ImageRecord]]:
+    """Several splits of a Karpathy split file, the file read once (COCO's is 150 MB)."""
     split_file = Path(split_file)
-    data_dir = Path(data_dir)
     if not split_file.is_file():
         raise FileNotFoundError(f"Karpathy split file not found: {split_file} ({KARPATHY_HINT})")
     with open(split_file, encoding="utf-8") as f:
         images = json.load(f)["images"]
+    return {split: _karpathy_split(images, split_file, Path(data_dir), split) for split in splits}
 
+
+def _karpathy_split(images: list[dict], split_file: Path, data_dir: Path, split: str) -> list[ImageRecord]:
     wanted = KARPATHY_SPLIT_ALIASES.get(split, (split,))
     records = []
     for entry in images:

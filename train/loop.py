@@ -212,17 +212,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     groups = [{"params": list(model.decoder.parameters()), "lr": o.lr}]
     if enc_params:
         groups.append({"params": enc_params, "lr": o.encoder_lr})
-    if o.optimizer == "adam":
-        optimizer = torch.optim.Adam(groups, weight_decay=o.weight_decay)
-    elif o.optimizer == "sgd":
-        optimizer = torch.optim.SGD(groups, momentum=0.9, weight_decay=o.weight_decay)
-    elif o.optimizer == "rmsprop":
-        # Graves' centred RMSProp with momentum, the form of the authors' rmsprop() (the paper's
-        # choice for Flickr8k): averages decaying by 0.95, epsilon 1e-4, momentum 0.9.
-        optimizer = torch.optim.RMSprop(groups, alpha=0.95, eps=1e-4, momentum=0.9, centered=True,
-                                        weight_decay=o.weight_decay)
-    else:
-        raise ValueError(f"optim.optimizer must be adam, rmsprop or sgd, got {o.optimizer!r}")
+    optimizer = build_optimizer(groups, o)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
     hard = (HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx)
             if model_cfg.attention == "hard" else None)
@@ -474,3 +464,20 @@ def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, sta
     print(f"epoch {state['epoch']} step {state['step']}: val {cfg.val.metric} {value:.4f}"
           f"{' (best)' if improved else ''}", file=sys.stderr)
     return cfg.val.patience > 0 and state["bad_vals"] >= cfg.val.patience
+
+
+def build_optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
+    """The optimizer named by ``o.optimizer`` (an ``OptimConfig``) over parameter groups."""
+    # Adam and SGD as one fused kernel over each parameter (CPU and CUDA): the for-each-
+    # parameter form makes some ten passes over every weight, and at COCO sizes (21M decoder
+    # weights) that was about 5% of a CPU training step. Same updates up to float rounding.
+    if o.optimizer == "adam":
+        return torch.optim.Adam(groups, weight_decay=o.weight_decay, fused=True)
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, momentum=0.9, weight_decay=o.weight_decay, fused=True)
+    if o.optimizer == "rmsprop":
+        # Graves' centred RMSProp with momentum, the form of the authors' rmsprop() (the paper's
+        # choice for Flickr8k): averages decaying by 0.95, epsilon 1e-4, momentum 0.9.
+        return torch.optim.RMSprop(groups, alpha=0.95, eps=1e-4, momentum=0.9, centered=True,
+                                   weight_decay=o.weight_decay)
+    raise ValueError(f"optim.optimizer must be adam, rmsprop or sgd, got {o.optimizer!r}")

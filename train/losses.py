@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel, DecoderOutput, attention_penalty
@@ -33,9 +32,45 @@ class LossParts:
 
 def caption_log_likelihood(out: DecoderOutput, targets: torch.Tensor) -> torch.Tensor:
     """log p(y | ., a) per caption, summed over its real words: (B,)."""
-    logp = F.log_softmax(out.logits.float(), dim=-1)  # (B, T, V)
-    token_logp = logp.gather(2, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    token_logp = token_log_prob(out.logits.float(), targets)  # (B, T)
     return (token_logp * out.mask).sum(1)
+
+
+def token_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] along the last dimension: logits (..., V), targets (...)
+    -> (...). The same values and gradients as ``log_softmax(logits).gather(targets)``
+    without the (..., V) log-softmax: the forward keeps one log-sum-exp per row, and the
+    backward writes the logits' gradient softmax * g - onehot * g in one pass, a block of
+    rows at a time while the block is in cache (at COCO sizes the log-softmax and its
+    gradient are two 27 MB tensors a step)."""
+    v = logits.shape[-1]
+    return _TokenLogProb.apply(logits.reshape(-1, v), targets.reshape(-1)).view(targets.shape)
+
+
+ROW_BLOCK_BYTES = 1 << 20
+
+
+class _TokenLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(logits, -1)  # (N,)
+        ctx.save_for_backward(logits, targets, lse)
+        return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        n, v = logits.shape
+        g = g.contiguous()
+        d = torch.empty_like(logits)  # (N, V)
+        rows = max(1, ROW_BLOCK_BYTES // (v * logits.element_size()))
+        for i in range(0, n, rows):
+            j = min(i + rows, n)
+            blk = d[i:j]
+            torch.sub(logits[i:j], lse[i:j].unsqueeze(1), out=blk)
+            blk.exp_().mul_(g[i:j].neg().unsqueeze(1))  # -g softmax
+        d.scatter_add_(1, targets.unsqueeze(1), g.unsqueeze(1).to(d.dtype))  # + g at the target
+        return d, None
 
 
 def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor,

@@ -9,10 +9,13 @@ attention 512, vocabulary 10,000, 21 teacher-forced steps (the encoder is left o
 
 Measured in interleaved rounds (every round times each contender once, so a machine whose
 speed drifts slows all of them alike), reported as the median over rounds:
-  - training: steps/s of forward + backward + Adam step, each with its own loss (the
-    project's: -log p(y) + the doubly stochastic penalty with the scalar gate; the
-    tutorial's: cross-entropy over its packed steps + its penalty), and, for reference, the
-    project's decoder run step by step (``forward_stepwise``, T calls of the decoding step);
+  - training: steps/s of forward + backward + Adam step, each with its own loss and
+    optimizer (the project's: -log p(y) + the doubly stochastic penalty with the scalar
+    gate, Adam as ``captioner train`` builds it, one fused kernel per weight; the tutorial's:
+    cross-entropy over its packed steps + its penalty, torch's per-parameter Adam as its
+    train.py builds it), and, for reference, the project's decoder with the tutorial's
+    per-parameter Adam (the decoder alone against the decoder) and run step by step
+    (``forward_stepwise``, T calls of the decoding step);
   - beam search, k = 3, over the same images: the project's batched ``beam_search`` against
     the tutorial's per-image loop from its ``caption.py`` (re-implemented below with that
     loop's logic, calling the tutorial model's modules as caption.py does, integer division
@@ -37,7 +40,9 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from captioner.decoding import beam_search
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
+from train.config import OptimConfig
 from train.losses import caption_log_likelihood
+from train.loop import build_optimizer
 
 V, D, E, H, A, L, GRID = 10_000, 2048, 512, 512, 512, 196, (14, 14)
 START, END, PAD = 1, 2, 0
@@ -178,13 +183,17 @@ def main() -> None:
     ours = Decoder(cfg).to(dev).train()
     theirs = tut.DecoderWithAttention(attention_dim=A, embed_dim=E, decoder_dim=H, vocab_size=V,
                                       encoder_dim=D, dropout=0.5).to(dev).train()
-    opt_ours = torch.optim.Adam(ours.parameters(), lr=4e-4)
+    def project_optimizer(model):  # as `captioner train` builds it
+        return build_optimizer([{"params": list(model.parameters()), "lr": 4e-4}], OptimConfig())
+
+    opt_ours = project_optimizer(ours)
     opt_theirs = torch.optim.Adam(theirs.parameters(), lr=4e-4)
+    opt_plain = torch.optim.Adam(ours.parameters(), lr=4e-4)  # torch's default, as the tutorial's
     compiled = None
     if args.compile:
         compiled = Decoder(cfg).to(dev).train()
         compiled.compile_step(backend=args.compile)
-        opt_compiled = torch.optim.Adam(compiled.parameters(), lr=4e-4)
+        opt_compiled = project_optimizer(compiled)
 
     def project_step(dec, opt, stepwise=False):
         def run() -> None:
@@ -226,7 +235,8 @@ def main() -> None:
                 tutorial_beam_search(theirs, beam_a[i: i + 1], 3, args.beam_steps)
         _sync(dev)
 
-    train_runs = {"tutorial": tutorial_step, "project": project_step(ours, opt_ours)}
+    train_runs = {"tutorial": tutorial_step, "project": project_step(ours, opt_ours),
+                  "project, per-parameter Adam": project_step(ours, opt_plain)}
     if not args.no_stepwise:
         train_runs["project, step by step"] = project_step(ours, opt_ours, stepwise=True)
     if compiled is not None:

@@ -202,16 +202,16 @@ def image_stats(records, results, forced, objects: dict, with_pointing: bool) ->
     return cols
 
 
-def evaluate_checkpoint(path: Path, decode: dict, test_sets: dict[str, Path], beam_size: int,
+def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size: int,
                         progress: bool = False) -> dict:
+    """Per-image columns and figures of a Captioner on each test set."""
     import torch
 
     from captioner.data.coco import load_split
     from captioner.evaluation import decode_records
     from captioner.grounding import load_shape_objects
-    from captioner.inference import Captioner, DecodeOptions
+    from captioner.inference import DecodeOptions
 
-    cap = Captioner.load(path)
     options = DecodeOptions(beam_size=beam_size, max_len=20, **decode)
     with_pointing = cap.model.config.attention != "mean"  # a uniform map points nowhere
     out = {}
@@ -251,12 +251,25 @@ def _compact(cols: dict[str, list]) -> dict[str, list]:
     return {k: [[one(x) for x in v] if isinstance(v, list) else one(v) for v in vals] for k, vals in cols.items()}
 
 
-def _trained_step(run_dir: Path) -> int | None:
-    """The step of the weights in best.pt (written once, at the run's end), or None."""
+def _last_step(run_dir: Path) -> int | None:
     from captioner.checkpoint import load_checkpoint
 
-    best = run_dir / "best.pt"
-    return load_checkpoint(best)["meta"].get("step") if best.is_file() else None
+    last = run_dir / "last.pt"
+    return load_checkpoint(last)["train_state"]["step"] if last.is_file() else None
+
+
+def last_step_model(run_dir: Path):
+    """The checkpoint rule, the same for every variant: the weights at the run's last step,
+    their moving average where the recipe keeps one (as demo-soft ships), whatever
+    validation said on the way. Returns a Captioner."""
+    from captioner.checkpoint import load_checkpoint
+    from captioner.inference import Captioner
+
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    average = ckpt["train_state"].get("weight_average")
+    if average is not None:
+        ckpt["state_dict"] = average["tensors"]
+    return Captioner.from_checkpoint(ckpt)
 
 
 def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
@@ -271,6 +284,12 @@ def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
                          seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True)
 
 
+def _train_seconds(run_dir: Path) -> float:
+    from captioner.checkpoint import load_checkpoint
+
+    return load_checkpoint(run_dir / "last.pt")["train_state"]["train_seconds"]
+
+
 def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: int, test_sets: dict[str, Path],
             out: Path, beam_size: int, progress: bool = False) -> int:
     """Train one (training, seed) to ``steps`` (or resume it), then score every row that
@@ -282,24 +301,22 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     if not pending:
         return 0
     run_dir = out / "runs" / pending[0].train_key / f"seed{seed}"
-    if _trained_step(run_dir) != steps:
+    if _last_step(run_dir) != steps:  # not started, or stopped on the way: resume from last.pt
         cfg = load_config(ROOT / recipe["config"], training_sets(recipe, steps, pending[0], seed))
         outcome = train(cfg, run_dir, resume=(run_dir / "last.pt").is_file(), progress=progress)
         if outcome.reason == "interrupted":
             return 130
-        if _trained_step(run_dir) != steps:
+        if _last_step(run_dir) != steps:
             raise RuntimeError(f"{run_dir}: training ended ({outcome.reason}) at step {outcome.step}, not {steps}")
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = next((r for r in reversed(log) if "val" in r), None)
-    from captioner.checkpoint import load_checkpoint
-
-    train_seconds = load_checkpoint(run_dir / "last.pt")["train_state"]["train_seconds"]
+    val = next((r for r in reversed(log) if "val" in r), None)  # the one validation, at the end
+    cap = last_step_model(run_dir)
     for row in pending:
-        tests = evaluate_checkpoint(run_dir / "best.pt", row.decode, test_sets, beam_size, progress)
+        tests = evaluate_checkpoint(cap, row.decode, test_sets, beam_size, progress)
         record = {"row": row.name, "seed": seed, "recipe": recipe_name, "steps": steps, "sets": list(row.sets),
-                  "decode": row.decode, "checkpoint": "the weights at the last step (best.pt of a run that "
-                                                      "validates once, at its end)",
-                  "train_seconds": round(train_seconds, 1), "validation": val, "tests": tests}
+                  "decode": row.decode, "checkpoint": f"last.pt at step {steps}, its weight average if any",
+                  "train_seconds": round(_train_seconds(run_dir), 1),
+                  "validation": val, "tests": tests}
         path = result_path(out, row, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
         # The per-image columns (what the table is built from) beside, compressed: about

@@ -123,6 +123,11 @@ def check_rows(rows: list[Row], recipe: dict, steps: int) -> None:
 
 # ------------------------------------------------------------------------ test sets
 
+def _child_env() -> dict[str, str]:
+    """A child process imports this tree's captioner and train, as this one does."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
     """Three fresh test sets, each `captioner shapes --train 0 --val 0 --test N --seed S`."""
     sets = {}
@@ -130,7 +135,7 @@ def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, P
         folder = root / f"shapes-test{seed}-{n_images}"
         if not (folder / "instances_test.json").is_file():
             subprocess.run([sys.executable, "-m", "captioner.cli", "shapes", "--out", str(folder), "--train", "0",
-                            "--val", "0", "--test", str(n_images), "--seed", str(seed)], check=True, cwd=ROOT)
+                            "--val", "0", "--test", str(n_images), "--seed", str(seed)], check=True, env=_child_env())
         sets[f"test{seed}"] = folder
     return sets
 
@@ -354,8 +359,7 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
         bar.close()
         return failures
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**_child_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     running: list[tuple[str, subprocess.Popen]] = []
     queue = list(todo)
     while queue or running:

@@ -208,7 +208,8 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
 def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch):
     import train.loop
     from train.config import load_config
-    from train.loop import train
+
+    run_training = train.loop.train
 
     rows_file = _rows_file(tmp_path)
     plan = ca.load_plan(rows_file)
@@ -217,13 +218,13 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     run_dir = tmp_path / "out" / "tiny-3steps" / "runs" / "additive" / "seed0"
     # A run stopped at step 2 (as Ctrl-C leaves it: last.pt, no result).
     stopped = ca.training_sets(recipe, steps, additive, 0)
-    train(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]), run_dir,
-          progress=False)
+    run_training(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+                 run_dir, progress=False)
     assert ca._last_step(run_dir) == 2
     args = ca.parse_args(_args(tmp_path, rows_file, "--rows", "additive", "--seeds", "0"))
     tests = ca.ensure_test_sets(args.test_seed_list, 3, args.test_root)
     calls = []
-    monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or train(*a, **k))
+    monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
     assert ca.run_job([additive], 0, recipe, "tiny", steps, tests, tmp_path / "out" / "tiny-3steps", 3) == 0
     assert calls == [True] and ca._last_step(run_dir) == 3
     rec = json.loads(ca.result_path(tmp_path / "out" / "tiny-3steps", additive, 0).read_text())

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -229,3 +230,11 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     assert calls == [True] and ca._last_step(run_dir) == 3
     rec = json.loads(ca.result_path(tmp_path / "out" / "tiny-3steps", additive, 0).read_text())
     assert rec["checkpoint"].startswith("last.pt at step 3")
+    # Scored with the weight average the recipe keeps (optim.ema), not the raw last weights.
+    from captioner.checkpoint import load_checkpoint
+
+    last = load_checkpoint(run_dir / "last.pt")
+    average = last["train_state"]["weight_average"]["tensors"]
+    scored = ca.last_step_model(run_dir).model.state_dict()
+    key = "decoder.L_o.weight"
+    assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last["state_dict"][key])

@@ -17,6 +17,7 @@ sys.path.insert(0, str(BENCH))
 
 import compare_attention as ca  # noqa: E402
 import comparison_stats as cs  # noqa: E402
+import comparison_table as ct  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- BLEU
@@ -102,19 +103,18 @@ def test_rank_correlations():
 
 
 def _summary(values: dict[str, float]) -> dict:
-    return {"rows": {n: {"figures": {k: {"mean": v, "sd": None, "n": 1} for k, _ in ca.COLUMNS}}
+    return {"rows": {n: {"figures": {k: {"mean": v, "sd": None, "n": 1} for k, _ in ct.COLUMNS}}
                      for n, v in values.items()}}
 
 
 def test_check_ranking_reports_agreement_and_the_top_variant():
     full = _summary({"additive": 0.9, "dot": 0.7, "sparsemax": 0.8, "mean": 0.5})
     short = _summary({"additive": 0.6, "dot": 0.5, "sparsemax": 0.65, "mean": 0.2})
-    text = ca.check_ranking(short, full)
+    text = ct.check_ranking(short, full)
     line = next(x for x in text.splitlines() if x.startswith("| object acc."))
     assert line == "| object acc. | +0.80 | +0.67 | sparsemax | additive | no |"
-    with pytest.raises(SystemExit) as e:
-        ca.check_ranking(_summary({"additive": 0.1, "dot": 0.2}), full)
-    assert e.value.code == 2
+    with pytest.raises(ValueError, match="only 2 variant"):
+        ct.check_ranking(_summary({"additive": 0.1, "dot": 0.2}), full)
 
 
 # ------------------------------------------------------------------------ pipeline

@@ -145,7 +145,7 @@ sets = ["data.dir={data}", "data.shapes_train=8", "data.shapes_val=2", "data.sha
 def _args(tmp_path: Path, rows_file: Path, *more: str) -> list[str]:
     return ["--rows-file", str(rows_file), "--recipe", "tiny", "--seeds", "0,1", "--test-images", "3",
             "--test-root", str(tmp_path / "tests"), "--out", str(tmp_path / "out"), "--jobs", "0",
-            "--resamples", "50", "--skip-timing", *more]
+            "--resamples", "50", *more]
 
 
 def test_a_row_whose_field_or_parameter_this_code_lacks_stops_the_run_naming_it(tmp_path, capsys):
@@ -158,7 +158,7 @@ sets = []
 requires_param = "no_such_param"
 ''')
     with pytest.raises(SystemExit) as e:
-        ca.main(_args(tmp_path, rows))
+        ca.main(_args(tmp_path, rows, "--skip-timing"))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -169,8 +169,12 @@ requires_param = "no_such_param"
 
 def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, monkeypatch):
     rows = _rows_file(tmp_path)
-    assert ca.main(_args(tmp_path, rows)) == 0
+    assert ca.main(_args(tmp_path, rows, "--timing-steps", "5", "--timing-rounds", "2")) == 0
     out = tmp_path / "out" / "tiny-3steps"
+    timing = json.loads((out / "timing.json").read_text())["rates"]
+    assert set(timing) == {"additive", "concat"}
+    assert all(len(t["rounds"]) == 2 and t["steps_per_s"] == pytest.approx(np.median(t["rounds"]), rel=1e-3)
+               and t["steps_per_s"] > 0 for t in timing.values())
     for name in ("additive", "concat"):
         for seed in (0, 1):
             rec = json.loads((out / "results" / name / f"seed{seed}.json").read_text())
@@ -185,6 +189,7 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     assert summary["aa"]["object_accuracy"] is not None
     table = (out / "table.md").read_text()
     assert "| additive | 2 |" in table and "| concat | 2 |" in table and "A/A noise floor (concat - additive" in table
+    assert f"| {timing['concat']['steps_per_s']:.2f} |" in table.split("| concat | 2 |")[1].splitlines()[0]
     # Seeds differ: another seed is another model (not the same run scored twice).
     ent = [json.loads((out / "results" / "additive" / f"seed{s}.json").read_text())["tests"]["test7001"]
            ["figures"]["entropy"] for s in (0, 1)]
@@ -197,7 +202,7 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
         raise AssertionError("a finished (row, seed) was trained again")
 
     monkeypatch.setattr(train.loop, "train", no_training)
-    assert ca.main(_args(tmp_path, rows)) == 0
+    assert ca.main(_args(tmp_path, rows)) == 0  # nor timed again: timing.json has both
     assert stamps == {p: p.stat().st_mtime_ns for p in (out / "results").rglob("*")}
 
     monkeypatch.setattr(ca, "evaluate_checkpoint", no_training)
@@ -222,7 +227,7 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     run_training(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
                  run_dir, progress=False)
     assert ca._last_step(run_dir) == 2
-    args = ca.parse_args(_args(tmp_path, rows_file, "--rows", "additive", "--seeds", "0"))
+    args = ca.parse_args(_args(tmp_path, rows_file, "--rows", "additive", "--seeds", "0", "--skip-timing"))
     tests = ca.ensure_test_sets(args.test_seed_list, 3, args.test_root)
     calls = []
     monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))

@@ -293,7 +293,7 @@ def _train_seconds(run_dir: Path) -> float:
 
 
 def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: int, test_sets: dict[str, Path],
-            out: Path, beam_size: int, progress: bool = False) -> int:
+            out: Path, runs: Path, beam_size: int, progress: bool = False) -> int:
     """Train one (training, seed) to ``steps`` (or resume it), then score every row that
     uses it; 130 when the training was interrupted (Ctrl-C), 0 when done."""
     from train.config import load_config
@@ -302,7 +302,7 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     pending = [r for r in rows if not result_path(out, r, seed).is_file()]
     if not pending:
         return 0
-    run_dir = out / "runs" / pending[0].train_key / f"seed{seed}"
+    run_dir = runs / pending[0].train_key / f"seed{seed}"
     if _last_step(run_dir) != steps:  # not started, or stopped on the way: resume from last.pt
         cfg = load_config(ROOT / recipe["config"], training_sets(recipe, steps, pending[0], seed))
         outcome = train(cfg, run_dir, resume=(run_dir / "last.pt").is_file(), progress=progress)
@@ -331,7 +331,7 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
 
 
 def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, test_sets: dict[str, Path],
-            out: Path) -> list[str]:
+            out: Path, runs: Path) -> list[str]:
     """Every missing (training, seed), ``args.jobs`` at a time (0: in this process);
     returns the failures."""
     from tqdm import tqdm
@@ -342,7 +342,7 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     todo = [(key, seed) for key in by_key for seed in seeds
             if any(not result_path(out, r, seed).is_file() for r in by_key[key])]
     done = sum(len(seeds) for _ in by_key) - len(todo)
-    print(f"{len(todo)} training(s) to run, {done} already finished; logs in {out / 'logs'}", file=sys.stderr)
+    print(f"{len(todo)} training(s) to run, {done} already finished; logs in {runs / 'logs'}", file=sys.stderr)
     if not todo:
         return []
     prepare_training_data(recipe, steps, rows[0])
@@ -350,12 +350,12 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     bar = tqdm(total=len(todo), desc="trainings", unit="run", file=sys.stderr)
     if args.jobs == 0:
         for key, seed in todo:
-            if run_job(by_key[key], seed, recipe, args.recipe, steps, test_sets, out, args.beam_size) == 130:
+            if run_job(by_key[key], seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size) == 130:
                 raise SystemExit(130)
             bar.update(1)
         bar.close()
         return failures
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (runs / "logs").mkdir(parents=True, exist_ok=True)
     env = {**_child_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     running: list[tuple[str, subprocess.Popen]] = []
     queue = list(todo)
@@ -364,7 +364,7 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
             key, seed = queue.pop(0)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--run-one", key, "--seed", str(seed),
                    "--rows", ",".join(r.name for r in by_key[key]), *args.passthrough]
-            log = open(out / "logs" / f"{key}-seed{seed}.log", "ab")
+            log = open(runs / "logs" / f"{key}-seed{seed}.log", "ab")
             running.append((f"{key} seed {seed}", subprocess.Popen(cmd, stdout=log, stderr=log, env=env)))
             log.close()
         time.sleep(1)
@@ -435,8 +435,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="seeds of the three fresh test sets (never used to train or choose anything)")
     ap.add_argument("--test-images", type=int, default=1000, help="images in each test set")
     ap.add_argument("--test-root", type=Path, default=Path("data"), help="where the test sets are made")
-    ap.add_argument("--out", type=Path, default=Path("runs/attention-comparison"),
-                    help="results go under OUT/<recipe>-<steps>steps/")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/attention-comparison"),
+                    help="results (small, meant to be committed) go under OUT/<recipe>-<steps>steps/")
+    ap.add_argument("--runs", type=Path, default=Path("runs/attention-comparison"),
+                    help="training runs (checkpoints, logs) go under RUNS/<recipe>-<steps>steps/")
     ap.add_argument("--jobs", type=int, default=2, help="trainings at once, one thread each (0: in this process)")
     ap.add_argument("--beam-size", type=int, default=3)
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
@@ -462,7 +464,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # What a job subprocess needs to find the same plan, data and folders.
     args.passthrough = ["--rows-file", str(args.rows_file), "--recipe", args.recipe, "--test-seeds", args.test_seeds,
                         "--test-images", str(args.test_images), "--test-root", str(args.test_root),
-                        "--out", str(args.out), "--beam-size", str(args.beam_size)]
+                        "--out", str(args.out), "--runs", str(args.runs), "--beam-size", str(args.beam_size)]
     if args.steps is not None:
         args.passthrough += ["--steps", str(args.steps)]
     return args
@@ -504,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = select_rows(plan, args.rows)
     recipe, steps = recipe_of(plan, args.recipe, args.steps)
     out = args.out / f"{args.recipe}-{steps}steps"
+    runs = args.runs / f"{args.recipe}-{steps}steps"
     if args.check_ranking:
         short_recipe, short_steps = recipe_of(plan, args.check_ranking, None)
         short_out = args.out / f"{args.check_ranking}-{short_steps}steps"
@@ -531,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     test_sets = ensure_test_sets(args.test_seed_list, args.test_images, args.test_root)
     if args.run_one is not None:
         mine = [r for r in rows if r.train_key == args.run_one]
-        return run_job(mine, args.seed, recipe, args.recipe, steps, test_sets, out, args.beam_size)
-    failures = run_all(rows, args.seed_list, args, recipe, steps, test_sets, out)
+        return run_job(mine, args.seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size)
+    failures = run_all(rows, args.seed_list, args, recipe, steps, test_sets, out, runs)
     if failures:
         print("failed:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1

@@ -144,7 +144,7 @@ sets = ["data.dir={data}", "data.shapes_train=8", "data.shapes_val=2", "data.sha
 
 def _args(tmp_path: Path, rows_file: Path, *more: str) -> list[str]:
     return ["--rows-file", str(rows_file), "--recipe", "tiny", "--seeds", "0,1", "--test-images", "3",
-            "--test-root", str(tmp_path / "tests"), "--out", str(tmp_path / "out"), "--jobs", "0",
+            "--test-root", str(tmp_path / "tests"), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--jobs", "0",
             "--resamples", "50", *more]
 
 
@@ -221,7 +221,7 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     plan = ca.load_plan(rows_file)
     recipe, steps = ca.recipe_of(plan, "tiny", None)
     additive = plan.rows[0]
-    run_dir = tmp_path / "out" / "tiny-3steps" / "runs" / "additive" / "seed0"
+    run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
     # A run stopped at step 2 (as Ctrl-C leaves it: last.pt, no result).
     stopped = ca.training_sets(recipe, steps, additive, 0)
     run_training(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
@@ -231,7 +231,8 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     tests = ca.ensure_test_sets(args.test_seed_list, 3, args.test_root)
     calls = []
     monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
-    assert ca.run_job([additive], 0, recipe, "tiny", steps, tests, tmp_path / "out" / "tiny-3steps", 3) == 0
+    assert ca.run_job([additive], 0, recipe, "tiny", steps, tests, tmp_path / "out" / "tiny-3steps",
+                      tmp_path / "runs" / "tiny-3steps", 3) == 0
     assert calls == [True] and ca._last_step(run_dir) == 3
     rec = json.loads(ca.result_path(tmp_path / "out" / "tiny-3steps", additive, 0).read_text())
     assert rec["checkpoint"].startswith("last.pt at step 3")

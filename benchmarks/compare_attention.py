@@ -449,6 +449,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timing-rounds", type=int, default=3, help="interleaved timing rounds")
     ap.add_argument("--check-ranking", metavar="SHORT_RECIPE", default=None,
                     help="compare SHORT_RECIPE's ranking with --recipe's on the variants both have results for")
+    ap.add_argument("--score", metavar="WEIGHTS", default=None,
+                    help="only score one checkpoint (a file, or demo-soft / demo-hard) on the test sets and print "
+                         "its figures: the comparison's scoring, on a model trained elsewhere")
     ap.add_argument("--run-one", metavar="TRAINING", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -500,6 +503,27 @@ def table_for(plan: Plan, rows: list[Row], out: Path, recipe_name: str, steps: i
     return ct.markdown(summary, timing, header), summary
 
 
+def score_only(weights: str, test_sets: dict[str, Path], beam_size: int) -> int:
+    from captioner.checkpoint import CheckpointError
+    from captioner.inference import Captioner
+
+    try:
+        cap = Captioner.load(weights)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
+    tests = evaluate_checkpoint(cap, {}, test_sets, beam_size, progress=True)
+    names = ["object_accuracy", "relation_accuracy", "pointing", "pointing_generated", "pointing_chance",
+             "mass_in_box", "entropy", "BLEU-4", "CIDEr"]
+    print("| test set | " + " | ".join(names) + " | words scored (reference / own) |")
+    print("|---" * (len(names) + 2) + "|")
+    for name, t in tests.items():
+        f = t["figures"]
+        cells = ["n/a" if f.get(n) is None else f"{f[n]:.3f}" for n in names]
+        words = f"{sum(t['stats'].get('pt_n', [])):,} / {sum(t['stats'].get('gen_n', [])):,}"
+        print(f"| {name} | " + " | ".join(cells) + f" | {words} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = load_plan(args.rows_file)
@@ -527,11 +551,14 @@ def main(argv: list[str] | None = None) -> int:
         (out / "table.md").write_text(text + "\n")
         (out / "table.json").write_text(json.dumps(summary, indent=2) + "\n")
         return 0
-    check_rows(rows, recipe, steps)
+    if not args.score:
+        check_rows(rows, recipe, steps)
     if args.timing:
         time_trainings(rows, recipe, out, args.timing_steps, args.timing_rounds)
         return 0
     test_sets = ensure_test_sets(args.test_seed_list, args.test_images, args.test_root)
+    if args.score:
+        return score_only(args.score, test_sets, args.beam_size)
     if args.run_one is not None:
         mine = [r for r in rows if r.train_key == args.run_one]
         return run_job(mine, args.seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size)

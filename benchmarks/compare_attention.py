@@ -20,8 +20,8 @@ docs/attention-comparison.md for the method.
 from __future__ import annotations
 
 import argparse
-import json
 import gzip
+import json
 import os
 import re
 import subprocess
@@ -40,7 +40,7 @@ import comparison_table as ct  # noqa: E402
 
 DEFAULT_ROWS = Path(__file__).resolve().parent / "attention_rows.toml"
 # Held by every training of the comparison: a fixed step count, no validation on the way
-# (the run validates once at its end, which writes best.pt from the last step's weights).
+# (the loop still validates once at the end; that figure is kept in the result file).
 FIXED = ["optim.epochs=100000", "optim.max_minutes=0", "val.every_epochs=0", "val.patience=0", "optim.threads=1"]
 
 
@@ -163,9 +163,11 @@ def forced_maps(cap, records, batch_size: int = 32) -> list[tuple[list[str], np.
         tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
         for i, x in enumerate(ids):
             tokens[i, :len(x)] = torch.tensor(x)
-        ann = cap.model.encode(images)
-        alphas = cap.model(ann, tokens, lengths).alphas  # (B, T, L)
-        maps = alphas.unflatten(2, ann.grid).double().numpy()  # (B, T, H, W)
+        # From the images, as training calls it: whatever the model does to the annotations
+        # after the encoder (grid self-attention) happens here as it does there.
+        alphas = cap.model(images, tokens, lengths).alphas  # (B, T, L)
+        grid = cap.model.encode(images[:1]).grid  # (H, W), H * W = L
+        maps = alphas.unflatten(2, grid).double().numpy()  # (B, T, H, W)
         out += [(w, maps[i, :len(w)]) for i, w in enumerate(words)]
     return out
 
@@ -359,6 +361,21 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     env = {**_child_env(), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     running: list[tuple[str, subprocess.Popen]] = []
     queue = list(todo)
+    try:
+        _pool(queue, running, by_key, args, runs, env, bar, failures)
+    except KeyboardInterrupt:  # Ctrl-C reached the trainings too: each saves its last.pt and stops
+        for _, proc in running:
+            proc.wait()
+        print("interrupted: the same command resumes every unfinished training", file=sys.stderr)
+        raise SystemExit(130)
+    bar.close()
+    return failures
+
+
+def _pool(queue, running, by_key, args, runs: Path, env: dict, bar, failures: list[str]) -> None:
+    """Start jobs as slots free up, until the queue is empty and every job has ended."""
+    from tqdm import tqdm
+
     while queue or running:
         while queue and len(running) < args.jobs:
             key, seed = queue.pop(0)
@@ -374,12 +391,10 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
             running.remove((name, proc))
             bar.update(1)
             if proc.returncode == 130:
-                raise SystemExit(130)
+                raise KeyboardInterrupt
             if proc.returncode != 0:
                 failures.append(f"{name}: exit {proc.returncode} (see its log)")
                 tqdm.write(f"failed: {failures[-1]}", file=sys.stderr)
-    bar.close()
-    return failures
 
 
 # ---------------------------------------------------------------------------- timing
@@ -401,6 +416,7 @@ def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds:
     for r in rows:
         keys.setdefault(r.train_key, r)
     rates: dict[str, list[float]] = {k: [] for k in keys}
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     prepare_training_data(recipe, measured, rows[0])
     for round_ in range(rounds):
         for key, row in keys.items():
@@ -414,11 +430,14 @@ def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds:
                 rates[key].append((last["step"] - first["step"]) / max(1e-9, last["train_seconds"]
                                                                        - first["train_seconds"]))
             print(f"timing round {round_ + 1}/{rounds}: {key} {rates[key][-1]:.2f} steps/s", file=sys.stderr)
-        timing = {"threads": 1, "measured_steps": measured, "warmup_steps": warmup, "torch": torch.__version__,
-                  "rates": {k: {"steps_per_s": float(np.median(v)), "rounds": [round(x, 3) for x in v]}
-                            for k, v in rates.items() if v}}
+        path = out / "timing.json"
+        # Trainings timed on another occasion keep their figures (each says when it was taken).
+        timing = json.loads(path.read_text()) if path.is_file() else {"rates": {}}
+        timing.update({"threads": 1, "measured_steps": measured, "warmup_steps": warmup, "torch": torch.__version__})
+        timing["rates"].update({k: {"steps_per_s": float(np.median(v)), "rounds": [round(x, 3) for x in v],
+                                    "measured": stamp} for k, v in rates.items() if v})
         out.mkdir(parents=True, exist_ok=True)
-        (out / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
+        path.write_text(json.dumps(timing, indent=2) + "\n")
     return timing
 
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-# figure -> (numerator column, denominator column); None: 1 per image
+# figure -> (numerator column, denominator column); None: 1 per image and run ("runs")
 RATIOS: dict[str, tuple[str, str | None]] = {
     "object_accuracy": ("obj", None),
     "relation_accuracy": ("rel_true", "rel_n"),
@@ -81,7 +81,8 @@ def figures(stats: Mapping[str, np.ndarray], weights: np.ndarray | None = None) 
             out[name] = None
             continue
         top = w @ np.asarray(stats[num], dtype=np.float64)
-        bottom = w.sum(1) if den is None else w @ np.asarray(stats[den], dtype=np.float64)
+        # Pooled seeds: an image's counts are summed over its runs, so are its captions.
+        bottom = w @ np.asarray(stats.get(den or "runs", np.ones(n)), dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             value = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1), np.nan)
         out[name] = value
@@ -93,9 +94,13 @@ def figures(stats: Mapping[str, np.ndarray], weights: np.ndarray | None = None) 
 
 def pool(parts: Sequence[Mapping[str, Sequence]]) -> dict[str, np.ndarray]:
     """Sum the per-image columns of several runs on the same images (the seeds of a
-    variant): a pooled figure is then over every (seed, image) caption."""
+    variant): a pooled figure is then over every (seed, image) caption. ``runs`` counts
+    them, the denominator of the per-caption figures (object accuracy, CIDEr)."""
     keys = set.intersection(*(set(p) for p in parts))
-    return {k: np.sum([np.asarray(p[k], dtype=np.float64) for p in parts], axis=0) for k in keys}
+    pooled = {k: np.sum([np.asarray(p[k], dtype=np.float64) for p in parts], axis=0) for k in keys}
+    n = len(np.asarray(next(iter(parts[0].values()))))
+    pooled["runs"] = np.sum([np.asarray(p.get("runs", np.ones(n)), dtype=np.float64) for p in parts], axis=0)
+    return pooled
 
 
 def concat(parts: Sequence[Mapping[str, Sequence]]) -> dict[str, np.ndarray]:

@@ -67,10 +67,16 @@ def test_figures_are_ratios_of_sums_over_images_not_means_of_per_image_ratios():
 
 
 def test_pooled_seeds_sum_their_counts_image_by_image():
-    a = {"pt_hit": [1, 0], "pt_n": [2, 1]}
-    b = {"pt_hit": [2, 1], "pt_n": [2, 1]}
-    assert {k: v.tolist() for k, v in cs.pool([a, b]).items()} == {"pt_hit": [3, 1], "pt_n": [4, 2]}
+    a = {"pt_hit": [1, 0], "pt_n": [2, 1], "obj": [1, 1], "cider": [4.0, 2.0]}
+    b = {"pt_hit": [2, 1], "pt_n": [2, 1], "obj": [0, 1], "cider": [2.0, 0.0]}
+    pooled = cs.pool([a, b])
+    assert {k: v.tolist() for k, v in pooled.items()} == {"pt_hit": [3, 1], "pt_n": [4, 2], "obj": [1, 2],
+                                                          "cider": [6.0, 2.0], "runs": [2, 2]}
     assert cs.concat([a, b])["pt_n"].tolist() == [2, 1, 2, 1]
+    # Per-caption figures stay means over captions: 3 of the 4 captions name their objects.
+    f = cs.figures(pooled)
+    assert f["object_accuracy"] == pytest.approx(0.75) and f["CIDEr"] == pytest.approx(2.0)
+    assert f["pointing"] == pytest.approx(4 / 6)
 
 
 def test_bootstrap_difference_is_paired_over_the_same_images():
@@ -187,6 +193,9 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     words = {r["pointing_words"] for r in summary["rows"].values()}
     assert len(words) == 1 and words.pop() > 0  # the same reference words for both variants
     assert summary["aa"]["object_accuracy"] is not None
+    # The pooled difference is the difference of the seed means for a per-caption figure.
+    means = {n: r["figures"]["CIDEr"]["mean"] for n, r in summary["rows"].items()}
+    assert summary["vs_reference"]["concat"]["CIDEr"]["diff"] == pytest.approx(means["concat"] - means["additive"])
     table = (out / "table.md").read_text()
     assert "| additive | 2 |" in table and "| concat | 2 |" in table and "A/A noise floor (concat - additive" in table
     assert f"| {timing['concat']['steps_per_s']:.2f} |" in table.split("| concat | 2 |")[1].splitlines()[0]

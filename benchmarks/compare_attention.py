@@ -3,10 +3,11 @@ trained for the same number of steps, several seeds, scored on three fresh test 
 paired bootstrap intervals against a reference variant and an A/A noise floor.
 
     python benchmarks/compare_attention.py                       # the full table (long: see docs)
-    python benchmarks/compare_attention.py --recipe quarter --rows additive,concat,dot,sparsemax
-    python benchmarks/compare_attention.py --check-ranking quarter --rows additive,concat,dot,sparsemax
+    python benchmarks/compare_attention.py --recipe quarter --rows mean,additive,concat,dot,sparsemax
+    python benchmarks/compare_attention.py --check-ranking quarter --rows mean,additive,concat,dot,sparsemax
     python benchmarks/compare_attention.py --table               # rebuild the table from results only
     python benchmarks/compare_attention.py --timing              # training steps/s alone (an idle machine)
+    python benchmarks/compare_attention.py --score demo-soft     # the scoring alone, on any checkpoint
 
 Rows and recipes are data (benchmarks/attention_rows.toml): a row is `--set` overrides of
 the recipe's config (demo-soft's). Each (training, seed) runs to a fixed step count with no
@@ -459,7 +460,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runs", type=Path, default=Path("runs/attention-comparison"),
                     help="training runs (checkpoints, logs) go under RUNS/<recipe>-<steps>steps/")
     ap.add_argument("--jobs", type=int, default=2, help="trainings at once, one thread each (0: in this process)")
-    ap.add_argument("--beam-size", type=int, default=3)
+    ap.add_argument("--beam-size", type=int, default=3, help="beam of the test decoding")
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
     ap.add_argument("--table", action="store_true", help="only rebuild the table from the result files")
     ap.add_argument("--timing", action="store_true", help="only measure training steps/s (on an idle machine)")

@@ -83,10 +83,14 @@ def _pm(stat: dict | None, digits: int = 3) -> str:
     return f"{stat['mean']:.{digits}f}{sd}"
 
 
+def _signed(v: float) -> str:
+    return f"{round(v, 3) + 0.0:+.3f}"  # + 0.0: no "-0.000"
+
+
 def _ci(d: dict | None, floor: dict | None) -> str:
     if d is None:
         return "n/a"
-    text = f"{d['diff']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+    text = f"{_signed(d['diff'])} [{_signed(d['lo'])}, {_signed(d['hi'])}]"
     beyond = (d["lo"] > 0 or d["hi"] < 0) and (floor is None or abs(d["diff"]) > abs(floor["diff"]))
     return f"**{text}**" if beyond else text
 
@@ -124,7 +128,7 @@ def markdown(summary: dict, timing: dict | None, header: str) -> str:
     if floor:
         lines += ["", "A/A noise floor (" + " - ".join(reversed(summary.get("aa_pair", ("additive", "concat"))))
                   + ", one score family twice): " + "; ".join(
-                      f"{dict(COLUMNS)[k]} {floor[k]['diff']:+.3f} [{floor[k]['lo']:+.3f}, {floor[k]['hi']:+.3f}]"
+                      f"{dict(COLUMNS)[k]} {_signed(floor[k]['diff'])} [{_signed(floor[k]['lo'])}, {_signed(floor[k]['hi'])}]"
                       for k in CI_COLUMNS if floor.get(k)) + "."]
     else:
         lines += ["", "A/A noise floor: not measured yet (needs both rows of the A/A pair)."]

@@ -1,0 +1,158 @@
+"""The comparison's table from its result files: mean and sd over seeds, each variant
+against the reference by a paired bootstrap over the test images, the A/A floor, and the
+agreement of two recipes' rankings. Used by compare_attention.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+import comparison_stats as cs
+
+
+def images_path(result: Path) -> Path:
+    return result.with_name(result.stem + ".images.json.gz")
+
+
+
+COLUMNS = [("object_accuracy", "object acc."), ("relation_accuracy", "relation acc."),
+           ("pointing", "pointing, strict"), ("mass_in_box", "mass in box"), ("entropy", "entropy (nats)"),
+           ("BLEU-4", "BLEU-4"), ("CIDEr", "CIDEr")]
+CI_COLUMNS = ["object_accuracy", "relation_accuracy", "pointing", "mass_in_box", "BLEU-4", "CIDEr"]
+
+
+def load_results(out: Path, rows: list[str]) -> dict[str, dict[int, dict]]:
+    """row -> seed -> per-image columns of all test sets joined (test sets in name order)."""
+    found: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        for path in sorted((out / "results" / row).glob("seed*[0-9].json")):
+            rec = json.loads(path.read_text())
+            tests = json.loads(gzip.decompress(images_path(path).read_bytes()))
+            names = sorted(tests)
+            ids = [(n, i) for n in names for i in tests[n]["image_ids"]]
+            cols = cs.concat([tests[n]["stats"] for n in names])
+            found.setdefault(row, {})[rec["seed"]] = {"ids": ids, "stats": cols}
+    return found
+
+
+def summarise(found: dict[str, dict[int, dict]], reference: str, aa_pair: tuple[str, str], resamples: int) -> dict:
+    """Mean and sd over seeds of each figure; seeds pooled, each variant against the
+    reference by a paired bootstrap over the test images."""
+    rows: dict[str, dict] = {}
+    ids = None
+    for name, seeds in found.items():
+        for s in seeds.values():
+            if ids is None:
+                ids = s["ids"]
+            elif s["ids"] != ids:
+                raise ValueError(f"row {name!r}: its results are on other test images than the rest "
+                                 "(other --test-seeds or --test-images): put them in another --out")
+        per_seed = [cs.figures(s["stats"]) for s in seeds.values()]
+        stat = {}
+        for key in [*dict(COLUMNS), "pointing_chance", "pointing_generated"]:
+            vals = [f[key] for f in per_seed if f[key] is not None]
+            stat[key] = None if not vals else {"mean": float(np.mean(vals)), "sd": float(np.std(vals, ddof=1))
+                                               if len(vals) > 1 else None, "n": len(vals)}
+        pooled = cs.pool([s["stats"] for s in seeds.values()])
+        rows[name] = {"seeds": sorted(seeds), "figures": stat, "pooled": pooled,
+                      # per seed (every seed scores the same reference words)
+                      "pointing_words": int(sum(pooled["pt_n"])) // len(seeds) if "pt_n" in pooled else None,
+                      "relations_stated": float(np.mean([sum(s["stats"]["rel_n"]) for s in seeds.values()]))}
+    summary = {"n_images": len(ids or []), "reference": reference, "rows": rows, "vs_reference": {}, "aa": None}
+    if reference in rows:
+        weights = cs.bootstrap_weights(len(ids), resamples, seed=0)
+        for name, r in rows.items():
+            if name != reference:
+                summary["vs_reference"][name] = cs.paired_difference(r["pooled"], rows[reference]["pooled"], weights)
+        a, b = aa_pair
+        if a in rows and b in rows:
+            summary["aa"] = (summary["vs_reference"][b] if a == reference
+                             else cs.paired_difference(rows[b]["pooled"], rows[a]["pooled"], weights))
+    for r in rows.values():
+        del r["pooled"]
+    return summary
+
+
+def _pm(stat: dict | None, digits: int = 3) -> str:
+    if stat is None:
+        return "n/a"
+    sd = "" if stat["sd"] is None else f" ± {stat['sd']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f}{sd}"
+
+
+def _signed(v: float) -> str:
+    return f"{round(v, 3) + 0.0:+.3f}"  # + 0.0: no "-0.000"
+
+
+def _ci(d: dict | None, floor: dict | None) -> str:
+    if d is None:
+        return "n/a"
+    text = f"{_signed(d['diff'])} [{_signed(d['lo'])}, {_signed(d['hi'])}]"
+    beyond = (d["lo"] > 0 or d["hi"] < 0) and (floor is None or abs(d["diff"]) > abs(floor["diff"]))
+    return f"**{text}**" if beyond else text
+
+
+def markdown(summary: dict, timing: dict | None, header: str) -> str:
+    rates = (timing or {}).get("rates", {})
+    lines = [header, "", "| variant | seeds | " + " | ".join(t for _, t in COLUMNS) + " | steps/s (1 thread) |",
+             "|---" * (len(COLUMNS) + 3) + "|"]
+    for name, r in summary["rows"].items():
+        rate = rates.get(r.get("train_key", name)) or rates.get(name)
+        cells = [_pm(r["figures"][k], 2 if k == "entropy" else 3) for k, _ in COLUMNS]
+        speed = "not timed" if rate is None else f"{rate['steps_per_s']:.2f}"
+        lines.append(f"| {name} | {len(r['seeds'])} | " + " | ".join(cells) + f" | {speed} |")
+    pointing = [r for r in summary["rows"].values() if r["pointing_words"] is not None]
+    if pointing:
+        chance = pointing[0]["figures"].get("pointing_chance")
+        counts = sorted({r["pointing_words"] for r in pointing})
+        lines += ["", f"Pointing and mass in box are scored on the same {' / '.join(f'{c:,}' for c in counts)} "
+                      "words for every variant (the colour and shape words of each test image's first reference "
+                      "caption that name an object uniquely present, fed to the model by teacher forcing)"
+                      + (f"; a uniformly random cell scores {chance['mean']:.3f}." if chance else ".")
+                      + " Entropy is over every word of those captions. Relation accuracy is over the relations "
+                        "each variant's own captions state (chance 0.5): "
+                      + ", ".join(f"{n} {r['relations_stated']:.0f}" for n, r in summary["rows"].items()) + "."]
+    floor = summary.get("aa")
+    if summary["vs_reference"]:
+        ref = summary["reference"]
+        lines += ["", f"Difference from {ref}, seeds pooled, with its 95% paired bootstrap interval over the "
+                      f"{summary['n_images']:,} test images (the same resampled images for every variant); in bold "
+                      f"where the interval excludes 0 and the difference is larger than the A/A floor:", "",
+                  "| variant | " + " | ".join(dict(COLUMNS)[k] for k in CI_COLUMNS) + " |",
+                  "|---" * (len(CI_COLUMNS) + 1) + "|"]
+        for name, d in summary["vs_reference"].items():
+            lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k)) for k in CI_COLUMNS) + " |")
+    if floor:
+        lines += ["", "A/A noise floor (" + " - ".join(reversed(summary.get("aa_pair", ("additive", "concat"))))
+                  + ", one score family twice): " + "; ".join(
+                      f"{dict(COLUMNS)[k]} {_signed(floor[k]['diff'])} [{_signed(floor[k]['lo'])}, {_signed(floor[k]['hi'])}]"
+                      for k in CI_COLUMNS if floor.get(k)) + "."]
+    else:
+        lines += ["", "A/A noise floor: not measured yet (needs both rows of the A/A pair)."]
+    return "\n".join(lines)
+
+
+def check_ranking(short: dict, full: dict, min_rows: int = 3) -> str:
+    """How the short recipe's ranking of the common variants agrees with the full one's,
+    per column: Spearman, Kendall tau-b, and whether both put the same variant on top."""
+    common = [n for n in full["rows"] if n in short["rows"]]
+    if len(common) < min_rows:
+        raise ValueError(f"only {len(common)} variant(s) have results under both recipes; at least {min_rows} "
+                         "are needed to compare rankings")
+    lines = [f"Variants: {', '.join(common)}", "",
+             "| column | Spearman | Kendall tau-b | top, short recipe | top, full recipe | same top |",
+             "|---|---|---|---|---|---|"]
+    for key, title in COLUMNS:
+        pairs = [(n, short["rows"][n]["figures"][key], full["rows"][n]["figures"][key]) for n in common]
+        pairs = [(n, a["mean"], b["mean"]) for n, a, b in pairs if a and b]
+        if len(pairs) < min_rows:
+            lines.append(f"| {title} | n/a | n/a | | | |")
+            continue
+        names, a, b = zip(*pairs)
+        top_a, top_b = names[int(np.argmax(a))], names[int(np.argmax(b))]
+        lines.append(f"| {title} | {cs.spearman(a, b):+.2f} | {cs.kendall_tau_b(a, b):+.2f} | {top_a} | {top_b} "
+                     f"| {'yes' if top_a == top_b else 'no'} |")
+    return "\n".join(lines)

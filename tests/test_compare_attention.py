@@ -1,0 +1,255 @@
+"""benchmarks/compare_attention.py: the statistics its table rests on, the row checks, and
+the whole pipeline (train, score, table, rerun) on a tiny recipe."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import compare_attention as ca  # noqa: E402
+import comparison_stats as cs  # noqa: E402
+import comparison_table as ct  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- BLEU
+
+REFS = {1: ["a red circle", "a small red circle on the left", "one red circle"],
+        2: ["a large blue square above a green star", "a blue square and a green star"],
+        3: ["a white cross", "a large white cross in the middle of the image"],
+        4: ["a yellow triangle to the left of a purple star", "two shapes"]}
+CANDS = {1: "a red circle", 2: "a blue square above a star", 3: "white", 4: "a yellow triangle left of a purple star"}
+
+
+def _pycoco_bleu4(refs: dict, cands: dict) -> float:
+    from pycocoevalcap.bleu.bleu import Bleu
+
+    from captioner.metrics import _prepare
+
+    gts, res = _prepare(refs, cands)
+    return Bleu(4).compute_score(gts, res, verbose=0)[0][3]
+
+
+def test_bleu_counts_give_pycocoevalcaps_corpus_bleu_on_the_set_and_on_a_resample():
+    from captioner.metrics import _prepare
+
+    gts, res = _prepare(REFS, CANDS)
+    stats = cs.bleu_stats(gts, res, [1, 2, 3, 4])
+    assert cs.corpus_bleu4(stats.sum(0)) == pytest.approx(_pycoco_bleu4(REFS, CANDS), rel=1e-9)
+    # A resample that takes image 2 three times and image 3 not at all is the corpus of those
+    # captions: pycocoevalcap on copies of image 2 under new ids must agree.
+    weights = np.array([1.0, 3.0, 0.0, 1.0])
+    copies_r = {1: REFS[1], 2: REFS[2], 5: REFS[2], 6: REFS[2], 4: REFS[4]}
+    copies_c = {1: CANDS[1], 2: CANDS[2], 5: CANDS[2], 6: CANDS[2], 4: CANDS[4]}
+    assert cs.corpus_bleu4(weights @ stats) == pytest.approx(_pycoco_bleu4(copies_r, copies_c), rel=1e-9)
+
+
+# -------------------------------------------------------------------------- figures
+
+def test_figures_are_ratios_of_sums_over_images_not_means_of_per_image_ratios():
+    stats = {"obj": np.array([1.0, 0.0]), "pt_hit": np.array([1.0, 0.0]), "pt_n": np.array([1.0, 3.0]),
+             "pt_mass": np.array([0.5, 0.3]), "rel_true": np.array([0.0, 0.0]), "rel_n": np.array([0.0, 0.0])}
+    f = cs.figures(stats)
+    assert f["pointing"] == pytest.approx(0.25)  # 1 hit of 4 words, not (1/1 + 0/3) / 2
+    assert f["mass_in_box"] == pytest.approx(0.2)
+    assert f["object_accuracy"] == pytest.approx(0.5)
+    assert f["relation_accuracy"] is None  # no relation stated: nothing to score, not 0
+    boot = cs.figures(stats, np.array([[2.0, 0.0], [0.0, 2.0]]))
+    assert boot["pointing"].tolist() == [1.0, 0.0] and boot["object_accuracy"].tolist() == [1.0, 0.0]
+
+
+def test_pooled_seeds_sum_their_counts_image_by_image():
+    a = {"pt_hit": [1, 0], "pt_n": [2, 1], "obj": [1, 1], "cider": [4.0, 2.0]}
+    b = {"pt_hit": [2, 1], "pt_n": [2, 1], "obj": [0, 1], "cider": [2.0, 0.0]}
+    pooled = cs.pool([a, b])
+    assert {k: v.tolist() for k, v in pooled.items()} == {"pt_hit": [3, 1], "pt_n": [4, 2], "obj": [1, 2],
+                                                          "cider": [6.0, 2.0], "runs": [2, 2]}
+    assert cs.concat([a, b])["pt_n"].tolist() == [2, 1, 2, 1]
+    # Per-caption figures stay means over captions: 3 of the 4 captions name their objects.
+    f = cs.figures(pooled)
+    assert f["object_accuracy"] == pytest.approx(0.75) and f["CIDEr"] == pytest.approx(2.0)
+    assert f["pointing"] == pytest.approx(4 / 6)
+
+
+def test_bootstrap_difference_is_paired_over_the_same_images():
+    rng = np.random.default_rng(1)
+    ref = {"obj": (rng.random(300) < 0.5).astype(float)}
+    first_miss = int(np.flatnonzero(ref["obj"] == 0)[0])
+    one_better = {"obj": ref["obj"].copy()}
+    one_better["obj"][first_miss] = 1.0  # the same captions but one
+    weights = cs.bootstrap_weights(300, 500, seed=0)
+    d = cs.paired_difference(one_better, ref, weights)["object_accuracy"]
+    assert d["diff"] == pytest.approx(1 / 300)
+    # Paired: every resample differs by (copies of that one image) / 300, so the interval is
+    # tiny and never below 0; resampling the two sides apart would spread it over +-0.08.
+    assert 0 <= d["lo"] <= d["hi"] <= 5 / 300
+    same = cs.paired_difference(ref, ref, weights)["object_accuracy"]
+    assert same == {"diff": 0.0, "lo": 0.0, "hi": 0.0}
+    much_better = {"obj": np.ones(300)}
+    d = cs.paired_difference(much_better, ref, weights)["object_accuracy"]
+    assert d["lo"] > 0.4
+
+
+# -------------------------------------------------------------------------- ranking
+
+def test_rank_correlations():
+    assert cs.spearman([1, 2, 3, 4], [10, 30, 35, 40]) == pytest.approx(1.0)
+    assert cs.kendall_tau_b([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert cs.kendall_tau_b([1, 1, 2], [1, 2, 3]) == pytest.approx(2 / np.sqrt(6))  # tie in the first list
+    assert cs.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(np.sqrt(3) / 2)
+    assert cs.ranks([5, 1, 5, 3]).tolist() == [3.5, 1.0, 3.5, 2.0]
+
+
+def _summary(values: dict[str, float]) -> dict:
+    return {"rows": {n: {"figures": {k: {"mean": v, "sd": None, "n": 1} for k, _ in ct.COLUMNS}}
+                     for n, v in values.items()}}
+
+
+def test_check_ranking_reports_agreement_and_the_top_variant():
+    full = _summary({"additive": 0.9, "dot": 0.7, "sparsemax": 0.8, "mean": 0.5})
+    short = _summary({"additive": 0.6, "dot": 0.5, "sparsemax": 0.65, "mean": 0.2})
+    text = ct.check_ranking(short, full)
+    line = next(x for x in text.splitlines() if x.startswith("| object acc."))
+    assert line == "| object acc. | +0.80 | +0.67 | sparsemax | additive | no |"
+    with pytest.raises(ValueError, match="only 2 variant"):
+        ct.check_ranking(_summary({"additive": 0.1, "dot": 0.2}), full)
+
+
+# ------------------------------------------------------------------------ pipeline
+
+def _rows_file(tmp_path: Path, extra_rows: str = "") -> Path:
+    config = Path(__file__).resolve().parent.parent / "train" / "configs" / "shapes-soft.toml"
+    data = tmp_path / "shapes-train"
+    path = tmp_path / "rows.toml"
+    path.write_text(f'''reference = "additive"
+aa_pair = ["additive", "concat"]
+[[rows]]
+name = "additive"
+sets = []
+[[rows]]
+name = "concat"
+sets = ["model.score=concat"]
+{extra_rows}
+[recipes.tiny]
+config = "{config}"
+steps = 3
+sets = ["data.dir={data}", "data.shapes_train=8", "data.shapes_val=2", "data.shapes_image_size=48",
+        "model.encoder=small", "model.image_size=32", "model.embed_dim=8", "model.hidden_dim=8",
+        "model.attention_dim=8", "optim.batch_size=4", "val.limit=2", "val.beam_size=1"]
+''')
+    return path
+
+
+def _args(tmp_path: Path, rows_file: Path, *more: str) -> list[str]:
+    return ["--rows-file", str(rows_file), "--recipe", "tiny", "--seeds", "0,1", "--test-images", "3",
+            "--test-root", str(tmp_path / "tests"), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--jobs", "0",
+            "--resamples", "50", *more]
+
+
+def test_a_row_whose_field_or_parameter_this_code_lacks_stops_the_run_naming_it(tmp_path, capsys):
+    rows = _rows_file(tmp_path, '''[[rows]]
+name = "future"
+sets = ["model.no_such_field=4"]
+[[rows]]
+name = "needs-param"
+sets = []
+requires_param = "no_such_param"
+''')
+    with pytest.raises(SystemExit) as e:
+        ca.main(_args(tmp_path, rows, "--skip-timing"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "future (unknown field model.no_such_field)" in err and "needs-param" in err and "no_such_param" in err
+    assert "additive" not in err.split("cannot run:")[1]
+    assert not (tmp_path / "out").exists()  # nothing trained before the check
+
+
+def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, monkeypatch):
+    rows = _rows_file(tmp_path)
+    assert ca.main(_args(tmp_path, rows, "--timing-steps", "5", "--timing-rounds", "2")) == 0
+    out = tmp_path / "out" / "tiny-3steps"
+    timing = json.loads((out / "timing.json").read_text())["rates"]
+    assert set(timing) == {"additive", "concat"}
+    assert all(len(t["rounds"]) == 2 and t["steps_per_s"] == pytest.approx(np.median(t["rounds"]), rel=1e-3)
+               and t["steps_per_s"] > 0 for t in timing.values())
+    for name in ("additive", "concat"):
+        for seed in (0, 1):
+            rec = json.loads((out / "results" / name / f"seed{seed}.json").read_text())
+            assert rec["steps"] == 3 and rec["seed"] == seed and sorted(rec["tests"]) == ["test7001", "test7002",
+                                                                                          "test7003"]
+            cols = json.loads(gzip.decompress((out / "results" / name / f"seed{seed}.images.json.gz").read_bytes()))
+            assert [len(cols[t]["image_ids"]) for t in sorted(cols)] == [3, 3, 3]
+    summary = json.loads((out / "table.json").read_text())
+    assert summary["n_images"] == 9 and set(summary["rows"]) == {"additive", "concat"}
+    words = {r["pointing_words"] for r in summary["rows"].values()}
+    assert len(words) == 1 and words.pop() > 0  # the same reference words for both variants
+    assert summary["aa"]["object_accuracy"] is not None
+    # The pooled difference is the difference of the seed means for a per-caption figure.
+    means = {n: r["figures"]["CIDEr"]["mean"] for n, r in summary["rows"].items()}
+    assert summary["vs_reference"]["concat"]["CIDEr"]["diff"] == pytest.approx(means["concat"] - means["additive"])
+    table = (out / "table.md").read_text()
+    assert "| additive | 2 |" in table and "| concat | 2 |" in table and "A/A noise floor (concat - additive" in table
+    assert f"| {timing['concat']['steps_per_s']:.2f} |" in table.split("| concat | 2 |")[1].splitlines()[0]
+    # Seeds differ: another seed is another model (not the same run scored twice).
+    ent = [json.loads((out / "results" / "additive" / f"seed{s}.json").read_text())["tests"]["test7001"]
+           ["figures"]["entropy"] for s in (0, 1)]
+    assert ent[0] != ent[1]
+
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "results").rglob("*")}
+    import train.loop
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished (row, seed) was trained again")
+
+    monkeypatch.setattr(train.loop, "train", no_training)
+    assert ca.main(_args(tmp_path, rows)) == 0  # nor timed again: timing.json has both
+    assert stamps == {p: p.stat().st_mtime_ns for p in (out / "results").rglob("*")}
+
+    monkeypatch.setattr(ca, "evaluate_checkpoint", no_training)
+    (out / "table.md").unlink()
+    assert ca.main(_args(tmp_path, rows, "--table")) == 0  # reads the result files alone
+    assert (out / "table.md").read_text() == table
+
+
+def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch):
+    import train.loop
+    from train.config import load_config
+
+    run_training = train.loop.train
+
+    rows_file = _rows_file(tmp_path)
+    plan = ca.load_plan(rows_file)
+    recipe, steps = ca.recipe_of(plan, "tiny", None)
+    additive = plan.rows[0]
+    run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
+    # A run stopped at step 2 (as Ctrl-C leaves it: last.pt, no result).
+    stopped = ca.training_sets(recipe, steps, additive, 0)
+    run_training(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+                 run_dir, progress=False)
+    assert ca._last_step(run_dir) == 2
+    args = ca.parse_args(_args(tmp_path, rows_file, "--rows", "additive", "--seeds", "0", "--skip-timing"))
+    tests = ca.ensure_test_sets(args.test_seed_list, 3, args.test_root)
+    calls = []
+    monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
+    assert ca.run_job([additive], 0, recipe, "tiny", steps, tests, tmp_path / "out" / "tiny-3steps",
+                      tmp_path / "runs" / "tiny-3steps", 3) == 0
+    assert calls == [True] and ca._last_step(run_dir) == 3
+    rec = json.loads(ca.result_path(tmp_path / "out" / "tiny-3steps", additive, 0).read_text())
+    assert rec["checkpoint"].startswith("last.pt at step 3")
+    # Scored with the weight average the recipe keeps (optim.ema), not the raw last weights.
+    from captioner.checkpoint import load_checkpoint
+
+    last = load_checkpoint(run_dir / "last.pt")
+    average = last["train_state"]["weight_average"]["tensors"]
+    scored = ca.last_step_model(run_dir).model.state_dict()
+    key = "decoder.L_o.weight"
+    assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last["state_dict"][key])

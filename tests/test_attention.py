@@ -79,7 +79,9 @@ def test_gradients_reach_every_parameter_the_query_and_the_keys(score, normalize
     loss.backward()
     params = dict(att.named_parameters())
     if score in ("dot", "scaled_dot", "cosine") and local_window == 0:
-        assert set(params) == {"query_proj.weight"}  # D != Q: only the projection of h
+        # D != Q: only the projection of h (and cosine's temperature, which the loop below
+        # checks gets a gradient)
+        assert set(params) == {"query_proj.weight"} | ({"log_temperature"} if score == "cosine" else set())
     for name, p in params.items():
         assert p.grad is not None, name
         assert p.grad.abs().sum() > 0, name
@@ -99,7 +101,8 @@ def test_query_is_projected_when_sizes_differ(score):
         expected = torch.einsum("bld,bd->bl", a, q) / (math.sqrt(D) if score == "scaled_dot" else 1.0)
     torch.testing.assert_close(att.scores(att.prepare(a), a, h), expected)
     same = make(score, key_dim=6, query_dim=6)
-    assert not hasattr(same, "query_proj") and not list(same.parameters())
+    assert not hasattr(same, "query_proj")
+    assert [n for n, _ in same.named_parameters()] == (["log_temperature"] if score == "cosine" else [])
 
 
 def test_scaled_dot_is_dot_over_sqrt_d():

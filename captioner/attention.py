@@ -224,9 +224,11 @@ class Attention(nn.Module):
             outputs = 3 if local_width == "learned" else 2
             self.centre = nn.Sequential(nn.Linear(query_dim, attn_dim), nn.Tanh(), nn.Linear(attn_dim, outputs))
             if local_width == "learned":
-                with torch.no_grad():  # half-width = MIN + softplus(raw): local_window at raw = 0
-                    self.centre[2].bias[2] += _inverse_softplus(self.local_window - MIN_HALF_WIDTH
-                                                                if self.local_window > MIN_HALF_WIDTH else 1e-3)
+                # half-width = MIN + softplus(raw): exactly local_window for every query at the start
+                start = max(self.local_window - MIN_HALF_WIDTH, 1e-3)
+                with torch.no_grad():
+                    self.centre[2].weight[2].zero_()
+                    self.centre[2].bias[2] = _inverse_softplus(start)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "log_temperature"

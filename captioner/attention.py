@@ -12,7 +12,7 @@ size, A attention size.
     local_window  > 0: alpha reweighted by a 2-D Gaussian window of that half-width (cells)
                 around a predicted centre (local attention)
     local_width fixed (default): the half-width is local_window; learned: the centre network
-                also predicts it, softplus(.) cells, starting at local_window
+                also predicts it, 0.1 + softplus(.) cells, starting at local_window
     cosine      cos(h, a_i) / tau with a learned temperature tau (stored as log tau, starts
                 at 1): at tau = 1 a softmax over a 16x16 grid puts at most e/(e + 255/e),
                 under 3%, on one cell; a small tau lets it point at one
@@ -287,7 +287,9 @@ class Attention(nn.Module):
 
     def _log_window(self, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """log of the 2-D Gaussian window, -d^2 / (2 sigma^2): (B, L). The centre is
-        p_t = grid * sigmoid(v^T tanh(W h)) per axis, in cell units (cell i spans [i, i+1])."""
+        p_t = grid * sigmoid(v^T tanh(W h)) per axis, in cell units (cell i spans [i, i+1]);
+        sigma is half the half-width: local_window, or with a learned width
+        MIN_HALF_WIDTH + softplus(the centre network's third output), per query."""
         gh, gw = grid
         size = torch.tensor([gh, gw], device=h.device, dtype=h.dtype)
         out = self.centre(h)  # (B, 2) or (B, 3)

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .multihead import build_attention
 from .encoders import Annotations, create_encoder
+from .multihead import build_attention
 
 
 # Weights of at least this many elements get their gradient over all steps at once

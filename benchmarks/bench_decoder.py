@@ -11,11 +11,14 @@ one tensor program).
 ``forward_stepwise``, with autograd's additive scores), interleaved with the current one.
 --demo takes demo-soft's whole model instead (its small8 encoder trained from scratch,
 128 px images, 128/256/128, 30 words, captions of 5 to 12 words), training only.
+--model KEY=VALUE (repeatable) changes the model's attention, e.g. --model heads=4, or
+--model local_window=2 --model local_width=learned, --model score=cosine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -68,6 +71,22 @@ def compare_previous(step_now, step_previous, repeats: int) -> None:
           f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
 
 
+def _model_options(items: list[str]) -> dict:
+    """KEY=VALUE strings -> ModelConfig fields (numbers as int or float)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in {f.name for f in dataclasses.fields(ModelConfig)}:
+            raise ValueError(f"--model {item!r}: expected FIELD=VALUE with a ModelConfig field")
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                out[key] = value
+    return out
+
+
 def demo(args) -> None:
     from captioner.model import CaptionModel
 
@@ -75,7 +94,7 @@ def demo(args) -> None:
 
     torch.manual_seed(0)
     model = CaptionModel(ModelConfig(vocab_size=30, encoder="small8", image_size=(128, 128), embed_dim=128,
-                                     hidden_dim=256, attention_dim=128, dropout=0.3)).train()
+                                     hidden_dim=256, attention_dim=128, dropout=0.3, **args.model)).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     lengths = torch.randint(7, 15, (32,))  # <start> + 5..12 words + <end>
     tokens = torch.randint(4, 30, (32, int(lengths.max())))
@@ -92,7 +111,8 @@ def demo(args) -> None:
             opt.step()
         return run
 
-    print(f"demo-soft's model, batch 32, CPU, {torch.get_num_threads()} threads")
+    print(f"demo-soft's model, batch 32, CPU, {torch.get_num_threads()} threads"
+          + "".join(f", {k}={v}" for k, v in args.model.items()))
     compare_previous(step(False), step(True), args.repeats)
 
 
@@ -103,7 +123,13 @@ def main() -> None:
     ap.add_argument("--previous", action="store_true", help="also time the previous training step, interleaved")
     ap.add_argument("--demo", action="store_true", help="demo-soft's whole model instead (training only, CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a model config field for the attention, e.g. heads=4 (repeatable)")
     args = ap.parse_args()
+    try:
+        args.model = _model_options(args.model)
+    except ValueError as e:
+        ap.error(str(e))
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.threads:
@@ -113,7 +139,7 @@ def main() -> None:
         return
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    decoder = Decoder(ModelConfig(**SIZES, dropout=0.5)).to(dev)
+    decoder = Decoder(ModelConfig(**SIZES, dropout=0.5, **args.model)).to(dev)
     opt = torch.optim.Adam(decoder.parameters(), lr=1e-4)
 
     a = torch.randn(BATCH, L, SIZES["annotation_dim"], device=dev)
@@ -131,7 +157,8 @@ def main() -> None:
             torch.cuda.synchronize()
 
     print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={BATCH} steps={STEPS}")
+    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={BATCH} steps={STEPS}"
+          + "".join(f" {k}={v}" for k, v in args.model.items()))
     decoder.train()
     t_train = _timed(train_step, args.repeats)
     if args.previous:

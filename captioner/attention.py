@@ -11,6 +11,11 @@ size, A attention size.
                 mean: z = mean_i a_i (no attention; the baseline that shows what attention adds)
     local_window  > 0: alpha reweighted by a 2-D Gaussian window of that half-width (cells)
                 around a predicted centre (local attention)
+    local_width fixed (default): the half-width is local_window; learned: the centre network
+                also predicts it, 0.1 + softplus(.) cells, starting at local_window
+    cosine      cos(h, a_i) / tau with a learned temperature tau (stored as log tau, starts
+                at 1): at tau = 1 a softmax over a 16x16 grid puts at most e/(e + 255/e),
+                under 3%, on one cell; a small tau lets it point at one
 
 Whatever depends only on the image (W_a a_i and the like) is computed once per image by
 ``prepare``, not once per step.
@@ -32,6 +37,17 @@ from torch import nn
 SCORES = ("additive", "concat", "dot", "scaled_dot", "general", "cosine")
 NORMALIZERS = ("softmax", "sparsemax")
 MODES = ("soft", "hard", "mean")
+LOCAL_WIDTHS = ("fixed", "learned")
+# A learned half-width never goes below this many cells: the window's log, -d^2 / (2 sigma^2),
+# stays finite (and its gradient too) however far the centre network pushes the width down.
+MIN_HALF_WIDTH = 0.1
+# The cosine temperature never goes below this: scores stay within +-100, softmax finite.
+MIN_TEMPERATURE = 0.01
+
+
+def _inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y > 0, without overflow for large y."""
+    return y + math.log(-math.expm1(-y))
 
 
 @dataclass
@@ -41,6 +57,7 @@ class AttentionStep:
     sample: torch.Tensor | None = None  # (B,) hard attention: the sampled location
     sample_log_prob: torch.Tensor | None = None  # (B,) log p(s_t | a), with gradient to alpha
     entropy: torch.Tensor | None = None  # (B,) H[alpha_t]
+    alpha_heads: torch.Tensor | None = None  # (B, h, L) each head's weights (multi-head only)
 
 
 def sparsemax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -169,7 +186,10 @@ class _AdditiveScore(torch.autograd.Function):
 
 class Attention(nn.Module):
     def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, score: str = "additive",
-                 normalizer: str = "softmax", mode: str = "soft", local_window: float = 0.0):
+                 normalizer: str = "softmax", mode: str = "soft", local_window: float = 0.0,
+                 local_width: str = "fixed", project_query: bool = False):
+        """``project_query``: the dot-product scores (dot, scaled_dot, cosine) project the query
+        even when its size is the key size (the heads of a multi-head attention differ by it)."""
         super().__init__()
         if score not in SCORES:
             raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(SCORES)}")
@@ -177,8 +197,14 @@ class Attention(nn.Module):
             raise ValueError(f"unknown normalizer {normalizer!r}; choose from {', '.join(NORMALIZERS)}")
         if mode not in MODES:
             raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(MODES)}")
+        if local_width not in LOCAL_WIDTHS:
+            raise ValueError(f"unknown local_width {local_width!r}; choose from {', '.join(LOCAL_WIDTHS)}")
+        if local_width == "learned" and not local_window > 0:
+            raise ValueError("local_width 'learned' needs local_window > 0 (its starting half-width, in cells)")
         self.score, self.normalizer, self.mode = score, normalizer, mode
         self.local_window = float(local_window)
+        self.local_width = local_width
+        self.num_heads = 1
         self.key_dim = key_dim
         if score == "additive":
             self.key_proj = nn.Linear(key_dim, attn_dim)  # W_a, applied once per image
@@ -189,10 +215,27 @@ class Attention(nn.Module):
             self.v = nn.Linear(attn_dim, 1)
         elif score == "general":
             self.bilinear = nn.Linear(key_dim, query_dim, bias=False)  # W a_i, once per image
-        elif score in ("dot", "scaled_dot", "cosine") and query_dim != key_dim:
+        elif score in ("dot", "scaled_dot", "cosine") and (query_dim != key_dim or project_query):
             self.query_proj = nn.Linear(query_dim, key_dim, bias=False)  # sizes differ: project h
+        if score == "cosine":
+            self.log_temperature = nn.Parameter(torch.zeros(()))  # log tau: tau = 1 at the start
         if self.local_window > 0:
-            self.centre = nn.Sequential(nn.Linear(query_dim, attn_dim), nn.Tanh(), nn.Linear(attn_dim, 2))
+            # (row, col) of the centre, and with a learned width its half-width's softplus input
+            outputs = 3 if local_width == "learned" else 2
+            self.centre = nn.Sequential(nn.Linear(query_dim, attn_dim), nn.Tanh(), nn.Linear(attn_dim, outputs))
+            if local_width == "learned":
+                # half-width = MIN + softplus(raw): exactly local_window for every query at the start
+                start = max(self.local_window - MIN_HALF_WIDTH, 1e-3)
+                with torch.no_grad():
+                    self.centre[2].weight[2].zero_()
+                    self.centre[2].bias[2] = _inverse_softplus(start)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "log_temperature"
+        if self.score == "cosine" and key not in state_dict:
+            # Saved before cosine had a temperature: tau = 1, the scores it was trained with.
+            state_dict[key] = torch.zeros(())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""
@@ -227,7 +270,8 @@ class Attention(nn.Module):
             return torch.einsum("blq,bkq->bkl", keys, hq)
         q = self.query_proj(hq) if hasattr(self, "query_proj") else hq  # (B, k, D)
         if self.score == "cosine":
-            return torch.einsum("bld,bkd->bkl", keys, F.normalize(q, dim=-1))
+            scale = torch.exp(-self.log_temperature.clamp(min=math.log(MIN_TEMPERATURE)))  # 1 / tau
+            return torch.einsum("bld,bkd->bkl", keys, F.normalize(q, dim=-1)) * scale
         e = torch.einsum("bld,bkd->bkl", keys, q)
         return e / math.sqrt(self.key_dim) if self.score == "scaled_dot" else e
 
@@ -243,15 +287,21 @@ class Attention(nn.Module):
 
     def _log_window(self, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """log of the 2-D Gaussian window, -d^2 / (2 sigma^2): (B, L). The centre is
-        p_t = grid * sigmoid(v^T tanh(W h)) per axis, in cell units (cell i spans [i, i+1])."""
+        p_t = grid * sigmoid(v^T tanh(W h)) per axis, in cell units (cell i spans [i, i+1]);
+        sigma is half the half-width: local_window, or with a learned width
+        MIN_HALF_WIDTH + softplus(the centre network's third output), per query."""
         gh, gw = grid
         size = torch.tensor([gh, gw], device=h.device, dtype=h.dtype)
-        centre = size * torch.sigmoid(self.centre(h))  # (B, 2) in cell units, (row, col)
+        out = self.centre(h)  # (B, 2) or (B, 3)
+        centre = size * torch.sigmoid(out[:, :2])  # (B, 2) in cell units, (row, col)
         rows = torch.arange(gh, device=h.device, dtype=h.dtype) + 0.5
         cols = torch.arange(gw, device=h.device, dtype=h.dtype) + 0.5
         d2 = (rows.view(1, gh, 1) - centre[:, 0].view(-1, 1, 1)) ** 2 + \
              (cols.view(1, 1, gw) - centre[:, 1].view(-1, 1, 1)) ** 2  # (B, H, W)
-        sigma = self.local_window / 2
+        if self.local_width == "learned":
+            sigma = ((MIN_HALF_WIDTH + F.softplus(out[:, 2])) / 2).view(-1, 1, 1)  # (B, 1, 1) cells
+        else:
+            sigma = self.local_window / 2
         return (-d2 / (2 * sigma**2)).flatten(1)
 
     def _local(self, e: torch.Tensor, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:

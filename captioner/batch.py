@@ -117,10 +117,12 @@ class Resume:
     lacking: set[str] = field(default_factory=set)  # captioned, without the attention this run asks for
 
 
-def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: Path | None = None) -> Resume:
+def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: Path | None = None,
+                heads: bool = False) -> Resume:
     """Sort the images of ``out_path`` into done, failed before, and captioned without the
-    attention asked for now (``alphas`` for --with-attention, an existing ``attention_png``
-    for --attention-dir): the last two are captioned again."""
+    attention asked for now (``alphas`` for --with-attention, ``alphas_heads`` for
+    --attention-heads, an existing ``attention_png`` for --attention-dir): the last two are
+    captioned again."""
     ok: set[str] = set()
     good: set[str] = set()
     errors: set[str] = set()
@@ -133,7 +135,7 @@ def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: 
             errors.add(key)
             continue
         good.add(key)
-        enough = (not with_attention or "alphas" in rec) and \
+        enough = (not with_attention or "alphas" in rec) and (not heads or "alphas_heads" in rec) and \
             (attention_dir is None or os.path.isfile(str(rec.get("attention_png", ""))))
         if enough:
             ok.add(key)
@@ -254,10 +256,10 @@ class BatchSummary:
 def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
                   batch_size: int = 16, workers: int = 0, with_attention: bool = False,
                   attention_dir: Path | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
-                  progress: bool | None = None, resolved: bool = False) -> BatchSummary:
+                  progress: bool | None = None, resolved: bool = False, heads: bool = False) -> BatchSummary:
     """Caption ``images`` in order, writing one JSON line per image to ``out``. With
     ``resolved``, each line also holds the image's resume key (for an output file that a
-    later run resumes)."""
+    later run resumes). ``heads``: each head's maps too, in the line and the figure."""
     summary = BatchSummary()
     if not images:
         return summary
@@ -275,9 +277,9 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                 path = images[index]
                 if index in results:
                     r = results[index]
-                    record = r.to_json(path, with_attention)
+                    record = r.to_json(path, with_attention, heads=heads)
                     if attention_dir is not None:
-                        record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess)
+                        record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads)
                     summary.captioned += 1
                 else:
                     record = {"image": path, "error": batch.errors[index]}
@@ -292,11 +294,11 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     return summary
 
 
-def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess) -> str:
+def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False) -> str:
     from .overlay import attention_figure
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.
     name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
-    attention_figure(preprocess.seen(load_image(path)), result).save(folder / name)  # the part the model saw
+    attention_figure(preprocess.seen(load_image(path)), result, heads=heads).save(folder / name)  # the part the model saw
     return str(folder / name)

@@ -128,6 +128,10 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help='add "alphas" (T x H x W, rounded) and "betas" (T) to each line')
     p.add_argument("--attention-dir", type=Path, default=None,
                    help="write one PNG per image: the image and an attention overlay per word")
+    p.add_argument("--attention-heads", action="store_true",
+                   help='each attention head\'s maps too (models with model.heads > 1; the default maps are '
+                        'the heads\' mean): "alphas_heads" (T x heads x H x W) on each line, with "alphas" and '
+                        '"betas", and in --attention-dir a row per word, its mean map then one overlay per head')
     p.add_argument("--max-pixels", type=_positive, default=None,
                    help="refuse images with more pixels than this (default: Pillow's 89,478,485)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -180,7 +184,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
         if ctx.active and ctx.is_main:
             merge_parts(args.out)  # parts left by an earlier, killed distributed run
         ctx.barrier()
-        resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir)
+        resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
+                              heads=args.attention_heads)
                   if args.out is not None else None)
         todo, keys, todo_keys, real_folders = [], set(), set(), {}
         for path in found.images:  # each image once, however often it was named
@@ -205,7 +210,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
                                     attention_dir=args.attention_dir,
                                     max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
                                     progress=False if args.quiet or not ctx.is_main else None,
-                                    resolved=args.out is not None)
+                                    resolved=args.out is not None, heads=args.attention_heads)
         finally:
             if out is not sys.stdout:
                 out.close()

@@ -26,20 +26,30 @@ class CaptionResult:
     """A caption and, for every word, where the model looked."""
 
     words: list[str]
-    alphas: torch.Tensor  # (T, H, W), T = len(words); each map sums to 1
+    alphas: torch.Tensor  # (T, H, W), T = len(words); each map sums to 1 (several heads: their mean)
     betas: torch.Tensor  # (T,) the gate beta_t of each word's step
     score: float  # log-probability of the whole caption (its end token included, if any)
+    alphas_heads: torch.Tensor | None = None  # (T, h, H, W) each head's map; None for one head
 
     @property
     def caption(self) -> str:
         return " ".join(self.words)
 
-    def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4) -> dict:
+    @property
+    def head_alphas(self) -> torch.Tensor:
+        """(T, h, H, W) every head's map, h = 1 for a single-head model (its one map)."""
+        return self.alphas_heads if self.alphas_heads is not None else self.alphas.unsqueeze(1)
+
+    def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4,
+                heads: bool = False) -> dict:
+        """``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
         out: dict = {} if image is None else {"image": image}
         out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
-        if with_attention:
+        if with_attention or heads:
             out["alphas"] = torch.round(self.alphas.float(), decimals=digits).tolist()
             out["betas"] = torch.round(self.betas.float(), decimals=digits).tolist()
+        if heads:
+            out["alphas_heads"] = torch.round(self.head_alphas.float(), decimals=digits).tolist()
         return out
 
 
@@ -51,6 +61,7 @@ class DecodedIds:
     alphas: torch.Tensor  # (len(ids), L)
     betas: torch.Tensor  # (len(ids),)
     score: float
+    alphas_heads: torch.Tensor | None = None  # (len(ids), h, L), several heads only
 
 
 HARD_INFERENCE = ("expected", "argmax", "sample")
@@ -73,7 +84,7 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
     h, c = decoder.init_state(a)
     y = torch.full((b,), start, dtype=torch.long, device=a.device)
     done = torch.zeros(b, dtype=torch.bool, device=a.device)
-    ids, alphas, betas, logps = [], [], [], []
+    ids, alphas, betas, logps, heads = [], [], [], [], []
     for _ in range(max_len):
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         h, c = o.h, o.c
@@ -82,14 +93,18 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
         ids.append(y)
         alphas.append(o.alpha)
         betas.append(o.beta)
+        if o.alpha_heads is not None:
+            heads.append(o.alpha_heads)
         logps.append(torch.where(done, torch.zeros_like(y, dtype=logp.dtype), logp.gather(1, y[:, None]).squeeze(1)))
         done = done | (y == end)
         if bool(done.all()):
             break
     ids_t = torch.stack(ids, 1)  # (B, T)
     alphas_t, betas_t = torch.stack(alphas, 1), torch.stack(betas, 1)  # (B, T, L), (B, T)
+    heads_t = torch.stack(heads, 1) if heads else None  # (B, T, h, L)
     total = torch.stack(logps, 1).sum(1)
-    return [_trim(ids_t[i].tolist(), alphas_t[i], betas_t[i], float(total[i]), end) for i in range(b)]
+    return [_trim(ids_t[i].tolist(), alphas_t[i], betas_t[i], float(total[i]), end,
+                  heads_t[i] if heads_t is not None else None) for i in range(b)]
 
 
 @torch.no_grad()
@@ -137,6 +152,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     parents = torch.zeros(max_len, b, k, dtype=torch.long, device=dev)
     alpha_steps = torch.zeros(max_len, b, k, n, device=dev)
     beta_steps = torch.zeros(max_len, b, k, device=dev)
+    head_steps = None  # (max_len, B, k, h, L) each head's maps, made at the first step of a multi-head model
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
     active = torch.arange(b, device=dev)  # original index of each image still in the batch
     out: list[DecodedIds | None] = [None] * b
@@ -155,14 +171,18 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
         alphas = torch.zeros(len(img), last + 1, n, device=dev)
         betas = torch.zeros(len(img), last + 1, device=dev)
+        heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:]) if head_steps is not None else None
         for t in range(last, -1, -1):
             before = step > t  # rows whose caption goes on after step t
             ids[:, t] = torch.where(step == t, word, torch.where(before, words[t, img, j], ids[:, t]))
             j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
             alphas[:, t], betas[:, t] = alpha_steps[t, img, j], beta_steps[t, img, j]
+            if heads is not None:
+                heads[:, t] = head_steps[t, img, j]
         m = (step + 1).tolist()
         for r, i in enumerate(img.tolist()):
-            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], float(score[r]), end)
+            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], float(score[r]), end,
+                           heads[r, :m[r]] if heads is not None else None)
 
     for t in range(max_len):
         bb = len(active)
@@ -171,6 +191,10 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         v = logp.shape[-1]
         alpha_steps[t, active] = o.alpha.view(bb, k, n).float()
         beta_steps[t, active] = o.beta.view(bb, k).float()
+        if o.alpha_heads is not None:
+            if head_steps is None:
+                head_steps = torch.zeros(max_len, b, k, o.alpha_heads.shape[1], n, device=dev)
+            head_steps[t, active] = o.alpha_heads.view(bb, k, -1, n).float()
         cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)  # (b', 2k) sorted
         beam = torch.div(idx, v, rounding_mode="floor")  # the open beam each candidate extends
         word = idx % v
@@ -217,8 +241,10 @@ def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
     return logp
 
 
-def _trim(ids: list[int], alphas: torch.Tensor, betas: torch.Tensor, score: float, end: int) -> DecodedIds:
+def _trim(ids: list[int], alphas: torch.Tensor, betas: torch.Tensor, score: float, end: int,
+          heads: torch.Tensor | None = None) -> DecodedIds:
     if end in ids:
         m = ids.index(end) + 1
         ids, alphas, betas = ids[:m], alphas[:m], betas[:m]
-    return DecodedIds(ids, alphas, betas, score)
+        heads = heads[:m] if heads is not None else None
+    return DecodedIds(ids, alphas, betas, score, heads)

@@ -165,7 +165,9 @@ class Captioner:
     def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
-        return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score)
+        heads = None if d.alphas_heads is None else d.alphas_heads[:t].reshape(t, d.alphas_heads.shape[1], *grid).float().cpu()
+        return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
+                             heads)
 
     def caption_images(self, images: list[Image.Image], options: DecodeOptions | None = None) -> list[CaptionResult]:
         if not images:

@@ -5,6 +5,8 @@ H hidden size, V vocabulary size.
 
     h_0 = tanh(f_init_h(mean_i a_i)),  c_0 = tanh(f_init_c(mean_i a_i))
     alpha_t = softmax(f_att(a, h_{t-1}))                  (attention.py)
+                  with heads > 1: h such maps, contexts concatenated and projected back
+                  to D before the gate, alpha_t their mean      (multihead.py)
     beta_t = sigmoid(f_beta(h_{t-1}))                     a scalar per step
     z_t = beta_t * sum_i alpha_ti a_i                     (hard: beta_t * a_{s_t})
     h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
@@ -19,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention
 from .encoders import Annotations, create_encoder
+from .multihead import build_attention
 
 
 # Weights of at least this many elements get their gradient over all steps at once
@@ -45,6 +47,8 @@ class ModelConfig:
     score: str = "additive"
     normalizer: str = "softmax"
     local_window: float = 0.0
+    local_width: str = "fixed"  # fixed (local_window) | learned (predicted per step, starts at local_window)
+    heads: int = 1  # decoder attention heads; their contexts are concatenated and projected back to D
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -68,10 +72,11 @@ class StepOutput:
     logits: torch.Tensor  # (B, V)
     h: torch.Tensor  # (B, H)
     c: torch.Tensor  # (B, H)
-    alpha: torch.Tensor  # (B, L)
+    alpha: torch.Tensor  # (B, L) the heads' mean map with several heads
     beta: torch.Tensor  # (B,)
     sample_log_prob: torch.Tensor | None = None  # (B,) hard attention only
     entropy: torch.Tensor | None = None  # (B,) hard attention only
+    alpha_heads: torch.Tensor | None = None  # (B, h, L) each head's map, several heads only
 
 
 @dataclass
@@ -79,19 +84,21 @@ class DecoderOutput:
     """Teacher-forced outputs over T = max length - 1 steps."""
 
     logits: torch.Tensor  # (B, T, V); Decoder.forward leaves padding steps at 0
-    alphas: torch.Tensor  # (B, T, L)
+    alphas: torch.Tensor  # (B, T, L) the heads' mean map with several heads
     betas: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) True on real (non-padding) steps
-    sample_log_probs: torch.Tensor | None = None  # (B, T) log p(s_t | a), hard attention
-    entropies: torch.Tensor | None = None  # (B, T)
+    sample_log_probs: torch.Tensor | None = None  # (B, T) log p(s_t | a), hard attention (summed over heads)
+    entropies: torch.Tensor | None = None  # (B, T) (summed over heads)
+    alphas_heads: torch.Tensor | None = None  # (B, T, h, L) each head's map, several heads only
 
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, e, h, v = cfg.annotation_dim, cfg.embed_dim, cfg.hidden_dim, cfg.vocab_size
-        self.attention = Attention(d, h, cfg.attention_dim, score=cfg.score, normalizer=cfg.normalizer,
-                                   mode=cfg.attention, local_window=cfg.local_window)
+        self.attention = build_attention(d, h, cfg.attention_dim, heads=cfg.heads, score=cfg.score,
+                                         normalizer=cfg.normalizer, mode=cfg.attention,
+                                         local_window=cfg.local_window, local_width=cfg.local_width)
         self.embedding = nn.Embedding(v, e)
         self.init_h = nn.Linear(d, h)
         self.init_c = nn.Linear(d, h)
@@ -141,7 +148,8 @@ class Decoder(nn.Module):
         emb = self.embedding(y_prev)  # (B, E)
         h, c = self.lstm(torch.cat([emb, z], dim=1), (h, c))
         logits = self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))  # (B, V)
-        return StepOutput(logits, h, c, att.alpha, beta.squeeze(1), att.sample_log_prob, att.entropy)
+        return StepOutput(logits, h, c, att.alpha, beta.squeeze(1), att.sample_log_prob, att.entropy,
+                          att.alpha_heads)
 
     def forward(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
                 sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
@@ -171,7 +179,7 @@ class Decoder(nn.Module):
         if (self._compiled_recur is None and torch.is_grad_enabled() and w_zh.requires_grad
                 and w_zh.numel() >= DEFERRED_MIN_WEIGHT and not torch.is_autocast_enabled(a.device.type)):
             deferred = _DeferredWeightGrad(w_zh)
-        hs, zs, alphas, betas, logps, ents = [], [], [], [], [], []
+        hs, zs, alphas, betas, logps, ents, heads = [], [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
         for t, pre_t in enumerate(pre.unbind(0)):
             h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
@@ -183,6 +191,8 @@ class Decoder(nn.Module):
             if att.sample_log_prob is not None:
                 logps.append(att.sample_log_prob)
                 ents.append(att.entropy)
+            if att.alpha_heads is not None:
+                heads.append(att.alpha_heads)
         hs_, zs_ = torch.stack(hs, 1), torch.stack(zs, 1)  # (B, T, H), (B, T, D)
         x = self.dropout(emb + self.L_h(hs_) + self.L_z(zs_))  # (B, T, E)
         if bool(mask.all()):
@@ -193,7 +203,8 @@ class Decoder(nn.Module):
             logits[mask] = real
         return DecoderOutput(
             logits, torch.stack(alphas, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None,
+            torch.stack(heads, 1) if heads else None)
 
     def _recur(self, pre: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor, keys: torch.Tensor,
                w_zh: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
@@ -221,7 +232,7 @@ class Decoder(nn.Module):
         h, c = self.init_state(a)
         steps = int(lengths.max()) - 1
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
-        logits, alphas, betas, logps, ents = [], [], [], [], []
+        logits, alphas, betas, logps, ents, heads = [], [], [], [], [], []
         for t in range(steps):
             o = self.step(tokens[:, t], h, c, a, keys, ann.grid, sample=sample, generator=generator)
             h, c = o.h, o.c
@@ -231,9 +242,12 @@ class Decoder(nn.Module):
             if o.sample_log_prob is not None:
                 logps.append(o.sample_log_prob)
                 ents.append(o.entropy)
+            if o.alpha_heads is not None:
+                heads.append(o.alpha_heads)
         return DecoderOutput(
             torch.stack(logits, 1), torch.stack(alphas, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None,
+            torch.stack(heads, 1) if heads else None)
 
 
 class _DeferredWeightGrad:

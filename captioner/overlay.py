@@ -92,23 +92,37 @@ def overlays(image: Image.Image, alphas: torch.Tensor | np.ndarray, smooth: bool
 
 
 def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224, columns: int = 5,
-                     smooth: bool = True) -> Image.Image:
-    """The image, then one overlay panel per word with the word and its beta below."""
+                     smooth: bool = True, heads: bool = False) -> Image.Image:
+    """The image, then one overlay panel per word with the word and its beta below.
+    ``heads``: a row per word instead, its map (the heads' mean) then each head's map."""
     scale = panel / max(image.size)
     pw, ph = max(1, round(image.width * scale)), max(1, round(image.height * scale))
     shown = image.convert("RGB").resize((pw, ph), Image.Resampling.BICUBIC)
-    panels = [(shown, "(image)")]
+    panels: list[tuple[Image.Image, str] | None] = [(shown, "(image)")]
     lit = overlays(shown, result.alphas, smooth) if result.words else []
-    for t, word in enumerate(result.words):
-        panels.append((lit[t], f"{word}  beta {float(result.betas[t]):.2f}"))
+    if heads:
+        maps = result.head_alphas  # (T, h, H, W)
+        nh = maps.shape[1]
+        per_head = overlays(shown, maps.reshape(-1, *maps.shape[2:]), smooth) if result.words else []  # T*h
+        cols = 1 + nh
+        panels += [None] * (cols - 1)  # the image alone on the first row
+        for t, word in enumerate(result.words):
+            panels.append((lit[t], f"{word}  beta {float(result.betas[t]):.2f}"))
+            panels += [(per_head[t * nh + j], f"{word}  head {j + 1}") for j in range(nh)]
+    else:
+        for t, word in enumerate(result.words):
+            panels.append((lit[t], f"{word}  beta {float(result.betas[t]):.2f}"))
+        cols = min(columns, len(panels))
     font = _font(max(12, panel // 14))
     label_h = font.size + 8 if hasattr(font, "size") else 20
-    cols = min(columns, len(panels))
     rows = -(-len(panels) // cols)
     pad = 6
     fig = Image.new("RGB", (cols * (pw + pad) + pad, rows * (ph + label_h + pad) + pad), "white")
     draw = ImageDraw.Draw(fig)
-    for i, (img, label) in enumerate(panels):
+    for i, cell in enumerate(panels):
+        if cell is None:
+            continue
+        img, label = cell
         x = pad + (i % cols) * (pw + pad)
         y = pad + (i // cols) * (ph + label_h + pad)
         fig.paste(img, (x, y))

@@ -79,7 +79,9 @@ def test_gradients_reach_every_parameter_the_query_and_the_keys(score, normalize
     loss.backward()
     params = dict(att.named_parameters())
     if score in ("dot", "scaled_dot", "cosine") and local_window == 0:
-        assert set(params) == {"query_proj.weight"}  # D != Q: only the projection of h
+        # D != Q: only the projection of h (and cosine's temperature, which the loop below
+        # checks gets a gradient)
+        assert set(params) == {"query_proj.weight"} | ({"log_temperature"} if score == "cosine" else set())
     for name, p in params.items():
         assert p.grad is not None, name
         assert p.grad.abs().sum() > 0, name
@@ -99,7 +101,8 @@ def test_query_is_projected_when_sizes_differ(score):
         expected = torch.einsum("bld,bd->bl", a, q) / (math.sqrt(D) if score == "scaled_dot" else 1.0)
     torch.testing.assert_close(att.scores(att.prepare(a), a, h), expected)
     same = make(score, key_dim=6, query_dim=6)
-    assert not hasattr(same, "query_proj") and not list(same.parameters())
+    assert not hasattr(same, "query_proj")
+    assert [n for n, _ in same.named_parameters()] == (["log_temperature"] if score == "cosine" else [])
 
 
 def test_scaled_dot_is_dot_over_sqrt_d():
@@ -458,6 +461,9 @@ VARIANTS = [{"score": s} for s in SCORES] + [
     {"score": "dot", "normalizer": "sparsemax", "local_window": 2.0},
     {"attention": "hard", "score": "cosine"},
     {"attention": "mean"},
+    {"local_window": 1.5, "local_width": "learned"},
+    {"heads": 2},
+    {"heads": 3, "attention": "hard", "score": "dot", "local_window": 2.0, "local_width": "learned"},
 ]
 
 
@@ -469,13 +475,17 @@ def test_variant_is_selected_by_the_config_and_survives_a_checkpoint(variant, tm
     assert att.normalizer == variant.get("normalizer", "softmax")
     assert att.mode == variant.get("attention", "soft")
     assert att.local_window == variant.get("local_window", 0.0)
-    assert hasattr(att, "centre") == ("local_window" in variant)
+    assert att.local_width == variant.get("local_width", "fixed")
+    assert att.num_heads == variant.get("heads", 1)
+    first = att.heads[0] if att.num_heads > 1 else att
+    assert hasattr(first, "centre") == ("local_window" in variant)
     path = tmp_path / "model.pt"
     cap.save(path)
     again = Captioner.load(path)
     assert again.model.config == cap.model.config
     assert again.model.decoder.attention.score == att.score
     assert again.model.decoder.attention.local_window == att.local_window
+    assert again.model.decoder.attention.num_heads == att.num_heads
     for k, v in cap.model.state_dict().items():
         assert torch.equal(v, again.model.state_dict()[k]), k
     images = [tiny_image(i) for i in range(3)]
@@ -484,6 +494,9 @@ def test_variant_is_selected_by_the_config_and_survives_a_checkpoint(variant, tm
             assert x.words == y.words
             assert x.score == y.score
             assert torch.equal(x.alphas, y.alphas)
+            assert (x.alphas_heads is None) == (att.num_heads == 1)
+            if x.alphas_heads is not None:
+                assert torch.equal(x.alphas_heads, y.alphas_heads)
             if x.words:
                 sums = x.alphas.flatten(1).sum(-1)
                 torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-5, rtol=0)

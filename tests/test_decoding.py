@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -257,12 +259,12 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
     return beams[0][1], float(beams[0][0]), held
 
 
-def _random_decoder(seed):
+def _random_decoder(seed, **variant):
     from captioner.model import Decoder, ModelConfig
 
     torch.manual_seed(seed)
     decoder = Decoder(ModelConfig(vocab_size=6, annotation_dim=5, embed_dim=6, hidden_dim=7, attention_dim=4,
-                                  dropout=0.0)).double().eval()
+                                  dropout=0.0, **variant)).double().eval()
     with torch.no_grad():  # sharper or flatter word distributions, and <end> more or less likely
         decoder.L_o.weight.mul_(1 + 5 * torch.rand(()).item())
         decoder.L_o.bias[END] += 2 * torch.randn(()).item()
@@ -288,3 +290,62 @@ def test_batched_search_equals_the_plain_search_on_random_tiny_models():
                 assert all(mine >= rank - 1e-5 for rank, _ in held)
             differs_from_best_beam += any(ids != h for _, h in held)
     assert differs_from_best_beam > 0  # the pool held other captions than the one returned
+
+
+MULTI_HEAD = [{"heads": 2}, {"heads": 2, "local_window": 1.5, "local_width": "learned"},
+              {"heads": 3, "score": "cosine", "normalizer": "sparsemax"}]
+
+
+@pytest.mark.parametrize("variant", MULTI_HEAD, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_batched_search_with_several_heads_equals_the_plain_search(variant):
+    """The k beams of an image share its keys (prepared once per image, for every head)."""
+    for seed in range(8):
+        decoder = _random_decoder(seed, **variant)
+        k, max_len = 2 + seed % 3, 4 + seed % 3
+        a = torch.randn(4, 4, 5, dtype=torch.float64)
+        got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
+                          max_len=max_len)
+        for i, r in enumerate(got):
+            ids, score, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len, length_penalty=0.0)
+            assert r.ids == ids, (seed, i)
+            assert abs(r.score - score) < 1e-4
+            # Each word's head maps are the ones teacher forcing gives for that prefix.
+            tokens = torch.tensor([[START] + r.ids])
+            out = decoder(Annotations(a[i:i + 1], (2, 2)), tokens, torch.tensor([len(r.ids) + 1]))
+            torch.testing.assert_close(r.alphas_heads, out.alphas_heads[0].float(), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(r.alphas, out.alphas[0].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_results_of_a_multi_head_model_carry_each_heads_maps():
+    cap = tiny_captioner(seed=5, heads=2)
+    images = _images(4, seed=6)
+    for opts in (DecodeOptions(beam_size=1, max_len=8), DecodeOptions(beam_size=3, max_len=8)):
+        together = cap.caption_batch(images, opts)
+        for i, r in enumerate(together):
+            assert r.alphas_heads.shape == (len(r.words), 2, *r.alphas.shape[1:])
+            torch.testing.assert_close(r.alphas_heads.mean(1), r.alphas)
+            torch.testing.assert_close(r.alphas_heads.sum((2, 3)), torch.ones(len(r.words), 2))
+            assert r.head_alphas is r.alphas_heads
+            alone = cap.caption_batch(images[i:i + 1], opts)[0]
+            assert alone.words == r.words
+            torch.testing.assert_close(alone.alphas_heads, r.alphas_heads, atol=1e-5, rtol=1e-4)
+    if any(r.words for r in together):  # the heads look at different places
+        r = next(r for r in together if r.words)
+        assert (r.alphas_heads[:, 0] - r.alphas_heads[:, 1]).abs().max() > 1e-3
+    one = tiny_captioner(seed=5).caption_batch(images, DecodeOptions(beam_size=3, max_len=8))
+    for r in one:
+        assert r.alphas_heads is None and torch.equal(r.head_alphas, r.alphas.unsqueeze(1))
+
+
+def test_greedy_and_beam_one_agree_on_the_head_maps():
+    cap = tiny_captioner(seed=7, heads=2, attention="hard")
+    ann = cap.model.encode(_images(5, seed=8))
+    v = cap.vocab
+    for hard in ("expected", "argmax"):
+        g = greedy(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=9, hard=hard)
+        b = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=1, max_len=9,
+                        hard=hard)
+        for x, y in zip(g, b):
+            assert x.ids == y.ids
+            assert x.alphas_heads.shape == (len(x.ids), 2, 4)
+            torch.testing.assert_close(x.alphas_heads, y.alphas_heads)

@@ -1,7 +1,8 @@
 """Hard attention trained by REINFORCE: the estimator is unbiased for d L_s.
 
 L_s = sum_s p(s|a) log p(y|s,a). On a tiny model (2x2 grid, a 3-step caption) every
-attention path s (4^3 = 64 of them) can be enumerated, so the exact gradient of L_s and
+attention path s (4^3 = 64 of them; with 2 heads, each drawing its own cell of a 1x2 grid,
+(2^2)^3 = 64 too) can be enumerated, so the exact gradient of L_s and
 the exact mean and variance of the per-sample estimator
     g(s) = d log p(y|s,a) + (log p(y|s,a) - b) d log p(s|a)
 are known. The average of N sampled estimates must then lie within a few standard
@@ -39,7 +40,9 @@ class _FixedAnnotations(nn.Module):
 
 def _path_terms(model, image, tokens, path, with_entropy=False):
     """log p(s|a) and log p(y|s,a) (and the summed entropy of alpha_t) along a forced
-    attention path, written from the equations (independent of the decoder's own loop)."""
+    attention path, written from the equations (independent of the decoder's own loop).
+    With several heads a path's step s is one cell per head: log p(s_t|a) = sum_j log
+    alpha^j_t[s^j], and the context is W_o [a_{s^1}; ..; a_{s^h}] + b_o."""
     d = model.decoder
     ann = model.encode(image)
     a, grid = ann.vectors, ann.grid
@@ -48,11 +51,15 @@ def _path_terms(model, image, tokens, path, with_entropy=False):
     log_ps = torch.zeros(())
     log_py = torch.zeros(())
     entropy = torch.zeros(())
+    multi = d.attention.num_heads > 1
     for t, s in enumerate(path):
-        alpha = d.attention.weights(keys, a, h, grid)  # (1, L)
-        log_ps = log_ps + torch.log(alpha[0, s])
+        cells = list(s) if multi else [s]
+        alpha = d.attention.head_weights(keys, a, h, grid)[0] if multi else d.attention.weights(keys, a, h, grid)
+        alpha = alpha.view(len(cells), -1)  # (heads, L)
+        log_ps = log_ps + sum(torch.log(alpha[j, cell]) for j, cell in enumerate(cells))
         entropy = entropy - (alpha * torch.log(alpha)).sum()
-        z = torch.sigmoid(d.f_beta(h)) * a[:, s]  # beta_t * a_{s_t}
+        context = d.attention.out_proj(torch.cat([a[:, cell] for cell in cells], 1)) if multi else a[:, s]
+        z = torch.sigmoid(d.f_beta(h)) * context  # beta_t * a_{s_t}
         emb = d.embedding(tokens[:, t])
         h, c = d.lstm(torch.cat([emb, z], 1), (h, c))
         logits = d.L_o(emb + d.L_h(h) + d.L_z(z))
@@ -66,21 +73,25 @@ def _flat_grad(model, scalar):
     return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
 
 
-def test_reinforce_gradient_matches_the_exact_gradient_of_the_lower_bound():
+# b: a baseline far from log p(y|s,a) (about -34 with one head, -21 with two): it must not
+# bias the estimate. Two heads' b leaves the check the power to see half a score-function term.
+@pytest.mark.parametrize("heads, grid, b", [(1, (2, 2), -3.0), (2, (1, 2), -10.0)])
+def test_reinforce_gradient_matches_the_exact_gradient_of_the_lower_bound(heads, grid, b):
     torch.manual_seed(0)
-    cap = tiny_captioner(seed=11, attention="hard", dropout=0.0)
+    cap = tiny_captioner(seed=11, attention="hard", dropout=0.0, heads=heads)
     model = cap.model.double().eval()  # sampling is explicit, dropout is off
-    model.encoder = _FixedAnnotations(torch.randn(1, 4, model.config.annotation_dim, dtype=torch.float64), (2, 2))
+    n_loc = grid[0] * grid[1]
+    model.encoder = _FixedAnnotations(torch.randn(1, n_loc, model.config.annotation_dim, dtype=torch.float64), grid)
     image = torch.zeros(1, 1, dtype=torch.float64)  # the stand-in encoder ignores it
     tokens, lengths = token_batch(cap.vocab, [CAPTION])
     steps = tokens.shape[1] - 1
-    n_loc = 4
-    b = -3.0  # a baseline far from log p(y|s,a): it must not bias the estimate
+    # One step's choices: a cell, or with several heads a cell for each.
+    choices = list(range(n_loc)) if heads == 1 else list(itertools.product(range(n_loc), repeat=heads))
 
     # Exact: L_s by enumeration, and the per-path estimator g(s) with its probability.
     bound = torch.zeros((), dtype=torch.float64)
     pathwise, score_fn, p_paths = [], [], []
-    for path in itertools.product(range(n_loc), repeat=steps):
+    for path in itertools.product(choices, repeat=steps):
         log_ps, log_py = _path_terms(model, image, tokens, path)
         bound = bound + log_ps.exp() * log_py
         pathwise.append(_flat_grad(model, log_py))
@@ -108,13 +119,16 @@ def test_reinforce_gradient_matches_the_exact_gradient_of_the_lower_bound():
     # Elements with no variance (parameters the paths do not move) must match exactly.
     assert torch.allclose(estimate[se < 1e-12], exact[se < 1e-12], atol=1e-9)
     assert float(z[se >= 1e-12].max()) < 5.0  # ~1e-3 chance of a false alarm over all elements
-    # The test has power: an estimator without the score-function term fails it.
+    # The test has power: an estimator without the score-function term fails it, and so does
+    # one with half of it (what averaging the heads' log-probabilities would give).
     no_score = (p_paths[:, None] * torch.stack(pathwise)).sum(0)
     assert float(((no_score - exact).abs() / se.clamp_min(1e-12)).max()) > 5
+    half_score = (p_paths[:, None] * (torch.stack(pathwise) + 0.5 * torch.stack(score_fn))).sum(0)
+    assert float(((half_score - exact).abs() / se.clamp_min(1e-12)).max()) > 5
 
 
-def _fixed_hard_model(seed):
-    cap = tiny_captioner(seed=seed, attention="hard", dropout=0.0)
+def _fixed_hard_model(seed, **variant):
+    cap = tiny_captioner(seed=seed, attention="hard", dropout=0.0, **variant)
     model = cap.model.double().eval()  # sampling is explicit, dropout is off
     torch.manual_seed(seed)
     model.encoder = _FixedAnnotations(torch.randn(1, 4, model.config.annotation_dim, dtype=torch.float64), (2, 2))
@@ -210,6 +224,25 @@ def test_expected_minibatches_add_the_entropy_bonus_and_update_the_baseline():
     torch.testing.assert_close(got, _flat_grad(soft, hand), rtol=1e-4, atol=1e-6)
     word_mean = (ll / mask.sum(1)).mean().item()
     assert abs(objective.baseline - (0.9 * -2.0 + 0.1 * word_mean)) < 1e-6
+
+
+def test_with_several_heads_the_entropy_bonus_is_the_sum_of_the_heads_entropies():
+    """Heads draw their cells independently: the entropy of the draw is the sum of the heads'
+    entropies (not the entropy of their mean map), as log p(s|a) is the sum of theirs."""
+    cap, model = _fixed_hard_model(6, heads=2)
+    tokens, lengths = token_batch(cap.vocab, CAPTIONS)
+    images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
+    objective = HardAttentionObjective(HardConfig(expected_context_prob=1.0), 0.0, baseline=-2.0)
+    parts = objective(model, images, tokens, lengths)
+    out = model(images, tokens, lengths)  # the expected context, as on this minibatch
+    mask = out.mask.double()
+    heads = out.alphas_heads  # (B, T, 2, L)
+    entropy = (-(heads * torch.log(heads)).sum((-1, -2)) * mask).sum(1)  # (B,)
+    of_mean = (-(out.alphas * torch.log(out.alphas)).sum(-1) * mask).sum(1)
+    assert float((entropy - of_mean).abs().min()) > 1e-3  # the two differ: the check can fail
+    torch.testing.assert_close(parts.entropy, entropy.mean().item(), rtol=1e-5, atol=1e-6)
+    hand = -caption_log_likelihood(out, tokens[:, 1:]).mean() - 0.002 * entropy.sum()
+    torch.testing.assert_close(parts.loss.item(), hand.item(), rtol=1e-5, atol=1e-6)
 
 
 def test_the_coin_is_its_own_stream_the_same_on_every_rank_and_resumed():

@@ -51,6 +51,8 @@ class ModelSection:
     score: str = "additive"
     normalizer: str = "softmax"
     local_window: float = 0.0
+    local_width: str = "fixed"  # fixed | learned (predicted per step, starting at local_window)
+    heads: int = 1  # decoder attention heads
 
 
 @dataclass

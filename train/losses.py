@@ -103,7 +103,8 @@ class HardAttentionObjective:
     - c = 1 with ``reduction = "sum"``: the authors give these two terms as known gradients
       with no 1/B, while their NLL is a minibatch mean, so they add over the captions.
       ``reduction = "mean"`` (c = 1/B) weighs them like the NLL instead.
-    - H[alpha_i] = sum over real steps of the entropy of alpha_t (nats); lambda_e = 0.002.
+    - H[alpha_i] = sum over real steps of the entropy of alpha_t (nats; with several heads,
+      the sum of the heads' entropies, as log p(s|a) sums theirs); lambda_e = 0.002.
     - b <- decay * b + (1 - decay) * mean_i r_i, on every minibatch (the authors: 0.9).
 
     With probability ``expected_context_prob`` a minibatch uses the expected context
@@ -152,7 +153,10 @@ class HardAttentionObjective:
         words = mask.sum(1)  # (B,) real steps, the end token included
         reward = ll.detach() / words if self.cfg.reward == "word_mean" else ll.detach()  # (B,)
         alphas = out.alphas.float()  # (B, T, L)
-        entropy = (-(alphas * torch.log(alphas.clamp_min(1e-12))).sum(-1) * mask).sum(1)  # (B,)
+        # Several heads draw independently: the entropy of the draw is the sum of theirs.
+        drawn = alphas if out.alphas_heads is None else out.alphas_heads.float()  # (B, T, L) or (B, T, h, L)
+        plogp = (drawn * torch.log(drawn.clamp_min(1e-12))).flatten(2).sum(-1)  # (B, T)
+        entropy = (-plogp * mask).sum(1)  # (B,)
         extra = self.cfg.entropy * entropy  # (B,) what each caption adds to the surrogate
         if sampled:
             log_ps = (out.sample_log_probs * mask).sum(1)  # (B,) log p(s|a)

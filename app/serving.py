@@ -10,6 +10,7 @@ and Streamlit only hashes bytes. The figure and the JSON are made when they are 
 from __future__ import annotations
 
 import gc
+import hashlib
 import io
 import json
 import os
@@ -27,10 +28,12 @@ from PIL import Image
 from captioner.decoding import CaptionResult
 from captioner.images import load_image
 from captioner.inference import Captioner, DecodeOptions
-from captioner.overlay import attention_figure, overlays
+from captioner.overlay import attention_figure
+
+from app.result_view import attention_layers, data_uri, grid_html, picker_html, png, words_of
 
 PANEL_WIDTH = 240  # the grid's panels: about a sixth of a wide page
-LARGE_WIDTH = 560  # the selected word's overlay and the upload's preview
+LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
 JPEG_QUALITY = 90
 
@@ -110,6 +113,26 @@ class ResultCache:
         return len(self._items)
 
 
+def note_run(what: str) -> None:
+    """One line per script run in the file $CAPTIONER_APP_RUN_LOG, when set: what the run showed.
+    Tests and the benchmark count the server's runs per upload with it; unset, it costs nothing."""
+    path = os.environ.get("CAPTIONER_APP_RUN_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{time.time():.3f} {what}\n")
+
+
+def forget_upload(upload) -> None:
+    """Drop an uploaded file from Streamlit's store once the page has read it. The uploader is
+    then replaced by a fresh one, and the browser never deletes a file it no longer shows: it
+    would stay in the server's memory until the session ends, one file per upload."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    if ctx is not None:
+        ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -181,17 +204,10 @@ class Shown:
     name: str
     result: CaptionResult
     seconds: float  # the model's own time
-    seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: big overlays, figure
-    thumb: bytes  # JPEG, at most PANEL_WIDTH wide
-    panels: list[bytes]  # one overlay per word on the thumb, JPEG
-    large: dict[int, bytes] = field(default_factory=dict)  # word -> big overlay (JPEG), drawn when picked
+    seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
+    picker: str  # HTML: the word picker and the picked word's map (result_view.picker_html)
+    grid: str  # HTML: every word's map (result_view.grid_html)
     waited: float = 0.0  # seconds this session waited for the model
-
-    def large_overlay(self, t: int) -> bytes:
-        if t not in self.large:
-            seen = Image.open(io.BytesIO(self.seen)).convert("RGB")
-            self.large[t] = jpeg(overlays(seen, self.result.alphas[t:t + 1])[0])
-        return self.large[t]
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
@@ -205,15 +221,22 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
         start = time.perf_counter()
         result = captioner.caption(captioner.preprocess.load(data), options)
         seconds = time.perf_counter() - start
-        image, preview = decoded or (load_image(data, at_least=LARGE_WIDTH), None)
-        cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
-        seen = preview if cropped is image and preview is not None else fit_width(cropped, LARGE_WIDTH)
-        thumb = fit_width(seen, PANEL_WIDTH)
-        panels = [jpeg(p) for p in overlays(thumb, result.alphas)] if result.words else []
-        shown = Shown(key, name, result, seconds, jpeg(seen), jpeg(thumb), panels, waited=waited)
-        if result.words:
-            shown.large[0] = jpeg(overlays(seen, result.alphas[:1])[0])  # the word shown first
-    return shown
+    # Drawn outside the gate: the next caption need not wait for it.
+    image, preview = decoded or (load_image(data, at_least=LARGE_WIDTH), None)
+    cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
+    seen = preview if cropped is image and preview is not None else fit_width(cropped, LARGE_WIDTH)
+    seen_jpeg = jpeg(seen)
+    picker = grid = ""
+    if result.words:
+        prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
+        layers = {(t, None): data_uri(png(layer), "image/png")
+                  for t, layer in enumerate(attention_layers(result.alphas, seen.size))}
+        words = words_of(result.words, result.betas)
+        aspect = seen.width / seen.height
+        picker = picker_html(prefix, words, data_uri(seen_jpeg, "image/jpeg"), layers, aspect)
+        thumb = data_uri(jpeg(fit_width(seen, PANEL_WIDTH)), "image/jpeg")
+        grid = grid_html(prefix, words, thumb, layers, aspect, tuple(result.alphas.shape[1:]))
+    return Shown(key, name, result, seconds, seen_jpeg, picker, grid, waited=waited)
 
 
 def figure_png(shown: Shown) -> bytes:

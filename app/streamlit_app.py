@@ -15,8 +15,8 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from app.serving import (LARGE_WIDTH, Picture, Shown, caption_gate, caption_image, figure_png, result_json,
-                         results_cache, settle_heap)
+from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png, forget_upload,
+                         note_run, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError
@@ -26,7 +26,7 @@ EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
-GRID_COLUMNS = 6
+UPLOAD_HELP = "JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF."
 HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
               "sample": "a random draw"}
 
@@ -51,16 +51,6 @@ def load_captioner(weights: str, modified: float) -> Captioner:
 
 def _markdown_text(text: str) -> str:
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~$])", r"\\\1", text)
-
-
-def _word_labels(words: list[str]) -> list[str]:
-    """Unique labels for the word picker (Streamlit tells options apart by label): "a", "star", "a (2)"."""
-    seen: dict[str, int] = {}
-    labels = []
-    for w in words:
-        seen[w] = seen.get(w, 0) + 1
-        labels.append(w if seen[w] == 1 else f"{w} ({seen[w]})")
-    return labels
 
 
 def no_model_message() -> None:
@@ -136,26 +126,33 @@ def model_details(captioner: Captioner) -> str:
 
 
 def choose_image() -> tuple[str, bytes] | None:
-    """The uploaded file, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
-    upload = st.file_uploader("Upload an image", type=UPLOAD_TYPES,
-                              help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.")
+    """The new upload, else the chosen example, else the last upload: (name, raw bytes). None:
+    nothing chosen, keep what is shown.
+
+    Once a file is read the uploader is replaced by an empty one (a new key): the next file then
+    simply arrives, in one script run. With the file left in place, dropping the next one would
+    first remove it, in a run of its own."""
+    slot = st.empty()
+    n = st.session_state.get("uploads", 0)
+    upload = slot.file_uploader("Upload an image", type=UPLOAD_TYPES, key=f"upload-{n}", help=UPLOAD_HELP)
     if upload is not None:
-        st.session_state["had_upload"] = True
-        return upload.name, upload.getvalue()
+        chosen = upload.name, upload.getvalue()
+        forget_upload(upload)  # the page keeps its own copy, in the session's "upload"
+        st.session_state["uploads"] = n + 1
+        slot.file_uploader("Upload an image", type=UPLOAD_TYPES, key=f"upload-{n + 1}", help=UPLOAD_HELP)
+        st.session_state["upload"] = chosen
+        st.session_state["example"] = None  # no example picked, until the user picks one
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
-    if not examples:
-        return None
-    if st.session_state.pop("had_upload", False):
-        # The upload is gone: a new file replacing it (the uploader removes the old one first, in
-        # a run of its own) or the user removed it. Either way no example was picked: the last
-        # upload stays on the page rather than an example flashing up until the next run.
-        st.session_state["example"] = None
-    elif "example" not in st.session_state:
-        st.session_state["example"] = 0  # a new page starts with the first example
-    names = [p.stem.replace("-", " ") for p in examples]
-    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], key="example",
-                    wrap=True)
-    return None if pick is None else (examples[pick].name, examples[pick].read_bytes())
+    if "example" not in st.session_state:
+        st.session_state["example"] = 0 if examples else None  # a new page starts with the first example
+    if examples:
+        names = [p.stem.replace("-", " ") for p in examples]
+        st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], key="example",
+                 wrap=True, on_change=lambda: st.session_state.pop("upload", None))
+    pick = st.session_state.get("example")
+    if pick is not None and pick < len(examples):
+        return examples[pick].name, examples[pick].read_bytes()
+    return st.session_state.get("upload")  # the last upload: shown again with new settings
 
 
 def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool,
@@ -172,33 +169,11 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     if not result.words:
         st.info("The model ended the caption before its first word, so there is no attention to show.")
         return
-    words = result.words
-    labels = _word_labels(words)
-    pick = st.pills("Word", range(len(words)), format_func=lambda t: labels[t], default=0, required=True,
-                    wrap=True, help="Pick a word to see where the model looked when it wrote it.")
-    t = 0 if pick is None else pick
-    with st.container(width=LARGE_WIDTH):
-        st.image(shown.large_overlay(t), width="stretch", output_format="JPEG",
-                 caption=f"“{words[t]}”: word {t + 1} of {len(words)}, β = {float(result.betas[t]):.2f}")
+    st.html(shown.picker)  # the picker, the big view and its pictures: one element, no request, no rerun
 
 
 def show_grid(shown: Shown) -> None:
-    result = shown.result
-    grid_h, grid_w = result.alphas.shape[1:]
-    st.subheader("Every word, where the model looked", anchor=False)
-    st.markdown(
-        f"The model writes the caption one word at a time. Before each word it spreads its attention **α** "
-        f"over a {grid_h}×{grid_w} grid of image regions; the panels light up those regions (brightest, "
-        f"orange: most weight) and darken the rest. **β** is the gate on what it saw: near 1 the image "
-        f"mattered for that word, near 0 the word came mostly from the sentence so far (words like "
-        f"*a* or *and*).")
-    cells = [(shown.thumb, "the image")]  # first, as in the paper's figures
-    cells += [(shown.panels[t], f"{w} · β {float(result.betas[t]):.2f}") for t, w in enumerate(result.words)]
-    for row in range(0, len(cells), GRID_COLUMNS):
-        columns = st.columns(GRID_COLUMNS)
-        for column, (panel, label) in zip(columns, cells[row:row + GRID_COLUMNS]):
-            column.image(panel, caption=label, width="stretch", output_format="JPEG")  # JPEG bytes: not reopened
-
+    st.html(shown.grid)  # every word's map: one element; a panel clicked picks its word
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
@@ -263,6 +238,7 @@ def main() -> None:
     left, right = st.columns([2, 3], gap="large")
     with left:
         chosen = choose_image()
+    note_run("-" if chosen is None else chosen[0])
     if chosen is None:
         show_last(left, right, captioner, label, options, path, modified)
         return

@@ -9,6 +9,8 @@ photo, composited by the browser. Laid over an image with ordinary alpha blendin
 
     out = photo * (1 - a) + C * a,   a = 1 - lit(m),   C = TINT * warm(m) / a,
 
+a function of m alone: a layer is a map of 8-bit levels of m and a palette of 256 (C, a),
+
 it gives the overlay of ``captioner.overlay.overlays``: photo * lit(m) + TINT * warm(m), with
 lit(m) = (0.2 + 0.8 m)(1 - 0.35 m) and warm(m) = 0.35 m, m the map scaled to [0, 1].
 
@@ -29,8 +31,19 @@ from PIL import Image
 
 from captioner.overlay import TINT, upsample_alpha
 
-LAYER_CELL = 8  # layer pixels per map cell: the browser's smooth upscaling does the rest
+LAYER_CELL = 4  # layer pixels per map cell (maps blurred already): the browser's smooth upscaling does the rest
 Key = tuple[int, "int | None"]  # (word index, head; None: the map the step used)
+
+
+def _palette() -> bytes:
+    """256 RGBA entries, level i for m = i / 255: a layer is a map of 8-bit levels, a palette PNG."""
+    m = np.arange(256) / 255.0
+    a = 1 - (0.2 + 0.8 * m) * (1 - 0.35 * m)  # in [0.48, 0.8]: never 0
+    colour = (0.35 * m / a)[:, None] * np.array(TINT)
+    return np.concatenate([colour, 255.0 * a[:, None]], 1).round().clip(0, 255).astype(np.uint8).tobytes()
+
+
+PALETTE = _palette()
 
 
 def layer_size(grid: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
@@ -43,20 +56,21 @@ def layer_size(grid: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
 
 
 def attention_layers(alphas: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    """(T, H, W) maps -> (T, h, w, 4) uint8 RGBA layers of the image's aspect, all in one pass."""
+    """(T, H, W) maps -> (T, h, w) uint8 levels of m, the image's aspect, all in one pass.
+    The layer's colours and opacities are PALETTE's entries for those levels."""
     lw, lh = layer_size(tuple(alphas.shape[-2:]), size)
     m = torch.from_numpy(upsample_alpha(alphas, (lw, lh)))  # (T, lh, lw), blurred as the overlays are
     lo = m.amin(dim=(1, 2), keepdim=True)
     m = (m - lo) / (m.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-8)  # each map in [0, 1]
-    a = 1 - (0.2 + 0.8 * m) * (1 - 0.35 * m)  # (T, lh, lw), in [0.48, 0.8]: never 0
-    colour = (0.35 * m / a)[..., None] * torch.tensor(TINT, dtype=torch.float32)  # (T, lh, lw, 3)
-    rgba = torch.cat([colour, 255.0 * a[..., None]], dim=-1)
-    return rgba.add_(0.5).clamp_(0, 255).to(torch.uint8).numpy()
+    return m.mul_(255.0).add_(0.5).clamp_(0, 255).to(torch.uint8).numpy()
 
 
-def png(rgba: np.ndarray) -> bytes:
+def png(levels: np.ndarray) -> bytes:
+    """(h, w) levels -> a palette PNG with PALETTE's colours and opacities (a few KB)."""
+    image = Image.fromarray(levels, "P")
+    image.putpalette(PALETTE, "RGBA")
     buf = io.BytesIO()
-    Image.fromarray(rgba, "RGBA").save(buf, "PNG", compress_level=3)
+    image.save(buf, "PNG", compress_level=3)
     return buf.getvalue()
 
 

@@ -170,8 +170,8 @@ def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
                      for t, (w, b) in enumerate(zip(words, app.session_state["shown"].result.betas))]
     photo, *layers = _data_images(picker)
     assert photo.format == "JPEG" and photo.size == (96, 64)  # the photo once, at the size it was uploaded
-    assert len(layers) == len(words) and all(m.mode == "RGBA" and m.size[0] <= 96 for m in layers)
-    assert layers[0].tobytes() != layers[-1].tobytes()  # each word its own map
+    assert len(layers) == len(words) and all(m.mode == "P" and m.size[0] <= 96 for m in layers)
+    assert layers[0].convert("RGBA").tobytes() != layers[-1].convert("RGBA").tobytes()  # each its own map
     # The stylesheet shows word t's layer and note exactly when input t is checked.
     prefix = inputs[0][0]
     for t in range(len(words)):

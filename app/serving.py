@@ -211,21 +211,24 @@ class Shown:
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
-                  decoded: tuple[Image.Image, Image.Image] | None = None,
+                  decoded: tuple[Image.Image, Image.Image, bytes] | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
-    checkpoint's own caption) and draw what the page shows. ``decoded``: (image, preview) when this
-    run has decoded the upload already."""
+    checkpoint's own caption) and draw what the page shows. ``decoded``: (image, preview, the
+    preview's JPEG) when this run has decoded the upload already."""
     with gate.turn(on_wait) as waited:
         torch.set_num_threads(gate.threads)  # this session's thread, not only the first one
         start = time.perf_counter()
         result = captioner.caption(captioner.preprocess.load(data), options)
         seconds = time.perf_counter() - start
     # Drawn outside the gate: the next caption need not wait for it.
-    image, preview = decoded or (load_image(data, at_least=LARGE_WIDTH), None)
+    image, preview, preview_jpeg = decoded or (load_image(data, at_least=LARGE_WIDTH), None, b"")
     cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
-    seen = preview if cropped is image and preview is not None else fit_width(cropped, LARGE_WIDTH)
-    seen_jpeg = jpeg(seen)
+    if cropped is image and preview is not None:
+        seen, seen_jpeg = preview, preview_jpeg  # encoded already
+    else:
+        seen = fit_width(cropped, LARGE_WIDTH)
+        seen_jpeg = jpeg(seen)
     picker = grid = ""
     if result.words:
         prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name

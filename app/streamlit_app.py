@@ -26,7 +26,6 @@ EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
-UPLOAD_HELP = "JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF."
 HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
               "sample": "a random draw"}
 
@@ -125,23 +124,26 @@ def model_details(captioner: Captioner) -> str:
     return " · ".join(parts)
 
 
-def choose_image() -> tuple[str, bytes] | None:
-    """The new upload, else the chosen example, else the last upload: (name, raw bytes). None:
-    nothing chosen, keep what is shown.
+def _take_upload(key: str) -> None:
+    """The uploader's callback, before the script runs: the file becomes the page's own (the
+    session's "upload", Streamlit's copy dropped) and the uploader a fresh one (a new key). The
+    next file then simply arrives, in one script run; with the file left in the uploader, dropping
+    the next one would first remove it, in a run of its own."""
+    upload = st.session_state.get(key)
+    if upload is None:
+        return
+    st.session_state["upload"] = upload.name, upload.getvalue()
+    forget_upload(upload)
+    st.session_state["uploads"] = st.session_state.get("uploads", 0) + 1
+    st.session_state["example"] = None  # no example picked, until the user picks one
 
-    Once a file is read the uploader is replaced by an empty one (a new key): the next file then
-    simply arrives, in one script run. With the file left in place, dropping the next one would
-    first remove it, in a run of its own."""
-    slot = st.empty()
-    n = st.session_state.get("uploads", 0)
-    upload = slot.file_uploader("Upload an image", type=UPLOAD_TYPES, key=f"upload-{n}", help=UPLOAD_HELP)
-    if upload is not None:
-        chosen = upload.name, upload.getvalue()
-        forget_upload(upload)  # the page keeps its own copy, in the session's "upload"
-        st.session_state["uploads"] = n + 1
-        slot.file_uploader("Upload an image", type=UPLOAD_TYPES, key=f"upload-{n + 1}", help=UPLOAD_HELP)
-        st.session_state["upload"] = chosen
-        st.session_state["example"] = None  # no example picked, until the user picks one
+
+def choose_image() -> tuple[str, bytes] | None:
+    """The last upload, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
+    key = f"upload-{st.session_state.get('uploads', 0)}"
+    if st.file_uploader("Upload an image", type=UPLOAD_TYPES, key=key, on_change=_take_upload, args=(key,),
+                        help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.") is not None:
+        _take_upload(key)  # a file that came without its callback: taken now, the fresh uploader shown next run
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:
         st.session_state["example"] = 0 if examples else None  # a new page starts with the first example
@@ -248,7 +250,7 @@ def main() -> None:
     if picture is None or picture.digest != digest:
         try:
             picture, image, preview = Picture.decode(digest, data)
-            decoded = (image, preview)  # the caption below draws on them, without decoding again
+            decoded = (image, preview, picture.preview)  # the caption below draws on them, not decoding again
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
             return

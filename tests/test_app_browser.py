@@ -29,6 +29,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-component-update", "--disable-sync"]
 APP = Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"
 MODEL = "tiny.pt"
+# The page's uploader; during a script run the one it replaced may linger, marked stale.
+UPLOADER = ".stElementContainer:not([data-stale=true]) input[type=file]"
 
 pytestmark = [
     pytest.mark.browser,
@@ -124,7 +126,7 @@ def page(browser, server):
 
 
 def _upload(page, path: Path) -> None:
-    page.locator("input[type=file]").set_input_files(str(path))
+    page.locator(UPLOADER).set_input_files(str(path))
 
 
 def _wait_idle(page) -> None:

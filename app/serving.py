@@ -187,6 +187,10 @@ class Picture:
     height: int
     preview: bytes  # JPEG, at most LARGE_WIDTH wide
 
+    @property
+    def preview_uri(self) -> str:
+        return data_uri(self.preview, "image/jpeg")
+
     @classmethod
     def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image, Image.Image]:
         """Raw bytes -> (picture, the decoded image, its preview); raises ImageLoadError with a

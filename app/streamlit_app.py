@@ -7,6 +7,7 @@ loading, captioning and the overlays all come from the ``captioner`` library.
 from __future__ import annotations
 
 import hashlib
+import html
 import os
 import re
 from dataclasses import astuple, replace
@@ -197,8 +198,11 @@ def show_last(left, right, captioner: Captioner, label: str, options: DecodeOpti
 
 
 def show_preview(left, picture: Picture, name: str) -> None:
-    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch",
-               output_format="JPEG")
+    # Inside the page, not a media file: one request less per upload, and the browser decodes the
+    # same data as the big view's photo (the same JPEG when the model sees the whole image).
+    left.html(f'<figure style="margin: 0"><img src="{picture.preview_uri}" alt="" style="width: 100%; display: block; '
+              f'border-radius: 0.5rem"><figcaption style="text-align: center; font-size: 0.875rem; opacity: 0.6; '
+              f'margin-top: 0.3rem">{html.escape(name)} ({picture.width}×{picture.height})</figcaption></figure>')
 
 
 def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
@@ -236,7 +240,13 @@ def main() -> None:
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)
     model_card(captioner)
+    image_and_result(captioner, label, options, path, modified)
 
+
+@st.fragment
+def image_and_result(captioner: Captioner, label: str, options: DecodeOptions, path: Path, modified: float) -> None:
+    """The upload, the examples and the result: a fragment, so that an upload or a picked example
+    reruns this part alone (the title, the sidebar and the model card stay as they are)."""
     left, right = st.columns([2, 3], gap="large")
     with left:
         chosen = choose_image()

@@ -312,7 +312,7 @@ def test_each_upload_is_one_script_run(page, served, tmp_path):
     assert _runs(served)[before:] == names
     uploads = [r for r in requests if r.startswith("PUT ") and "/_stcore/upload_file/" in r]
     to_server = [r for r in requests if "/static/" not in r]  # the page's own code, loaded once
-    assert len(uploads) == 3 and len(to_server) <= 3 * 2  # the file itself, and at most the preview
+    assert len(uploads) == 3 and to_server == uploads  # the file itself, nothing else: the pictures are in the page
 
 
 def _shown_layers(page) -> list[int]:

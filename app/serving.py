@@ -113,13 +113,22 @@ class ResultCache:
         return len(self._items)
 
 
-def note_run(what: str) -> None:
-    """One line per script run in the file $CAPTIONER_APP_RUN_LOG, when set: what the run showed.
-    Tests and the benchmark count the server's runs per upload with it; unset, it costs nothing."""
-    path = os.environ.get("CAPTIONER_APP_RUN_LOG")
-    if path:
-        with open(path, "a", encoding="utf-8") as log:
-            log.write(f"{time.time():.3f} {what}\n")
+@contextmanager
+def logged_run() -> Iterator[dict]:
+    """For the ``with`` block (a script run): one line in the file $CAPTIONER_APP_RUN_LOG, when set,
+    "time<TAB>what<TAB>the run's CPU ms<TAB>the model's CPU ms", with what the run showed and what
+    its caption cost (0 when none was made). Tests and the benchmark count the server's runs per
+    upload with it, and split its CPU between the model and the rest; unset, it costs nothing."""
+    entry = {"what": "-", "model_cpu": 0.0}
+    start = time.thread_time()  # the script runs in a thread of its own, the caption in it
+    try:
+        yield entry
+    finally:
+        path = os.environ.get("CAPTIONER_APP_RUN_LOG")
+        if path:
+            with open(path, "a", encoding="utf-8") as log:
+                log.write(f"{time.time():.3f}\t{entry['what']}\t{(time.thread_time() - start) * 1000:.1f}\t"
+                          f"{entry['model_cpu'] * 1000:.1f}\n")
 
 
 def forget_upload(upload) -> None:
@@ -208,6 +217,7 @@ class Shown:
     name: str
     result: CaptionResult
     seconds: float  # the model's own time
+    cpu: float  # the model's own CPU time (its thread's)
     seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
     picker: str  # HTML: the word picker and the picked word's map (result_view.picker_html)
     grid: str  # HTML: every word's map (result_view.grid_html)
@@ -222,9 +232,9 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     preview's JPEG) when this run has decoded the upload already."""
     with gate.turn(on_wait) as waited:
         torch.set_num_threads(gate.threads)  # this session's thread, not only the first one
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         result = captioner.caption(captioner.preprocess.load(data), options)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     # Drawn outside the gate: the next caption need not wait for it.
     image, preview, preview_jpeg = decoded or (load_image(data, at_least=LARGE_WIDTH), None, b"")
     cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
@@ -243,7 +253,7 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
         picker = picker_html(prefix, words, data_uri(seen_jpeg, "image/jpeg"), layers, aspect)
         thumb = data_uri(jpeg(fit_width(seen, PANEL_WIDTH)), "image/jpeg")
         grid = grid_html(prefix, words, thumb, layers, aspect, tuple(result.alphas.shape[1:]))
-    return Shown(key, name, result, seconds, seen_jpeg, picker, grid, waited=waited)
+    return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 
 def figure_png(shown: Shown) -> bytes:

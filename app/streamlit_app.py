@@ -17,7 +17,7 @@ import streamlit as st
 import torch
 
 from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png, forget_upload,
-                         note_run, result_json, results_cache, settle_heap)
+                         logged_run, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError
@@ -247,10 +247,16 @@ def main() -> None:
 def image_and_result(captioner: Captioner, label: str, options: DecodeOptions, path: Path, modified: float) -> None:
     """The upload, the examples and the result: a fragment, so that an upload or a picked example
     reruns this part alone (the title, the sidebar and the model card stay as they are)."""
+    with logged_run() as run:
+        show_image_and_result(run, captioner, label, options, path, modified)
+
+
+def show_image_and_result(run: dict, captioner: Captioner, label: str, options: DecodeOptions, path: Path,
+                          modified: float) -> None:
     left, right = st.columns([2, 3], gap="large")
     with left:
         chosen = choose_image()
-    note_run("-" if chosen is None else chosen[0])
+    run["what"] = "-" if chosen is None else chosen[0]
     if chosen is None:
         show_last(left, right, captioner, label, options, path, modified)
         return
@@ -291,6 +297,7 @@ def image_and_result(captioner: Captioner, label: str, options: DecodeOptions, p
                 finally:
                     waiting.empty()
             results_cache().put(shared_key, replace(shown, waited=0.0))
+            run["model_cpu"] = shown.cpu
         st.session_state["shown"] = shown
     show_all(right, shown, captioner, label, options)
 

@@ -133,10 +133,21 @@ def browser_cpu_seconds(server: psutil.Process) -> float:
 
 def script_runs(log: Path | None) -> int:
     """Script runs the server has logged so far (pages older than the run log log none)."""
+    return len(run_log(log))
+
+
+def run_log(log: Path | None) -> list[list[str]]:
+    """The server's run log: per run [time, what, run CPU ms, model CPU ms]."""
     try:
-        return len(log.read_text().splitlines()) if log else 0
+        return [line.split("\t") for line in log.read_text().splitlines()] if log else []
     except OSError:
-        return 0
+        return []
+
+
+def run_cpu(lines: list[list[str]]) -> tuple[float, float, int]:
+    """(CPU-seconds of the logged script runs, of the captions made in them, captions made)."""
+    rows = [(float(r[2]), float(r[3])) for r in lines if len(r) == 4]
+    return sum(r for r, _ in rows) / 1000, sum(m for _, m in rows) / 1000, sum(m > 0 for _, m in rows)
 
 
 def machine_busy() -> float:
@@ -163,6 +174,8 @@ class Run:
         self.machine_cpu = 0.0  # the whole machine's, every process
         self.run_log: Path | None = None  # the server's run log: one line per script run
         self.runs0 = self.runs = 0
+        self.run_cpu = self.model_cpu = 0.0  # CPU-seconds of the upload phase's script runs, of their captions
+        self.captioned = 0  # captions made (the others came from the results cache)
         self.upload_phase_requests = 0  # requests the pages made while uploading
 
     def take(self) -> int:
@@ -241,7 +254,9 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
                 if time.monotonic() > deadline:
                     raise SystemExit("sessions still uploading long after the end")
                 await asyncio.sleep(0.1)
-            run.runs = script_runs(run.run_log) - run.runs0
+            logged = run_log(run.run_log)[run.runs0:]
+            run.runs = len(logged)
+            run.run_cpu, run.model_cpu, run.captioned = run_cpu(logged)
             run.browser_cpu = browser_cpu_seconds(run.server) - browser0
             run.machine_cpu = machine_busy() - machine0
             seconds, cpu = time.monotonic() - t0, cpu_seconds(run.server) - cpu0
@@ -367,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine_busy_cores": round(run.machine_cpu / seconds, 2), "machine_cores": psutil.cpu_count(),
         "script_runs_per_upload": round(run.runs / done, 2) if run.runs and done else None,
         "requests_per_upload": round(run.upload_phase_requests / max(done, 1), 2),
+        "script_run_cpu_s_per_upload": round(run.run_cpu / done, 4) if run.run_cpu and done else None,
+        "model_cpu_s_in_server_per_upload": round(run.model_cpu / done, 4) if run.model_cpu and done else None,
+        "model_cpu_s_in_server_per_caption": round(run.model_cpu / run.captioned, 4) if run.captioned else None,
     }
     ratio = figures["server_cpu_s_per_upload"] / one
     print(f"uploads: {done} in {seconds:.0f} s = {figures['uploads_per_s']:.2f}/s "
@@ -381,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{times[default_threads][1] * 1000:.0f} ms CPU per image")
     print(f"browsers' CPU per upload: {figures['browser_cpu_s_per_upload'] * 1000:.0f} ms; the machine was busy "
           f"{figures['machine_busy_cores']:.2f} of {figures['machine_cores']} cores over the upload phase")
+    if figures["script_run_cpu_s_per_upload"] is not None:
+        in_server = figures["model_cpu_s_in_server_per_upload"]
+        print(f"in the server, per upload: script runs {figures['script_run_cpu_s_per_upload'] * 1000:.0f} ms CPU, "
+              f"of which the model {in_server * 1000:.0f} ms ({run.captioned} captions made, "
+              f"{figures['model_cpu_s_in_server_per_caption'] * 1000:.0f} ms each; the others were cached); "
+              f"server CPU / the model's in the server: {figures['server_cpu_s_per_upload'] / in_server:.2f}")
     runs = figures["script_runs_per_upload"]
     print(f"per upload: {'n/a (the page logs no runs)' if runs is None else runs} script runs, "
           f"{figures['requests_per_upload']:.1f} requests from the browser")

@@ -292,7 +292,7 @@ def test_a_long_session_keeps_the_server_memory_level(page, served, tmp_path):
 def _runs(served) -> list[str]:
     """What each script run of the server showed, in order (its run log)."""
     log = served[2]
-    return [line.split(" ", 1)[1] for line in log.read_text().splitlines()] if log.exists() else []
+    return [line.split("\t")[1] for line in log.read_text().splitlines()] if log.exists() else []
 
 
 def test_each_upload_is_one_script_run(page, served, tmp_path):

@@ -135,10 +135,10 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
             f'<div class="notes">{notes}</div></div>')
 
 
-def grid_html(prefix: str, words: list[Word], thumb: str, layers: dict[Key, str], aspect: float,
+def grid_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float,
               grid: tuple[int, int]) -> str:
-    """Every word's map on a small copy of the image; a panel is a label of the picker's input:
-    clicking it picks that word. ``grid``: the maps' (H, W)."""
+    """Every word's map on the photo, small; a panel is a label of the picker's input: clicking it
+    picks that word. ``photo``: the picker's (the browser decodes it once); ``grid``: the maps' (H, W)."""
     p = prefix
     intro = (f"<p>The model writes the caption one word at a time. Before each word it spreads its attention "
              f"<b>α</b> over a {grid[0]}×{grid[1]} grid of image regions; the panels light up those regions "
@@ -149,7 +149,7 @@ def grid_html(prefix: str, words: list[Word], thumb: str, layers: dict[Key, str]
     style = f"""<style>
 .{p}g .grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(150px, 1fr)); gap: 0.8rem; }}
 .{p}g .cell {{ display: block; cursor: pointer; }}
-.{p}g .pic {{ position: relative; aspect-ratio: {aspect:.5f}; background: url("{thumb}") center / 100% 100%;
+.{p}g .pic {{ position: relative; aspect-ratio: {aspect:.5f}; background: url("{photo}") center / 100% 100%;
   outline-offset: 2px; }}
 .{p}g .pic img {{ position: absolute; inset: 0; width: 100%; height: 100%; display: block; }}
 .{p}g .cell span {{ display: block; font-size: 0.875rem; opacity: 0.7; text-align: center; margin-top: 0.2rem; }}

@@ -32,10 +32,11 @@ from captioner.overlay import attention_figure
 
 from app.result_view import attention_layers, data_uri, grid_html, picker_html, png, words_of
 
-PANEL_WIDTH = 240  # the grid's panels: about a sixth of a wide page
 LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
 JPEG_QUALITY = 90
+AS_IS_SIDE = 800  # an upright RGB JPEG at most this long a side is shown as uploaded
+EXIF_ORIENTATION = 0x0112
 
 
 class Gate:
@@ -194,19 +195,39 @@ class Picture:
     digest: str
     width: int
     height: int
-    preview: bytes  # JPEG, at most LARGE_WIDTH wide
+    preview: bytes  # JPEG, at most AS_IS_SIDE a side: the upload itself, or a copy at most LARGE_WIDTH wide
+    as_is: bool = False  # the preview is the uploaded file itself
 
     @property
     def preview_uri(self) -> str:
         return data_uri(self.preview, "image/jpeg")
 
     @classmethod
-    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image, Image.Image]:
-        """Raw bytes -> (picture, the decoded image, its preview); raises ImageLoadError with a
-        message for the user."""
+    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image | None, Image.Image | None]:
+        """Raw bytes -> (picture, the decoded image, its preview), the last two None when the upload
+        itself serves as the preview; raises ImageLoadError with a message for the user.
+
+        A photo from a phone or a camera resized for the web (an RGB JPEG, upright, at most
+        AS_IS_SIDE a side) is shown as it came: the browser scales it, and the server neither
+        resizes nor encodes it again. It is still decoded whole, at 1/8 scale, so that a broken
+        file is refused here with its message."""
+        if _shown_as_is(data):
+            load_image(data, at_least=1)
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+            return cls(digest, width, height, data, as_is=True), None, None
         image = load_image(data, at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
         preview = fit_width(image, LARGE_WIDTH)
         return cls(digest, image.width, image.height, jpeg(preview)), image, preview
+
+
+def _shown_as_is(data: bytes) -> bool:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
+                    and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
+    except Exception:  # not an image Pillow reads: load_image says why
+        return False
 
 
 @dataclass
@@ -225,34 +246,40 @@ class Shown:
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
-                  decoded: tuple[Image.Image, Image.Image, bytes] | None = None,
+                  picture: Picture | None = None, decoded: tuple[Image.Image | None, Image.Image | None] | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
-    checkpoint's own caption) and draw what the page shows. ``decoded``: (image, preview, the
-    preview's JPEG) when this run has decoded the upload already."""
+    checkpoint's own caption) and draw what the page shows. ``picture``, ``decoded``: the upload as
+    Picture.decode gave it, when this run has decoded it already."""
     with gate.turn(on_wait) as waited:
         torch.set_num_threads(gate.threads)  # this session's thread, not only the first one
         start, cpu = time.perf_counter(), time.thread_time()
         result = captioner.caption(captioner.preprocess.load(data), options)
         seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
     # Drawn outside the gate: the next caption need not wait for it.
-    image, preview, preview_jpeg = decoded or (load_image(data, at_least=LARGE_WIDTH), None, b"")
-    cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
-    if cropped is image and preview is not None:
-        seen, seen_jpeg = preview, preview_jpeg  # encoded already
+    whole = not captioner.preprocess.resize  # the model sees the whole image, no crop
+    if picture is not None and picture.as_is and whole:
+        seen_jpeg, seen_size = picture.preview, (picture.width, picture.height)  # the upload itself
     else:
-        seen = fit_width(cropped, LARGE_WIDTH)
-        seen_jpeg = jpeg(seen)
+        image, preview = decoded if decoded and decoded[0] is not None else (None, None)
+        if image is None:
+            image = load_image(data, at_least=LARGE_WIDTH)
+        cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
+        if cropped is image and preview is not None and picture is not None:
+            seen_jpeg, seen_size = picture.preview, preview.size  # encoded already
+        else:
+            seen = fit_width(cropped, LARGE_WIDTH)
+            seen_jpeg, seen_size = jpeg(seen), seen.size
     picker = grid = ""
     if result.words:
         prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
         layers = {(t, None): data_uri(png(layer), "image/png")
-                  for t, layer in enumerate(attention_layers(result.alphas, seen.size))}
+                  for t, layer in enumerate(attention_layers(result.alphas, seen_size))}
         words = words_of(result.words, result.betas)
-        aspect = seen.width / seen.height
-        picker = picker_html(prefix, words, data_uri(seen_jpeg, "image/jpeg"), layers, aspect)
-        thumb = data_uri(jpeg(fit_width(seen, PANEL_WIDTH)), "image/jpeg")
-        grid = grid_html(prefix, words, thumb, layers, aspect, tuple(result.alphas.shape[1:]))
+        aspect = seen_size[0] / seen_size[1]
+        photo = data_uri(seen_jpeg, "image/jpeg")
+        picker = picker_html(prefix, words, photo, layers, aspect)
+        grid = grid_html(prefix, words, photo, layers, aspect, tuple(result.alphas.shape[1:]))
     return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 

@@ -266,7 +266,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     if picture is None or picture.digest != digest:
         try:
             picture, image, preview = Picture.decode(digest, data)
-            decoded = (image, preview, picture.preview)  # the caption below draws on them, not decoding again
+            decoded = (image, preview)  # the caption below draws on them, without decoding again
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
             return
@@ -290,7 +290,8 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
 
                 try:
                     with st.spinner("Writing a caption…"):
-                        shown = caption_image(captioner, caption_gate(), key, name, data, options, decoded, queued)
+                        shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
+                                              queued)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
                     right.error(f"Captioning failed: {_markdown_text(str(e))}")
                     return

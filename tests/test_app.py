@@ -433,3 +433,33 @@ def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empt
     assert not app.exception and ".png · tiny.pt" in _details(app) and "mine.png" not in _details(app)
     app.sidebar.slider[0].set_value(4).run()  # and it stays, the upload forgotten
     assert "mine.png" not in _details(app) and "beam 4" in _details(app)
+
+
+def _jpeg(seed: int, size=(96, 64), **save) -> bytes:
+    buf = io.BytesIO()
+    tiny_image(seed, size).save(buf, "JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+def test_a_web_sized_jpeg_is_shown_as_uploaded_and_captioned_as_the_cli_does(app, weights_dir, tmp_path, capsys):
+    """An upright RGB JPEG of web size is its own preview and big view: nothing resized or encoded again."""
+    data = _jpeg(seed=21)
+    app.file_uploader[0].set_value(("photo.jpg", data, "image/jpeg")).run()
+    assert not app.exception and not app.error
+    photo = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', app.session_state["shown"].picker)
+    assert base64.b64decode(photo.group(1)) == data
+    cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=3)
+    assert json.loads(result_json(app.session_state["shown"])) == {**cli, "image": "photo.jpg"}
+    assert "(96×64)" in _page_html(app)
+
+
+def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
+    app.file_uploader[0].set_value(("cut.jpg", _jpeg(seed=22)[:400], "image/jpeg")).run()
+    assert not app.exception and len(app.error) == 1 and "truncated" in app.error[0].value.replace("\\", "")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # to be shown turned 90°: the browser and Pillow may not agree, so the page turns it
+    data = _jpeg(seed=23, exif=exif.tobytes())
+    app.file_uploader[0].set_value(("turned.jpg", data, "image/jpeg")).run()
+    assert not app.exception and not app.error and "(64×96)" in _page_html(app)
+    photo = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', app.session_state["shown"].picker)
+    assert Image.open(io.BytesIO(base64.b64decode(photo.group(1)))).size == (64, 96)

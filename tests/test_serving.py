@@ -158,7 +158,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
 
 
 def test_the_pictures_of_a_result_are_small():
-    """A result travels inside the page: one photo, a thumb and one small layer per word."""
+    """A result travels inside the page: one photo and one small layer per word."""
     from app.result_view import attention_layers, png
 
     alphas = torch.softmax(torch.randn(20, 196, generator=torch.Generator().manual_seed(3)), 1).view(20, 14, 14)

@@ -90,8 +90,8 @@ def word_labels(words: list[str]) -> list[str]:
 
 def words_of(words: list[str], betas: torch.Tensor) -> list["Word"]:
     labels, n = word_labels(words), len(words)
-    return [Word(labels[t], f"“{w}”: word {t + 1} of {n}, β = {float(betas[t]):.2f}", f"{w} · β {float(betas[t]):.2f}")
-            for t, w in enumerate(words)]
+    return [Word(labels[t], f"“{w}”: word {t + 1} of {n}, β = {float(b):.2f}", f"{w} · β {float(b):.2f}")
+            for t, (w, b) in enumerate(zip(words, betas))]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -222,12 +223,14 @@ class Picture:
 
 
 def _shown_as_is(data: bytes) -> bool:
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
-                    and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
-    except Exception:  # not an image Pillow reads: load_image says why
-        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # load_image refuses it, with a message
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
+                        and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
+        except Exception:  # not an image Pillow reads: load_image says why
+            return False
 
 
 @dataclass

@@ -435,6 +435,11 @@ def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empt
     assert "mine.png" not in _details(app) and "beam 4" in _details(app)
 
 
+def _big_view_photo(at: AppTest) -> bytes:
+    found = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', at.session_state["shown"].picker)
+    return base64.b64decode(found.group(1))
+
+
 def _jpeg(seed: int, size=(96, 64), **save) -> bytes:
     buf = io.BytesIO()
     tiny_image(seed, size).save(buf, "JPEG", quality=90, **save)
@@ -446,8 +451,7 @@ def test_a_web_sized_jpeg_is_shown_as_uploaded_and_captioned_as_the_cli_does(app
     data = _jpeg(seed=21)
     app.file_uploader[0].set_value(("photo.jpg", data, "image/jpeg")).run()
     assert not app.exception and not app.error
-    photo = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', app.session_state["shown"].picker)
-    assert base64.b64decode(photo.group(1)) == data
+    assert _big_view_photo(app) == data
     cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=3)
     assert json.loads(result_json(app.session_state["shown"])) == {**cli, "image": "photo.jpg"}
     assert "(96×64)" in _page_html(app)
@@ -461,5 +465,4 @@ def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
     data = _jpeg(seed=23, exif=exif.tobytes())
     app.file_uploader[0].set_value(("turned.jpg", data, "image/jpeg")).run()
     assert not app.exception and not app.error and "(64×96)" in _page_html(app)
-    photo = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', app.session_state["shown"].picker)
-    assert Image.open(io.BytesIO(base64.b64decode(photo.group(1)))).size == (64, 96)
+    assert Image.open(io.BytesIO(_big_view_photo(app))).size == (64, 96)

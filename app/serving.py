@@ -10,11 +10,13 @@ and Streamlit only hashes bytes. The figure and the JSON are made when they are 
 from __future__ import annotations
 
 import gc
+import hashlib
 import io
 import json
 import os
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,12 +29,15 @@ from PIL import Image
 from captioner.decoding import CaptionResult
 from captioner.images import load_image
 from captioner.inference import Captioner, DecodeOptions
-from captioner.overlay import attention_figure, overlays
+from captioner.overlay import attention_figure
 
-PANEL_WIDTH = 240  # the grid's panels: about a sixth of a wide page
-LARGE_WIDTH = 560  # the selected word's overlay and the upload's preview
+from app.result_view import attention_layers, data_uri, grid_html, picker_html, png, words_of
+
+LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
 JPEG_QUALITY = 90
+AS_IS_SIDE = 800  # an upright RGB JPEG at most this long a side is shown as uploaded
+EXIF_ORIENTATION = 0x0112
 
 
 class Gate:
@@ -110,6 +115,35 @@ class ResultCache:
         return len(self._items)
 
 
+@contextmanager
+def logged_run() -> Iterator[dict]:
+    """For the ``with`` block (a script run): one line in the file $CAPTIONER_APP_RUN_LOG, when set,
+    "time<TAB>what<TAB>the run's CPU ms<TAB>the model's CPU ms", with what the run showed and what
+    its caption cost (0 when none was made). Tests and the benchmark count the server's runs per
+    upload with it, and split its CPU between the model and the rest; unset, it costs nothing."""
+    entry = {"what": "-", "model_cpu": 0.0}
+    start = time.thread_time()  # the script runs in a thread of its own, the caption in it
+    try:
+        yield entry
+    finally:
+        path = os.environ.get("CAPTIONER_APP_RUN_LOG")
+        if path:
+            with open(path, "a", encoding="utf-8") as log:
+                log.write(f"{time.time():.3f}\t{entry['what']}\t{(time.thread_time() - start) * 1000:.1f}\t"
+                          f"{entry['model_cpu'] * 1000:.1f}\n")
+
+
+def forget_upload(upload) -> None:
+    """Drop an uploaded file from Streamlit's store once the page has read it. The uploader is
+    then replaced by a fresh one, and the browser never deletes a file it no longer shows: it
+    would stay in the server's memory until the session ends, one file per upload."""
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    if ctx is not None:
+        ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
+
+
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -162,15 +196,41 @@ class Picture:
     digest: str
     width: int
     height: int
-    preview: bytes  # JPEG, at most LARGE_WIDTH wide
+    preview: bytes  # JPEG, at most AS_IS_SIDE a side: the upload itself, or a copy at most LARGE_WIDTH wide
+    as_is: bool = False  # the preview is the uploaded file itself
+
+    @property
+    def preview_uri(self) -> str:
+        return data_uri(self.preview, "image/jpeg")
 
     @classmethod
-    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image, Image.Image]:
-        """Raw bytes -> (picture, the decoded image, its preview); raises ImageLoadError with a
-        message for the user."""
+    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image | None, Image.Image | None]:
+        """Raw bytes -> (picture, the decoded image, its preview), the last two None when the upload
+        itself serves as the preview; raises ImageLoadError with a message for the user.
+
+        A photo from a phone or a camera resized for the web (an RGB JPEG, upright, at most
+        AS_IS_SIDE a side) is shown as it came: the browser scales it, and the server neither
+        resizes nor encodes it again. It is still decoded whole, at 1/8 scale, so that a broken
+        file is refused here with its message."""
+        if _shown_as_is(data):
+            load_image(data, at_least=1)
+            with Image.open(io.BytesIO(data)) as im:
+                width, height = im.size
+            return cls(digest, width, height, data, as_is=True), None, None
         image = load_image(data, at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
         preview = fit_width(image, LARGE_WIDTH)
         return cls(digest, image.width, image.height, jpeg(preview)), image, preview
+
+
+def _shown_as_is(data: bytes) -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # load_image refuses it, with a message
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
+                        and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
+        except Exception:  # not an image Pillow reads: load_image says why
+            return False
 
 
 @dataclass
@@ -181,39 +241,49 @@ class Shown:
     name: str
     result: CaptionResult
     seconds: float  # the model's own time
-    seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: big overlays, figure
-    thumb: bytes  # JPEG, at most PANEL_WIDTH wide
-    panels: list[bytes]  # one overlay per word on the thumb, JPEG
-    large: dict[int, bytes] = field(default_factory=dict)  # word -> big overlay (JPEG), drawn when picked
+    cpu: float  # the model's own CPU time (its thread's)
+    seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
+    picker: str  # HTML: the word picker and the picked word's map (result_view.picker_html)
+    grid: str  # HTML: every word's map (result_view.grid_html)
     waited: float = 0.0  # seconds this session waited for the model
-
-    def large_overlay(self, t: int) -> bytes:
-        if t not in self.large:
-            seen = Image.open(io.BytesIO(self.seen)).convert("RGB")
-            self.large[t] = jpeg(overlays(seen, self.result.alphas[t:t + 1])[0])
-        return self.large[t]
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
-                  decoded: tuple[Image.Image, Image.Image] | None = None,
+                  picture: Picture | None = None, decoded: tuple[Image.Image | None, Image.Image | None] | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
-    checkpoint's own caption) and draw what the page shows. ``decoded``: (image, preview) when this
-    run has decoded the upload already."""
+    checkpoint's own caption) and draw what the page shows. ``picture``, ``decoded``: the upload as
+    Picture.decode gave it, when this run has decoded it already."""
     with gate.turn(on_wait) as waited:
         torch.set_num_threads(gate.threads)  # this session's thread, not only the first one
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         result = captioner.caption(captioner.preprocess.load(data), options)
-        seconds = time.perf_counter() - start
-        image, preview = decoded or (load_image(data, at_least=LARGE_WIDTH), None)
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    # Drawn outside the gate: the next caption need not wait for it.
+    whole = not captioner.preprocess.resize  # the model sees the whole image, no crop
+    if picture is not None and picture.as_is and whole:
+        seen_jpeg, seen_size = picture.preview, (picture.width, picture.height)  # the upload itself
+    else:
+        image, preview = decoded if decoded and decoded[0] is not None else (None, None)
+        if image is None:
+            image = load_image(data, at_least=LARGE_WIDTH)
         cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
-        seen = preview if cropped is image and preview is not None else fit_width(cropped, LARGE_WIDTH)
-        thumb = fit_width(seen, PANEL_WIDTH)
-        panels = [jpeg(p) for p in overlays(thumb, result.alphas)] if result.words else []
-        shown = Shown(key, name, result, seconds, jpeg(seen), jpeg(thumb), panels, waited=waited)
-        if result.words:
-            shown.large[0] = jpeg(overlays(seen, result.alphas[:1])[0])  # the word shown first
-    return shown
+        if cropped is image and preview is not None and picture is not None:
+            seen_jpeg, seen_size = picture.preview, preview.size  # encoded already
+        else:
+            seen = fit_width(cropped, LARGE_WIDTH)
+            seen_jpeg, seen_size = jpeg(seen), seen.size
+    picker = grid = ""
+    if result.words:
+        prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
+        layers = {(t, None): data_uri(png(layer), "image/png")
+                  for t, layer in enumerate(attention_layers(result.alphas, seen_size))}
+        words = words_of(result.words, result.betas)
+        aspect = seen_size[0] / seen_size[1]
+        photo = data_uri(seen_jpeg, "image/jpeg")
+        picker = picker_html(prefix, words, photo, layers, aspect)
+        grid = grid_html(prefix, words, photo, layers, aspect, tuple(result.alphas.shape[1:]))
+    return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 
 def figure_png(shown: Shown) -> bytes:

@@ -7,6 +7,7 @@ loading, captioning and the overlays all come from the ``captioner`` library.
 from __future__ import annotations
 
 import hashlib
+import html
 import os
 import re
 from dataclasses import astuple, replace
@@ -15,8 +16,8 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from app.serving import (LARGE_WIDTH, Picture, Shown, caption_gate, caption_image, figure_png, result_json,
-                         results_cache, settle_heap)
+from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png, forget_upload,
+                         logged_run, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError
@@ -26,7 +27,6 @@ EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
-GRID_COLUMNS = 6
 HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
               "sample": "a random draw"}
 
@@ -51,16 +51,6 @@ def load_captioner(weights: str, modified: float) -> Captioner:
 
 def _markdown_text(text: str) -> str:
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~$])", r"\\\1", text)
-
-
-def _word_labels(words: list[str]) -> list[str]:
-    """Unique labels for the word picker (Streamlit tells options apart by label): "a", "star", "a (2)"."""
-    seen: dict[str, int] = {}
-    labels = []
-    for w in words:
-        seen[w] = seen.get(w, 0) + 1
-        labels.append(w if seen[w] == 1 else f"{w} ({seen[w]})")
-    return labels
 
 
 def no_model_message() -> None:
@@ -135,27 +125,37 @@ def model_details(captioner: Captioner) -> str:
     return " · ".join(parts)
 
 
+def _take_upload(key: str) -> None:
+    """The uploader's callback, before the script runs: the file becomes the page's own (the
+    session's "upload", Streamlit's copy dropped) and the uploader a fresh one (a new key). The
+    next file then simply arrives, in one script run; with the file left in the uploader, dropping
+    the next one would first remove it, in a run of its own."""
+    upload = st.session_state.get(key)
+    if upload is None:
+        return
+    st.session_state["upload"] = upload.name, upload.getvalue()
+    forget_upload(upload)
+    st.session_state["uploads"] = st.session_state.get("uploads", 0) + 1
+    st.session_state["example"] = None  # no example picked, until the user picks one
+
+
 def choose_image() -> tuple[str, bytes] | None:
-    """The uploaded file, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
-    upload = st.file_uploader("Upload an image", type=UPLOAD_TYPES,
-                              help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.")
-    if upload is not None:
-        st.session_state["had_upload"] = True
-        return upload.name, upload.getvalue()
+    """The last upload, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
+    key = f"upload-{st.session_state.get('uploads', 0)}"
+    if st.file_uploader("Upload an image", type=UPLOAD_TYPES, key=key, on_change=_take_upload, args=(key,),
+                        help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.") is not None:
+        _take_upload(key)  # a file that came without its callback: taken now, the fresh uploader shown next run
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
-    if not examples:
-        return None
-    if st.session_state.pop("had_upload", False):
-        # The upload is gone: a new file replacing it (the uploader removes the old one first, in
-        # a run of its own) or the user removed it. Either way no example was picked: the last
-        # upload stays on the page rather than an example flashing up until the next run.
-        st.session_state["example"] = None
-    elif "example" not in st.session_state:
-        st.session_state["example"] = 0  # a new page starts with the first example
-    names = [p.stem.replace("-", " ") for p in examples]
-    pick = st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], key="example",
-                    wrap=True)
-    return None if pick is None else (examples[pick].name, examples[pick].read_bytes())
+    if "example" not in st.session_state:
+        st.session_state["example"] = 0 if examples else None  # a new page starts with the first example
+    if examples:
+        names = [p.stem.replace("-", " ") for p in examples]
+        st.pills("…or try an example", range(len(examples)), format_func=lambda i: names[i], key="example",
+                 wrap=True, on_change=lambda: st.session_state.pop("upload", None))
+    pick = st.session_state.get("example")
+    if pick is not None and pick < len(examples):
+        return examples[pick].name, examples[pick].read_bytes()
+    return st.session_state.get("upload")  # the last upload: shown again with new settings
 
 
 def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool,
@@ -172,33 +172,11 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     if not result.words:
         st.info("The model ended the caption before its first word, so there is no attention to show.")
         return
-    words = result.words
-    labels = _word_labels(words)
-    pick = st.pills("Word", range(len(words)), format_func=lambda t: labels[t], default=0, required=True,
-                    wrap=True, help="Pick a word to see where the model looked when it wrote it.")
-    t = 0 if pick is None else pick
-    with st.container(width=LARGE_WIDTH):
-        st.image(shown.large_overlay(t), width="stretch", output_format="JPEG",
-                 caption=f"“{words[t]}”: word {t + 1} of {len(words)}, β = {float(result.betas[t]):.2f}")
+    st.html(shown.picker)  # the picker, the big view and its pictures: one element, no request, no rerun
 
 
 def show_grid(shown: Shown) -> None:
-    result = shown.result
-    grid_h, grid_w = result.alphas.shape[1:]
-    st.subheader("Every word, where the model looked", anchor=False)
-    st.markdown(
-        f"The model writes the caption one word at a time. Before each word it spreads its attention **α** "
-        f"over a {grid_h}×{grid_w} grid of image regions; the panels light up those regions (brightest, "
-        f"orange: most weight) and darken the rest. **β** is the gate on what it saw: near 1 the image "
-        f"mattered for that word, near 0 the word came mostly from the sentence so far (words like "
-        f"*a* or *and*).")
-    cells = [(shown.thumb, "the image")]  # first, as in the paper's figures
-    cells += [(shown.panels[t], f"{w} · β {float(result.betas[t]):.2f}") for t, w in enumerate(result.words)]
-    for row in range(0, len(cells), GRID_COLUMNS):
-        columns = st.columns(GRID_COLUMNS)
-        for column, (panel, label) in zip(columns, cells[row:row + GRID_COLUMNS]):
-            column.image(panel, caption=label, width="stretch", output_format="JPEG")  # JPEG bytes: not reopened
-
+    st.html(shown.grid)  # every word's map: one element; a panel clicked picks its word
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
@@ -220,8 +198,11 @@ def show_last(left, right, captioner: Captioner, label: str, options: DecodeOpti
 
 
 def show_preview(left, picture: Picture, name: str) -> None:
-    left.image(picture.preview, caption=f"{name} ({picture.width}×{picture.height})", width="stretch",
-               output_format="JPEG")
+    # Inside the page, not a media file: one request less per upload, and the browser decodes the
+    # same data as the big view's photo (the same JPEG when the model sees the whole image).
+    left.html(f'<figure style="margin: 0"><img src="{picture.preview_uri}" alt="" style="width: 100%; display: block; '
+              f'border-radius: 0.5rem"><figcaption style="text-align: center; font-size: 0.875rem; opacity: 0.6; '
+              f'margin-top: 0.3rem">{html.escape(name)} ({picture.width}×{picture.height})</figcaption></figure>')
 
 
 def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
@@ -259,10 +240,23 @@ def main() -> None:
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)
     model_card(captioner)
+    image_and_result(captioner, label, options, path, modified)
 
+
+@st.fragment
+def image_and_result(captioner: Captioner, label: str, options: DecodeOptions, path: Path, modified: float) -> None:
+    """The upload, the examples and the result: a fragment, so that an upload or a picked example
+    reruns this part alone (the title, the sidebar and the model card stay as they are)."""
+    with logged_run() as run:
+        show_image_and_result(run, captioner, label, options, path, modified)
+
+
+def show_image_and_result(run: dict, captioner: Captioner, label: str, options: DecodeOptions, path: Path,
+                          modified: float) -> None:
     left, right = st.columns([2, 3], gap="large")
     with left:
         chosen = choose_image()
+    run["what"] = "-" if chosen is None else chosen[0]
     if chosen is None:
         show_last(left, right, captioner, label, options, path, modified)
         return
@@ -296,13 +290,15 @@ def main() -> None:
 
                 try:
                     with st.spinner("Writing a caption…"):
-                        shown = caption_image(captioner, caption_gate(), key, name, data, options, decoded, queued)
+                        shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
+                                              queued)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
                     right.error(f"Captioning failed: {_markdown_text(str(e))}")
                     return
                 finally:
                     waiting.empty()
             results_cache().put(shared_key, replace(shown, waited=0.0))
+            run["model_cpu"] = shown.cpu
         st.session_state["shown"] = shown
     show_all(right, shown, captioner, label, options)
 

@@ -14,7 +14,8 @@ server's CPU-seconds per upload (its process's user+system time over the upload 
 the model's own captioning time per image (`Captioner.caption`, one torch thread, as the
 server's workers run it, on the same images, after the run); the server's resident memory
 at start, after the first upload, at its peak and at the end (sessions closed, then
---settle seconds); failed uploads; captions that differ from the model's own; requests to
+--settle seconds); script runs per upload (the server's run log, $CAPTIONER_APP_RUN_LOG) and
+requests per upload the pages made; failed uploads; captions that differ from the model's own; requests to
 any other host. --json writes the same figures to a file.
 
 --page serves another copy of the page (e.g. an older version, exported with `git archive`):
@@ -50,6 +51,8 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
+# The page's uploader; during a script run the one it replaced may linger, marked stale.
+UPLOADER = ".stElementContainer:not([data-stale=true]) input[type=file]"
 
 
 def make_photos(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
@@ -76,6 +79,7 @@ def start_server(page: Path, workdir: Path, workers: int | None) -> tuple[subpro
     cmd[cmd.index("run") + 1] = str(page)
     root = page.resolve().parents[1]
     env = server_env(workers, base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(workdir / "no-weights"),
+                                    "CAPTIONER_APP_RUN_LOG": str(workdir / "runs.log"),
                                     "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
     log = workdir / "streamlit.log"
     with open(log, "wb") as out:
@@ -127,6 +131,25 @@ def browser_cpu_seconds(server: psutil.Process) -> float:
     return total
 
 
+def script_runs(log: Path | None) -> int:
+    """Script runs the server has logged so far (pages older than the run log log none)."""
+    return len(run_log(log))
+
+
+def run_log(log: Path | None) -> list[list[str]]:
+    """The server's run log: per run [time, what, run CPU ms, model CPU ms]."""
+    try:
+        return [line.split("\t") for line in log.read_text().splitlines()] if log else []
+    except OSError:
+        return []
+
+
+def run_cpu(lines: list[list[str]]) -> tuple[float, float, int]:
+    """(CPU-seconds of the logged script runs, of the captions made in them, captions made)."""
+    rows = [(float(r[2]), float(r[3])) for r in lines if len(r) == 4]
+    return sum(r for r, _ in rows) / 1000, sum(m for _, m in rows) / 1000, sum(m > 0 for _, m in rows)
+
+
 def machine_busy() -> float:
     """Seconds of CPU the whole machine has spent busy, all cores."""
     t = psutil.cpu_times()
@@ -149,6 +172,11 @@ class Run:
         self.finished = 0  # sessions done uploading
         self.browser_cpu = 0.0  # Chromium's and the driver's CPU-seconds over the upload phase
         self.machine_cpu = 0.0  # the whole machine's, every process
+        self.run_log: Path | None = None  # the server's run log: one line per script run
+        self.runs0 = self.runs = 0
+        self.run_cpu = self.model_cpu = 0.0  # CPU-seconds of the upload phase's script runs, of their captions
+        self.captioned = 0  # captions made (the others came from the results cache)
+        self.upload_phase_requests = 0  # requests the pages made while uploading
 
     def take(self) -> int:
         i = self.next % len(self.uploads)
@@ -177,7 +205,7 @@ async def session(sid: int, browser, url: str, run: Run, start: asyncio.Event, c
             mime = "image/png" if stem.endswith(".png") else "image/jpeg"
             t0 = time.perf_counter()
             try:
-                await page.locator("input[type=file]").set_input_files(
+                await page.locator(UPLOADER).set_input_files(
                     {"name": name, "mimeType": mime, "buffer": data})
                 await page.get_by_text(f"{name} · ").wait_for(timeout=timeout_s * 1000)
                 run.latencies.append(time.perf_counter() - t0)
@@ -214,9 +242,11 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
                 await asyncio.sleep(0.2)
             if len(ready) < args.sessions:
                 raise SystemExit(f"only {len(ready)} of {args.sessions} pages opened in time")
+            run.runs0 = script_runs(run.run_log)
             cpu0, t0 = cpu_seconds(run.server), time.monotonic()
             browser0, machine0 = browser_cpu_seconds(run.server), machine_busy()
             run.end = t0 + args.seconds
+            requests0 = len(run.requests)
             start.set()
             # Every session ends its last upload within --upload-timeout of the end.
             deadline = time.monotonic() + args.seconds + args.upload_timeout + 60
@@ -224,9 +254,13 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
                 if time.monotonic() > deadline:
                     raise SystemExit("sessions still uploading long after the end")
                 await asyncio.sleep(0.1)
+            logged = run_log(run.run_log)[run.runs0:]
+            run.runs = len(logged)
+            run.run_cpu, run.model_cpu, run.captioned = run_cpu(logged)
             run.browser_cpu = browser_cpu_seconds(run.server) - browser0
             run.machine_cpu = machine_busy() - machine0
             seconds, cpu = time.monotonic() - t0, cpu_seconds(run.server) - cpu0
+            run.upload_phase_requests = len(run.requests) - requests0
             close.set()
             await asyncio.gather(*tasks)
             return seconds, cpu
@@ -287,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"needs Debian's chromium at {CHROMIUM}")
     if not args.page.is_file():
         ap.error(f"no such page: {args.page}")
+    args.page = args.page.resolve()  # the server runs in a folder of its own
 
     photos = make_photos(args.images)
     examples = [(p.name, p.read_bytes()) for p in sorted((ROOT / "app" / "examples").glob("*.png"))]
@@ -304,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler = Sampler(server)
         sampler.start()
         run = Run(uploads, server)
+        run.run_log = workdir / "runs.log"
         print(f"{args.sessions} sessions upload for {args.seconds:.0f} s to {url} ...", flush=True)
         seconds, cpu = asyncio.run(drive(url, run, args))
         time.sleep(args.settle)
@@ -319,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     times, checked, differ = model_times("demo-soft", run, args.model_images)
-    one = times[1][0]  # one thread: wall = CPU, the setting the server runs the model with
+    # One thread, the setting the server runs the model with: its CPU time is the model's own work
+    # (on an idle machine the same as its wall time; on a loaded one the wall time adds waiting).
+    one = times[1][1]
     default_threads = max(times)
     done = len(run.latencies)
     outside = [u for u in run.requests
@@ -332,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "latency_max_s": round(max(run.latencies, default=float("nan")), 3),
         "page_open_p50_s": round(pct(run.opens, 50), 2), "page_open_max_s": round(max(run.opens), 2),
         "server_cpu_s_per_upload": round(cpu / max(done, 1), 4),
-        "model_s_per_image": round(one, 4),
+        "model_s_per_image": round(one, 4), "model_one_thread_wall_s": round(times[1][0], 4),
         "model_default_threads": default_threads,
         "model_default_threads_wall_s": round(times[default_threads][0], 4),
         "model_default_threads_cpu_s": round(times[default_threads][1], 4),
@@ -342,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         "outside_requests": len(outside), "requests": len(run.requests),
         "browser_cpu_s_per_upload": round(run.browser_cpu / max(done, 1), 4),
         "machine_busy_cores": round(run.machine_cpu / seconds, 2), "machine_cores": psutil.cpu_count(),
+        "script_runs_per_upload": round(run.runs / done, 2) if run.runs and done else None,
+        "requests_per_upload": round(run.upload_phase_requests / max(done, 1), 2),
+        "script_run_cpu_s_per_upload": round(run.run_cpu / done, 4) if run.run_cpu and done else None,
+        "model_cpu_s_in_server_per_upload": round(run.model_cpu / done, 4) if run.model_cpu and done else None,
+        "model_cpu_s_in_server_per_caption": round(run.model_cpu / run.captioned, 4) if run.captioned else None,
     }
     ratio = figures["server_cpu_s_per_upload"] / one
     print(f"uploads: {done} in {seconds:.0f} s = {figures['uploads_per_s']:.2f}/s "
@@ -350,12 +393,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"caption latency: p50 {figures['latency_p50_s']:.2f} s, p95 {figures['latency_p95_s']:.2f} s, "
           f"max {figures['latency_max_s']:.2f} s")
     print(f"server CPU per upload: {figures['server_cpu_s_per_upload'] * 1000:.0f} ms; model alone, one thread: "
-          f"{one * 1000:.0f} ms per image (median over the distinct images uploaded); "
-          f"ratio {ratio:.2f}")
+          f"{one * 1000:.0f} ms CPU ({times[1][0] * 1000:.0f} ms wall) per image (median over the distinct images "
+          f"uploaded); ratio {ratio:.2f}")
     print(f"model alone, torch's default {default_threads} threads: {times[default_threads][0] * 1000:.0f} ms wall, "
           f"{times[default_threads][1] * 1000:.0f} ms CPU per image")
     print(f"browsers' CPU per upload: {figures['browser_cpu_s_per_upload'] * 1000:.0f} ms; the machine was busy "
           f"{figures['machine_busy_cores']:.2f} of {figures['machine_cores']} cores over the upload phase")
+    if figures["script_run_cpu_s_per_upload"] is not None:
+        in_server = figures["model_cpu_s_in_server_per_upload"]
+        print(f"in the server, per upload: script runs {figures['script_run_cpu_s_per_upload'] * 1000:.0f} ms CPU, "
+              f"of which the model {in_server * 1000:.0f} ms ({run.captioned} captions made, "
+              f"{figures['model_cpu_s_in_server_per_caption'] * 1000:.0f} ms each; the others were cached); "
+              f"server CPU / the model's in the server: {figures['server_cpu_s_per_upload'] / in_server:.2f}")
+    runs = figures["script_runs_per_upload"]
+    print(f"per upload: {'n/a (the page logs no runs)' if runs is None else runs} script runs, "
+          f"{figures['requests_per_upload']:.1f} requests from the browser")
     print(f"server memory: start {figures['rss_start_mib']} MiB, after the first upload "
           f"{figures['rss_after_first_upload_mib']} MiB, peak {figures['rss_peak_mib']} MiB, "
           f"end {figures['rss_end_mib']} MiB")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import html
 import io
 import json
 import re
@@ -71,8 +73,20 @@ def _details(at: AppTest) -> str:
     return next(c.value for c in at.caption if " · beam " in c.value)
 
 
+def _page_html(at: AppTest) -> str:
+    return "".join(h.value for h in at.html)
+
+
 def _word_panels(at: AppTest) -> list[str]:
-    return [cap for image in at.image for cap in image.captions if " · β " in cap]
+    """The grid's panel labels, "word · β 0.52", one per word."""
+    return [html.unescape(m) for m in re.findall(r'<label class="cell c\d+"[^>]*>.*?<span>(.*?)</span>',
+                                                  _page_html(at))]
+
+
+def _data_images(fragment: str) -> list[Image.Image]:
+    """The pictures inside an HTML fragment (data URIs), decoded."""
+    return [Image.open(io.BytesIO(base64.b64decode(b64)))
+            for b64 in re.findall(r'data:image/(?:png|jpeg);base64,([A-Za-z0-9+/=]+)', fragment)]
 
 
 def test_upload_shows_the_cli_caption_and_one_overlay_per_word(app, weights_dir, tmp_path, capsys):
@@ -141,26 +155,33 @@ def test_hard_attention_models_offer_the_inference_mode(app, weights_dir, tmp_pa
     assert json.loads(result_json(app.session_state["shown"])) == {**cli, "image": "generated.png"}
 
 
-def test_picking_a_word_shows_its_map_without_captioning_again(app):
-    app.file_uploader[0].set_value(("generated.png", _png(seed=3), "image/png")).run()
-    before = _details(app)  # includes the time the caption took: it changes if captioning runs again
+def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
+    """Picking a word is left to the browser (tests/test_app_browser.py clicks it): the page holds
+    one radio input per word, the first checked, and one map layer per word over the one photo."""
+    app.file_uploader[0].set_value(("generated.png", _png(seed=3, size=(96, 64)), "image/png")).run()
     words = _shown_caption(app).split()
-
-    def large() -> str:
-        return next(cap for image in app.image for cap in image.captions if cap.startswith("“"))
-
-    assert large().startswith(f"“{words[0]}”: word 1 of {len(words)}")
-    last = len(words) - 1
-    app.pills[-1].set_value(last).run()
-    assert _details(app) == before
-    assert app.pills[-1].value == last
-    assert large().startswith(f"“{words[last]}”: word {last + 1} of {len(words)}")
+    picker = app.session_state["shown"].picker
+    assert picker in _page_html(app) and "<script" not in _page_html(app)
+    inputs = re.findall(r'<input type="radio" name="(\w+)-word" id="\1-w(\d+)" value="\d+"( checked)?>', picker)
+    assert [int(t) for _, t, _ in inputs] == list(range(len(words)))
+    assert [bool(c) for _, _, c in inputs] == [True] + [False] * (len(words) - 1)
+    notes = [html.unescape(n) for n in re.findall(r'<p class="n\d+">(.*?)</p>', picker)]
+    assert notes == [f"“{w}”: word {t + 1} of {len(words)}, β = {float(b):.2f}"
+                     for t, (w, b) in enumerate(zip(words, app.session_state["shown"].result.betas))]
+    photo, *layers = _data_images(picker)
+    assert photo.format == "JPEG" and photo.size == (96, 64)  # the photo once, at the size it was uploaded
+    assert len(layers) == len(words) and all(m.mode == "P" and m.size[0] <= 96 for m in layers)
+    assert layers[0].convert("RGBA").tobytes() != layers[-1].convert("RGBA").tobytes()  # each its own map
+    # The stylesheet shows word t's layer and note exactly when input t is checked.
+    prefix = inputs[0][0]
+    for t in range(len(words)):
+        assert f"#{prefix}-w{t}:checked ~ .big .l{t}, #{prefix}-w{t}:checked ~ .notes .n{t}" in picker
 
 
 def test_repeated_words_get_labels_the_picker_can_tell_apart():
-    from app.streamlit_app import _word_labels
+    from app.result_view import word_labels
 
-    assert _word_labels(["a", "star", "and", "a", "star", "a"]) == ["a", "star", "and", "a (2)", "star (2)", "a (3)"]
+    assert word_labels(["a", "star", "and", "a", "star", "a"]) == ["a", "star", "and", "a (2)", "star (2)", "a (3)"]
 
 
 def test_models_offered_are_installed_bundled_ones_and_the_weights_folder(tmp_path, monkeypatch):
@@ -293,12 +314,16 @@ class _Encodes:
 
 def test_an_upload_makes_no_figure_until_it_is_downloaded(app, monkeypatch):
     data = _png(seed=12)  # an image no other test uploads: results are shared between sessions
-    encodes = _Encodes(monkeypatch)
+    from app import serving
+
+    figures = []
+    draw = serving.attention_figure
+    monkeypatch.setattr(serving, "attention_figure", lambda *a, **k: figures.append(1) or draw(*a, **k))
     app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
     assert not app.exception and _word_panels(app)
-    assert "PNG" not in encodes.formats  # the figure is the page's only PNG: not made yet
+    assert figures == []  # not drawn yet
     png = figure_png(app.session_state["shown"])  # what the button's callable serves on a click
-    assert Image.open(io.BytesIO(png)).format == "PNG" and encodes.formats.count("PNG") == 1
+    assert Image.open(io.BytesIO(png)).format == "PNG" and figures == [1]
 
 
 def test_reruns_that_change_nothing_encode_no_image_again(app, monkeypatch):
@@ -307,11 +332,8 @@ def test_reruns_that_change_nothing_encode_no_image_again(app, monkeypatch):
     assert len(words) >= 2
     encodes = _Encodes(monkeypatch)
     app.run()  # a rerun with nothing changed
-    assert encodes.formats == []
-    app.pills[-1].set_value(len(words) - 1).run()  # a new word: its big overlay, and nothing else
-    assert len(encodes.formats) == 1
-    app.pills[-1].set_value(0).run()  # back to the first word: drawn already
-    assert len(encodes.formats) == 1
+    app.run()
+    assert _shown_caption(app).split() == words and encodes.formats == []
 
 
 def test_a_caption_waits_its_turn_for_the_model_and_says_so(app):
@@ -387,16 +409,60 @@ def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, m
     assert len(gc.get_objects()) < 60_000
 
 
-def test_replacing_an_upload_does_not_flash_the_example_in_between(app, monkeypatch):
-    """Dropping a new file on the uploader first removes the old one (a run with no file), then
-    uploads the new one. That run keeps the last upload on the page: no example, no captioning."""
+def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empty(app, monkeypatch):
+    """Once read, the upload is the page's own (the uploader is a fresh, empty one, so the next
+    file arrives in one run, and Streamlit's copy is dropped): it stays on the page through later
+    runs, with no example picked, until the user picks one."""
+    from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
+
+    stores = []
+    add = MemoryUploadedFileManager.add_file
+    monkeypatch.setattr(MemoryUploadedFileManager, "add_file", lambda self, *a: stores.append(self) or add(self, *a))
     app.file_uploader[0].set_value(("mine.png", _png(seed=17), "image/png")).run()
+    assert not app.exception and "mine.png" in _details(app)
+    assert stores and all(not any(store.file_storage.values()) for store in stores)  # nothing left in Streamlit's
+    assert app.file_uploader[0].value is None  # a fresh uploader
+    assert app.pills[0].value is None  # no example picked
     before = _details(app)
     calls = []
     caption = inference.Captioner.caption
     monkeypatch.setattr(inference.Captioner, "caption", lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
-    app.file_uploader[0].set_value(None).run()
+    app.run()
     assert not app.exception and _details(app) == before and calls == []
-    assert app.pills[0].value is None  # no example picked
-    app.pills[0].set_value(2).run()  # the user picks one: shown
+    app.pills[0].set_value(2).run()  # the user picks an example: shown
     assert not app.exception and ".png · tiny.pt" in _details(app) and "mine.png" not in _details(app)
+    app.sidebar.slider[0].set_value(4).run()  # and it stays, the upload forgotten
+    assert "mine.png" not in _details(app) and "beam 4" in _details(app)
+
+
+def _big_view_photo(at: AppTest) -> bytes:
+    found = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', at.session_state["shown"].picker)
+    return base64.b64decode(found.group(1))
+
+
+def _jpeg(seed: int, size=(96, 64), **save) -> bytes:
+    buf = io.BytesIO()
+    tiny_image(seed, size).save(buf, "JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+def test_a_web_sized_jpeg_is_shown_as_uploaded_and_captioned_as_the_cli_does(app, weights_dir, tmp_path, capsys):
+    """An upright RGB JPEG of web size is its own preview and big view: nothing resized or encoded again."""
+    data = _jpeg(seed=21)
+    app.file_uploader[0].set_value(("photo.jpg", data, "image/jpeg")).run()
+    assert not app.exception and not app.error
+    assert _big_view_photo(app) == data
+    cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=3)
+    assert json.loads(result_json(app.session_state["shown"])) == {**cli, "image": "photo.jpg"}
+    assert "(96×64)" in _page_html(app)
+
+
+def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
+    app.file_uploader[0].set_value(("cut.jpg", _jpeg(seed=22)[:400], "image/jpeg")).run()
+    assert not app.exception and len(app.error) == 1 and "truncated" in app.error[0].value.replace("\\", "")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # to be shown turned 90°: the browser and Pillow may not agree, so the page turns it
+    data = _jpeg(seed=23, exif=exif.tobytes())
+    app.file_uploader[0].set_value(("turned.jpg", data, "image/jpeg")).run()
+    assert not app.exception and not app.error and "(64×96)" in _page_html(app)
+    assert Image.open(io.BytesIO(_big_view_photo(app))).size == (64, 96)

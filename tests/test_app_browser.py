@@ -29,6 +29,8 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-component-update", "--disable-sync"]
 APP = Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"
 MODEL = "tiny.pt"
+# The page's uploader; during a script run the one it replaced may linger, marked stale.
+UPLOADER = ".stElementContainer:not([data-stale=true]) input[type=file]"
 
 pytestmark = [
     pytest.mark.browser,
@@ -73,14 +75,15 @@ def served(weights_dir, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("server")
     log = workdir / "streamlit.log"
     port = _free_port()
-    env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir)})
+    env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir),
+                           "CAPTIONER_APP_RUN_LOG": str(workdir / "runs.log")})
     cmd = streamlit_command(port, "127.0.0.1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log)
-        yield url, proc
+        yield url, proc, workdir / "runs.log"
     finally:
         proc.terminate()
         try:
@@ -123,7 +126,7 @@ def page(browser, server):
 
 
 def _upload(page, path: Path) -> None:
-    page.locator("input[type=file]").set_input_files(str(path))
+    page.locator(UPLOADER).set_input_files(str(path))
 
 
 def _wait_idle(page) -> None:
@@ -161,8 +164,9 @@ def test_upload_in_the_browser_shows_the_cli_caption(page, weights_dir, tmp_path
     shown = page.locator(".st-key-caption h2").inner_text().strip()
     assert shown == expected
     assert f"log-probability {cli['score']:.2f}" in details.inner_text()
-    panels = page.get_by_test_id("stImageCaption").filter(has_text=" · β ")
+    panels = page.locator("label.cell")  # the grid's panels, one per word
     assert panels.count() == len(expected.split())
+    assert [p.split(" · β ")[0] for p in panels.all_inner_texts()] == expected.split()
     assert page.get_by_test_id("stException").count() == 0
 
     shot = Path(os.environ.get("CAPTIONER_SCREENSHOT") or tmp_path / "app.png")
@@ -208,7 +212,7 @@ def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_pat
         card = page.get_by_test_id("stSidebar").locator(".st-key-model_card")
         assert "Trained on: synthetic shapes only" in card.inner_text()
 
-        page.get_by_test_id("stImageCaption").filter(has_text=" · β ").first.wait_for()
+        page.locator("label.cell").first.wait_for()
         page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
         shot = Path(os.environ.get("CAPTIONER_DEMO_SCREENSHOT") or tmp_path / "app-demo.png")
         _screenshot(page, shot)
@@ -247,7 +251,7 @@ def test_the_page_asks_nothing_of_any_other_host(browser, server, tmp_path):
         _upload(page, image)
         page.get_by_text(f"{image.name} · {MODEL} · beam 3").wait_for()
         _wait_idle(page)
-        page.get_by_test_id("stImageCaption").filter(has_text=" · β ").first.wait_for()
+        page.locator("label.cell").first.wait_for()
         page.wait_for_function("() => [...document.images].every(img => img.complete)")
 
         # The figure is made on the click, and is the page's figure.
@@ -283,3 +287,63 @@ def test_a_long_session_keeps_the_server_memory_level(page, served, tmp_path):
     print(f"server memory: {rss[0] / 2**20:.0f} MiB after the first upload, {settled / 2**20:.0f} MiB after "
           f"{len(rss) // 4}, {max(rss) / 2**20:.0f} MiB at most, {rss[-1] / 2**20:.0f} MiB after {len(rss)}")
     assert rss[-1] < settled * 1.15 and max(rss[len(rss) // 4:]) < settled * 1.25
+
+
+def _runs(served) -> list[str]:
+    """What each script run of the server showed, in order (its run log)."""
+    log = served[2]
+    return [line.split("\t")[1] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_each_upload_is_one_script_run(page, served, tmp_path):
+    """A new file replaces the last one without a run of its own (one that only removes it)."""
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(f"{request.method} {request.url}"))
+    before = len(_runs(served))
+    names = []
+    for i in range(3):
+        image = tmp_path / f"one-run-{i}.png"
+        tiny_image(40 + i, (96, 64)).save(image)
+        _upload(page, image)
+        page.get_by_text(f"{image.name} · {MODEL} · beam 3").wait_for()
+        _wait_idle(page)
+        names.append(image.name)
+    page.wait_for_timeout(500)  # a late run would show up here
+    assert _runs(served)[before:] == names
+    uploads = [r for r in requests if r.startswith("PUT ") and "/_stcore/upload_file/" in r]
+    to_server = [r for r in requests if "/static/" not in r]  # the page's own code, loaded once
+    assert len(uploads) == 3 and to_server == uploads  # the file itself, nothing else: the pictures are in the page
+
+
+def _shown_layers(page) -> list[int]:
+    """Which words' map layers the big view shows (CSS display), by word index."""
+    return page.locator(".big img.layer").evaluate_all(
+        "els => els.flatMap((e, t) => getComputedStyle(e).display === 'none' ? [] : [t])")
+
+
+def test_picking_a_word_shows_its_map_and_asks_nothing_of_the_server(page, served, tmp_path):
+    image = tmp_path / "pick.png"
+    tiny_image(7, (96, 64)).save(image)
+    _upload(page, image)
+    page.get_by_text(f"{image.name} · {MODEL} · beam 3").wait_for()
+    _wait_idle(page)
+    words = page.locator(".st-key-caption h2").inner_text().split()
+    assert len(words) >= 2
+    note = page.locator(".notes p").filter(visible=True)
+    assert _shown_layers(page) == [0] and note.inner_text().startswith(f"“{words[0]}”: word 1 of")
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    runs = len(_runs(served))
+
+    last = len(words) - 1
+    page.locator(".words label").nth(last).click()
+    assert _shown_layers(page) == [last]
+    assert note.inner_text().startswith(f"“{words[last]}”: word {last + 1} of {len(words)}, β = ")
+    box = page.locator(".big").bounding_box()  # the layer covers the photo exactly
+    layer = page.locator(".big img.layer").nth(last).bounding_box()
+    photo = page.locator(".big img.photo").bounding_box()
+    assert layer == photo and photo["width"] == box["width"] > 100
+    page.locator("label.cell").nth(0).click()  # a panel of the grid picks its word too
+    assert _shown_layers(page) == [0]
+    page.wait_for_timeout(500)
+    assert requests == [] and len(_runs(served)) == runs

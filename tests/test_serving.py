@@ -131,3 +131,37 @@ def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
             pass
     first.__exit__(None, None, None)
     assert _next_job_gets_a_turn(gate)
+
+
+@pytest.mark.parametrize("size, grid", [((96, 64), (7, 7)), ((560, 420), (14, 14)), ((300, 500), (8, 6))])
+def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
+    """The page lays each word's RGBA layer over the one photo and lets the browser blend it
+    (out = photo (1 - a) + colour a): that must be the overlay the figure and the CLI draw."""
+    import io
+
+    from app.result_view import attention_layers, layer_size, png
+
+    alphas = torch.softmax(torch.randn(3, grid[0] * grid[1], generator=torch.Generator().manual_seed(2)), 1)
+    alphas = alphas.view(3, *grid)
+    levels = attention_layers(alphas, size)  # (T, h, w)
+    lw, lh = layer_size(grid, size)
+    assert levels.shape == (3, lh, lw) and levels.dtype == np.uint8
+    layers = [np.asarray(Image.open(io.BytesIO(png(x))).convert("RGBA")) for x in levels]  # as the browser reads them
+    assert abs(lw / lh - size[0] / size[1]) < 0.05 and lw <= size[0]  # the photo's shape, no bigger
+    photo = tiny_image(4, (lw, lh))  # the photo as the browser scales it under the layer
+    rgb = np.asarray(photo, dtype=np.float32)
+    for layer, drawn in zip(layers, overlays(photo, alphas)):
+        a = layer[..., 3:].astype(np.float32) / 255.0
+        blended = rgb * (1 - a) + layer[..., :3].astype(np.float32) * a
+        assert np.abs(blended - np.asarray(drawn, dtype=np.float32)).max() <= 4  # 8-bit rounding of both
+    assert not np.array_equal(layers[0], layers[1])
+
+
+def test_the_pictures_of_a_result_are_small():
+    """A result travels inside the page: one photo and one small layer per word."""
+    from app.result_view import attention_layers, png
+
+    alphas = torch.softmax(torch.randn(20, 196, generator=torch.Generator().manual_seed(3)), 1).view(20, 14, 14)
+    layers = attention_layers(alphas, (560, 420))
+    assert max(layers.shape[1:3]) <= 14 * 8
+    assert sum(len(png(layer)) for layer in layers) < 20 * 6_000

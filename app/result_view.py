@@ -1,0 +1,162 @@
+"""A captioned image as two pieces of plain HTML: the word picker with the picked word's map over
+the image, and the grid of every word's map. No script and no rerun: the picker is a group of
+radio inputs, and CSS (``:checked ~``) shows the picked word's layer, so picking a word costs the
+server nothing and the browser one repaint; the pictures travel inside the HTML (data URIs),
+so a result costs no request either.
+
+A word's map is not drawn into a copy of the photo: it is a small RGBA layer laid over the one
+photo, composited by the browser. Laid over an image with ordinary alpha blending,
+
+    out = photo * (1 - a) + C * a,   a = 1 - lit(m),   C = TINT * warm(m) / a,
+
+a function of m alone: a layer is a map of 8-bit levels of m and a palette of 256 (C, a),
+
+it gives the overlay of ``captioner.overlay.overlays``: photo * lit(m) + TINT * warm(m), with
+lit(m) = (0.2 + 0.8 m)(1 - 0.35 m) and warm(m) = 0.35 m, m the map scaled to [0, 1].
+
+Layers are keyed by (word, head); head None is the map a word's step used (the heads' mean,
+once a model has several): a head picker is one more radio group and one more key.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from captioner.overlay import TINT, upsample_alpha
+
+LAYER_CELL = 4  # layer pixels per map cell (maps blurred already): the browser's smooth upscaling does the rest
+Key = tuple[int, "int | None"]  # (word index, head; None: the map the step used)
+
+
+def _palette() -> bytes:
+    """256 RGBA entries, level i for m = i / 255: a layer is a map of 8-bit levels, a palette PNG."""
+    m = np.arange(256) / 255.0
+    a = 1 - (0.2 + 0.8 * m) * (1 - 0.35 * m)  # in [0.48, 0.8]: never 0
+    colour = (0.35 * m / a)[:, None] * np.array(TINT)
+    return np.concatenate([colour, 255.0 * a[:, None]], 1).round().clip(0, 255).astype(np.uint8).tobytes()
+
+
+PALETTE = _palette()
+
+
+def layer_size(grid: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) of the layers for an image of ``size`` (width, height): the image's aspect,
+    about LAYER_CELL pixels per cell, never larger than the image."""
+    rows, cols = grid
+    w, h = size
+    scale = min(1.0, max(LAYER_CELL * cols / w, LAYER_CELL * rows / h))
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+def attention_layers(alphas: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    """(T, H, W) maps -> (T, h, w) uint8 levels of m, the image's aspect, all in one pass.
+    The layer's colours and opacities are PALETTE's entries for those levels."""
+    lw, lh = layer_size(tuple(alphas.shape[-2:]), size)
+    m = torch.from_numpy(upsample_alpha(alphas, (lw, lh)))  # (T, lh, lw), blurred as the overlays are
+    lo = m.amin(dim=(1, 2), keepdim=True)
+    m = (m - lo) / (m.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-8)  # each map in [0, 1]
+    return m.mul_(255.0).add_(0.5).clamp_(0, 255).to(torch.uint8).numpy()
+
+
+def png(levels: np.ndarray) -> bytes:
+    """(h, w) levels -> a palette PNG with PALETTE's colours and opacities (a few KB)."""
+    image = Image.fromarray(levels, "P")
+    image.putpalette(PALETTE, "RGBA")
+    buf = io.BytesIO()
+    image.save(buf, "PNG", compress_level=3)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def word_labels(words: list[str]) -> list[str]:
+    """Labels the reader tells apart: "a", "star", "a (2)"."""
+    seen: dict[str, int] = {}
+    labels = []
+    for w in words:
+        seen[w] = seen.get(w, 0) + 1
+        labels.append(w if seen[w] == 1 else f"{w} ({seen[w]})")
+    return labels
+
+
+def words_of(words: list[str], betas: torch.Tensor) -> list["Word"]:
+    labels, n = word_labels(words), len(words)
+    return [Word(labels[t], f"“{w}”: word {t + 1} of {n}, β = {float(b):.2f}", f"{w} · β {float(b):.2f}")
+            for t, (w, b) in enumerate(zip(words, betas))]
+
+
+@dataclass(frozen=True)
+class Word:
+    label: str  # as the picker shows it ("a (2)" for a second "a")
+    note: str  # under the big view: "“a”: word 1 of 9, β = 0.52"
+    panel: str  # under the grid's panel: "a · β 0.52"
+
+
+def _picked(prefix: str, t: int) -> str:
+    return f"#{prefix}-w{t}:checked"
+
+
+def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float) -> str:
+    """The word picker and the picked word's map over the photo. ``photo``, ``layers``: data URIs;
+    ``aspect``: the photo's width / height."""
+    p = prefix
+    shown = ",\n".join(f"{_picked(p, t)} ~ .big .l{t}, {_picked(p, t)} ~ .notes .n{t}" for t in range(len(words)))
+    marked = ",\n".join(f"{_picked(p, t)} ~ .words label[for={p}-w{t}]" for t in range(len(words)))
+    focused = ",\n".join(f"#{p}-w{t}:focus-visible ~ .words label[for={p}-w{t}]" for t in range(len(words)))
+    style = f"""<style>
+.{p} input {{ position: absolute; opacity: 0; pointer-events: none; }}
+.{p} .words {{ display: flex; flex-wrap: wrap; gap: 0.4rem; align-items: center; margin: 0.5rem 0 0.8rem; }}
+.{p} .words label {{ border: 1px solid rgba(128, 128, 128, 0.5); border-radius: 1rem; padding: 0.15rem 0.7rem;
+  cursor: pointer; user-select: none; }}
+.{p} .big {{ position: relative; max-width: 560px; aspect-ratio: {aspect:.5f}; }}
+.{p} .big img {{ position: absolute; inset: 0; width: 100%; height: 100%; display: block; }}
+.{p} .big .layer, .{p} .notes p {{ display: none; }}
+.{p} .notes p {{ font-size: 0.875rem; opacity: 0.7; margin: 0.3rem 0 0; }}
+{shown} {{ display: block; }}
+{marked} {{ background: rgb{TINT}; border-color: rgb{TINT}; color: black; }}
+{focused} {{ outline: 2px solid rgb{TINT}; outline-offset: 2px; }}
+</style>"""
+    inputs = "".join(f'<input type="radio" name="{p}-word" id="{p}-w{t}" value="{t}"{" checked" if t == 0 else ""}>'
+                     for t in range(len(words)))
+    labels = "".join(f'<label for="{p}-w{t}">{html.escape(w.label)}</label>' for t, w in enumerate(words))
+    big = "".join(f'<img class="layer l{t}" src="{layers[(t, None)]}" alt="">' for t in range(len(words)))
+    notes = "".join(f'<p class="n{t}">{html.escape(w.note)}</p>' for t, w in enumerate(words))
+    return (f'{style}<div class="{p}">{inputs}<div class="words"><span>Word</span>{labels}</div>'
+            f'<div class="big"><img class="photo" src="{photo}" alt="the image">{big}</div>'
+            f'<div class="notes">{notes}</div></div>')
+
+
+def grid_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float,
+              grid: tuple[int, int]) -> str:
+    """Every word's map on the photo, small; a panel is a label of the picker's input: clicking it
+    picks that word. ``photo``: the picker's (the browser decodes it once); ``grid``: the maps' (H, W)."""
+    p = prefix
+    intro = (f"<p>The model writes the caption one word at a time. Before each word it spreads its attention "
+             f"<b>α</b> over a {grid[0]}×{grid[1]} grid of image regions; the panels light up those regions "
+             f"(brightest, orange: most weight) and darken the rest. <b>β</b> is the gate on what it saw: near 1 "
+             f"the image mattered for that word, near 0 the word came mostly from the sentence so far (words "
+             f"like <i>a</i> or <i>and</i>). Click a panel to pick its word.</p>")
+    marked = ",\n".join(f"body:has({_picked(p, t)}) .{p}g .c{t} .pic" for t in range(len(words)))
+    style = f"""<style>
+.{p}g .grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(150px, 1fr)); gap: 0.8rem; }}
+.{p}g .cell {{ display: block; cursor: pointer; }}
+.{p}g .pic {{ position: relative; aspect-ratio: {aspect:.5f}; background: url("{photo}") center / 100% 100%;
+  outline-offset: 2px; }}
+.{p}g .pic img {{ position: absolute; inset: 0; width: 100%; height: 100%; display: block; }}
+.{p}g .cell span {{ display: block; font-size: 0.875rem; opacity: 0.7; text-align: center; margin-top: 0.2rem; }}
+{marked} {{ outline: 3px solid rgb{TINT}; }}
+</style>"""
+    cells = ['<div class="cell"><div class="pic"></div><span>the image</span></div>']  # first, as in the paper
+    cells += [f'<label class="cell c{t}" for="{p}-w{t}"><div class="pic"><img src="{layers[(t, None)]}" alt="">'
+              f'</div><span>{html.escape(w.panel)}</span></label>' for t, w in enumerate(words)]
+    return (f'{style}<div class="{p}g"><h3>Every word, where the model looked</h3>{intro}'
+            f'<div class="grid">{"".join(cells)}</div></div>')

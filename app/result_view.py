@@ -14,8 +14,9 @@ a function of m alone: a layer is a map of 8-bit levels of m and a palette of 25
 it gives the overlay of ``captioner.overlay.overlays``: photo * lit(m) + TINT * warm(m), with
 lit(m) = (0.2 + 0.8 m)(1 - 0.35 m) and warm(m) = 0.35 m, m the map scaled to [0, 1].
 
-Layers are keyed by (word, head); head None is the map a word's step used (the heads' mean,
-once a model has several): a head picker is one more radio group and one more key.
+Layers are keyed by (word, head); head None is the map a word's step used (the heads' mean
+when a model has several heads). With several heads a second radio group picks the head (the
+mean first), and CSS shows the layer of the picked word and head, in the big view and the grid.
 """
 
 from __future__ import annotations
@@ -105,11 +106,30 @@ def _picked(prefix: str, t: int) -> str:
     return f"#{prefix}-w{t}:checked"
 
 
-def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float) -> str:
+def _head_ids(heads: int) -> list["int | None"]:
+    """The head choices of a result: None (the mean map) alone, or None and 0 .. heads - 1."""
+    return [None] if heads <= 1 else [None, *range(heads)]
+
+
+def _hc(head: "int | None") -> str:
+    """CSS name of a head choice."""
+    return "hm" if head is None else f"h{head}"
+
+
+def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float,
+                heads: int = 1) -> str:
     """The word picker and the picked word's map over the photo. ``photo``, ``layers``: data URIs;
-    ``aspect``: the photo's width / height."""
+    ``aspect``: the photo's width / height; ``heads`` > 1: a head picker too, and ``layers`` holds
+    (t, j) for every head j besides (t, None), the mean."""
     p = prefix
-    shown = ",\n".join(f"{_picked(p, t)} ~ .big .l{t}, {_picked(p, t)} ~ .notes .n{t}" for t in range(len(words)))
+    choices = _head_ids(heads)
+    notes = ",\n".join(f"{_picked(p, t)} ~ .notes .n{t}" for t in range(len(words)))
+    if len(choices) == 1:
+        layer_rules = ",\n".join(f"{_picked(p, t)} ~ .big .l{t}" for t in range(len(words)))
+    else:  # the word's input, then the head's, then the view: both must be checked
+        layer_rules = ",\n".join(f"{_picked(p, t)} ~ #{p}-{_hc(c)}:checked ~ .big .l{t}.{_hc(c)}"
+                                  for t in range(len(words)) for c in choices)
+    shown = f"{layer_rules},\n{notes}"
     marked = ",\n".join(f"{_picked(p, t)} ~ .words label[for={p}-w{t}]" for t in range(len(words)))
     focused = ",\n".join(f"#{p}-w{t}:focus-visible ~ .words label[for={p}-w{t}]" for t in range(len(words)))
     style = f"""<style>
@@ -124,22 +144,49 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
 {shown} {{ display: block; }}
 {marked} {{ background: rgb{TINT}; border-color: rgb{TINT}; color: black; }}
 {focused} {{ outline: 2px solid rgb{TINT}; outline-offset: 2px; }}
+{_head_marks(p, choices)}
 </style>"""
     inputs = "".join(f'<input type="radio" name="{p}-word" id="{p}-w{t}" value="{t}"{" checked" if t == 0 else ""}>'
                      for t in range(len(words)))
     labels = "".join(f'<label for="{p}-w{t}">{html.escape(w.label)}</label>' for t, w in enumerate(words))
-    big = "".join(f'<img class="layer l{t}" src="{layers[(t, None)]}" alt="">' for t in range(len(words)))
+    head_row = ""
+    if len(choices) > 1:
+        inputs += "".join(f'<input type="radio" name="{p}-head" id="{p}-{_hc(c)}" value="{_hc(c)}"'
+                          f'{" checked" if c is None else ""}>' for c in choices)
+        head_row = ('<div class="words heads"><span>Head</span>'
+                    + "".join(f'<label for="{p}-{_hc(c)}">{"mean" if c is None else c + 1}</label>' for c in choices)
+                    + "</div>")
+    big = "".join(f'<img class="layer l{t} {_hc(c)}" src="{layers[(t, c)]}" alt="">'
+                  for t in range(len(words)) for c in choices)
     notes = "".join(f'<p class="n{t}">{html.escape(w.note)}</p>' for t, w in enumerate(words))
-    return (f'{style}<div class="{p}">{inputs}<div class="words"><span>Word</span>{labels}</div>'
+    return (f'{style}<div class="{p}">{inputs}<div class="words"><span>Word</span>{labels}</div>{head_row}'
             f'<div class="big"><img class="photo" src="{photo}" alt="the image">{big}</div>'
             f'<div class="notes">{notes}</div></div>')
 
 
+def _head_marks(p: str, choices: list) -> str:
+    """CSS marking the picked head's label (nothing for a one-head model)."""
+    if len(choices) == 1:
+        return ""
+    picked = ",\n".join(f"#{p}-{_hc(c)}:checked ~ .heads label[for={p}-{_hc(c)}]" for c in choices)
+    focused = ",\n".join(f"#{p}-{_hc(c)}:focus-visible ~ .heads label[for={p}-{_hc(c)}]" for c in choices)
+    return (f"{picked} {{ background: rgb{TINT}; border-color: rgb{TINT}; color: black; }}\n"
+            f"{focused} {{ outline: 2px solid rgb{TINT}; outline-offset: 2px; }}")
+
+
 def grid_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float,
-              grid: tuple[int, int]) -> str:
+              grid: tuple[int, int], heads: int = 1) -> str:
     """Every word's map on the photo, small; a panel is a label of the picker's input: clicking it
-    picks that word. ``photo``: the picker's (the browser decodes it once); ``grid``: the maps' (H, W)."""
+    picks that word. ``photo``: the picker's (the browser decodes it once); ``grid``: the maps' (H, W);
+    ``heads`` > 1: the panels show the head picked in the picker."""
     p = prefix
+    choices = _head_ids(heads)
+    if len(choices) == 1:
+        head_rules = ""
+    else:
+        head_rules = (f".{p}g .pic img {{ display: none; }}\n"
+                      + ",\n".join(f"body:has(#{p}-{_hc(c)}:checked) .{p}g .pic img.{_hc(c)}" for c in choices)
+                      + " { display: block; }")
     intro = (f"<p>The model writes the caption one word at a time. Before each word it spreads its attention "
              f"<b>α</b> over a {grid[0]}×{grid[1]} grid of image regions; the panels light up those regions "
              f"(brightest, orange: most weight) and darken the rest. <b>β</b> is the gate on what it saw: near 1 "
@@ -154,9 +201,11 @@ def grid_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str]
 .{p}g .pic img {{ position: absolute; inset: 0; width: 100%; height: 100%; display: block; }}
 .{p}g .cell span {{ display: block; font-size: 0.875rem; opacity: 0.7; text-align: center; margin-top: 0.2rem; }}
 {marked} {{ outline: 3px solid rgb{TINT}; }}
+{head_rules}
 </style>"""
     cells = ['<div class="cell"><div class="pic"></div><span>the image</span></div>']  # first, as in the paper
-    cells += [f'<label class="cell c{t}" for="{p}-w{t}"><div class="pic"><img src="{layers[(t, None)]}" alt="">'
-              f'</div><span>{html.escape(w.panel)}</span></label>' for t, w in enumerate(words)]
+    cells += [f'<label class="cell c{t}" for="{p}-w{t}"><div class="pic">'
+              + "".join(f'<img class="{_hc(c)}" src="{layers[(t, c)]}" alt="">' for c in choices)
+              + f'</div><span>{html.escape(w.panel)}</span></label>' for t, w in enumerate(words)]
     return (f'{style}<div class="{p}g"><h3>Every word, where the model looked</h3>{intro}'
             f'<div class="grid">{"".join(cells)}</div></div>')

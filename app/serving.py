@@ -278,11 +278,15 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
         prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
         layers = {(t, None): data_uri(png(layer), "image/png")
                   for t, layer in enumerate(attention_layers(result.alphas, seen_size))}
+        heads = 1 if result.alphas_heads is None else result.alphas_heads.shape[1]
+        for j in range(heads if heads > 1 else 0):  # each head's maps, for the head picker
+            layers.update({(t, j): data_uri(png(layer), "image/png")
+                           for t, layer in enumerate(attention_layers(result.alphas_heads[:, j], seen_size))})
         words = words_of(result.words, result.betas)
         aspect = seen_size[0] / seen_size[1]
         photo = data_uri(seen_jpeg, "image/jpeg")
-        picker = picker_html(prefix, words, photo, layers, aspect)
-        grid = grid_html(prefix, words, photo, layers, aspect, tuple(result.alphas.shape[1:]))
+        picker = picker_html(prefix, words, photo, layers, aspect, heads)
+        grid = grid_html(prefix, words, photo, layers, aspect, tuple(result.alphas.shape[1:]), heads)
     return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 

@@ -466,3 +466,10 @@ def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
     app.file_uploader[0].set_value(("turned.jpg", data, "image/jpeg")).run()
     assert not app.exception and not app.error and "(64×96)" in _page_html(app)
     assert Image.open(io.BytesIO(_big_view_photo(app))).size == (64, 96)
+
+
+def test_a_one_head_result_has_no_head_picker():
+    from app.result_view import Word, picker_html
+
+    html = picker_html("r1", [Word("a", "n", "p")], "data:,", {(0, None): "data:,x"}, 1.0)
+    assert "heads" not in html and 'name="r1-head"' not in html and html.count("<img") == 2

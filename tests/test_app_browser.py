@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from captioner import inference
@@ -347,3 +348,45 @@ def test_picking_a_word_shows_its_map_and_asks_nothing_of_the_server(page, serve
     assert _shown_layers(page) == [0]
     page.wait_for_timeout(500)
     assert requests == [] and len(_runs(served)) == runs
+
+
+def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser):
+    """A model with several heads: the result's HTML (as the page shows it) has a head picker,
+    the mean first; the big view and the grid show the layer of the picked word and head."""
+    from app.result_view import Word, data_uri, grid_html, picker_html, png
+
+    heads, n = 2, 3
+    words = [Word(f"w{t}", f"note {t}", f"panel {t}") for t in range(n)]
+    layers = {}
+    for t in range(n):
+        for j in (None, *range(heads)):  # each layer a distinct flat level, told apart by its src
+            layers[(t, j)] = data_uri(png(np.full((4, 4), 10 * t + (0 if j is None else j + 1), np.uint8)),
+                                      "image/png")
+    photo = data_uri(png(np.zeros((4, 4), np.uint8)), "image/png")
+    page = browser.new_page()
+    try:
+        page.set_content(picker_html("r1", words, photo, layers, 1.0, heads)
+                         + grid_html("r1", words, photo, layers, 1.0, (2, 2), heads))
+
+        def shown(selector: str) -> list[str]:
+            return page.locator(selector).evaluate_all(
+                "els => els.filter(e => getComputedStyle(e).display !== 'none').map(e => e.src)")
+
+        def expect(t, j):
+            assert shown(".big img.layer") == [layers[(t, j)]]
+            panels = shown(".r1g label.cell img")  # every word's panel, the picked head's layer
+            assert panels == [layers[(s, j)] for s in range(n)]
+
+        assert page.locator(".heads label").all_inner_texts() == ["mean", "1", "2"]
+        expect(0, None)
+        page.locator(".heads label").nth(2).click()  # head 2
+        expect(0, 1)
+        page.locator(".words:not(.heads) label").nth(2).click()  # the third word, head 2 kept
+        expect(2, 1)
+        page.locator(".heads label").nth(1).click()
+        expect(2, 0)
+        page.locator(".heads label").nth(0).click()  # back to the mean
+        expect(2, None)
+    finally:
+        page.close()
+

@@ -165,3 +165,28 @@ def test_the_pictures_of_a_result_are_small():
     layers = attention_layers(alphas, (560, 420))
     assert max(layers.shape[1:3]) <= 14 * 8
     assert sum(len(png(layer)) for layer in layers) < 20 * 6_000
+
+
+def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picker():
+    """caption_image with a two-head model: a layer per word for the mean and for each head,
+    each head's layer drawn from that head's own maps, and the picker offers the heads."""
+    import io
+
+    from app.result_view import attention_layers, data_uri, png
+    from app.serving import Gate, caption_image
+    from captioner.inference import DecodeOptions
+    from tiny import tiny_captioner
+
+    cap = tiny_captioner(3, heads=2)
+    buf = io.BytesIO()
+    tiny_image(5, (64, 48)).save(buf, "PNG")
+    shown = caption_image(cap, Gate(slots=1), ("k",), "x.png", buf.getvalue(), DecodeOptions(beam_size=2, max_len=6))
+    r = shown.result
+    assert r.words and r.alphas_heads is not None and r.alphas_heads.shape[1] == 2
+    size = Image.open(io.BytesIO(shown.seen)).size
+    for j in (0, 1):
+        levels = attention_layers(r.alphas_heads[:, j], size)
+        for t in range(len(r.words)):
+            assert data_uri(png(levels[t]), "image/png") in shown.picker  # head j's own map
+    assert not torch.allclose(r.alphas_heads[:, 0], r.alphas_heads[:, 1])  # two different maps to show
+    assert 'name="r' in shown.picker and shown.picker.count('-head" id=') == 3  # mean, 1, 2

@@ -24,10 +24,10 @@ against 33.6M at full width.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_MAX_WIDTH = 512
@@ -91,10 +91,9 @@ class GridBlock(nn.Module):
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)  # 3 x (B, L, M)
         # (B, L, M) -> (B, n, L, M/n)
         q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, n, L, L)
-        if bias is not None:
-            scores = scores + bias.to(scores.dtype)
-        y = torch.softmax(scores, dim=-1) @ v  # (B, n, L, L) x (B, n, L, M/n) -> (B, n, L, M/n)
+        # softmax(q k^T / sqrt(M/n) + bias) v: (B, n, L, L) x (B, n, L, M/n) -> (B, n, L, M/n);
+        # torch's fused form, the bias broadcast over the batch (and given its gradient)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else bias.to(q.dtype))
         x = x + self.out(y.transpose(1, 2).reshape(b, n, -1))  # (B, L, M) -> (B, L, D)
         return x + self.ff(self.norm2(x))
 

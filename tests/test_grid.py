@@ -35,6 +35,29 @@ def test_self_attention_without_the_bias_is_permutation_equivariant_over_cells()
     assert not torch.allclose(block(x[:, perm], bias), block(x, bias)[:, perm], atol=1e-4)
 
 
+def test_a_block_computes_its_equations():
+    """Against the block's equations written out one head and one query cell at a time."""
+    block = _block(clip=1, heads=2, dim=8)
+    x = torch.randn(2, 6, 8)
+    bias = block.position_bias((2, 3))
+    out = block(x, bias)
+    with torch.no_grad():
+        q, k, v = block.qkv(block.norm1(x)).chunk(3, dim=-1)  # (B, L, 8) each; 2 heads of 4
+        expected = torch.empty_like(x)
+        for b in range(2):
+            heads = []
+            for h in range(2):
+                cols = slice(4 * h, 4 * h + 4)
+                rows = []
+                for i in range(6):
+                    e = torch.stack([q[b, i, cols] @ k[b, j, cols] / 2.0 + bias[h, i, j] for j in range(6)])
+                    rows.append(torch.softmax(e, 0) @ v[b, :, cols])
+                heads.append(torch.stack(rows))  # (L, 4)
+            y = x[b] + block.out(torch.cat(heads, 1))
+            expected[b] = y + block.ff(block.norm2(y))
+    torch.testing.assert_close(out, expected)
+
+
 def _reference_bias(table: torch.Tensor, grid: tuple[int, int], clip: int) -> torch.Tensor:
     """bias[h, i, j] = table[h, clip(row_j - row_i), clip(col_j - col_i)], one pair at a time."""
     gh, gw = grid

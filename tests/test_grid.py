@@ -313,3 +313,24 @@ def test_caption_and_checkpoint_round_trip_keep_the_grid(tmp_path):
     model.load_state_dict({k: v for k, v in cap.model.state_dict().items() if "grid_attention" not in k})
     ann = model.encode(torch.randn(2, 3, 32, 32))
     assert not torch.allclose(loaded.model.decoder.annotate(ann).vectors, ann.vectors, atol=1e-3)
+
+
+def test_captioner_caption_runs_a_checkpoint_with_grid_layers(tmp_path, capsys):
+    import json
+
+    from captioner.cli import main
+
+    weights = tmp_path / "grid.pt"
+    cap = tiny_captioner(**GRID_ON)
+    cap.save(weights)
+    paths = []
+    for i in range(3):
+        tiny_image(i).save(tmp_path / f"img{i}.png")
+        paths.append(str(tmp_path / f"img{i}.png"))
+    assert main(["caption", *paths, "--weights", str(weights), "--with-attention", "--max-len", "5",
+                 "--workers", "0"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    expected = cap.caption_images([tiny_image(i) for i in range(3)], DecodeOptions(beam_size=3, max_len=5))
+    assert [x["words"] for x in lines] == [r.words for r in expected]
+    for rec in lines:
+        assert len(rec["alphas"]) == len(rec["words"]) and len(rec["alphas"][0]) == 2  # 2x2 grid

@@ -15,7 +15,9 @@ feed-forward twice that).
 
 Each round times one step of every layer count, one after the other, so that a busy
 machine slows all of them alike; the median over rounds and the ratio to the first
-layer count are printed, with the parameter counts.
+layer count are printed, with the parameter counts and the arithmetic of one training
+step (torch's FLOP counter: matrix products, convolutions, attention), which no load
+on the machine changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import statistics
 import time
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.decoding import beam_search
 from captioner.encoders import Annotations
@@ -114,6 +117,16 @@ def main() -> None:
         grid_params = sum(p.numel() for p in decoder.grid_attention.parameters()) if decoder.grid_attention else 0
         print(f"grid_layers={n}: {sum(p.numel() for p in model.parameters()):,} parameters "
               f"({grid_params:,} in the grid blocks)")
+    # Arithmetic (matrix products, convolutions, attention) of one training step: a figure
+    # a busy machine cannot distort, beside the timings, which it can.
+    flops = {}
+    for n in layer_counts:
+        with FlopCounterMode(display=False) as count:
+            train_step(n)
+        flops[n] = count.get_total_flops()
+    for n in layer_counts:
+        print(f"training step, grid_layers={n}: {flops[n] / 1e9:.1f} GFLOP "
+              f"({flops[n] / flops[layer_counts[0]]:.2f}x grid_layers={layer_counts[0]})")
     jobs = [("training step", train_step, b)] + ([("beam search k=3", search, b)] if args.search else [])
     for name, fn, per in jobs:
         for n in layer_counts:

@@ -79,6 +79,11 @@ class GridBlock(nn.Module):
         self.rel_bias = nn.Parameter(torch.zeros(heads, 2 * clip + 1, 2 * clip + 1))
         self.norm2 = nn.LayerNorm(dim)
         self.ff = nn.Sequential(nn.Linear(dim, ff), nn.GELU(), nn.Linear(ff, dim))
+        # Each branch's last layer starts at 0, so a new block is the identity: a model with
+        # grid layers starts as the model without them and learns what context to add.
+        for last in (self.out, self.ff[2]):
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
 
     def position_bias(self, grid: tuple[int, int]) -> torch.Tensor:
         """(n, L, L): bias[h, i, j] = table[h, clip(r_j - r_i), clip(c_j - c_i)]."""

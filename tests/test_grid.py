@@ -14,12 +14,21 @@ from tests.tiny import tiny_captioner, tiny_config, tiny_image, tiny_vocab, toke
 GRID_ON = dict(grid_layers=1, grid_heads=2, rel_pos_clip=2)
 
 
+def _trained(module: torch.nn.Module) -> torch.nn.Module:
+    """Give every grid block of ``module`` weights as after some training: a new block is the
+    identity (its branches' last layers and its bias table start at 0)."""
+    with torch.no_grad():
+        for block in (m for m in module.modules() if isinstance(m, GridBlock)):
+            block.rel_bias.normal_()  # a table whose entries all differ
+            for last in (block.out, block.ff[2]):
+                last.weight.normal_(0, 0.3)
+                last.bias.normal_(0, 0.1)
+    return module
+
+
 def _block(clip=2, heads=4, dim=16, seed=0) -> GridBlock:
     torch.manual_seed(seed)
-    block = GridBlock(dim, width=dim, heads=heads, ff=2 * dim, clip=clip)
-    with torch.no_grad():
-        block.rel_bias.normal_()  # a table whose entries all differ
-    return block
+    return _trained(GridBlock(dim, width=dim, heads=heads, ff=2 * dim, clip=clip))
 
 
 # --- the attention itself ------------------------------------------------------------------
@@ -95,9 +104,7 @@ def test_the_bias_depends_only_on_the_clipped_offset():
 
 def test_one_table_serves_14x14_and_16x16_grids():
     torch.manual_seed(0)
-    grid_attn = GridSelfAttention(16, layers=1, heads=4, rel_pos_clip=3)
-    with torch.no_grad():
-        grid_attn.blocks[0].rel_bias.normal_()
+    grid_attn = _trained(GridSelfAttention(16, layers=1, heads=4, rel_pos_clip=3))
     params = sum(p.numel() for p in grid_attn.parameters())
     block = grid_attn.blocks[0]
     b14, b16 = block.position_bias((14, 14)), block.position_bias((16, 16))
@@ -202,8 +209,17 @@ def _tiny_model(**overrides) -> CaptionModel:
     return CaptionModel(tiny_config(**{**GRID_ON, **overrides}))
 
 
+def test_a_new_grid_block_is_the_identity():
+    """A model with new grid layers decodes as the same model without them, then learns."""
+    with_grid, without = _tiny_model(grid_layers=2), _tiny_model(grid_layers=0)
+    without.load_state_dict({k: v for k, v in with_grid.state_dict().items() if "grid_attention" not in k})
+    images = torch.randn(2, 3, 32, 32)
+    tokens, lengths = token_batch(tiny_vocab(), ["a red circle", "a blue star and a small square"])
+    torch.testing.assert_close(with_grid(images, tokens, lengths).logits, without(images, tokens, lengths).logits)
+
+
 def test_the_decoder_attends_over_the_annotations_after_self_attention():
-    model = _tiny_model()
+    model = _trained(_tiny_model())
     assert model.decoder.grid_attention is not None
     ann = model.encode(torch.randn(2, 3, 32, 32))  # the small encoder: 2x2 cells of 128
     out = model.decoder.annotate(ann)
@@ -216,7 +232,7 @@ def test_the_decoder_attends_over_the_annotations_after_self_attention():
 
 def test_fast_forward_equals_the_step_by_step_form_with_grid_layers():
     torch.manual_seed(0)
-    dec = Decoder(tiny_config(annotation_dim=16, grid_layers=2, grid_heads=4, rel_pos_clip=1))
+    dec = _trained(Decoder(tiny_config(annotation_dim=16, grid_layers=2, grid_heads=4, rel_pos_clip=1)))
     ann = Annotations(torch.randn(3, 12, 16), (3, 4))
     tokens, lengths = token_batch(tiny_vocab(), ["a red circle", "a blue star and a small square", "a star"])
     grads = []
@@ -240,13 +256,14 @@ def test_tiny_model_with_a_grid_layer_trains_and_the_bias_table_learns():
     table = model.decoder.grid_attention.blocks[0].rel_bias
     before = table.detach().clone()
     losses = []
-    for _ in range(25):
+    for step in range(25):
         out = model(images, tokens, lengths)
         logp = torch.log_softmax(out.logits, -1).gather(2, tokens[:, 1:, None]).squeeze(2)
         loss = -(logp * out.mask).sum() / out.mask.sum()
         opt.zero_grad()
         loss.backward()
-        assert table.grad is not None and table.grad.abs().sum() > 0  # gradients reach the bias table
+        if step > 0:  # from the second step on: the first moves the attention branch off 0
+            assert table.grad is not None and table.grad.abs().sum() > 0  # gradients reach the bias table
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
@@ -293,8 +310,7 @@ def test_the_grid_runs_once_per_image_batch_in_beam_search_and_greedy():
 
 def test_caption_and_checkpoint_round_trip_keep_the_grid(tmp_path):
     cap = tiny_captioner(**{**GRID_ON, "rel_pos_clip": 3}, grid_dim=64, grid_ff=96)
-    with torch.no_grad():
-        cap.model.decoder.grid_attention.blocks[0].rel_bias.normal_()
+    _trained(cap.model)
     opts = DecodeOptions(beam_size=3, max_len=8)
     before = cap.caption_images([tiny_image(1), tiny_image(2)], opts)
     path = tmp_path / "grid.pt"

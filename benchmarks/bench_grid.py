@@ -111,7 +111,8 @@ def main() -> None:
 
     what = "paper's COCO sizes, annotations given" if args.paper else \
         "demo-soft's model" + (", annotations given (feature cache)" if args.features else ", encoder included")
-    print(f"{what}; batch {b}, grid {grid[0]}x{grid[1]}, {args.heads} grid heads, CPU, {torch.get_num_threads()} threads, "
+    print(f"{what}; batch {b}, grid {grid[0]}x{grid[1]}, {args.heads} grid heads, CPU, "
+          f"{torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     for n, (model, decoder, _) in runs.items():
         grid_params = sum(p.numel() for p in decoder.grid_attention.parameters()) if decoder.grid_attention else 0

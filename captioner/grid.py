@@ -13,9 +13,11 @@ with, per head, scores q_i^T k_j / sqrt(M / n) + b[clip(r_j - r_i), clip(c_j - c
 the bias b is a (2c+1) x (2c+1) table per head and per block, indexed by the row and column
 offsets of cell j from cell i, each clipped to [-c, c]. The table does not depend on the
 grid size, so the same parameters serve a 14x14 grid at 224 px, 16x16 for shapes, or any
-other resolution; offsets beyond c share the edge entry. It starts at 0 (no position
-preference). Without the bias the block is permutation-equivariant over cells: position
-enters only through the bias.
+other resolution; offsets beyond c share the edge entry. Without the bias the block is
+permutation-equivariant over cells: position enters only through the bias.
+
+A new block is the identity: the bias table and each branch's last layer (W_o, W_2)
+start at 0, so a model with grid layers starts as the model without them.
 
 The projections work at width M (``grid_dim``; 0: min(D, 512)) and back to D, so the cost
 stays moderate at D = 2048: about 8.4M parameters a block there (M = 512, F = 1024),
@@ -92,17 +94,17 @@ class GridBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x (B, L, D), bias (n, L, L) or None (no position information) -> (B, L, D)."""
-        b, n, _ = x.shape
+        b, cells, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)  # 3 x (B, L, M)
         # (B, L, M) -> (B, n, L, M/n)
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(b, cells, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         # softmax(q k^T / sqrt(M/n) + bias) v: (B, n, L, L) x (B, n, L, M/n) -> (B, n, L, M/n),
         # torch's fused form. The bias goes in as (1, n, L, L), broadcast over the batch: given
-        # 4-D, torch's CPU takes its fused (flash) kernel, about 5x faster at 16x16 cells than
-        # the unfused form it falls back to for a 3-D mask.
+        # 4-D, torch's CPU takes its fused (flash) kernel, about 5x faster at 16x16 cells without
+        # gradient (decoding) than the unfused form it falls back to for a 3-D mask.
         mask = None if bias is None else bias.unsqueeze(0).to(q.dtype)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.out(y.transpose(1, 2).reshape(b, n, -1))  # (B, L, M) -> (B, L, D)
+        x = x + self.out(y.transpose(1, 2).reshape(b, cells, -1))  # (B, L, M) -> (B, L, D)
         return x + self.ff(self.norm2(x))
 
 

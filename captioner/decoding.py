@@ -77,6 +77,7 @@ def _hard_kwargs(hard: str) -> dict:
 @torch.no_grad()
 def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int,
            max_len: int, hard: str = "expected") -> list[DecodedIds]:
+    ann = decoder.annotate(ann)
     a = ann.vectors
     kw = _hard_kwargs(hard)
     b = a.shape[0]
@@ -129,6 +130,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
+    ann = decoder.annotate(ann)  # once per image, shared by its beams
     a = ann.vectors
     b, n, _ = a.shape
     k = beam_size

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .encoders import Annotations, create_encoder
+from .grid import GridSelfAttention, check_grid_fields
 from .multihead import build_attention
 
 
@@ -49,6 +50,17 @@ class ModelConfig:
     local_window: float = 0.0
     local_width: str = "fixed"  # fixed (local_window) | learned (predicted per step, starts at local_window)
     heads: int = 1  # decoder attention heads; their contexts are concatenated and projected back to D
+    # Self-attention over the grid cells before the decoder (grid.py): blocks (0: none),
+    # heads, clip of the relative offsets, block width (0: min(D, 512)), feed-forward (0: 2x width).
+    grid_layers: int = 0
+    grid_heads: int = 8
+    rel_pos_clip: int = 4
+    grid_dim: int = 0
+    grid_ff: int = 0
+
+    def __post_init__(self):
+        check_grid_fields(dim=self.annotation_dim, layers=self.grid_layers, heads=self.grid_heads,
+                          rel_pos_clip=self.rel_pos_clip, grid_dim=self.grid_dim, grid_ff=self.grid_ff)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -108,6 +120,10 @@ class Decoder(nn.Module):
         self.L_z = nn.Linear(d, e)
         self.dropout = nn.Dropout(cfg.dropout)
         self.L_o = nn.Linear(e, v)
+        # None when off, so that the model and its state_dict are those of a decoder without it.
+        self.grid_attention = GridSelfAttention(
+            d, layers=cfg.grid_layers, heads=cfg.grid_heads, rel_pos_clip=cfg.rel_pos_clip, width=cfg.grid_dim,
+            ff=cfg.grid_ff) if cfg.grid_layers > 0 else None
         self._compiled_step = None
         self._compiled_recur = None
 
@@ -126,6 +142,14 @@ class Decoder(nn.Module):
     @property
     def compiled(self) -> bool:
         return self._compiled_step is not None
+
+    def annotate(self, ann: Annotations) -> Annotations:
+        """The annotations the decoder attends over, once per image: the encoder's (or the
+        feature cache's), after self-attention over the grid when ``grid_layers`` > 0.
+        Every entry point (teacher forcing, greedy, beam search) starts here."""
+        if self.grid_attention is None:
+            return ann
+        return Annotations(self.grid_attention(ann.vectors, ann.grid), ann.grid)
 
     def init_state(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = a.mean(dim=1)  # (B, D)
@@ -161,6 +185,7 @@ class Decoder(nn.Module):
         z and h products). The embedding's share of the LSTM input runs before the loop and
         the deep output L_o(E y + L_h h_t + L_z z_t) after it, each as one product over all
         T steps, and the output layer only on real (non-padding) steps: padding logits are 0."""
+        ann = self.annotate(ann)
         a = ann.vectors
         b, steps = a.shape[0], int(lengths.max()) - 1
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
@@ -227,6 +252,7 @@ class Decoder(nn.Module):
                          sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
         """Teacher forcing as T calls of ``step``, the decoding step: the reference that
         ``forward`` must equal (logits at padding steps aside), and slower."""
+        ann = self.annotate(ann)
         a = ann.vectors
         keys = self.attention.prepare(a)  # once per image
         h, c = self.init_state(a)

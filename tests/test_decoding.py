@@ -160,6 +160,9 @@ class _StepTable:
         self.logp = torch.stack(rows)  # (T, V); <pad> and <start> get -inf
         self.attention = self
 
+    def annotate(self, ann):
+        return ann
+
     def prepare(self, a):
         return a
 

@@ -53,6 +53,11 @@ class ModelSection:
     local_window: float = 0.0
     local_width: str = "fixed"  # fixed | learned (predicted per step, starting at local_window)
     heads: int = 1  # decoder attention heads
+    grid_layers: int = 0  # blocks of self-attention over the grid cells (0: none)
+    grid_heads: int = 8
+    rel_pos_clip: int = 4  # row and column offsets clipped to +-this for the position bias
+    grid_dim: int = 0  # width inside the blocks (0: min(annotation size, 512))
+    grid_ff: int = 0  # feed-forward size (0: twice the width)
 
 
 @dataclass
@@ -188,7 +193,17 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         except (ValueError, SyntaxError):
             value = raw
         _set_field(section, section_name, key, value)
+    check_model_section(cfg.model)
     return cfg
+
+
+def check_model_section(m: ModelSection) -> None:
+    """Refuse (ValueError, one line) at start-up a model section that ModelConfig refuses,
+    rather than with a traceback once data and encoder are loaded."""
+    from captioner.model import ModelConfig
+
+    shape = {k: v for k, v in asdict(m).items() if k not in ("init_from", "resize")}
+    ModelConfig.from_dict({**shape, "vocab_size": 1, "image_size": (m.image_size, m.image_size)})
 
 
 def to_toml(cfg: TrainConfig) -> str:

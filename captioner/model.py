@@ -193,17 +193,20 @@ class Decoder(nn.Module):
         h, c = self.init_state(a)
         e = self.embedding.embedding_dim
         emb = self.embedding(tokens[:, :steps])  # (B, T, E)
-        w_ih = self.lstm.weight_ih  # (4H, E + D): columns [E y; z]
-        # (T, B, 4H), time-major so that each step reads one contiguous slice
-        pre = F.linear(emb.transpose(0, 1), w_ih[:, :e], self.lstm.bias_ih + self.lstm.bias_hh)
-        w_zh = torch.cat([w_ih[:, e:], self.lstm.weight_hh], 1).t()  # (D + H, 4H)
-        recur = self._compiled_recur if self._compiled_recur is not None else self._recur
+        w_ih, w_hh = self.lstm.weight_ih, self.lstm.weight_hh  # (4H, E + D): columns [E y; z]; (4H, H)
         deferred = None
         # Only for a large weight: a small one's T gradient sums stay in cache, and the
         # deferred form's Python bookkeeping would cost more than it saves.
-        if (self._compiled_recur is None and torch.is_grad_enabled() and w_zh.requires_grad
-                and w_zh.numel() >= DEFERRED_MIN_WEIGHT and not torch.is_autocast_enabled(a.device.type)):
+        if (self._compiled_recur is None and torch.is_grad_enabled() and w_ih.requires_grad
+                and (w_ih.shape[1] - e + w_hh.shape[1]) * w_ih.shape[0] >= DEFERRED_MIN_WEIGHT
+                and not torch.is_autocast_enabled(a.device.type)):
+            w_e, w_zh = _LSTMWeights.apply(w_ih, w_hh, e)
             deferred = _DeferredWeightGrad(w_zh)
+        else:
+            w_e, w_zh = w_ih[:, :e], torch.cat([w_ih[:, e:], w_hh], 1).t()  # (4H, E), (D + H, 4H)
+        # (T, B, 4H), time-major so that each step reads one contiguous slice
+        pre = F.linear(emb.transpose(0, 1), w_e, self.lstm.bias_ih + self.lstm.bias_hh)
+        recur = self._compiled_recur if self._compiled_recur is not None else self._recur
         hs, zs, alphas, betas, logps, ents, heads = [], [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
         for t, pre_t in enumerate(pre.unbind(0)):
@@ -306,7 +309,34 @@ class _CollectWeightGrad(torch.autograd.Function):
     def backward(ctx, _token_grad: torch.Tensor):
         xs, dys = zip(*ctx.store)
         ctx.store.clear()
-        return torch.cat(xs).t() @ torch.cat(dys), None  # (K, T B) x (T B, N)
+        # (N, T B) x (T B, K), handed on transposed: (K, N) with N-major storage, the layout
+        # of the LSTM's weight matrices, so that _LSTMWeights writes their gradients in one pass
+        return (torch.cat(dys).t() @ torch.cat(xs)).t(), None
+
+
+class _LSTMWeights(torch.autograd.Function):
+    """The LSTM's weights as the teacher-forced step uses them: w_ih (4H, E + D), w_hh (4H, H)
+    -> the embedding's columns (4H, E) and [z; h]'s, transposed, (D + H, 4H). Its backward
+    writes each weight's gradient whole, once; autograd's slices and concatenation would
+    zero-fill two (4H, E + D) buffers, copy into them and add them (some 20 ms a step at
+    the paper's sizes on a CPU)."""
+
+    @staticmethod
+    def forward(ctx, w_ih: torch.Tensor, w_hh: torch.Tensor, e: int):
+        ctx.shapes = e, w_ih.shape, w_hh.shape
+        return w_ih[:, :e].contiguous(), torch.cat([w_ih[:, e:], w_hh], 1).t()
+
+    @staticmethod
+    def backward(ctx, d_e: torch.Tensor | None, d_zh: torch.Tensor | None):
+        e, ih, hh = ctx.shapes
+        ref = d_zh if d_zh is not None else d_e
+        if d_e is None:
+            d_e = ref.new_zeros(ih[0], e)
+        if d_zh is None:
+            d_zh = ref.new_zeros(ih[1] - e + hh[1], ih[0])
+        g = d_zh.t()  # (4H, D + H); contiguous as _CollectWeightGrad hands it on
+        split = ih[1] - e
+        return torch.cat([d_e, g[:, :split]], 1), g[:, split:], None
 
 
 class _StepProduct(torch.autograd.Function):

@@ -8,6 +8,7 @@ through the ``captioner.commands`` entry-point group, so the library never impor
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from importlib.metadata import entry_points
@@ -46,6 +47,17 @@ def _non_negative(value: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
     return n
+
+
+def _penalty(value: str) -> float:
+    """A length penalty: a finite number >= 0 (0: rank by the raw log-probability)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return x
 
 
 def check_device(name: str) -> str:
@@ -116,7 +128,7 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                     "The default model is a demo trained on synthetic shapes only.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     _add_model_args(p)
-    p.add_argument("--length-penalty", type=float, default=0.0,
+    p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--workers", type=_non_negative, default=None,

@@ -50,6 +50,8 @@ MISTAKES = [
     ("beam size 0", CAPTION + ["--beam-size", "0"], "--beam-size"),
     ("beam size not a number", CAPTION + ["--beam-size", "three"], "--beam-size"),
     ("negative workers", CAPTION + ["--workers", "-1"], "--workers"),
+    ("negative length penalty", CAPTION + ["--length-penalty", "-0.5"], "--length-penalty"),
+    ("length penalty not a number", CAPTION + ["--length-penalty", "nan"], "--length-penalty"),
     ("a device that is not there", CAPTION + ["--device", "cuda:7"], "cuda:7"),
     ("a device that does not exist", CAPTION + ["--device", "banana"], "banana"),
     ("evaluate: no such data folder", ["evaluate", "--data", "{root}/nodata", "--weights", "{root}/tiny.pt"],

@@ -123,15 +123,16 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
     (t, j) for every head j besides (t, None), the mean."""
     p = prefix
     choices = _head_ids(heads)
-    notes = ",\n".join(f"{_picked(p, t)} ~ .notes .n{t}" for t in range(len(words)))
+    note_rules = ",\n".join(f"{_picked(p, t)} ~ .notes .n{t}" for t in range(len(words)))
     if len(choices) == 1:
         layer_rules = ",\n".join(f"{_picked(p, t)} ~ .big .l{t}" for t in range(len(words)))
     else:  # the word's input, then the head's, then the view: both must be checked
         layer_rules = ",\n".join(f"{_picked(p, t)} ~ #{p}-{_hc(c)}:checked ~ .big .l{t}.{_hc(c)}"
                                   for t in range(len(words)) for c in choices)
-    shown = f"{layer_rules},\n{notes}"
-    marked = ",\n".join(f"{_picked(p, t)} ~ .words label[for={p}-w{t}]" for t in range(len(words)))
-    focused = ",\n".join(f"#{p}-w{t}:focus-visible ~ .words label[for={p}-w{t}]" for t in range(len(words)))
+    shown = f"{layer_rules},\n{note_rules}"
+    marks = _label_marks([f"{p}-w{t}" for t in range(len(words))], ".words")
+    if len(choices) > 1:
+        marks += "\n" + _label_marks([f"{p}-{_hc(c)}" for c in choices], ".heads")
     style = f"""<style>
 .{p} input {{ position: absolute; opacity: 0; pointer-events: none; }}
 .{p} .words {{ display: flex; flex-wrap: wrap; gap: 0.4rem; align-items: center; margin: 0.5rem 0 0.8rem; }}
@@ -142,9 +143,7 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
 .{p} .big .layer, .{p} .notes p {{ display: none; }}
 .{p} .notes p {{ font-size: 0.875rem; opacity: 0.7; margin: 0.3rem 0 0; }}
 {shown} {{ display: block; }}
-{marked} {{ background: rgb{TINT}; border-color: rgb{TINT}; color: black; }}
-{focused} {{ outline: 2px solid rgb{TINT}; outline-offset: 2px; }}
-{_head_marks(p, choices)}
+{marks}
 </style>"""
     inputs = "".join(f'<input type="radio" name="{p}-word" id="{p}-w{t}" value="{t}"{" checked" if t == 0 else ""}>'
                      for t in range(len(words)))
@@ -164,12 +163,11 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
             f'<div class="notes">{notes}</div></div>')
 
 
-def _head_marks(p: str, choices: list) -> str:
-    """CSS marking the picked head's label (nothing for a one-head model)."""
-    if len(choices) == 1:
-        return ""
-    picked = ",\n".join(f"#{p}-{_hc(c)}:checked ~ .heads label[for={p}-{_hc(c)}]" for c in choices)
-    focused = ",\n".join(f"#{p}-{_hc(c)}:focus-visible ~ .heads label[for={p}-{_hc(c)}]" for c in choices)
+def _label_marks(ids: list[str], row: str) -> str:
+    """CSS marking the label of the checked input (and of the focused one) among radio inputs
+    ``ids`` whose labels sit in the row ``row`` (".words", ".heads")."""
+    picked = ",\n".join(f"#{i}:checked ~ {row} label[for={i}]" for i in ids)
+    focused = ",\n".join(f"#{i}:focus-visible ~ {row} label[for={i}]" for i in ids)
     return (f"{picked} {{ background: rgb{TINT}; border-color: rgb{TINT}; color: black; }}\n"
             f"{focused} {{ outline: 2px solid rgb{TINT}; outline-offset: 2px; }}")
 

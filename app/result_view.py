@@ -2,7 +2,9 @@
 the image, and the grid of every word's map. No script and no rerun: the picker is a group of
 radio inputs, and CSS (``:checked ~``) shows the picked word's layer, so picking a word costs the
 server nothing and the browser one repaint; the pictures travel inside the HTML (data URIs),
-so a result costs no request either.
+so a result costs no request either. Each picture travels once: it is a custom property of the
+page's root (``--name: url("data:...")``), defined by one element and drawn by the others as a
+background (the upload's preview defines the photo; the picker, the layers).
 
 A word's map is not drawn into a copy of the photo: it is a small RGBA layer laid over the one
 photo, composited by the browser. Laid over an image with ordinary alpha blending,
@@ -79,6 +81,17 @@ def data_uri(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
 
 
+def picture_defs(pictures: dict[str, str]) -> str:
+    """CSS naming each picture (name -> data URI) once for the whole page: ``var(--name)``
+    draws it anywhere, so the picker, the big view and the grid share one copy."""
+    return ":root {" + "".join(f' --{name}: url("{uri}");' for name, uri in pictures.items()) + " }"
+
+
+def layer_var(prefix: str, t: int, head: "int | None") -> str:
+    """The custom property holding word t's layer of ``head`` in the result ``prefix``."""
+    return f"{prefix}-l{t}{_hc(head)}"
+
+
 def word_labels(words: list[str]) -> list[str]:
     """Labels the reader tells apart: "a", "star", "a (2)"."""
     seen: dict[str, int] = {}
@@ -117,11 +130,17 @@ def _hc(head: "int | None") -> str:
 
 
 def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float,
-                heads: int = 1) -> str:
-    """The word picker and the picked word's map over the photo. ``photo``, ``layers``: data URIs;
-    ``aspect``: the photo's width / height; ``heads`` > 1: a head picker too, and ``layers`` holds
-    (t, j) for every head j besides (t, None), the mean."""
+                heads: int = 1, photo_uri: str | None = None) -> str:
+    """The word picker and the picked word's map over the photo. ``photo``: the name of the custom
+    property holding the photo, defined here when ``photo_uri`` (a data URI) is given, else by another
+    element of the page (the upload's preview); ``layers``: data URIs, each defined here once as
+    ``layer_var(prefix, t, head)`` for the grid to draw too; ``aspect``: the photo's width / height;
+    ``heads`` > 1: a head picker too, and ``layers`` holds (t, j) for every head j besides (t, None),
+    the mean."""
     p = prefix
+    pictures = {layer_var(p, t, c): uri for (t, c), uri in layers.items()}
+    if photo_uri is not None:
+        pictures[photo] = photo_uri
     choices = _head_ids(heads)
     note_rules = ",\n".join(f"{_picked(p, t)} ~ .notes .n{t}" for t in range(len(words)))
     if len(choices) == 1:
@@ -138,8 +157,10 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
 .{p} .words {{ display: flex; flex-wrap: wrap; gap: 0.4rem; align-items: center; margin: 0.5rem 0 0.8rem; }}
 .{p} .words label {{ border: 1px solid rgba(128, 128, 128, 0.5); border-radius: 1rem; padding: 0.15rem 0.7rem;
   cursor: pointer; user-select: none; }}
-.{p} .big {{ position: relative; max-width: 560px; aspect-ratio: {aspect:.5f}; }}
-.{p} .big img {{ position: absolute; inset: 0; width: 100%; height: 100%; display: block; }}
+{picture_defs(pictures)}
+.{p} .big {{ position: relative; max-width: 560px; aspect-ratio: {aspect:.5f};
+  background: var(--{photo}) center / 100% 100% no-repeat; }}
+.{p} .big .layer {{ position: absolute; inset: 0; background: center / 100% 100% no-repeat; }}
 .{p} .big .layer, .{p} .notes p {{ display: none; }}
 .{p} .notes p {{ font-size: 0.875rem; opacity: 0.7; margin: 0.3rem 0 0; }}
 {shown} {{ display: block; }}
@@ -155,11 +176,11 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
         head_row = ('<div class="words heads"><span>Head</span>'
                     + "".join(f'<label for="{p}-{_hc(c)}">{"mean" if c is None else c + 1}</label>' for c in choices)
                     + "</div>")
-    big = "".join(f'<img class="layer l{t} {_hc(c)}" src="{layers[(t, c)]}" alt="">'
+    big = "".join(f'<div class="layer l{t} {_hc(c)}" style="background-image: var(--{layer_var(p, t, c)})"></div>'
                   for t in range(len(words)) for c in choices)
     notes = "".join(f'<p class="n{t}">{html.escape(w.note)}</p>' for t, w in enumerate(words))
     return (f'{style}<div class="{p}">{inputs}<div class="words"><span>Word</span>{labels}</div>{head_row}'
-            f'<div class="big"><img class="photo" src="{photo}" alt="the image">{big}</div>'
+            f'<div class="big" role="img" aria-label="the image">{big}</div>'
             f'<div class="notes">{notes}</div></div>')
 
 
@@ -172,18 +193,19 @@ def _label_marks(ids: list[str], row: str) -> str:
             f"{focused} {{ outline: 2px solid rgb{TINT}; outline-offset: 2px; }}")
 
 
-def grid_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str], aspect: float,
-              grid: tuple[int, int], heads: int = 1) -> str:
+def grid_html(prefix: str, words: list[Word], photo: str, aspect: float, grid: tuple[int, int],
+              heads: int = 1) -> str:
     """Every word's map on the photo, small; a panel is a label of the picker's input: clicking it
-    picks that word. ``photo``: the picker's (the browser decodes it once); ``grid``: the maps' (H, W);
-    ``heads`` > 1: the panels show the head picked in the picker."""
+    picks that word. The pictures are the picker's (``photo``: the name of the photo's custom
+    property; the layers: ``layer_var``), so the page carries each once and the browser decodes it
+    once; ``grid``: the maps' (H, W); ``heads`` > 1: the panels show the head picked in the picker."""
     p = prefix
     choices = _head_ids(heads)
     if len(choices) == 1:
         head_rules = ""
     else:
-        head_rules = (f".{p}g .pic img {{ display: none; }}\n"
-                      + ",\n".join(f"body:has(#{p}-{_hc(c)}:checked) .{p}g .pic img.{_hc(c)}" for c in choices)
+        head_rules = (f".{p}g .pic .layer {{ display: none; }}\n"
+                      + ",\n".join(f"body:has(#{p}-{_hc(c)}:checked) .{p}g .pic .layer.{_hc(c)}" for c in choices)
                       + " { display: block; }")
     intro = (f"<p>The model writes the caption one word at a time. Before each word it spreads its attention "
              f"<b>α</b> over a {grid[0]}×{grid[1]} grid of image regions; the panels light up those regions "
@@ -194,16 +216,17 @@ def grid_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, str]
     style = f"""<style>
 .{p}g .grid {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(150px, 1fr)); gap: 0.8rem; }}
 .{p}g .cell {{ display: block; cursor: pointer; }}
-.{p}g .pic {{ position: relative; aspect-ratio: {aspect:.5f}; background: url("{photo}") center / 100% 100%;
+.{p}g .pic {{ position: relative; aspect-ratio: {aspect:.5f}; background: var(--{photo}) center / 100% 100% no-repeat;
   outline-offset: 2px; }}
-.{p}g .pic img {{ position: absolute; inset: 0; width: 100%; height: 100%; display: block; }}
+.{p}g .pic .layer {{ position: absolute; inset: 0; background: center / 100% 100% no-repeat; display: block; }}
 .{p}g .cell span {{ display: block; font-size: 0.875rem; opacity: 0.7; text-align: center; margin-top: 0.2rem; }}
 {marked} {{ outline: 3px solid rgb{TINT}; }}
 {head_rules}
 </style>"""
     cells = ['<div class="cell"><div class="pic"></div><span>the image</span></div>']  # first, as in the paper
     cells += [f'<label class="cell c{t}" for="{p}-w{t}"><div class="pic">'
-              + "".join(f'<img class="{_hc(c)}" src="{layers[(t, c)]}" alt="">' for c in choices)
+              + "".join(f'<div class="layer {_hc(c)}" style="background-image: var(--{layer_var(p, t, c)})"></div>'
+                        for c in choices)
               + f'</div><span>{html.escape(w.panel)}</span></label>' for t, w in enumerate(words)]
     return (f'{style}<div class="{p}g"><h3>Every word, where the model looked</h3>{intro}'
             f'<div class="grid">{"".join(cells)}</div></div>')

@@ -31,7 +31,7 @@ from captioner.images import load_image
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure
 
-from app.result_view import attention_layers, data_uri, grid_html, picker_html, png, words_of
+from app.result_view import attention_layers, data_uri, grid_html, picker_html, picture_defs, png, words_of
 
 LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
@@ -203,6 +203,15 @@ class Picture:
     def preview_uri(self) -> str:
         return data_uri(self.preview, "image/jpeg")
 
+    @property
+    def photo_var(self) -> str:
+        """The custom property that holds the preview on the page (result_view.picture_defs):
+        the page defines it with the preview, and a result shown on the same JPEG draws it from there."""
+        return f"img-{self.digest[:16]}"
+
+    def photo_css(self) -> str:
+        return picture_defs({self.photo_var: self.preview_uri})
+
     @classmethod
     def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image | None, Image.Image | None]:
         """Raw bytes -> (picture, the decoded image, its preview), the last two None when the upload
@@ -284,9 +293,12 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
                            for t, layer in enumerate(attention_layers(result.alphas_heads[:, j], seen_size))})
         words = words_of(result.words, result.betas)
         aspect = seen_size[0] / seen_size[1]
-        photo = data_uri(seen_jpeg, "image/jpeg")
-        picker = picker_html(prefix, words, photo, layers, aspect, heads)
-        grid = grid_html(prefix, words, photo, layers, aspect, tuple(result.alphas.shape[1:]), heads)
+        if picture is not None and seen_jpeg is picture.preview:  # the page's preview defines the photo
+            photo, photo_uri = picture.photo_var, None
+        else:
+            photo, photo_uri = f"{prefix}-photo", data_uri(seen_jpeg, "image/jpeg")
+        picker = picker_html(prefix, words, photo, layers, aspect, heads, photo_uri)
+        grid = grid_html(prefix, words, photo, aspect, tuple(result.alphas.shape[1:]), heads)
     return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 

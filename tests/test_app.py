@@ -168,7 +168,8 @@ def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
     notes = [html.unescape(n) for n in re.findall(r'<p class="n\d+">(.*?)</p>', picker)]
     assert notes == [f"“{w}”: word {t + 1} of {len(words)}, β = {float(b):.2f}"
                      for t, (w, b) in enumerate(zip(words, app.session_state["shown"].result.betas))]
-    photo, *layers = _data_images(picker)
+    layers = _data_images(picker)
+    (photo,) = _data_images(_page_html(app).replace(picker, ""))  # the preview's, drawn by the big view
     assert photo.format == "JPEG" and photo.size == (96, 64)  # the photo once, at the size it was uploaded
     assert len(layers) == len(words) and all(m.mode == "P" and m.size[0] <= 96 for m in layers)
     assert layers[0].convert("RGBA").tobytes() != layers[-1].convert("RGBA").tobytes()  # each its own map
@@ -177,6 +178,20 @@ def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
     for t in range(len(words)):
         shown = picker.split("{ display: block; }")[0].rsplit("}", 1)[1]  # the selectors of the rule that shows
         assert f"#{prefix}-w{t}:checked ~ .big .l{t}," in shown and f"#{prefix}-w{t}:checked ~ .notes .n{t}" in shown
+
+
+def test_every_picture_travels_once_per_page(app):
+    """The photo and every word's layer are in the page once: the preview defines the photo, the
+    picker the layers, and the big view and the grid draw them by name (CSS custom properties)."""
+    app.file_uploader[0].set_value(("generated.png", _png(seed=3, size=(96, 64)), "image/png")).run()
+    page = _page_html(app)
+    uris = re.findall(r'data:image/(?:png|jpeg);base64,[A-Za-z0-9+/=]+', page)
+    assert len(uris) == len(set(uris)) == 1 + len(_word_panels(app))  # the photo, one layer per word
+    names = dict(re.findall(r'--([\w-]+): url\("(data:[^"]+)"\)', page))  # every picture is named, once
+    assert sorted(names.values()) == sorted(uris)
+    drawn = set(re.findall(r'var\(--([\w-]+)\)', page))
+    assert drawn == set(names)  # each drawn by its name, none missing
+    assert page.count(f"var(--{app.session_state['picture'].photo_var})") == 3  # preview, big view, grid
 
 
 def test_repeated_words_get_labels_the_picker_can_tell_apart():
@@ -437,7 +452,10 @@ def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empt
 
 
 def _big_view_photo(at: AppTest) -> bytes:
-    found = re.search(r'class="photo" src="data:image/jpeg;base64,([A-Za-z0-9+/=]+)"', at.session_state["shown"].picker)
+    """The photo the big view draws: the picture named in its rule, wherever the page defines it."""
+    page = _page_html(at)
+    name = re.search(r'\.big \{[^}]*background: var\(--([\w-]+)\)', at.session_state["shown"].picker).group(1)
+    found = re.search(rf'--{name}: url\("data:image/jpeg;base64,([A-Za-z0-9+/=]+)"\)', page)
     return base64.b64decode(found.group(1))
 
 
@@ -472,5 +490,5 @@ def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
 def test_a_one_head_result_has_no_head_picker():
     from app.result_view import Word, picker_html
 
-    html = picker_html("r1", [Word("a", "n", "p")], "data:,", {(0, None): "data:,x"}, 1.0)
-    assert "heads" not in html and 'name="r1-head"' not in html and html.count("<img") == 2
+    html = picker_html("r1", [Word("a", "n", "p")], "photo", {(0, None): "data:,x"}, 1.0)
+    assert "heads" not in html and 'name="r1-head"' not in html and html.count('class="layer ') == 1

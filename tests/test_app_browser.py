@@ -318,7 +318,7 @@ def test_each_upload_is_one_script_run(page, served, tmp_path):
 
 def _shown_layers(page) -> list[int]:
     """Which words' map layers the big view shows (CSS display), by word index."""
-    return page.locator(".big img.layer").evaluate_all(
+    return page.locator(".big .layer").evaluate_all(
         "els => els.flatMap((e, t) => getComputedStyle(e).display === 'none' ? [] : [t])")
 
 
@@ -340,10 +340,11 @@ def test_picking_a_word_shows_its_map_and_asks_nothing_of_the_server(page, serve
     page.locator(".words label").nth(last).click()
     assert _shown_layers(page) == [last]
     assert note.inner_text().startswith(f"“{words[last]}”: word {last + 1} of {len(words)}, β = ")
-    box = page.locator(".big").bounding_box()  # the layer covers the photo exactly
-    layer = page.locator(".big img.layer").nth(last).bounding_box()
-    photo = page.locator(".big img.photo").bounding_box()
-    assert layer == photo and photo["width"] == box["width"] > 100
+    box = page.locator(".big").bounding_box()  # the layer covers the photo (the view's background) exactly
+    layer = page.locator(".big .layer").nth(last).bounding_box()
+    assert layer == box and box["width"] > 100
+    photo = page.locator(".big").evaluate("e => getComputedStyle(e).backgroundImage")
+    assert photo.startswith('url("data:image/jpeg;base64,')  # drawn from the preview's definition
     page.locator("label.cell").nth(0).click()  # a panel of the grid picks its word too
     assert _shown_layers(page) == [0]
     page.wait_for_timeout(500)
@@ -365,16 +366,17 @@ def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser)
     photo = data_uri(png(np.zeros((4, 4), np.uint8)), "image/png")
     page = browser.new_page()
     try:
-        page.set_content(picker_html("r1", words, photo, layers, 1.0, heads)
-                         + grid_html("r1", words, photo, layers, 1.0, (2, 2), heads))
+        page.set_content(picker_html("r1", words, "photo", layers, 1.0, heads, photo)
+                         + grid_html("r1", words, "photo", 1.0, (2, 2), heads))
 
-        def shown(selector: str) -> list[str]:
+        def shown(selector: str) -> list[str]:  # the pictures the visible elements draw
             return page.locator(selector).evaluate_all(
-                "els => els.filter(e => getComputedStyle(e).display !== 'none').map(e => e.src)")
+                "els => els.filter(e => getComputedStyle(e).display !== 'none')"
+                ".map(e => getComputedStyle(e).backgroundImage.slice(5, -2))")
 
         def expect(t, j):
-            assert shown(".big img.layer") == [layers[(t, j)]]
-            panels = shown(".r1g label.cell img")  # every word's panel, the picked head's layer
+            assert shown(".big .layer") == [layers[(t, j)]]
+            panels = shown(".r1g label.cell .layer")  # every word's panel, the picked head's layer
             assert panels == [layers[(s, j)] for s in range(n)]
 
         assert page.locator(".heads label").all_inner_texts() == ["mean", "1", "2"]

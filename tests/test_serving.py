@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -190,3 +191,7 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
             assert data_uri(png(levels[t]), "image/png") in shown.picker  # head j's own map
     assert not torch.allclose(r.alphas_heads[:, 0], r.alphas_heads[:, 1])  # two different maps to show
     assert 'name="r' in shown.picker and shown.picker.count('-head" id=') == 3  # mean, 1, 2
+    # Made without the page's preview: the result defines its photo itself, and both views draw it.
+    photo = re.search(r'--([\w-]+): url\("data:image/jpeg;base64,', shown.picker).group(1)
+    assert f"var(--{photo})" in shown.picker and f"var(--{photo})" in shown.grid
+    assert data_uri(shown.seen, "image/jpeg") in shown.picker and "data:" not in shown.grid

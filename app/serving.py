@@ -168,9 +168,10 @@ def results_cache() -> ResultCache:
 
 def settle_heap() -> None:
     """Call once a model is loaded. Streamlit runs a full garbage collection after every script
-    run; with torch and a model in the heap that walks a few hundred thousand objects, 0.1-0.2 s
-    of CPU per rerun, more than the caption itself. Frozen, they are left out of every later
-    collection (they live as long as the server anyway); what the runs make is still collected."""
+    run (unless told not to, as `captioner app` does), and Python one now and then; with torch and
+    a model in the heap that walks a few hundred thousand objects, 0.1-0.2 s of CPU each time, more
+    than a caption. Frozen, they are left out of every later collection (they live as long as the
+    server anyway); what the runs make is still collected."""
     gc.collect()
     gc.freeze()
 

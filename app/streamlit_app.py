@@ -26,9 +26,26 @@ from captioner.inference import Captioner, DecodeOptions
 EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
+# Shown while the model writes: the browser reveals it after half a second, so a quick caption (most
+# are) never flashes it, and the server starts no timer for it (st.spinner starts a thread per caption).
+WRITING = ('<style>@keyframes captioner-appear { to { opacity: 0.7; } }</style>'
+           '<p style="opacity: 0; animation: captioner-appear 0s 0.5s forwards; margin: 0">Writing a caption…</p>')
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
 HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
               "sample": "a random draw"}
+
+
+class Html:
+    """HTML for st.html, taken as it is. A plain string is dedented and stripped first, a scan of
+    every character that costs more than the rest of the element for a result's pictures."""
+
+    __slots__ = ("body",)
+
+    def __init__(self, body: str):
+        self.body = body
+
+    def _repr_html_(self) -> str:
+        return self.body
 
 
 def available_models() -> dict[str, str]:
@@ -172,11 +189,11 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     if not result.words:
         st.info("The model ended the caption before its first word, so there is no attention to show.")
         return
-    st.html(shown.picker)  # the picker, the big view and its pictures: one element, no request, no rerun
+    st.html(Html(shown.picker))  # the picker, the big view and its pictures: one element, no request, no rerun
 
 
 def show_grid(shown: Shown) -> None:
-    st.html(shown.grid)  # every word's map: one element; a panel clicked picks its word
+    st.html(Html(shown.grid))  # every word's map: one element; a panel clicked picks its word
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
@@ -201,11 +218,11 @@ def show_preview(left, picture: Picture, name: str) -> None:
     # Inside the page, not a media file: one request less per upload. The photo is defined here once
     # for the page (picture.photo_var): a result drawn on the same JPEG (the big view, the grid) draws
     # it from here rather than carrying it again, and the browser decodes it once.
-    left.html(f'<style>{picture.photo_css()}</style><figure style="margin: 0">'
+    left.html(Html(f'<style>{picture.photo_css()}</style><figure style="margin: 0">'
               f'<div role="img" aria-label="the image" style="aspect-ratio: {picture.width} / {picture.height}; '
               f'background: var(--{picture.photo_var}) center / 100% 100% no-repeat; border-radius: 0.5rem"></div>'
               f'<figcaption style="text-align: center; font-size: 0.875rem; opacity: 0.6; margin-top: 0.3rem">'
-              f'{html.escape(name)} ({picture.width}×{picture.height})</figcaption></figure>')
+              f'{html.escape(name)} ({picture.width}×{picture.height})</figcaption></figure>'))
 
 
 def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
@@ -286,15 +303,15 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
         else:
             with right:
                 waiting = st.empty()
+                waiting.html(Html(WRITING))
 
                 def queued(ahead: int) -> None:
                     waiting.info(f"Waiting for the model: {ahead} {'caption' if ahead == 1 else 'captions'} "
                                  "ahead of yours…")
 
                 try:
-                    with st.spinner("Writing a caption…"):
-                        shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
-                                              queued)
+                    shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
+                                          queued)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
                     right.error(f"Captioning failed: {_markdown_text(str(e))}")
                     return

@@ -259,6 +259,7 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     # A server, not a development session: no file watching, no usage statistics sent out.
     assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"
     assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"
+    assert cmd[cmd.index("--runner.postScriptGC") + 1] == "false"  # no full collection per upload
     assert env["CAPTIONER_APP_WORKERS"] == "3"
     assert env["MALLOC_ARENA_MAX"] == "2"  # memory freed by one session's thread serves the next
 

@@ -462,7 +462,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="training runs (checkpoints, logs) go under RUNS/<recipe>-<steps>steps/")
     ap.add_argument("--jobs", type=int, default=2, help="trainings at once, one thread each (0: in this process)")
     ap.add_argument("--beam-size", type=int, default=3, help="beam of the test decoding")
-    ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples (each draws every variant's seeds and the test images)")
+    ap.add_argument("--resamples", type=int, default=2000,
+                    help="bootstrap resamples (each draws every variant's seeds and the test images)")
     ap.add_argument("--bootstrap-seed", type=int, default=0,
                     help="seed of the bootstrap's draws (another one shows how much the interval ends move)")
     ap.add_argument("--table", action="store_true", help="only rebuild the table from the result files")

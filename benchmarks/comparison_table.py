@@ -106,6 +106,10 @@ def _signed(v: float) -> str:
     return f"{round(v, 3) + 0.0:+.3f}"  # + 0.0: no "-0.000"
 
 
+def _count(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
 def _excludes_zero(d: dict | None) -> bool:
     return d is not None and (d["lo"] > 0 or d["hi"] < 0)
 
@@ -145,7 +149,7 @@ def markdown(summary: dict, timing: dict | None, header: str) -> str:
                       + (f"; a uniformly random cell scores {chance['mean']:.3f}." if chance else ".")
                       + " Entropy is over every word of those captions. Relation accuracy is over the relations "
                         "each variant's own captions state (chance 0.5): "
-                      + ", ".join(f"{n} " + ("n/a" if r["relations_stated"] is None else f"{r['relations_stated']:.0f}") for n, r in summary["rows"].items()) + "."]
+                      + ", ".join(f"{n} {_count(r['relations_stated'])}" for n, r in summary["rows"].items()) + "."]
     floor = summary.get("aa")
     if summary["vs_reference"]:
         ref = summary["reference"]
@@ -160,7 +164,8 @@ def markdown(summary: dict, timing: dict | None, header: str) -> str:
         for name, d in summary["vs_reference"].items():
             lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k)) for k in CI_COLUMNS) + " |")
         lines += ["", f"Difference of the seed means from {ref}'s, with Welch's 95% t interval from the seeds' "
-                      "sds (with 3 seeds a side, 2 to 4 degrees of freedom; the test images are taken as fixed):",
+                      "sds (Welch-Satterthwaite degrees of freedom, 2 to 4 with 3 seeds a side; the test images are "
+                      "taken as fixed):",
                   *head]
         for name, d in summary["vs_reference"].items():
             lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k), "seed_means")

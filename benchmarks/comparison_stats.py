@@ -89,8 +89,9 @@ def _ratios(total, has) -> dict[str, np.ndarray | None]:
 
 
 def _column(stats: Mapping[str, Sequence], key: str, n: int) -> np.ndarray:
-    # "runs": captions per image, 1 for one run (pool() sums it over seeds).
-    if key == "runs" and key not in stats:
+    # A missing denominator counts 1 per image: "runs" (captions per image) is 1 for one
+    # run, and pool() sums it over seeds.
+    if key not in stats:
         return np.ones(n)
     return np.asarray(stats[key], dtype=np.float64)
 

@@ -1,6 +1,7 @@
 """The attention family on shapes, compared so that the table can rank: every variant
 trained for the same number of steps, several seeds, scored on three fresh test sets, with
-paired bootstrap intervals against a reference variant and an A/A noise floor.
+intervals against a reference variant (a bootstrap over seeds and images, paired over
+images, and Welch's interval of the seed means) and an A/A noise floor.
 
     python benchmarks/compare_attention.py                       # the full table (long: see docs)
     python benchmarks/compare_attention.py --recipe quarter --rows mean,additive,concat,dot,sparsemax
@@ -461,7 +462,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="training runs (checkpoints, logs) go under RUNS/<recipe>-<steps>steps/")
     ap.add_argument("--jobs", type=int, default=2, help="trainings at once, one thread each (0: in this process)")
     ap.add_argument("--beam-size", type=int, default=3, help="beam of the test decoding")
-    ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+    ap.add_argument("--resamples", type=int, default=2000,
+                    help="bootstrap resamples (each draws every variant's seeds and the test images)")
+    ap.add_argument("--bootstrap-seed", type=int, default=0,
+                    help="seed of the bootstrap's draws (another one shows how much the interval ends move)")
     ap.add_argument("--table", action="store_true", help="only rebuild the table from the result files")
     ap.add_argument("--timing", action="store_true", help="only measure training steps/s (on an idle machine)")
     ap.add_argument("--skip-timing", action="store_true", help="do not measure steps/s after the trainings")
@@ -482,8 +486,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--seeds and --test-seeds take comma-separated integers: {e}") from e
     if len(args.test_seed_list) != 3 or set(args.test_seed_list) & set(args.seed_list):
         raise UsageError("--test-seeds: three seeds, none of them a training seed")
-    if args.jobs < 0 or args.test_images < 1 or args.resamples < 1:
-        raise UsageError("--jobs must be >= 0, --test-images and --resamples >= 1")
+    if args.jobs < 0 or args.test_images < 1 or args.resamples < 1 or args.bootstrap_seed < 0:
+        raise UsageError("--jobs and --bootstrap-seed must be >= 0, --test-images and --resamples >= 1")
     # What a job subprocess needs to find the same plan, data and folders.
     args.passthrough = ["--rows-file", str(args.rows_file), "--recipe", args.recipe, "--test-seeds", args.test_seeds,
                         "--test-images", str(args.test_images), "--test-root", str(args.test_root),
@@ -508,7 +512,7 @@ def table_for(plan: Plan, rows: list[Row], out: Path, recipe_name: str, steps: i
     if not found:
         raise UsageError(f"no results under {out / 'results'} yet")
     try:
-        summary = ct.summarise(found, plan.reference, plan.aa_pair, args.resamples)
+        summary = ct.summarise(found, plan.reference, plan.aa_pair, args.resamples, seed=args.bootstrap_seed)
     except ValueError as e:
         raise UsageError(str(e)) from e
     summary["aa_pair"] = list(plan.aa_pair)

@@ -1,8 +1,9 @@
 """Per-image statistics of a captioner on shapes test sets, and what compare_attention.py
-builds from them: pooled figures, paired bootstrap intervals, rank correlations, tables.
+builds from them: pooled figures, bootstrap intervals over training seeds and test images,
+Welch intervals of seed means, rank correlations.
 
-Every figure of the comparison is a ratio of sums over images, so that images can be
-resampled and seeds pooled without changing what a figure means:
+Every figure of the comparison is a ratio of sums over (seed, image) records, so that
+seeds and images can be resampled and seeds pooled without changing what a figure means:
 
     object accuracy   sum exact / sum 1              (per image: the caption names exactly its objects)
     relation accuracy sum true / sum stated          (micro-average over the stated relations)
@@ -19,6 +20,7 @@ per image, [test length, reference length, guesses 1..4, correct 1..4].
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -70,26 +72,64 @@ def corpus_bleu4(stats: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- figures
 
+def _ratios(total, has) -> dict[str, np.ndarray | None]:
+    """Every figure from summed columns: ``total(column)`` gives the (R,) sums of a column
+    over R resampled sets ((R, 10) for ``bleu``; ``runs``: captions), ``has(column)``
+    whether the runs have it."""
+    out: dict = {}
+    for name, (num, den) in RATIOS.items():
+        if not has(num):
+            out[name] = None
+            continue
+        top, bottom = total(num), total(den or "runs")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[name] = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1), np.nan)
+    out["BLEU-4"] = corpus_bleu4(total("bleu")) if has("bleu") else None
+    return out
+
+
+def _column(stats: Mapping[str, Sequence], key: str, n: int) -> np.ndarray:
+    # A missing denominator counts 1 per image: "runs" (captions per image) is 1 for one
+    # run, and pool() sums it over seeds.
+    if key not in stats:
+        return np.ones(n)
+    return np.asarray(stats[key], dtype=np.float64)
+
+
 def figures(stats: Mapping[str, np.ndarray], weights: np.ndarray | None = None) -> dict[str, float | None]:
     """Every figure from per-image columns (each (N,)); ``weights`` (R, N) gives R
     resampled sets at once (counts of each image), then each figure is (R,)."""
     n = len(next(iter(stats.values())))
     w = np.ones((1, n)) if weights is None else np.asarray(weights, dtype=np.float64)
-    out: dict = {}
-    for name, (num, den) in RATIOS.items():
-        if num not in stats:
-            out[name] = None
-            continue
-        top = w @ np.asarray(stats[num], dtype=np.float64)
-        # Pooled seeds: an image's counts are summed over its runs, so are its captions.
-        bottom = w @ np.asarray(stats.get(den or "runs", np.ones(n)), dtype=np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            value = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1), np.nan)
-        out[name] = value
-    out["BLEU-4"] = corpus_bleu4(w @ np.asarray(stats["bleu"], dtype=np.float64)) if "bleu" in stats else None
+    out = _ratios(lambda key: w @ _column(stats, key, n), lambda key: key in stats)
     if weights is None:
         return {k: (None if v is None or np.isnan(v[0]) else float(v[0])) for k, v in out.items()}
     return out
+
+
+def resampled_figures(runs: Sequence[Mapping[str, Sequence]], image_weights: np.ndarray,
+                      seed_weights: np.ndarray) -> dict[str, np.ndarray | None]:
+    """Every figure of R sets resampled at two levels, each (R,): ``runs`` are the S seeds
+    of one variant (per-image columns on the same N images), ``image_weights`` (R, N) and
+    ``seed_weights`` (R, S) how often each image and each seed is drawn. A figure is a ratio
+    of sums over the drawn (seed, image) records: sum_s c_rs sum_i w_ri x_si."""
+    n = len(np.asarray(next(iter(runs[0].values()))))
+    keys = sorted(set.intersection(*(set(r) for r in runs)) | {"runs"})
+    # Every column of every seed side by side, so that one product does all the sums:
+    # blocks (S, N, C) with C the columns (bleu: 10 of them) -> (N, S * C).
+    width = {k: (10 if k == "bleu" else 1) for k in keys}
+    start = dict(zip(keys, np.cumsum([0] + [width[k] for k in keys])))
+    x = np.stack([np.column_stack([_column(r, k, n).reshape(n, -1) for k in keys]) for r in runs])  # (S, N, C)
+    s, _, c = x.shape
+    w = np.asarray(image_weights, dtype=np.float64)
+    per_seed = (w @ x.transpose(1, 0, 2).reshape(n, s * c)).reshape(-1, s, c)  # (R, N) x (N, S*C) -> (R, S, C)
+    totals = np.einsum("rs,rsc->rc", np.asarray(seed_weights, dtype=np.float64), per_seed)  # (R, C)
+
+    def total(key: str) -> np.ndarray:
+        block = totals[:, start[key]:start[key] + width[key]]
+        return block if key == "bleu" else block[:, 0]
+
+    return _ratios(total, lambda key: key in width)
 
 
 def pool(parts: Sequence[Mapping[str, Sequence]]) -> dict[str, np.ndarray]:
@@ -118,12 +158,36 @@ def bootstrap_weights(n_images: int, resamples: int, seed: int = 0) -> np.ndarra
     return rng.multinomial(n_images, np.full(n_images, 1 / n_images), size=resamples).astype(np.float64)
 
 
-def paired_difference(variant: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], weights: np.ndarray,
-                      level: float = 0.95) -> dict[str, dict | None]:
-    """Per figure: variant minus reference on the full set, and the percentile interval
-    of that difference over the resampled sets (``weights`` from bootstrap_weights)."""
-    full_v, full_r = figures(variant), figures(reference)
-    boot_v, boot_r = figures(variant, weights), figures(reference, weights)
+def seed_weights(n_seeds: int, resamples: int, seed: int, variant: str) -> np.ndarray:
+    """(R, S) counts: R resamples of one variant's S training seeds with replacement. Each
+    variant has its own stream, keyed by its name: seed 0 of one variant has nothing to do
+    with seed 0 of another (not paired), and a variant's draws do not change when rows are
+    added to the table."""
+    rng = np.random.default_rng([seed, zlib.crc32(variant.encode())])
+    return rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=resamples).astype(np.float64)
+
+
+def _runs(runs: Mapping[str, Sequence] | Sequence[Mapping[str, Sequence]]) -> list[Mapping[str, Sequence]]:
+    return [runs] if isinstance(runs, Mapping) else list(runs)
+
+
+def paired_difference(variant, reference, image_weights: np.ndarray, variant_seeds: np.ndarray | None = None,
+                      reference_seeds: np.ndarray | None = None, level: float = 0.95) -> dict[str, dict | None]:
+    """Per figure: variant minus reference, seeds pooled, on the full set, and the
+    percentile interval of that difference over the resampled sets.
+
+    ``variant`` and ``reference`` are the per-image columns of each seed (or of one run).
+    ``image_weights`` (R, N), from bootstrap_weights, is the same for both sides (paired
+    over images); ``variant_seeds`` and ``reference_seeds`` (R, S), from seed_weights, draw
+    each side's seeds apart. Without them every seed is kept in every resample: the
+    interval then covers the test images only."""
+    variant, reference = _runs(variant), _runs(reference)
+    r = len(image_weights)
+    full_v, full_r = figures(pool(variant)), figures(pool(reference))
+    boot_v = resampled_figures(variant, image_weights,
+                               np.ones((r, len(variant))) if variant_seeds is None else variant_seeds)
+    boot_r = resampled_figures(reference, image_weights,
+                               np.ones((r, len(reference))) if reference_seeds is None else reference_seeds)
     lo_q, hi_q = 100 * (1 - level) / 2, 100 * (1 + level) / 2
     out: dict[str, dict | None] = {}
     for name in full_v:
@@ -135,6 +199,75 @@ def paired_difference(variant: Mapping[str, np.ndarray], reference: Mapping[str,
         lo, hi = (np.percentile(diff, [lo_q, hi_q]) if len(diff) else (math.nan, math.nan))
         out[name] = {"diff": full_v[name] - full_r[name], "lo": float(lo), "hi": float(hi)}
     return out
+
+
+# ------------------------------------------------------------- seed means, Welch's t
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction
+    (modified Lentz), on the side of x where the fraction converges fast."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),  # even term
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # odd term
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f / a
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t with df (> 0, not necessarily whole) degrees of
+    freedom, by bisection on its tail P(T > t) = I_{df / (df + t^2)}(df / 2, 1 / 2) / 2."""
+    if not 0 < p < 1 or not df > 0:
+        raise ValueError("t_quantile needs 0 < p < 1 and df > 0")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    tail = 1 - p
+
+    def upper(t: float) -> float:
+        return 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+
+    lo, hi = 0.0, 1.0
+    while upper(hi) > tail:
+        lo, hi = hi, 2 * hi
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if upper(mid) > tail else (lo, mid)
+        if hi - lo < 1e-12 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def welch_difference(variant: Sequence[float], reference: Sequence[float], level: float = 0.95) -> dict | None:
+    """Difference of two variants' seed means, with Welch's t interval from their seed
+    sds (degrees of freedom by Welch-Satterthwaite: 2 to 4 with 3 seeds each). It treats a
+    seed's figure on the test set as one measurement and ignores which images were drawn.
+    None when a side has fewer than 2 seeds."""
+    a, b = np.asarray(variant, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    diff = float(a.mean() - b.mean())
+    if va + vb == 0:
+        return {"diff": diff, "lo": diff, "hi": diff, "df": None}
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = t_quantile((1 + level) / 2, df) * math.sqrt(va + vb)
+    return {"diff": diff, "lo": diff - half, "hi": diff + half, "df": float(df)}
 
 
 # -------------------------------------------------------------------------- rankings

@@ -1,6 +1,7 @@
 """The comparison's table from its result files: mean and sd over seeds, each variant
-against the reference by a paired bootstrap over the test images, the A/A floor, and the
-agreement of two recipes' rankings. Used by compare_attention.py."""
+against the reference by a bootstrap over training seeds and test images (paired over
+images) and by Welch's interval of the seed means, the A/A floor, and the agreement of two
+recipes' rankings. Used by compare_attention.py."""
 
 from __future__ import annotations
 
@@ -38,41 +39,59 @@ def load_results(out: Path, rows: list[str]) -> dict[str, dict[int, dict]]:
     return found
 
 
-def summarise(found: dict[str, dict[int, dict]], reference: str, aa_pair: tuple[str, str], resamples: int) -> dict:
-    """Mean and sd over seeds of each figure; seeds pooled, each variant against the
-    reference by a paired bootstrap over the test images."""
+def summarise(found: dict[str, dict[int, dict]], reference: str, aa_pair: tuple[str, str], resamples: int,
+              seed: int = 0, level: float = 0.95) -> dict:
+    """Mean and sd over seeds of each figure, and each variant against the reference:
+    seeds pooled, with the interval of a bootstrap over seeds and images (cs.paired_difference
+    with seed draws), the same over images alone (``images_only``: seeds pooled, kept for
+    the record, not for ranking) and Welch's interval of the seed means (``seed_means``)."""
     rows: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     ids = None
-    for name, seeds in found.items():
-        for s in seeds.values():
+    for name, by_seed in found.items():
+        for s in by_seed.values():
             if ids is None:
                 ids = s["ids"]
             elif s["ids"] != ids:
                 raise ValueError(f"row {name!r}: its results are on other test images than the rest "
                                  "(other --test-seeds or --test-images): put them in another --out")
-        per_seed = [cs.figures(s["stats"]) for s in seeds.values()]
+        runs[name] = [by_seed[k]["stats"] for k in sorted(by_seed)]
+        per_seed = [cs.figures(stats) for stats in runs[name]]
         stat = {}
         for key in [*dict(COLUMNS), "pointing_chance", "pointing_generated"]:
             vals = [f[key] for f in per_seed if f[key] is not None]
             stat[key] = None if not vals else {"mean": float(np.mean(vals)), "sd": float(np.std(vals, ddof=1))
-                                               if len(vals) > 1 else None, "n": len(vals)}
-        pooled = cs.pool([s["stats"] for s in seeds.values()])
-        rows[name] = {"seeds": sorted(seeds), "figures": stat, "pooled": pooled,
+                                               if len(vals) > 1 else None, "n": len(vals), "per_seed": vals}
+        pooled = cs.pool(runs[name])
+        rows[name] = {"seeds": sorted(by_seed), "figures": stat,
                       # per seed (every seed scores the same reference words)
-                      "pointing_words": int(sum(pooled["pt_n"])) // len(seeds) if "pt_n" in pooled else None,
-                      "relations_stated": float(np.mean([sum(s["stats"]["rel_n"]) for s in seeds.values()]))}
-    summary = {"n_images": len(ids or []), "reference": reference, "rows": rows, "vs_reference": {}, "aa": None}
-    if reference in rows:
-        weights = cs.bootstrap_weights(len(ids), resamples, seed=0)
-        for name, r in rows.items():
-            if name != reference:
-                summary["vs_reference"][name] = cs.paired_difference(r["pooled"], rows[reference]["pooled"], weights)
-        a, b = aa_pair
-        if a in rows and b in rows:
-            summary["aa"] = (summary["vs_reference"][b] if a == reference
-                             else cs.paired_difference(rows[b]["pooled"], rows[a]["pooled"], weights))
-    for r in rows.values():
-        del r["pooled"]
+                      "pointing_words": int(sum(pooled["pt_n"])) // len(by_seed) if "pt_n" in pooled else None,
+                      "relations_stated": float(np.mean([sum(r["rel_n"]) for r in runs[name]]))
+                      if all("rel_n" in r for r in runs[name]) else None}
+    summary = {"n_images": len(ids or []), "reference": reference, "resamples": resamples, "bootstrap_seed": seed,
+               "rows": rows, "vs_reference": {}, "aa": None}
+    if reference not in rows:
+        return summary
+    images = cs.bootstrap_weights(len(ids), resamples, seed=seed)  # (R, N): one image draw for every variant
+    seeds = {name: cs.seed_weights(len(r), resamples, seed, name) for name, r in runs.items()}  # (R, S) each
+
+    def compare(v: str, r: str) -> dict[str, dict | None]:
+        both = cs.paired_difference(runs[v], runs[r], images, seeds[v], seeds[r], level)
+        only = cs.paired_difference(runs[v], runs[r], images, level=level)
+        out: dict[str, dict | None] = {}
+        for fig, d in both.items():
+            fv, fr = rows[v]["figures"].get(fig), rows[r]["figures"].get(fig)
+            out[fig] = None if d is None else {
+                **d, "images_only": {"lo": only[fig]["lo"], "hi": only[fig]["hi"]},
+                "seed_means": cs.welch_difference(fv["per_seed"], fr["per_seed"], level) if fv and fr else None}
+        return out
+
+    for name in rows:
+        if name != reference:
+            summary["vs_reference"][name] = compare(name, reference)
+    a, b = aa_pair
+    if a in rows and b in rows:
+        summary["aa"] = summary["vs_reference"][b] if a == reference else compare(b, a)
     return summary
 
 
@@ -87,12 +106,28 @@ def _signed(v: float) -> str:
     return f"{round(v, 3) + 0.0:+.3f}"  # + 0.0: no "-0.000"
 
 
-def _ci(d: dict | None, floor: dict | None) -> str:
-    if d is None:
-        return "n/a"
-    text = f"{_signed(d['diff'])} [{_signed(d['lo'])}, {_signed(d['hi'])}]"
-    beyond = (d["lo"] > 0 or d["hi"] < 0) and (floor is None or abs(d["diff"]) > abs(floor["diff"]))
-    return f"**{text}**" if beyond else text
+def _count(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
+def _excludes_zero(d: dict | None) -> bool:
+    return d is not None and (d["lo"] > 0 or d["hi"] < 0)
+
+
+def beyond_noise(d: dict | None, floor: dict | None) -> bool:
+    """A difference the table calls real: the interval over seeds and images and the seed
+    means' Welch interval both exclude 0, and it is larger than the A/A difference."""
+    return (d is not None and _excludes_zero(d) and _excludes_zero(d.get("seed_means"))
+            and (floor is None or abs(d["diff"]) > abs(floor["diff"])))
+
+
+def _interval(d: dict | None) -> str:
+    return "n/a" if d is None else f"{_signed(d['diff'])} [{_signed(d['lo'])}, {_signed(d['hi'])}]"
+
+
+def _ci(d: dict | None, floor: dict | None, part: str | None = None) -> str:
+    text = _interval(d if d is None or part is None else d.get(part))
+    return f"**{text}**" if beyond_noise(d, floor) else text
 
 
 def markdown(summary: dict, timing: dict | None, header: str) -> str:
@@ -114,22 +149,34 @@ def markdown(summary: dict, timing: dict | None, header: str) -> str:
                       + (f"; a uniformly random cell scores {chance['mean']:.3f}." if chance else ".")
                       + " Entropy is over every word of those captions. Relation accuracy is over the relations "
                         "each variant's own captions state (chance 0.5): "
-                      + ", ".join(f"{n} {r['relations_stated']:.0f}" for n, r in summary["rows"].items()) + "."]
+                      + ", ".join(f"{n} {_count(r['relations_stated'])}" for n, r in summary["rows"].items()) + "."]
     floor = summary.get("aa")
     if summary["vs_reference"]:
         ref = summary["reference"]
-        lines += ["", f"Difference from {ref}, seeds pooled, with its 95% paired bootstrap interval over the "
-                      f"{summary['n_images']:,} test images (the same resampled images for every variant); in bold "
-                      f"where the interval excludes 0 and the difference is larger than the A/A floor:", "",
-                  "| variant | " + " | ".join(dict(COLUMNS)[k] for k in CI_COLUMNS) + " |",
-                  "|---" * (len(CI_COLUMNS) + 1) + "|"]
+        head = ["", "| variant | " + " | ".join(dict(COLUMNS)[k] for k in CI_COLUMNS) + " |",
+                "|---" * (len(CI_COLUMNS) + 1) + "|"]
+        lines += ["", f"Difference from {ref}, seeds pooled, with its 95% interval from a bootstrap over training "
+                      f"seeds and test images: each of {summary.get('resamples', 0):,} resamples draws every "
+                      f"variant's seeds with replacement (apart for each variant) and the {summary['n_images']:,} "
+                      "test images with replacement (the same images for every variant). In bold, in this table and "
+                      "the next, where this interval and the seed means' interval both exclude 0 and the difference "
+                      "is larger than the A/A floor:", *head]
         for name, d in summary["vs_reference"].items():
             lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k)) for k in CI_COLUMNS) + " |")
+        lines += ["", f"Difference of the seed means from {ref}'s, with Welch's 95% t interval from the seeds' "
+                      "sds (Welch-Satterthwaite degrees of freedom, 2 to 4 with 3 seeds a side; the test images are "
+                      "taken as fixed):",
+                  *head]
+        for name, d in summary["vs_reference"].items():
+            lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k), "seed_means")
+                                                     for k in CI_COLUMNS) + " |")
     if floor:
-        lines += ["", "A/A noise floor (" + " - ".join(reversed(summary.get("aa_pair", ("additive", "concat"))))
-                  + ", one score family twice): " + "; ".join(
-                      f"{dict(COLUMNS)[k]} {_signed(floor[k]['diff'])} [{_signed(floor[k]['lo'])}, {_signed(floor[k]['hi'])}]"
-                      for k in CI_COLUMNS if floor.get(k)) + "."]
+        pair = " - ".join(reversed(summary.get("aa_pair", ("additive", "concat"))))
+        lines += ["", f"A/A noise floor ({pair}, one score family twice), over seeds and images: "
+                  + "; ".join(f"{dict(COLUMNS)[k]} {_interval(floor[k])}" for k in CI_COLUMNS if floor.get(k))
+                  + "; seed means, Welch: "
+                  + "; ".join(f"{dict(COLUMNS)[k]} {_interval(floor[k]['seed_means'])}" for k in CI_COLUMNS
+                              if floor.get(k)) + "."]
     else:
         lines += ["", "A/A noise floor: not measured yet (needs both rows of the A/A pair)."]
     return "\n".join(lines)

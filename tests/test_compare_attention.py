@@ -253,3 +253,38 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     scored = ca.last_step_model(run_dir).model.state_dict()
     key = "decoder.L_o.weight"
     assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last["state_dict"][key])
+
+
+def _write_result(out: Path, row: str, seed: int, hits: np.ndarray) -> None:
+    """A finished (row, seed) as run_job leaves it: the summary and the per-image columns."""
+    folder = out / "results" / row
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"seed{seed}.json").write_text(json.dumps({"seed": seed, "steps": 3}))
+    n = len(hits)
+    stats = {"pt_hit": hits.tolist(), "pt_n": [3.0] * n, "obj": (hits == 3).astype(float).tolist(),
+             "rel_true": [1.0] * n, "rel_n": [1.0] * n}
+    tests = {"test7001": {"image_ids": list(range(n)), "stats": stats}}
+    (folder / f"seed{seed}.images.json.gz").write_bytes(gzip.compress(json.dumps(tests).encode()))
+
+
+def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_path, capsys):
+    rows = _rows_file(tmp_path)
+    out = tmp_path / "out" / "tiny-3steps"
+    rng = np.random.default_rng(0)
+    for row, shift in (("additive", 0.0), ("concat", -0.05)):
+        for seed, offset in enumerate([0.1, -0.1, 0.0]):
+            _write_result(out, row, seed, rng.binomial(3, np.clip(0.6 + shift + offset, 0, 1), 400).astype(float))
+    base = ["--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"), "--table", "--resamples", "200"]
+    intervals = []
+    for seed in ("0", "1"):
+        assert ca.main([*base, "--bootstrap-seed", seed]) == 0
+        summary = json.loads((out / "table.json").read_text())
+        assert summary["bootstrap_seed"] == int(seed) and summary["resamples"] == 200
+        d = summary["vs_reference"]["concat"]["pointing"]
+        intervals.append((d["lo"], d["hi"]))
+        assert d["lo"] < 0 < d["hi"] and d["seed_means"]["lo"] < 0 < d["seed_means"]["hi"]
+    assert intervals[0] != intervals[1]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ca.main([*base, "--bootstrap-seed", "-1"])
+    assert e.value.code == 2 and "--bootstrap-seed" in capsys.readouterr().err

@@ -12,7 +12,8 @@ every request the pages make is recorded.
 Prints: uploads/s; caption latency (upload -> its caption on the page) p50/p95/max; the
 server's CPU-seconds per upload (its process's user+system time over the upload phase);
 the model's own captioning time per image (`Captioner.caption`, one torch thread, as the
-server's workers run it, on the same images, after the run); the server's resident memory
+server's workers run it, on the first --model-images photographs uploaded, timed before the
+run and after it, the mean of the two medians); the server's resident memory
 at start, after the first upload, at its peak and at the end (sessions closed, then
 --settle seconds); script runs per upload (the server's run log, $CAPTIONER_APP_RUN_LOG) and
 requests per upload the pages made; failed uploads; captions that differ from the model's own; requests to
@@ -268,32 +269,30 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
             await browser.close()
 
 
-def model_times(model: str, run: Run, limit: int) -> tuple[dict, int, int]:
-    """Captioner.caption alone on the uploaded images (decoded from the same bytes, as the page
+def model_times(model: str, uploads: list[tuple[str, bytes]], indices: list[int]) -> tuple[dict, dict[int, str]]:
+    """Captioner.caption alone on the given uploads (decoded from the same bytes, as the page
     does): with one torch thread, as the server's workers run it, and with torch's default
-    (one per core), wall and CPU time, median per image; and how many of the page's captions
-    differ from the model's own. Returns (times, captions checked, captions differing)."""
+    (one per core), wall and CPU time, median per image. Returns (times, the captions by index)."""
     import torch
 
     from captioner.inference import Captioner, DecodeOptions
 
     default_threads = torch.get_num_threads()
     cap = Captioner.load(model)
-    indices = sorted({i for i, _ in run.captions.values()})[:limit]
     own: dict[int, str] = {}
     times = {}
     for threads in (1, default_threads):
         torch.set_num_threads(threads)
         wall, cpu = [], []
         for i in indices:
-            data = run.uploads[i][1]
+            data = uploads[i][1]
             t0, c0 = time.perf_counter(), time.process_time()
             own[i] = cap.caption(cap.preprocess.load(data), DecodeOptions()).caption
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         times[threads] = (statistics.median(wall), statistics.median(cpu)) if indices else (float("nan"),) * 2
-    checked = [(own[i], c) for i, c in run.captions.values() if i in own]
-    return times, len(checked), sum(a != b for a, b in checked)
+    torch.set_num_threads(default_threads)
+    return times, own
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -331,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
             uploads.append(examples[(i // args.example_every) % len(examples)])
         uploads.append(photo)
 
+    # The model alone, timed on the same images before the run and after it: the machine's speed
+    # drifts over minutes (a VM's neighbours), so one timing on one side can be off by a third.
+    photo_names = {name for name, _ in photos}
+    timed = [i for i, (name, _) in enumerate(uploads) if name in photo_names][:args.model_images]
+    before, _ = model_times("demo-soft", uploads, timed)
+
     workdir = Path(tempfile.mkdtemp(prefix="bench-app-"))
     proc, url, log = start_server(args.page, workdir, args.workers)
     server = psutil.Process(proc.pid)
@@ -354,10 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
         shutil.rmtree(workdir, ignore_errors=True)
 
-    times, checked, differ = model_times("demo-soft", run, args.model_images)
+    times, own = model_times("demo-soft", uploads, timed)
+    checked = [(own[i], c) for i, c in run.captions.values() if i in own]
+    checked, differ = len(checked), sum(a != b for a, b in checked)
     # One thread, the setting the server runs the model with: its CPU time is the model's own work
     # (on an idle machine the same as its wall time; on a loaded one the wall time adds waiting).
-    one = times[1][1]
+    # The mean of the timings before and after the run.
+    one = (before[1][1] + times[1][1]) / 2
     default_threads = max(times)
     done = len(run.latencies)
     outside = [u for u in run.requests
@@ -371,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "page_open_p50_s": round(pct(run.opens, 50), 2), "page_open_max_s": round(max(run.opens), 2),
         "server_cpu_s_per_upload": round(cpu / max(done, 1), 4),
         "model_s_per_image": round(one, 4), "model_one_thread_wall_s": round(times[1][0], 4),
+        "model_before_s_per_image": round(before[1][1], 4), "model_after_s_per_image": round(times[1][1], 4),
         "model_default_threads": default_threads,
         "model_default_threads_wall_s": round(times[default_threads][0], 4),
         "model_default_threads_cpu_s": round(times[default_threads][1], 4),
@@ -393,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"caption latency: p50 {figures['latency_p50_s']:.2f} s, p95 {figures['latency_p95_s']:.2f} s, "
           f"max {figures['latency_max_s']:.2f} s")
     print(f"server CPU per upload: {figures['server_cpu_s_per_upload'] * 1000:.0f} ms; model alone, one thread: "
-          f"{one * 1000:.0f} ms CPU ({times[1][0] * 1000:.0f} ms wall) per image (median over the distinct images "
-          f"uploaded); ratio {ratio:.2f}")
+          f"{one * 1000:.0f} ms CPU per image (median over {len(timed)} photographs: {before[1][1] * 1000:.0f} ms "
+          f"before the run, {times[1][1] * 1000:.0f} ms after, {times[1][0] * 1000:.0f} ms wall); ratio {ratio:.2f}")
     print(f"model alone, torch's default {default_threads} threads: {times[default_threads][0] * 1000:.0f} ms wall, "
           f"{times[default_threads][1] * 1000:.0f} ms CPU per image")
     print(f"browsers' CPU per upload: {figures['browser_cpu_s_per_upload'] * 1000:.0f} ms; the machine was busy "

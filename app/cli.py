@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None,
                    help="captions made at once, for all users together (default: one per CPU core, each with "
                         "one torch thread); further uploads wait their turn and the page says so")
+    p.add_argument("--batch", type=int, default=None,
+                   help="uploads captioned together at most, when several wait for the model (default 4; "
+                        "1: one at a time)")
     p.set_defaults(func=cmd_app)
 
 
@@ -37,7 +40,7 @@ def streamlit_command(port: int, address: str) -> list[str]:
             "--runner.postScriptGC", "false"]
 
 
-def server_env(workers: int | None = None, base: dict | None = None) -> dict:
+def server_env(workers: int | None = None, base: dict | None = None, batch: int | None = None) -> dict:
     """The server's environment. Streamlit runs every script run in a fresh thread, and glibc
     gives threads up to 8 malloc arenas per core: memory one run freed sits in an arena the next
     run may not use. Two arenas keep the server smaller (6 browser sessions for a minute: a peak
@@ -46,6 +49,8 @@ def server_env(workers: int | None = None, base: dict | None = None) -> dict:
     env.setdefault("MALLOC_ARENA_MAX", "2")
     if workers is not None:
         env["CAPTIONER_APP_WORKERS"] = str(workers)
+    if batch is not None:
+        env["CAPTIONER_APP_BATCH"] = str(batch)
     return env
 
 
@@ -56,8 +61,10 @@ def cmd_app(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be between 1 and 65535, got {args.port}")
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
+    if args.batch is not None and args.batch < 1:
+        raise UsageError(f"--batch must be at least 1, got {args.batch}")
     cmd = streamlit_command(args.port, args.address)
-    env = server_env(args.workers)
+    env = server_env(args.workers, batch=args.batch)
     if os.name == "posix":
         # Become the server, so that Ctrl-C or a supervisor's SIGTERM reaches it directly
         # instead of leaving it running behind a parent that was stopped.

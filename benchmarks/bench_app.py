@@ -17,7 +17,8 @@ run and after it, the mean of the two medians); the server's resident memory
 at start, after the first upload, at its peak and at the end (sessions closed, then
 --settle seconds); script runs per upload (the server's run log, $CAPTIONER_APP_RUN_LOG) and
 requests per upload the pages made; failed uploads; captions that differ from the model's own; requests to
-any other host. --json writes the same figures to a file.
+any other host; and, timed before the uploads (--idle-seconds), what the open pages cost the
+server while nobody uploads. --json writes the same figures to a file.
 
 --page serves another copy of the page (e.g. an older version, exported with `git archive`):
 the server then imports `app` and `captioner` from that copy's folder.
@@ -178,6 +179,7 @@ class Run:
         self.run_cpu = self.model_cpu = 0.0  # CPU-seconds of the upload phase's script runs, of their captions
         self.captioned = 0  # captions made (the others came from the results cache)
         self.upload_phase_requests = 0  # requests the pages made while uploading
+        self.idle_cpu_per_s: float | None = None  # the server's CPU-seconds per second, every page open and idle
 
     def take(self) -> int:
         i = self.next % len(self.uploads)
@@ -243,6 +245,11 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
                 await asyncio.sleep(0.2)
             if len(ready) < args.sessions:
                 raise SystemExit(f"only {len(ready)} of {args.sessions} pages opened in time")
+            await asyncio.sleep(2)  # the last page's own runs end
+            idle0, t_idle = cpu_seconds(run.server), time.monotonic()
+            await asyncio.sleep(args.idle_seconds)  # every page open, nobody uploading
+            if args.idle_seconds:
+                run.idle_cpu_per_s = (cpu_seconds(run.server) - idle0) / (time.monotonic() - t_idle)
             run.runs0 = script_runs(run.run_log)
             cpu0, t0 = cpu_seconds(run.server), time.monotonic()
             browser0, machine0 = browser_cpu_seconds(run.server), machine_busy()
@@ -310,12 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=None, help="the server's --workers (default: its own)")
     ap.add_argument("--upload-timeout", type=float, default=120, help="seconds before an upload counts as failed")
     ap.add_argument("--settle", type=float, default=5, help="seconds after the sessions close before 'end' memory")
+    ap.add_argument("--idle-seconds", type=float, default=10,
+                    help="seconds the pages stay open and idle before uploading, to time what open pages "
+                         "cost the server (default 10; 0: none)")
     ap.add_argument("--model-images", type=int, default=100, help="images the model is timed on alone (default 100)")
     ap.add_argument("--page", type=Path, default=ROOT / "app" / "streamlit_app.py", help="the page to serve")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args(argv)
-    if args.sessions < 1 or args.seconds <= 0 or args.images < 1 or args.example_every < 0:
-        ap.error("--sessions, --seconds and --images must be positive, --example-every at least 0")
+    if args.sessions < 1 or args.seconds <= 0 or args.images < 1 or args.example_every < 0 or args.idle_seconds < 0:
+        ap.error("--sessions, --seconds and --images must be positive, --example-every and --idle-seconds "
+                 "at least 0")
     if not Path(CHROMIUM).is_file():
         ap.error(f"needs Debian's chromium at {CHROMIUM}")
     if not args.page.is_file():
@@ -393,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_upload": round(run.upload_phase_requests / max(done, 1), 2),
         "script_run_cpu_s_per_upload": round(run.run_cpu / done, 4) if run.run_cpu and done else None,
         "model_cpu_s_in_server_per_upload": round(run.model_cpu / done, 4) if run.model_cpu and done else None,
+        "server_idle_cpu_s_per_s": None if run.idle_cpu_per_s is None else round(run.idle_cpu_per_s, 4),
         "model_cpu_s_in_server_per_caption": round(run.model_cpu / run.captioned, 4) if run.captioned else None,
     }
     ratio = figures["server_cpu_s_per_upload"] / one
@@ -414,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
               f"of which the model {in_server * 1000:.0f} ms ({run.captioned} captions made, "
               f"{figures['model_cpu_s_in_server_per_caption'] * 1000:.0f} ms each; the others were cached); "
               f"server CPU / the model's in the server: {figures['server_cpu_s_per_upload'] / in_server:.2f}")
+    if run.idle_cpu_per_s is not None:
+        idle = run.idle_cpu_per_s
+        print(f"the server with the {args.sessions} pages open and idle: {idle * 1000:.1f} ms CPU per second, "
+              f"{idle / max(figures['uploads_per_s'], 1e-9) * 1000:.1f} ms per upload at this run's rate")
     runs = figures["script_runs_per_upload"]
     print(f"per upload: {'n/a (the page logs no runs)' if runs is None else runs} script runs, "
           f"{figures['requests_per_upload']:.1f} requests from the browser")

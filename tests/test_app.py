@@ -249,7 +249,8 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     # os.execve would make this process the server
     monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))
     monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
-    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0", "--workers", "3"])
+    args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0", "--workers", "3",
+                                      "--batch", "2"])
     assert args.func(args) == 0
     cmd, env = calls[0]
     assert cmd[1:4] == ["-m", "streamlit", "run"] and Path(cmd[4]) == APP
@@ -260,13 +261,15 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     assert cmd[cmd.index("--server.fileWatcherType") + 1] == "none"
     assert cmd[cmd.index("--browser.gatherUsageStats") + 1] == "false"
     assert cmd[cmd.index("--runner.postScriptGC") + 1] == "false"  # no full collection per upload
-    assert env["CAPTIONER_APP_WORKERS"] == "3"
+    assert env["CAPTIONER_APP_WORKERS"] == "3" and env["CAPTIONER_APP_BATCH"] == "2"
     assert env["MALLOC_ARENA_MAX"] == "2"  # memory freed by one session's thread serves the next
 
 
 def test_app_command_refuses_a_bad_number_of_workers(capsys):
     assert main(["app", "--workers", "0"]) == 2
     assert "--workers" in capsys.readouterr().err
+    assert main(["app", "--batch", "0"]) == 2
+    assert "--batch" in capsys.readouterr().err
 
 
 def _notices(at: AppTest) -> list[str]:
@@ -385,8 +388,9 @@ def test_an_image_captioned_in_one_session_is_not_captioned_again_in_another(app
     data = _png(seed=15)
     app.file_uploader[0].set_value(("first.png", data, "image/png")).run()
     calls = []
-    caption = inference.Captioner.caption
-    monkeypatch.setattr(inference.Captioner, "caption", lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    caption = inference.Captioner.caption_images
+    monkeypatch.setattr(inference.Captioner, "caption_images",
+                        lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
     other = AppTest.from_file(str(APP), default_timeout=180).run()  # a second student
     calls.clear()  # the default model's example, if no earlier page showed it
     other.sidebar.selectbox[0].select(MODEL).run()
@@ -442,8 +446,9 @@ def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empt
     assert app.pills[0].value is None  # no example picked
     before = _details(app)
     calls = []
-    caption = inference.Captioner.caption
-    monkeypatch.setattr(inference.Captioner, "caption", lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    caption = inference.Captioner.caption_images
+    monkeypatch.setattr(inference.Captioner, "caption_images",
+                        lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
     app.run()
     assert not app.exception and _details(app) == before and calls == []
     app.pills[0].set_value(2).run()  # the user picks an example: shown

@@ -88,6 +88,105 @@ def test_a_job_that_fails_gives_its_turn_back():
     assert _next_job_gets_a_turn(gate)
 
 
+def _queue_behind(gate, jobs: list[tuple[object, int]], work, out: dict) -> list[threading.Thread]:
+    """Start gate.run(key, item, work) for each (key, item) in order, each on its own thread; they
+    queue (the caller holds the gate's only slot). ``out[item]``: what each got, or its error."""
+    threads = []
+    for key, item in jobs:
+        def job(key=key, item=item):
+            try:
+                out[item] = gate.run(key, item, work)
+            except Exception as e:
+                out[item] = e
+        threads.append(threading.Thread(target=job))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while len(gate._queue) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.001)  # in line before the next one comes
+    return threads
+
+
+def test_jobs_waiting_with_the_same_key_run_together_in_order():
+    from app.serving import Gate
+
+    gate = Gate(slots=1, batch=3)
+    calls, out = [], {}
+
+    def work(items):
+        calls.append(list(items))
+        return [10 * i for i in items]
+
+    with gate.turn():  # the slot is busy: everything below queues
+        threads = _queue_behind(gate, [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("a", 6)], work, out)
+    for t in threads:
+        t.join(10)
+    # The first in line takes along the next two "a"s; "b" runs alone; the "a"s left after it together.
+    assert calls == [[1, 2, 4], [3], [5, 6]]
+    assert {i: o.result for i, o in out.items()} == {i: 10 * i for i in range(1, 7)}  # each its own result
+    assert [out[i].size for i in range(1, 7)] == [3, 3, 1, 3, 2, 2]
+    assert all(o.waited >= 0 and o.cpu >= 0 for o in out.values())
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back():
+    from app.serving import Gate
+
+    gate = Gate(slots=1, batch=4)
+    out = {}
+
+    def work(items):
+        raise RuntimeError("out of memory")
+
+    with gate.turn():
+        threads = _queue_behind(gate, [("a", 1), ("a", 2), ("a", 3)], work, out)
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(out[i], RuntimeError) and "out of memory" in str(out[i]) for i in (1, 2, 3))
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_captions_made_together_are_each_image_s_own():
+    """Four uploads queued behind a busy model are captioned in one batch, each as it is alone."""
+    import io
+
+    from app.serving import Gate, caption_image
+    from captioner.inference import DecodeOptions
+    from tiny import tiny_captioner
+
+    cap = tiny_captioner(3)
+    options = DecodeOptions(beam_size=3, max_len=8)
+    uploads = []
+    for seed in range(4):
+        buf = io.BytesIO()
+        tiny_image(20 + seed, (64, 48)).save(buf, "PNG")
+        uploads.append(buf.getvalue())
+    alone = [cap.caption(cap.preprocess.load(data), options) for data in uploads]
+    gate, shown = Gate(slots=1, batch=4), {}
+    sizes = []
+    original = cap.caption_images
+    cap.caption_images = lambda images, opt: sizes.append(len(images)) or original(images, opt)
+
+    def upload(i):
+        shown[i] = caption_image(cap, gate, ("k", i), f"{i}.png", uploads[i], options)
+
+    with gate.turn():
+        threads = []
+        for i in range(4):
+            threads.append(threading.Thread(target=upload, args=(i,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 10
+            while len(gate._queue) <= i and time.monotonic() < deadline:
+                time.sleep(0.001)
+    for t in threads:
+        t.join(30)
+    assert sizes == [4]  # one batch
+    for i, own in enumerate(alone):
+        r = shown[i].result
+        assert r.words == own.words and r.score == pytest.approx(own.score, abs=1e-5)
+        assert torch.allclose(r.alphas, own.alphas, atol=1e-5) and torch.allclose(r.betas, own.betas, atol=1e-5)
+        assert shown[i].picker and shown[i].cpu > 0
+
+
 def test_the_results_cache_keeps_the_most_recently_used():
     from app.serving import ResultCache
 

@@ -72,22 +72,6 @@ def corpus_bleu4(stats: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- figures
 
-def _ratios(total, has) -> dict[str, np.ndarray | None]:
-    """Every figure from summed columns: ``total(column)`` gives the (R,) sums of a column
-    over R resampled sets ((R, 10) for ``bleu``; ``runs``: captions), ``has(column)``
-    whether the runs have it."""
-    out: dict = {}
-    for name, (num, den) in RATIOS.items():
-        if not has(num):
-            out[name] = None
-            continue
-        top, bottom = total(num), total(den or "runs")
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out[name] = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1), np.nan)
-    out["BLEU-4"] = corpus_bleu4(total("bleu")) if has("bleu") else None
-    return out
-
-
 def _column(stats: Mapping[str, Sequence], key: str, n: int) -> np.ndarray:
     # A missing denominator counts 1 per image: "runs" (captions per image) is 1 for one
     # run, and pool() sums it over seeds.
@@ -96,15 +80,11 @@ def _column(stats: Mapping[str, Sequence], key: str, n: int) -> np.ndarray:
     return np.asarray(stats[key], dtype=np.float64)
 
 
-def figures(stats: Mapping[str, np.ndarray], weights: np.ndarray | None = None) -> dict[str, float | None]:
-    """Every figure from per-image columns (each (N,)); ``weights`` (R, N) gives R
-    resampled sets at once (counts of each image), then each figure is (R,)."""
-    n = len(next(iter(stats.values())))
-    w = np.ones((1, n)) if weights is None else np.asarray(weights, dtype=np.float64)
-    out = _ratios(lambda key: w @ _column(stats, key, n), lambda key: key in stats)
-    if weights is None:
-        return {k: (None if v is None or np.isnan(v[0]) else float(v[0])) for k, v in out.items()}
-    return out
+def figures(stats: Mapping[str, Sequence]) -> dict[str, float | None]:
+    """Every figure from per-image columns (each (N,)), over every image once."""
+    n = len(np.asarray(next(iter(stats.values()))))
+    out = resampled_figures([stats], np.ones((1, n)), np.ones((1, 1)))
+    return {k: (None if v is None or np.isnan(v[0]) else float(v[0])) for k, v in out.items()}
 
 
 def resampled_figures(runs: Sequence[Mapping[str, Sequence]], image_weights: np.ndarray,
@@ -129,7 +109,16 @@ def resampled_figures(runs: Sequence[Mapping[str, Sequence]], image_weights: np.
         block = totals[:, start[key]:start[key] + width[key]]
         return block if key == "bleu" else block[:, 0]
 
-    return _ratios(total, lambda key: key in width)
+    out: dict[str, np.ndarray | None] = {}
+    for name, (num, den) in RATIOS.items():
+        if num not in width:
+            out[name] = None
+            continue
+        top, bottom = total(num), total(den or "runs")
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[name] = np.where(bottom > 0, top / np.where(bottom > 0, bottom, 1), np.nan)
+    out["BLEU-4"] = corpus_bleu4(total("bleu")) if "bleu" in width else None
+    return out
 
 
 def pool(parts: Sequence[Mapping[str, Sequence]]) -> dict[str, np.ndarray]:

@@ -62,7 +62,7 @@ def test_figures_are_ratios_of_sums_over_images_not_means_of_per_image_ratios():
     assert f["mass_in_box"] == pytest.approx(0.2)
     assert f["object_accuracy"] == pytest.approx(0.5)
     assert f["relation_accuracy"] is None  # no relation stated: nothing to score, not 0
-    boot = cs.figures(stats, np.array([[2.0, 0.0], [0.0, 2.0]]))
+    boot = cs.resampled_figures([stats], np.array([[2.0, 0.0], [0.0, 2.0]]), np.ones((2, 1)))
     assert boot["pointing"].tolist() == [1.0, 0.0] and boot["object_accuracy"].tolist() == [1.0, 0.0]
 
 

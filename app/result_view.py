@@ -92,6 +92,11 @@ def layer_var(prefix: str, t: int, head: "int | None") -> str:
     return f"{prefix}-l{t}{_hc(head)}"
 
 
+def _layer(prefix: str, t: int, head: "int | None", classes: str) -> str:
+    """An element drawing word t's layer of ``head`` (defined once by the picker), for the big view or a panel."""
+    return f'<div class="layer {classes}" style="background-image: var(--{layer_var(prefix, t, head)})"></div>'
+
+
 def word_labels(words: list[str]) -> list[str]:
     """Labels the reader tells apart: "a", "star", "a (2)"."""
     seen: dict[str, int] = {}
@@ -176,8 +181,7 @@ def picker_html(prefix: str, words: list[Word], photo: str, layers: dict[Key, st
         head_row = ('<div class="words heads"><span>Head</span>'
                     + "".join(f'<label for="{p}-{_hc(c)}">{"mean" if c is None else c + 1}</label>' for c in choices)
                     + "</div>")
-    big = "".join(f'<div class="layer l{t} {_hc(c)}" style="background-image: var(--{layer_var(p, t, c)})"></div>'
-                  for t in range(len(words)) for c in choices)
+    big = "".join(_layer(p, t, c, f"l{t} {_hc(c)}") for t in range(len(words)) for c in choices)
     notes = "".join(f'<p class="n{t}">{html.escape(w.note)}</p>' for t, w in enumerate(words))
     return (f'{style}<div class="{p}">{inputs}<div class="words"><span>Word</span>{labels}</div>{head_row}'
             f'<div class="big" role="img" aria-label="the image">{big}</div>'
@@ -225,8 +229,7 @@ def grid_html(prefix: str, words: list[Word], photo: str, aspect: float, grid: t
 </style>"""
     cells = ['<div class="cell"><div class="pic"></div><span>the image</span></div>']  # first, as in the paper
     cells += [f'<label class="cell c{t}" for="{p}-w{t}"><div class="pic">'
-              + "".join(f'<div class="layer {_hc(c)}" style="background-image: var(--{layer_var(p, t, c)})"></div>'
-                        for c in choices)
+              + "".join(_layer(p, t, c, _hc(c)) for c in choices)
               + f'</div><span>{html.escape(w.panel)}</span></label>' for t, w in enumerate(words)]
     return (f'{style}<div class="{p}g"><h3>Every word, where the model looked</h3>{intro}'
             f'<div class="grid">{"".join(cells)}</div></div>')

@@ -2,9 +2,9 @@
 
 A classroom on one small machine: every session's caption goes through one ``Gate`` (as
 many captions at once as there are cores, one torch thread each, the others queued in
-order and captioned together, a few at a time, when their turn comes), and what a caption shows is drawn once, at the size the page shows it, and kept
-as encoded JPEG bytes, so that reruns (picking a word, reopening the page) encode nothing
-and Streamlit only hashes bytes. The figure and the JSON are made when they are downloaded.
+order and captioned together, a few at a time, when their turn comes), and what a caption
+shows is drawn once, at the size the page shows it, and kept as encoded JPEG bytes, so that
+reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes bytes. The figure and the JSON are made when they are downloaded.
 """
 
 from __future__ import annotations
@@ -218,19 +218,20 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _env_count(name: str, default: int) -> int:
+    """A count of at least 1 from the environment, ``default`` when unset or not a number."""
+    try:
+        return max(1, int(os.environ.get(name) or default))
+    except ValueError:
+        return default
+
+
 @st.cache_resource
 def caption_gate() -> Gate:
     """The process's one gate. CAPTIONER_APP_WORKERS captions at once (default: one per core),
     each with cores / workers torch threads, so that concurrent uploads do not thrash."""
-    try:
-        workers = max(1, int(os.environ.get("CAPTIONER_APP_WORKERS") or cores()))
-    except ValueError:
-        workers = cores()
-    try:
-        batch = max(1, int(os.environ.get("CAPTIONER_APP_BATCH") or BATCH))
-    except ValueError:
-        batch = BATCH
-    gate = Gate(workers, threads=max(1, cores() // workers), batch=batch)
+    workers = _env_count("CAPTIONER_APP_WORKERS", cores())
+    gate = Gate(workers, threads=max(1, cores() // workers), batch=_env_count("CAPTIONER_APP_BATCH", BATCH))
     torch.set_num_threads(gate.threads)
     return gate
 
@@ -326,7 +327,6 @@ class Shown:
     result: CaptionResult
     seconds: float  # the model's own time: decoding, and its batch's captioning
     cpu: float  # the model's own CPU time: decoding, and its share of its batch's
-
     seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
     picker: str  # HTML: the word picker and the picked word's map (result_view.picker_html)
     grid: str  # HTML: every word's map (result_view.grid_html)

@@ -247,10 +247,10 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
                 await asyncio.sleep(0.2)
             if len(ready) < args.sessions:
                 raise SystemExit(f"only {len(ready)} of {args.sessions} pages opened in time")
-            await asyncio.sleep(2)  # the last page's own runs end
-            idle0, t_idle = cpu_seconds(run.server), time.monotonic()
-            await asyncio.sleep(args.idle_seconds)  # every page open, nobody uploading
             if args.idle_seconds:
+                await asyncio.sleep(2)  # the last page's own runs end
+                idle0, t_idle = cpu_seconds(run.server), time.monotonic()
+                await asyncio.sleep(args.idle_seconds)  # every page open, nobody uploading
                 run.idle_cpu_per_s = (cpu_seconds(run.server) - idle0) / (time.monotonic() - t_idle)
             run.runs0 = script_runs(run.run_log)
             cpu0, t0 = cpu_seconds(run.server), time.monotonic()
@@ -278,20 +278,20 @@ async def drive(url: str, run: Run, args: argparse.Namespace) -> tuple[float, fl
             await browser.close()
 
 
-def model_times(model: str, uploads: list[tuple[str, bytes]], indices: list[int]) -> tuple[dict, dict[int, str]]:
+def model_times(cap, uploads: list[tuple[str, bytes]], indices: list[int],
+                threads: tuple[int, ...]) -> tuple[dict, dict[int, str]]:
     """Captioner.caption alone on the given uploads (decoded from the same bytes, as the page
-    does): with one torch thread, as the server's workers run it, and with torch's default
-    (one per core), wall and CPU time, median per image. Returns (times, the captions by index)."""
+    does), with each number of torch threads in ``threads``: wall and CPU time, median per image.
+    Returns ({threads: (wall, cpu)}, the captions by index)."""
     import torch
 
-    from captioner.inference import Captioner, DecodeOptions
+    from captioner.inference import DecodeOptions
 
     default_threads = torch.get_num_threads()
-    cap = Captioner.load(model)
     own: dict[int, str] = {}
     times = {}
-    for threads in (1, default_threads):
-        torch.set_num_threads(threads)
+    for n in threads:
+        torch.set_num_threads(n)
         wall, cpu = [], []
         for i in indices:
             data = uploads[i][1]
@@ -299,7 +299,7 @@ def model_times(model: str, uploads: list[tuple[str, bytes]], indices: list[int]
             own[i] = cap.caption(cap.preprocess.load(data), DecodeOptions()).caption
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-        times[threads] = (statistics.median(wall), statistics.median(cpu)) if indices else (float("nan"),) * 2
+        times[n] = (statistics.median(wall), statistics.median(cpu)) if indices else (float("nan"),) * 2
     torch.set_num_threads(default_threads)
     return times, own
 
@@ -352,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     # drifts over minutes (a VM's neighbours), so one timing on one side can be off by a third.
     photo_names = {name for name, _ in photos}
     timed = [i for i, (name, _) in enumerate(uploads) if name in photo_names][:args.model_images]
-    before, _ = model_times("demo-soft", uploads, timed)
+    import torch
+
+    from captioner.inference import Captioner
+
+    default_threads = torch.get_num_threads()
+    cap = Captioner.load("demo-soft")
+    before, _ = model_times(cap, uploads, timed, (1,))  # one thread, as the server's workers run it
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-app-"))
     proc, url, log = start_server(args.page, workdir, args.workers)
@@ -384,14 +390,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.nice(0) != base_nice and os.geteuid() == 0:
         os.nice(base_nice - os.nice(0))  # the model timed at the priority it was timed at before the run
-    times, own = model_times("demo-soft", uploads, timed)
+    times, own = model_times(cap, uploads, timed, (1, default_threads))
     checked = [(own[i], c) for i, c in run.captions.values() if i in own]
     checked, differ = len(checked), sum(a != b for a, b in checked)
     # One thread, the setting the server runs the model with: its CPU time is the model's own work
     # (on an idle machine the same as its wall time; on a loaded one the wall time adds waiting).
     # The mean of the timings before and after the run.
     one = (before[1][1] + times[1][1]) / 2
-    default_threads = max(times)
     done = len(run.latencies)
     outside = [u for u in run.requests
                if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).hostname not in LOCAL_HOSTS]

@@ -192,6 +192,7 @@ def test_every_picture_travels_once_per_page(app):
     drawn = set(re.findall(r'var\(--([\w-]+)\)', page))
     assert drawn == set(names)  # each drawn by its name, none missing
     assert page.count(f"var(--{app.session_state['picture'].photo_var})") == 3  # preview, big view, grid
+    assert "Writing a caption" not in page  # the note shown while the model works is gone with the caption
 
 
 def test_repeated_words_get_labels_the_picker_can_tell_apart():

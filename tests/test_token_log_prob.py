@@ -59,3 +59,31 @@ def test_token_log_prob_keeps_no_vocabulary_sized_log_softmax():
         token_log_prob(logits, targets)
     big = [x for x in kept if x.numel() >= logits.numel() and x.data_ptr() != logits.data_ptr()]
     assert not big, [tuple(x.shape) for x in big]
+
+
+def test_row_log_sum_exp_matches_torch_on_extreme_rows():
+    """The forward's blocked log-sum-exp: more rows than one block, huge logits, a row of
+    -inf only and a row with +inf give what torch.logsumexp gives."""
+    from train.losses import ROW_BLOCK_BYTES, _logsumexp_rows
+
+    torch.manual_seed(2)
+    v = 300
+    rows = ROW_BLOCK_BYTES // (v * 4) * 2 + 7  # two blocks and a part
+    x = torch.randn(rows, v) * 50
+    x[3] = float("-inf")
+    x[5, 7] = float("inf")
+    x[9, :] = 1e30
+    torch.testing.assert_close(_logsumexp_rows(x), torch.logsumexp(x, -1))
+
+
+def test_token_log_prob_forward_allocates_nothing_vocabulary_sized():
+    """torch.logsumexp writes an (N, V) temporary (x - max); the forward here works a block
+    of rows at a time, so no allocation is as large as half the logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    logits = torch.randn(512, 2000)
+    targets = torch.randint(0, 2000, (512,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        token_log_prob(logits, targets)
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < biggest < logits.numel() * logits.element_size() // 2, biggest

@@ -123,13 +123,24 @@ def _additive_blocked_w(keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, bi
     buf = keys.new_empty(min(rows, b), k, n, d)
     q2 = (2 * q).unsqueeze(2)  # (B, k, 1, A)
     k2 = keys.unsqueeze(1)  # (B, 1, L, A)
+    w_rows = w.view(1, 1, d)
     for i in range(0, b, rows):
         j = min(i + rows, b)
         blk = buf[: j - i]
         torch.add(q2[i:j], k2[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
         blk.sigmoid_()
-        torch.matmul(blk, w, out=out[i:j])
+        _per_image_mm(w_rows.expand(j - i, 1, d), blk.view(j - i, k * n, d).transpose(1, 2),
+                      out[i:j].view(j - i, 1, k * n))  # (b, 1, A) x (b, A, k L)
     return out.mul_(2).add_(bias - w.sum())
+
+
+def _per_image_mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """torch.bmm over a block's images, for the products inside the cache-blocked loops.
+    A batched product gives each thread whole images, as the element-wise operations around
+    it split the block; one (1, b k L) x (b k L, A) product or a matrix-vector product splits
+    it another way, and each core then reads what the other just wrote (with two threads
+    that made the element-wise operation after it several times slower)."""
+    return torch.bmm(x, y, out=out)
 
 
 def _grad_blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
@@ -165,6 +176,7 @@ class _AdditiveScore(torch.autograd.Function):
         dkeys = torch.empty_like(keys)
         dq = torch.empty_like(q)
         ds_sum = keys.new_zeros(d)  # sum over (B, k, L) of de * s
+        ds_buf = keys.new_empty(min(rows, bsz), 1, d)
         # One query an image (training): the block is worked in dkeys itself, which it ends as.
         buf = keys.new_empty(min(rows, bsz), k, n, d) if k > 1 else None
         q2, k2, w4 = (2 * q).unsqueeze(2), keys.unsqueeze(1), 4 * w
@@ -174,7 +186,9 @@ class _AdditiveScore(torch.autograd.Function):
             torch.add(q2[i:j], k2[i:j], alpha=2, out=s)
             s.sigmoid_()  # (b, k, L, A)
             de_blk = de[i:j]  # (b, k, L)
-            ds_sum += (de_blk.reshape(1, -1) @ s.view(-1, d)).squeeze(0)  # (1, b k L) x (b k L, A)
+            # (b, 1, k L) x (b, k L, A), summed over the block's images
+            ds_sum += _per_image_mm(de_blk.reshape(j - i, 1, k * n), s.view(j - i, k * n, d),
+                                    ds_buf[: j - i]).sum(0).squeeze(0)
             s.addcmul_(s, s, value=-1)  # s (1 - s)
             s.mul_(de_blk.unsqueeze(-1)).mul_(w4)  # de_u = de * w * 4 s (1 - s)
             if buf is not None:

@@ -27,7 +27,8 @@ from .multihead import build_attention
 
 
 # Weights of at least this many elements get their gradient over all steps at once
-# (_DeferredWeightGrad): the paper's LSTM (2560 x 2048) does, the demo models' do not.
+# (_DeferredWeightGrad), and on a CPU their product from a packed layout (_PackedWeight):
+# the paper's LSTM (2560 x 2048) does, the demo models' do not.
 DEFERRED_MIN_WEIGHT = 1 << 20
 
 

@@ -295,7 +295,12 @@ class _DeferredWeightGrad:
         self.w = w.detach()
         self.store: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.token = _CollectWeightGrad.apply(w, self.store)  # () zero, linked to W
-        self.packed = _PackedWeight(self.w, rows) if _packing_ok(self.w) else None
+        self.packed = None
+        if _packing_ok(self.w):
+            try:
+                self.packed = _PackedWeight(self.w, rows)
+            except RuntimeError:  # oneDNN's private operators as this torch build has them
+                pass
 
     def __call__(self, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """bias + x @ W: bias (B, N), x (B, K) -> (B, N)."""
@@ -305,7 +310,8 @@ class _DeferredWeightGrad:
 def _packing_ok(w: torch.Tensor) -> bool:
     """May the recurrent product use oneDNN with the weight packed once (CPU, fp32)?"""
     return (w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class _PackedWeight:

@@ -102,6 +102,28 @@ def test_fast_forward_equals_the_step_by_step_form(mode, sample, deferred, monke
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_a_failed_packing_falls_back_to_torch_mm(monkeypatch):
+    """A torch build whose oneDNN operators refuse the weight: the step uses torch.mm, with
+    the same loss and gradients as the step-by-step form."""
+    monkeypatch.setattr(model, "DEFERRED_MIN_WEIGHT", 0)
+    monkeypatch.setattr(model, "_packing_ok", lambda w: True)
+
+    class Refuses:
+        def __init__(self, w, rows):
+            raise RuntimeError("no such layout")
+
+    monkeypatch.setattr(model, "_PackedWeight", Refuses)
+    made, real = [], model._DeferredWeightGrad
+    monkeypatch.setattr(model, "_DeferredWeightGrad", lambda w, rows: made.append(real(w, rows)) or made[-1])
+    dec = _decoder("soft")
+    _, ref_loss, ref_grads = _loss_and_grads(dec, dec.forward_stepwise, False)
+    _, loss, grads = _loss_and_grads(dec, dec.forward, False)
+    assert len(made) == 1 and made[0].packed is None
+    torch.testing.assert_close(loss, ref_loss)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_large_weights_take_the_deferred_gradient():
     """The paper's LSTM weight (2560 x 2048 elements) is over the size limit, the tiny one is not."""
     assert (2048 + 512) * 4 * 512 >= model.DEFERRED_MIN_WEIGHT > (D + 8) * 4 * 8

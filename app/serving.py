@@ -4,7 +4,8 @@ A classroom on one small machine: every session's caption goes through one ``Gat
 many captions at once as there are cores, one torch thread each, the others queued in
 order and captioned together, a few at a time, when their turn comes), and what a caption
 shows is drawn once, at the size the page shows it, and kept as encoded JPEG bytes, so that
-reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes bytes. The figure and the JSON are made when they are downloaded.
+reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes bytes.
+The figure and the JSON are made when they are downloaded.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def _additive_blocked_w(keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, bi
     return out.mul_(2).add_(bias - w.sum())
 
 
-def _per_image_mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _per_image_mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """torch.bmm over a block's images, for the products inside the cache-blocked loops.
     A batched product gives each thread whole images, as the element-wise operations around
     it split the block; one (1, b k L) x (b k L, A) product or a matrix-vector product splits
@@ -176,7 +176,6 @@ class _AdditiveScore(torch.autograd.Function):
         dkeys = torch.empty_like(keys)
         dq = torch.empty_like(q)
         ds_sum = keys.new_zeros(d)  # sum over (B, k, L) of de * s
-        ds_buf = keys.new_empty(min(rows, bsz), 1, d)
         # One query an image (training): the block is worked in dkeys itself, which it ends as.
         buf = keys.new_empty(min(rows, bsz), k, n, d) if k > 1 else None
         q2, k2, w4 = (2 * q).unsqueeze(2), keys.unsqueeze(1), 4 * w
@@ -187,8 +186,7 @@ class _AdditiveScore(torch.autograd.Function):
             s.sigmoid_()  # (b, k, L, A)
             de_blk = de[i:j]  # (b, k, L)
             # (b, 1, k L) x (b, k L, A), summed over the block's images
-            ds_sum += _per_image_mm(de_blk.reshape(j - i, 1, k * n), s.view(j - i, k * n, d),
-                                    ds_buf[: j - i]).sum(0).squeeze(0)
+            ds_sum += _per_image_mm(de_blk.reshape(j - i, 1, k * n), s.view(j - i, k * n, d)).sum((0, 1))
             s.addcmul_(s, s, value=-1)  # s (1 - s)
             s.mul_(de_blk.unsqueeze(-1)).mul_(w4)  # de_u = de * w * 4 s (1 - s)
             if buf is not None:

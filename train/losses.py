@@ -50,24 +50,31 @@ def token_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 ROW_BLOCK_BYTES = 1 << 20
 
 
-def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp(x, -1) for x (N, V), a block of rows at a time into one reused buffer:
-    torch's form writes an (N, V) temporary, x - max, to fresh memory (27 MB a step at COCO
-    sizes), where each block here is shifted, exponentiated and summed while in cache."""
+def _exp_shifted_blocks(x: torch.Tensor, shift: torch.Tensor, dest: torch.Tensor | None = None):
+    """exp(x - shift[:, None]) for x (N, V), a cache-sized block of rows at a time: yields
+    (i, j, the block of rows i..j), written into ``dest[i:j]`` when given, else into one
+    reused buffer, so that each block is shifted, exponentiated and used while in cache."""
     n, v = x.shape
+    rows = max(1, ROW_BLOCK_BYTES // (v * x.element_size()))
+    buf = x.new_empty(min(rows, n), v) if dest is None else None
+    for i in range(0, n, rows):
+        j = min(i + rows, n)
+        blk = dest[i:j] if dest is not None else buf[: j - i]
+        torch.sub(x[i:j], shift[i:j].unsqueeze(1), out=blk)
+        yield i, j, blk.exp_()
+
+
+def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x, -1) for x (N, V) with no (N, V) temporary: torch's form writes
+    x - max to fresh memory (27 MB a step at COCO sizes)."""
     if not x.is_cpu:
         return torch.logsumexp(x, -1)
-    rows = max(1, ROW_BLOCK_BYTES // (v * x.element_size()))
     m = x.amax(1)  # (N,)
     # a row of -inf only (every word masked): shift by 0, so that the result is -inf, not nan
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    out = x.new_empty(n)
-    buf = x.new_empty(min(rows, n), v)
-    for i in range(0, n, rows):
-        j = min(i + rows, n)
-        blk = buf[: j - i]
-        torch.sub(x[i:j], m[i:j].unsqueeze(1), out=blk)
-        torch.sum(blk.exp_(), 1, out=out[i:j])
+    out = x.new_empty(x.shape[0])
+    for i, j, e in _exp_shifted_blocks(x, m):
+        torch.sum(e, 1, out=out[i:j])
     return out.log_().add_(m)
 
 
@@ -81,15 +88,10 @@ class _TokenLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
-        n, v = logits.shape
         g = g.contiguous()
         d = torch.empty_like(logits)  # (N, V)
-        rows = max(1, ROW_BLOCK_BYTES // (v * logits.element_size()))
-        for i in range(0, n, rows):
-            j = min(i + rows, n)
-            blk = d[i:j]
-            torch.sub(logits[i:j], lse[i:j].unsqueeze(1), out=blk)
-            blk.exp_().mul_(g[i:j].neg().unsqueeze(1))  # -g softmax
+        for i, j, softmax in _exp_shifted_blocks(logits, lse, d):
+            softmax.mul_(g[i:j].neg().unsqueeze(1))  # -g softmax
         d.scatter_add_(1, targets.unsqueeze(1), g.unsqueeze(1).to(d.dtype))  # + g at the target
         return d, None
 

@@ -1,0 +1,102 @@
+"""The half-widths a learned local window chose: captions a folder of images greedily and
+records, for every generated word, the window's half-width (cells of the annotation grid)
+that the centre network predicted. A fixed window (model.local_width = fixed) has one
+half-width, model.local_window; a learned one starts there and moves where training takes it.
+
+    python benchmarks/local_widths.py runs/attention-comparison/full-3752steps/local-learned/seed0 \\
+        data/shapes-test7001-1000/images/test --images 200
+
+The weights are a checkpoint file or a run folder (its last.pt, with the moving average of the
+weights where the run keeps one: the attention comparison's checkpoint rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from captioner.attention import MIN_HALF_WIDTH, Attention
+from captioner.images import is_image_path
+from captioner.inference import Captioner, DecodeOptions
+
+QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+@dataclass
+class Widths:
+    half_widths: torch.Tensor  # (N,) cells, one per word generated (and per head)
+    start: float  # model.local_window: where training started every half-width
+    grid: tuple[int, int]
+
+    def quantiles(self) -> list[float]:
+        return torch.quantile(self.half_widths, torch.tensor(QUANTILES)).tolist()
+
+
+def learned_windows(cap: Captioner) -> list[Attention]:
+    return [m for m in cap.model.modules()
+            if isinstance(m, Attention) and m.local_window > 0 and m.local_width == "learned"]
+
+
+def half_widths(cap: Captioner, images: list, batch_size: int = 16) -> Widths:
+    """Caption `images` (PIL images) greedily and collect every predicted half-width."""
+    windows = learned_windows(cap)
+    if not windows:
+        raise ValueError("this model has no learned local window (model.local_width = learned)")
+    seen: list[torch.Tensor] = []
+    hooks = [w.centre.register_forward_hook(lambda _m, _i, out: seen.append(out[:, 2].detach()))
+             for w in windows]
+    grid = None
+    try:
+        for i in range(0, len(images), batch_size):
+            results = cap.caption_images(images[i:i + batch_size], DecodeOptions(beam_size=1))
+            grid = tuple(results[0].alphas.shape[-2:])
+    finally:
+        for h in hooks:
+            h.remove()
+    raw = torch.cat(seen) if seen else torch.empty(0)
+    return Widths(MIN_HALF_WIDTH + F.softplus(raw), float(windows[0].local_window), grid)
+
+
+def load(weights: Path) -> Captioner:
+    if weights.is_dir():
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from compare_attention import last_step_model
+        return last_step_model(weights)
+    return Captioner.load(weights)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("weights", type=Path, help="a checkpoint file, or a run folder (its last.pt)")
+    ap.add_argument("images", type=Path, help="a folder of images")
+    ap.add_argument("--images", dest="n_images", type=int, default=200, help="how many (sorted by name)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from PIL import Image
+
+    if not args.images.is_dir():
+        ap.error(f"not a folder: {args.images}")
+    paths = sorted(p for p in args.images.iterdir() if is_image_path(p))[: args.n_images]
+    if not paths:
+        ap.error(f"no images in {args.images}")
+    try:
+        w = half_widths(load(args.weights), [Image.open(p).convert("RGB") for p in paths])
+    except ValueError as e:
+        print(f"{args.weights}: {e}", file=sys.stderr)
+        return 2
+    q = ", ".join(f"{int(p * 100)}%: {v:.2f}" for p, v in zip(QUANTILES, w.quantiles()))
+    print(f"{len(paths)} images, {w.half_widths.numel()} words (every head); starting half-width "
+          f"{w.start:g} cells{f' on a {w.grid[0]}x{w.grid[1]} grid' if w.grid else ''}")
+    print(f"learned half-width, cells: mean {w.half_widths.mean():.2f}; quantiles {q}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
 """The half-widths a learned local window chose: captions a folder of images greedily and
-records, for every generated word, the window's half-width (cells of the annotation grid)
+records, for every word of the captions, the window's half-width (cells of the annotation grid)
 that the centre network predicted. A fixed window (model.local_width = fixed) has one
 half-width, model.local_window; a learned one starts there and moves where training takes it.
 
@@ -29,7 +29,7 @@ QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
 @dataclass
 class Widths:
-    half_widths: torch.Tensor  # (N,) cells, one per word generated (and per head)
+    half_widths: torch.Tensor  # (N,) cells, one per word of the captions and per head
     start: float  # model.local_window: where training started every half-width
     grid: tuple[int, int]
 
@@ -43,29 +43,36 @@ def learned_windows(cap: Captioner) -> list[Attention]:
 
 
 def half_widths(cap: Captioner, images: list, batch_size: int = 16) -> Widths:
-    """Caption `images` (PIL images) greedily and collect every predicted half-width."""
+    """Caption `images` (PIL images) greedily and collect the half-width every window (every
+    head) predicted for every word of the captions. Greedy decoding steps a whole batch until
+    its longest caption ends, so the steps of a caption after its last word (its <end>, and
+    those the batch takes after it) are left out."""
+    if not images:
+        raise ValueError("no images")
     windows = learned_windows(cap)
     if not windows:
         raise ValueError("this model has no learned local window (model.local_width = learned)")
-    seen: list[torch.Tensor] = []
-    hooks = [w.centre.register_forward_hook(lambda _m, _i, out: seen.append(out[:, 2].detach()))
+    calls: list[torch.Tensor] = []  # one (B,) per window per decoding step, step-major
+    hooks = [w.centre.register_forward_hook(lambda _m, _i, out: calls.append(out[:, 2].detach()))
              for w in windows]
-    grid = None
+    kept: list[torch.Tensor] = []
     try:
         for i in range(0, len(images), batch_size):
+            calls.clear()
             results = cap.caption_images(images[i:i + batch_size], DecodeOptions(beam_size=1))
-            grid = tuple(results[0].alphas.shape[-2:])
+            raw = torch.stack(calls).view(-1, len(windows), len(results))  # (steps, windows, B)
+            kept += [raw[: r.alphas.shape[0], :, b].flatten() for b, r in enumerate(results)]
     finally:
         for h in hooks:
             h.remove()
-    raw = torch.cat(seen) if seen else torch.empty(0)
-    return Widths(MIN_HALF_WIDTH + F.softplus(raw), float(windows[0].local_window), grid)
+    raw = torch.cat(kept) if kept else torch.empty(0)
+    return Widths(MIN_HALF_WIDTH + F.softplus(raw), float(windows[0].local_window),
+                  tuple(results[0].alphas.shape[-2:]))
 
 
 def load(weights: Path) -> Captioner:
     if weights.is_dir():
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from compare_attention import last_step_model
+        from compare_attention import last_step_model  # beside this script
         return last_step_model(weights)
     return Captioner.load(weights)
 
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     q = ", ".join(f"{int(p * 100)}%: {v:.2f}" for p, v in zip(QUANTILES, w.quantiles()))
     print(f"{len(paths)} images, {w.half_widths.numel()} words (every head); starting half-width "
-          f"{w.start:g} cells{f' on a {w.grid[0]}x{w.grid[1]} grid' if w.grid else ''}")
+          f"{w.start:g} cells on a {w.grid[0]}x{w.grid[1]} grid")
     print(f"learned half-width, cells: mean {w.half_widths.mean():.2f}; quantiles {q}")
     return 0
 

@@ -10,6 +10,13 @@ images, and Welch's interval of the seed means) and an A/A noise floor.
     python benchmarks/compare_attention.py --timing              # training steps/s alone (an idle machine)
     python benchmarks/compare_attention.py --score demo-soft     # the scoring alone, on any checkpoint
 
+Trained on a GPU machine, scored on another (one without the evaluation's packages, say):
+
+    python benchmarks/compare_attention.py --rows heads4 --device cuda --train-only --jobs 12  # there
+    python benchmarks/compare_attention.py --rows heads4 --pack packs                          # there
+    python benchmarks/compare_attention.py --unpack packs/runs-*.tar                           # here
+    python benchmarks/compare_attention.py --rows heads4                                       # here: scores
+
 Rows and recipes are data (benchmarks/attention_rows.toml): a row is `--set` overrides of
 the recipe's config (demo-soft's). Each (training, seed) runs to a fixed step count with no
 validation on the way; the model scored is the one at that last step (the moving average
@@ -95,8 +102,15 @@ def select_rows(plan: Plan, names: str | None) -> list[Row]:
     return [by_name[n] for n in names.split(",")]
 
 
-def training_sets(recipe: dict, steps: int, row: Row, seed: int) -> list[str]:
-    return [*recipe.get("sets", ()), *row.sets, *FIXED, f"optim.max_steps={steps}", f"optim.seed={seed}"]
+def device_sets(device: str | None) -> list[str]:
+    """Training on a named device in the arithmetic of the CPU runs: fp32 (the recipe's
+    precision "auto" means bf16 autocast on CUDA). None: the recipe's own device."""
+    return [f"optim.device={device}", "optim.precision=fp32"] if device else []
+
+
+def training_sets(recipe: dict, steps: int, row: Row, seed: int, device: str | None = None) -> list[str]:
+    return [*recipe.get("sets", ()), *row.sets, *FIXED, *device_sets(device), f"optim.max_steps={steps}",
+            f"optim.seed={seed}"]
 
 
 def check_rows(rows: list[Row], recipe: dict, steps: int) -> None:
@@ -296,10 +310,18 @@ def _train_seconds(run_dir: Path) -> float:
     return load_checkpoint(run_dir / "last.pt")["train_state"]["train_seconds"]
 
 
-def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: int, test_sets: dict[str, Path],
-            out: Path, runs: Path, beam_size: int, progress: bool = False) -> int:
+def _trained_on(run_dir: Path) -> str:
+    """The device a run's config named ("auto": the machine's own, a CPU for every run so far)."""
+    from captioner.checkpoint import load_checkpoint
+
+    return load_checkpoint(run_dir / "last.pt")["train_state"]["config"]["optim"]["device"]
+
+
+def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: int, test_sets: dict[str, Path] | None,
+            out: Path, runs: Path, beam_size: int, progress: bool = False, device: str | None = None) -> int:
     """Train one (training, seed) to ``steps`` (or resume it), then score every row that
-    uses it; 130 when the training was interrupted (Ctrl-C), 0 when done."""
+    uses it (none when ``test_sets`` is None: train only); 130 when the training was
+    interrupted (Ctrl-C), 0 when done."""
     from train.config import load_config
     from train.loop import train
 
@@ -308,12 +330,23 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
         return 0
     run_dir = runs / pending[0].train_key / f"seed{seed}"
     if _last_step(run_dir) != steps:  # not started, or stopped on the way: resume from last.pt
-        cfg = load_config(ROOT / recipe["config"], training_sets(recipe, steps, pending[0], seed))
-        outcome = train(cfg, run_dir, resume=(run_dir / "last.pt").is_file(), progress=progress)
+        cfg = load_config(ROOT / recipe["config"], training_sets(recipe, steps, pending[0], seed, device))
+        resume = (run_dir / "last.pt").is_file()
+        if resume and _trained_on(run_dir) != cfg.optim.device:  # one run, one device's arithmetic
+            raise RuntimeError(f"{run_dir}: started with optim.device={_trained_on(run_dir)}, not "
+                               f"{cfg.optim.device}; resume it there (--device), or delete the folder to start over")
+        if cfg.optim.device.startswith("cuda"):
+            import torch
+
+            torch.backends.cudnn.allow_tf32 = False  # convolutions in full fp32, as on a CPU
+            torch.backends.cuda.matmul.allow_tf32 = False
+        outcome = train(cfg, run_dir, resume=resume, progress=progress)
         if outcome.reason == "interrupted":
             return 130
         if _last_step(run_dir) != steps:
             raise RuntimeError(f"{run_dir}: training ended ({outcome.reason}) at step {outcome.step}, not {steps}")
+    if test_sets is None:
+        return 0
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     val = next((r for r in reversed(log) if "val" in r), None)  # the one validation, at the end
     cap = last_step_model(run_dir)
@@ -321,7 +354,7 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
         tests = evaluate_checkpoint(cap, row.decode, test_sets, beam_size, progress)
         record = {"row": row.name, "seed": seed, "recipe": recipe_name, "steps": steps, "sets": list(row.sets),
                   "decode": row.decode, "checkpoint": f"last.pt at step {steps}, its weight average if any",
-                  "train_seconds": round(_train_seconds(run_dir), 1),
+                  "train_seconds": round(_train_seconds(run_dir), 1), "trained_on": _trained_on(run_dir),
                   "validation": val, "tests": tests}
         path = result_path(out, row, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,7 +367,7 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     return 0
 
 
-def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, test_sets: dict[str, Path],
+def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, test_sets: dict[str, Path] | None,
             out: Path, runs: Path) -> list[str]:
     """Every missing (training, seed), ``args.jobs`` at a time (0: in this process);
     returns the failures."""
@@ -344,7 +377,8 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     for r in rows:
         by_key.setdefault(r.train_key, []).append(r)
     todo = [(key, seed) for key in by_key for seed in seeds
-            if any(not result_path(out, r, seed).is_file() for r in by_key[key])]
+            if any(not result_path(out, r, seed).is_file() for r in by_key[key])
+            and not (test_sets is None and _last_step(runs / key / f"seed{seed}") == steps)]
     done = sum(len(seeds) for _ in by_key) - len(todo)
     print(f"{len(todo)} training(s) to run, {done} already finished; logs in {runs / 'logs'}", file=sys.stderr)
     if not todo:
@@ -354,7 +388,8 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     bar = tqdm(total=len(todo), desc="trainings", unit="run", file=sys.stderr)
     if args.jobs == 0:
         for key, seed in todo:
-            if run_job(by_key[key], seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size) == 130:
+            if run_job(by_key[key], seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size,
+                       device=args.device) == 130:
                 raise SystemExit(130)
             bar.update(1)
         bar.close()
@@ -399,9 +434,117 @@ def _pool(queue, running, by_key, args, runs: Path, env: dict, bar, failures: li
                 tqdm.write(f"failed: {failures[-1]}", file=sys.stderr)
 
 
+# ------------------------------------------------- trained on one machine, scored on another
+
+PACKED = "packed"  # a marker in a run folder: packed once already
+_MEMBER = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*)/seed([0-9]+)/(last\.pt|metrics\.jsonl|config\.toml)$")
+
+
+def slim_checkpoint(run_dir: Path) -> dict:
+    """A finished run's last.pt as it is scored (last_step_model): the weights at the last
+    step, their moving average where the recipe keeps one, with the step, training time and
+    config; no optimizer state (about a quarter of the size; it cannot be resumed)."""
+    from captioner.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    ts = ckpt["train_state"]
+    average = ts.get("weight_average")
+    if average is not None:
+        ckpt["state_dict"] = average["tensors"]
+    ckpt["train_state"] = {k: ts[k] for k in ("step", "epoch", "batch_in_epoch", "train_seconds", "config")}
+    return ckpt
+
+
+def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: Path, limit_bytes: int,
+              max_files: int = 0) -> list[Path]:
+    """Every finished (training, seed) not packed before, as slim checkpoints with their logs,
+    in uncompressed tar files of at most ``limit_bytes`` each (weights hardly compress), and
+    at most ``max_files`` files (0: no limit; the rest wait for the next call): what a
+    training machine hands to the machine that scores. Returns the files written."""
+    import io
+    import tarfile
+
+    import torch
+
+    dest.mkdir(parents=True, exist_ok=True)
+    start = len(list(dest.glob("runs-*.tar")))
+    files: list[Path] = []
+    tar, size = None, 0
+    for key in keys:
+        for seed in seeds:
+            run_dir = runs / key / f"seed{seed}"
+            if _last_step(run_dir) != steps or (run_dir / PACKED).exists():
+                continue
+            buf = io.BytesIO()
+            torch.save(slim_checkpoint(run_dir), buf)
+            members = {"last.pt": buf.getvalue(), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes(),
+                       "config.toml": (run_dir / "config.toml").read_bytes()}
+            need = sum(len(v) + 1024 for v in members.values())
+            if tar is None or (size and size + need > limit_bytes):
+                if max_files and len(files) == max_files:
+                    break
+                if tar is not None:
+                    tar.close()
+                files.append(dest / f"runs-{start + len(files) + 1:03d}.tar")
+                tar, size = tarfile.open(files[-1], "w"), 0
+            for name, data in members.items():
+                info = tarfile.TarInfo(f"{key}/seed{seed}/{name}")
+                info.size, info.mtime = len(data), 0
+                tar.addfile(info, io.BytesIO(data))
+            size += need
+            (run_dir / PACKED).touch()
+            print(f"packed {key} seed {seed} into {files[-1].name}", file=sys.stderr)
+        else:
+            continue
+        break  # max_files reached
+    if tar is not None:
+        tar.close()
+    return files
+
+
+def unpack_runs(files: list[Path], runs: Path, steps: int) -> list[str]:
+    """Packed runs into ``runs``: only the three files a packed run has, each a plain file under
+    <training>/seed<S>/, and never over a run already there. Returns the runs unpacked."""
+    import tarfile
+
+    from captioner.checkpoint import CheckpointError
+
+    found: list[str] = []
+    for file in files:
+        try:
+            tar = tarfile.open(file, "r")
+        except (OSError, tarfile.TarError) as e:
+            raise UsageError(f"cannot read {file}: {e}") from e
+        with tar:
+            members = tar.getmembers()
+            bad = [m.name for m in members if not (m.isfile() and _MEMBER.match(m.name))]
+            if bad:
+                raise UsageError(f"{file}: not a pack of runs ({', '.join(bad[:3])} is no <training>/seed<S>/"
+                                 "last.pt, metrics.jsonl or config.toml)")
+            folders = sorted({m.name.rsplit("/", 1)[0] for m in members})
+            taken = [f for f in folders if (runs / f / "last.pt").exists()]
+            if taken:
+                raise UsageError(f"{file}: {', '.join(taken)} already in {runs}; move it away to take the packed "
+                                 "one")
+            for m in members:
+                target = runs / m.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _atomic_write(target, tar.extractfile(m).read())
+        for folder in folders:
+            try:
+                step = _last_step(runs / folder)
+            except CheckpointError as e:
+                raise UsageError(str(e)) from e
+            if step != steps:
+                raise UsageError(f"{file}: {folder} stopped at step {step}, not {steps}: another recipe's run?")
+            found.append(folder)
+    return found
+
+
 # ---------------------------------------------------------------------------- timing
 
-def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds: int, warmup: int = 5) -> dict:
+def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds: int, warmup: int = 5,
+                   device: str | None = None) -> dict:
     """Training steps/s of each training, one thread, measured apart from the runs: short
     trainings in interleaved rounds (every variant once per round, so a busy spell of the
     machine hits all of them), the rate between the log at ``warmup`` steps and the last;
@@ -423,7 +566,7 @@ def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds:
     for round_ in range(rounds):
         for key, row in keys.items():
             with tempfile.TemporaryDirectory() as tmp:
-                sets = training_sets(recipe, warmup + measured, row, 0) + [
+                sets = training_sets(recipe, warmup + measured, row, 0, device) + [
                     "optim.save_every=0", f"optim.log_every={warmup}", "val.limit=1", "val.beam_size=1"]
                 train(load_config(ROOT / recipe["config"], sets), Path(tmp), progress=False)
                 log = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
@@ -476,6 +619,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--score", metavar="WEIGHTS", default=None,
                     help="only score one checkpoint (a file, or demo-soft / demo-hard) on the test sets and print "
                          "its figures: the comparison's scoring, on a model trained elsewhere")
+    ap.add_argument("--device", default=None,
+                    help="train on this device (cuda, cuda:1, cpu), in fp32 as on a CPU; default: the recipe's")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train and stop: no scoring, no table (score later, here or on another machine, with the "
+                         "same command without it)")
+    ap.add_argument("--pack", metavar="DIR", type=Path, default=None,
+                    help="only pack the finished trainings of --rows and --seeds, not packed before, as slim "
+                         "checkpoints in DIR/runs-NNN.tar files (to score them on another machine)")
+    ap.add_argument("--pack-mb", type=float, default=15.0, help="the largest tar file --pack writes, in MiB")
+    ap.add_argument("--pack-files", type=int, default=0,
+                    help="at most this many tar files (0: no limit); a later --pack takes the rest")
+    ap.add_argument("--unpack", metavar="TAR", type=Path, nargs="+", default=None,
+                    help="only put packed trainings into the runs folder; the normal command then scores them")
     ap.add_argument("--run-one", metavar="TRAINING", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -494,6 +650,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--out", str(args.out), "--runs", str(args.runs), "--beam-size", str(args.beam_size)]
     if args.steps is not None:
         args.passthrough += ["--steps", str(args.steps)]
+    if args.device:
+        args.passthrough += ["--device", args.device]
+    if args.train_only:
+        args.passthrough.append("--train-only")
     return args
 
 
@@ -575,21 +735,34 @@ def main(argv: list[str] | None = None) -> int:
         (out / "table.md").write_text(text + "\n")
         (out / "table.json").write_text(json.dumps(summary, indent=2) + "\n")
         return 0
+    if args.pack:
+        keys = list(dict.fromkeys(r.train_key for r in rows))
+        files = pack_runs(keys, args.seed_list, runs, steps, args.pack, int(args.pack_mb * 2**20), args.pack_files)
+        print(f"{len(files)} file(s) written" + "".join(f"\n  {f}" for f in files))
+        return 0
+    if args.unpack:
+        found = unpack_runs(args.unpack, runs, steps)
+        print(f"{len(found)} training(s) unpacked into {runs}: {', '.join(found)}")
+        return 0
     if not args.score:
         check_rows(rows, recipe, steps)
     if args.timing:
-        time_trainings(rows, recipe, out, args.timing_steps, args.timing_rounds)
+        time_trainings(rows, recipe, out, args.timing_steps, args.timing_rounds, device=args.device)
         return 0
-    test_sets = ensure_test_sets(args.test_seed_list, args.test_images, args.test_root)
+    test_sets = None if args.train_only and not args.score else ensure_test_sets(args.test_seed_list, args.test_images, args.test_root)
     if args.score:
         return score_only(args.score, test_sets, args.beam_size)
     if args.run_one is not None:
         mine = [r for r in rows if r.train_key == args.run_one]
-        return run_job(mine, args.seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size)
+        return run_job(mine, args.seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size,
+                       device=args.device)
     failures = run_all(rows, args.seed_list, args, recipe, steps, test_sets, out, runs)
     if failures:
         print("failed:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
+    if args.train_only:
+        print(f"trained; score with the same command without --train-only (runs in {runs})", file=sys.stderr)
+        return 0
     if not args.skip_timing:
         timing = out / "timing.json"
         known = json.loads(timing.read_text())["rates"] if timing.is_file() else {}

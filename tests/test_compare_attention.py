@@ -288,3 +288,87 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
     with pytest.raises(SystemExit) as e:
         ca.main([*base, "--bootstrap-seed", "-1"])
     assert e.value.code == 2 and "--bootstrap-seed" in capsys.readouterr().err
+
+
+# ------------------------------------------------- trained on one machine, scored on another
+
+def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys):
+    rows = _rows_file(tmp_path)
+    gpu_box = _args(tmp_path, rows, "--rows", "additive")
+    assert ca.main([*gpu_box, "--train-only"]) == 0
+    out, runs = tmp_path / "out" / "tiny-3steps", tmp_path / "runs" / "tiny-3steps"
+    assert not (out / "results").exists() and not (tmp_path / "tests").exists()  # nothing scored, no test sets
+    assert [ca._last_step(runs / "additive" / f"seed{s}") for s in (0, 1)] == [3, 3]
+
+    packs = tmp_path / "packs"
+    assert ca.main([*gpu_box, "--pack", str(packs), "--pack-mb", "0.001"]) == 0
+    tars = sorted(packs.glob("runs-*.tar"))
+    assert len(tars) == 2  # a file each: one run is over the limit alone
+    assert ca.main([*gpu_box, "--pack", str(packs)]) == 0 and sorted(packs.glob("*.tar")) == tars  # once only
+
+    # The other machine: its own runs folder, nothing trained there.
+    here = ["--runs", str(tmp_path / "here")]
+    assert ca.main([*gpu_box, *here, "--unpack", *map(str, tars)]) == 0
+    slim_dir = tmp_path / "here" / "tiny-3steps" / "additive" / "seed0"
+    assert ca._last_step(slim_dir) == 3
+    assert (slim_dir / "last.pt").stat().st_size < (runs / "additive" / "seed0" / "last.pt").stat().st_size / 2
+    scored_there = ca.last_step_model(runs / "additive" / "seed0").model.state_dict()
+    scored_here = ca.last_step_model(slim_dir).model.state_dict()
+    assert scored_here.keys() == scored_there.keys()
+    assert all(torch.equal(scored_here[k], scored_there[k]) for k in scored_here)  # the weight average, as there
+
+    import train.loop
+
+    def no_training(*a, **k):
+        raise AssertionError("a packed run was trained again")
+
+    monkeypatch.setattr(train.loop, "train", no_training)
+    assert ca.main([*gpu_box, *here, "--skip-timing"]) == 0
+    rec = json.loads((out / "results" / "additive" / "seed0.json").read_text())
+    assert rec["steps"] == 3 and rec["trained_on"] == "auto" and sorted(rec["tests"]) == ["test7001", "test7002",
+                                                                                          "test7003"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # never over a run already there
+        ca.main([*gpu_box, *here, "--unpack", str(tars[0])])
+    assert e.value.code == 2 and "already in" in capsys.readouterr().err
+
+
+def test_unpack_refuses_anything_but_a_pack_of_runs_and_writes_nothing(tmp_path, capsys):
+    import io
+    import tarfile
+
+    rows = _rows_file(tmp_path)
+    for name in ("../escape/seed0/last.pt", "../seed0/last.pt", "additive/seed0/run.py", "/abs/seed0/last.pt"):
+        bad = tmp_path / "bad.tar"
+        with tarfile.open(bad, "w") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = 3
+            tar.addfile(info, io.BytesIO(b"abc"))
+        with pytest.raises(SystemExit) as e:
+            ca.main(["--rows-file", str(rows), "--recipe", "tiny", "--runs", str(tmp_path / "runs"),
+                     "--unpack", str(bad)])
+        assert e.value.code == 2 and "not a pack of runs" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "escape").exists()
+
+
+def test_a_device_trains_in_fp32_and_a_run_is_never_resumed_on_another_device(tmp_path):
+    import train.loop
+    from train.config import load_config
+
+    rows_file = _rows_file(tmp_path)
+    plan = ca.load_plan(rows_file)
+    recipe, steps = ca.recipe_of(plan, "tiny", None)
+    additive = plan.rows[0]
+    sets = ca.training_sets(recipe, steps, additive, 0, "cuda")
+    cfg = load_config(ca.ROOT / recipe["config"], sets)
+    assert (cfg.optim.device, cfg.optim.precision) == ("cuda", "fp32")  # "auto" would be bf16 there
+    assert ca.training_sets(recipe, steps, additive, 0) == [s for s in sets if not s.startswith("optim.device")
+                                                            and s != "optim.precision=fp32"]
+    run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
+    stopped = ca.training_sets(recipe, steps, additive, 0)
+    train.loop.train(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+                     run_dir, progress=False)
+    with pytest.raises(RuntimeError, match="started with optim.device=auto, not cuda:0"):
+        ca.run_job([additive], 0, recipe, "tiny", steps, None, tmp_path / "out", tmp_path / "runs" / "tiny-3steps",
+                   1, device="cuda:0")
+    assert ca._last_step(run_dir) == 2  # untouched

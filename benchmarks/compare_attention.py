@@ -684,7 +684,42 @@ def table_for(plan: Plan, rows: list[Row], out: Path, recipe_name: str, steps: i
     header = (f"Recipe `{recipe_name}`: {steps:,} training steps, the weights at the last step; "
               f"{summary['n_images']:,} test images (test sets of seeds {args.test_seeds}), beam {args.beam_size}; "
               "mean ± sd over seeds.")
-    return ct.markdown(summary, timing, header), summary
+    devices = trained_where(out, list(summary["rows"]))
+    for name, where in devices.items():
+        summary["rows"][name]["trained_on"] = where
+    return ct.markdown(summary, timing, header) + "\n\n" + devices_line(devices), summary
+
+
+def trained_where(out: Path, rows: list[str]) -> dict[str, dict[str, list[int]]]:
+    """row -> device its seeds were trained on (a result's "trained_on", optim.device; results
+    written before it was recorded say nothing: "auto") -> those seeds."""
+    where: dict[str, dict[str, list[int]]] = {}
+    for row in rows:
+        for path in sorted((out / "results" / row).glob("seed*[0-9].json")):
+            rec = json.loads(path.read_text())
+            where.setdefault(row, {}).setdefault(rec.get("trained_on", "auto"), []).append(rec["seed"])
+    return where
+
+
+def _seed_list(seeds: list[int]) -> str:
+    """[0, 1, 2, 4] -> "0-2, 4"."""
+    spans: list[list[int]] = []
+    for s in sorted(seeds):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def devices_line(where: dict[str, dict[str, list[int]]]) -> str:
+    """One line: where each row's seeds were trained (optim.device), rows alike grouped."""
+    groups: dict[str, list[str]] = {}
+    for row, by_device in where.items():
+        key = "; ".join(f"{dev} {_seed_list(seeds)}" for dev, seeds in sorted(by_device.items()))
+        groups.setdefault(key, []).append(row)
+    return ("Seeds by the device that trained them (optim.device; auto: the machine's own): "
+            + "; ".join(f"{', '.join(rows)}: {key}" for key, rows in groups.items()) + ".")
 
 
 def score_only(weights: str, test_sets: dict[str, Path], beam_size: int) -> int:

@@ -372,3 +372,19 @@ def test_a_device_trains_in_fp32_and_a_run_is_never_resumed_on_another_device(tm
         ca.run_job([additive], 0, recipe, "tiny", steps, None, tmp_path / "out", tmp_path / "runs" / "tiny-3steps",
                    1, device="cuda:0")
     assert ca._last_step(run_dir) == 2  # untouched
+
+
+def test_the_table_says_which_device_trained_each_seed(tmp_path):
+    out = tmp_path / "out"
+    rng = np.random.default_rng(1)
+    for row, seed, device in (("additive", 0, None), ("additive", 1, None), ("additive", 2, "auto"),
+                              ("additive", 4, "cuda"), ("concat", 0, None), ("concat", 1, None), ("concat", 2, None),
+                              ("concat", 4, "cuda")):
+        _write_result(out, row, seed, rng.binomial(3, 0.6, 50).astype(float))
+        if device:
+            path = out / "results" / row / f"seed{seed}.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "trained_on": device}))
+    where = ca.trained_where(out, ["additive", "concat"])
+    assert where == {"additive": {"auto": [0, 1, 2], "cuda": [4]}, "concat": {"auto": [0, 1, 2], "cuda": [4]}}
+    assert ca.devices_line(where).endswith("additive, concat: auto 0-2; cuda 4.")
+    assert ca._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"

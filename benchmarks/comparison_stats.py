@@ -244,7 +244,7 @@ def t_quantile(p: float, df: float) -> float:
 
 def welch_difference(variant: Sequence[float], reference: Sequence[float], level: float = 0.95) -> dict | None:
     """Difference of two variants' seed means, with Welch's t interval from their seed
-    sds (degrees of freedom by Welch-Satterthwaite: 2 to 4 with 3 seeds each). It treats a
+    sds (degrees of freedom by Welch-Satterthwaite: n - 1 to 2n - 2 with n seeds each). It treats a
     seed's figure on the test set as one measurement and ignores which images were drawn.
     None when a side has fewer than 2 seeds."""
     a, b = np.asarray(variant, dtype=np.float64), np.asarray(reference, dtype=np.float64)

@@ -163,9 +163,11 @@ def markdown(summary: dict, timing: dict | None, header: str) -> str:
                       "is larger than the A/A floor:", *head]
         for name, d in summary["vs_reference"].items():
             lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k)) for k in CI_COLUMNS) + " |")
+        dfs = [d[k]["seed_means"]["df"] for d in summary["vs_reference"].values() for k in CI_COLUMNS
+               if d.get(k) and d[k].get("seed_means") and d[k]["seed_means"]["df"] is not None]
+        span = f", {min(dfs):.1f} to {max(dfs):.1f} here" if dfs else ""
         lines += ["", f"Difference of the seed means from {ref}'s, with Welch's 95% t interval from the seeds' "
-                      "sds (Welch-Satterthwaite degrees of freedom, 2 to 4 with 3 seeds a side; the test images are "
-                      "taken as fixed):",
+                      f"sds (Welch-Satterthwaite degrees of freedom{span}; the test images are taken as fixed):",
                   *head]
         for name, d in summary["vs_reference"].items():
             lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k), "seed_means")

@@ -284,6 +284,12 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
         intervals.append((d["lo"], d["hi"]))
         assert d["lo"] < 0 < d["hi"] and d["seed_means"]["lo"] < 0 < d["seed_means"]["hi"]
     assert intervals[0] != intervals[1]
+    import re
+
+    # Welch's degrees of freedom as they came out: between n - 1 and 2n - 2 with n = 3 seeds a side.
+    lo, hi = map(float, re.search(r"degrees of freedom, ([0-9.]+) to ([0-9.]+) here", (out / "table.md").read_text())
+                 .groups())
+    assert 2 <= lo <= hi <= 4
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         ca.main([*base, "--bootstrap-seed", "-1"])

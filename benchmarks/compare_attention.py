@@ -9,6 +9,7 @@ images, and Welch's interval of the seed means) and an A/A noise floor.
     python benchmarks/compare_attention.py --table               # rebuild the table from results only
     python benchmarks/compare_attention.py --timing              # training steps/s alone (an idle machine)
     python benchmarks/compare_attention.py --score demo-soft     # the scoring alone, on any checkpoint
+    python benchmarks/compare_attention.py --score CANDIDATE.pt --against demo-soft --test-seeds 9001,9002,9003
 
 Trained on a GPU machine, scored on another (one without the evaluation's packages, say):
 
@@ -632,6 +633,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="at most this many tar files (0: no limit); a later --pack takes the rest")
     ap.add_argument("--unpack", metavar="TAR", type=Path, nargs="+", default=None,
                     help="only put packed trainings into the runs folder; the normal command then scores them")
+    ap.add_argument("--against", metavar="WEIGHTS", default=None,
+                    help="with --score: score this checkpoint too, and print --score's minus its figures with a "
+                         "paired bootstrap interval over the test images (two trained models, e.g. a candidate "
+                         "demo against the shipped one)")
     ap.add_argument("--run-one", metavar="TRAINING", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -642,6 +647,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--seeds and --test-seeds take comma-separated integers: {e}") from e
     if len(args.test_seed_list) != 3 or set(args.test_seed_list) & set(args.seed_list):
         raise UsageError("--test-seeds: three seeds, none of them a training seed")
+    if args.against and not args.score:
+        raise UsageError("--against goes with --score: --score CANDIDATE --against REFERENCE")
     if args.jobs < 0 or args.test_images < 1 or args.resamples < 1 or args.bootstrap_seed < 0:
         raise UsageError("--jobs and --bootstrap-seed must be >= 0, --test-images and --resamples >= 1")
     # What a job subprocess needs to find the same plan, data and folders.
@@ -722,25 +729,43 @@ def devices_line(where: dict[str, dict[str, list[int]]]) -> str:
             + "; ".join(f"{', '.join(rows)}: {key}" for key, rows in groups.items()) + ".")
 
 
-def score_only(weights: str, test_sets: dict[str, Path], beam_size: int) -> int:
+def score_only(weights: str, test_sets: dict[str, Path], beam_size: int, against: str | None = None,
+               resamples: int = 2000, seed: int = 0) -> dict:
+    """The comparison's figures of one checkpoint on each test set, printed; with ``against``,
+    that checkpoint's too and the difference weights - against, all test sets together, with
+    a 95% bootstrap interval over the test images (paired: the same images for both; two
+    fixed models, so no seed part). Returns the differences (empty without ``against``)."""
     from captioner.checkpoint import CheckpointError
     from captioner.inference import Captioner
 
-    try:
-        cap = Captioner.load(weights)
-    except CheckpointError as e:
-        raise UsageError(str(e)) from e
-    tests = evaluate_checkpoint(cap, {}, test_sets, beam_size, progress=True)
     names = ["object_accuracy", "relation_accuracy", "pointing", "pointing_generated", "pointing_chance",
              "mass_in_box", "entropy", "BLEU-4", "CIDEr"]
-    print("| test set | " + " | ".join(names) + " | words scored (reference / own) |")
-    print("|---" * (len(names) + 2) + "|")
-    for name, t in tests.items():
-        f = t["figures"]
-        cells = ["n/a" if f.get(n) is None else f"{f[n]:.3f}" for n in names]
-        words = f"{sum(t['stats'].get('pt_n', [])):,} / {sum(t['stats'].get('gen_n', [])):,}"
-        print(f"| {name} | " + " | ".join(cells) + f" | {words} |")
-    return 0
+    scored = {}
+    for w in [weights] + ([against] if against else []):
+        try:
+            cap = Captioner.load(w)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from e
+        tests = evaluate_checkpoint(cap, {}, test_sets, beam_size, progress=True)
+        print(f"\n{w}:\n")
+        print("| test set | " + " | ".join(names) + " | words scored (reference / own) |")
+        print("|---" * (len(names) + 2) + "|")
+        for name, t in tests.items():
+            f = t["figures"]
+            cells = ["n/a" if f.get(n) is None else f"{f[n]:.3f}" for n in names]
+            words = f"{sum(t['stats'].get('pt_n', [])):,} / {sum(t['stats'].get('gen_n', [])):,}"
+            print(f"| {name} | " + " | ".join(cells) + f" | {words} |")
+        scored[w] = cs.concat([tests[n]["stats"] for n in sorted(tests)])
+    if not against:
+        return {}
+    n = len(next(iter(scored[weights].values())))
+    diff = cs.paired_difference(scored[weights], scored[against], cs.bootstrap_weights(n, resamples, seed))
+    print(f"\n{weights} - {against}, {n:,} images, 95% interval over the images ({resamples:,} resamples):\n")
+    print("| figure | difference | interval |\n|---|---|---|")
+    for name in names:
+        d = diff.get(name)
+        print(f"| {name} | " + ("n/a | n/a |" if d is None else f"{d['diff']:+.3f} | [{d['lo']:+.3f}, {d['hi']:+.3f}] |"))
+    return diff
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -786,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     test_sets = None if args.train_only and not args.score else ensure_test_sets(args.test_seed_list, args.test_images, args.test_root)
     if args.score:
-        return score_only(args.score, test_sets, args.beam_size)
+        score_only(args.score, test_sets, args.beam_size, args.against, args.resamples, args.bootstrap_seed)
+        return 0
     if args.run_one is not None:
         mine = [r for r in rows if r.train_key == args.run_one]
         return run_job(mine, args.seed, recipe, args.recipe, steps, test_sets, out, runs, args.beam_size,

@@ -394,3 +394,20 @@ def test_the_table_says_which_device_trained_each_seed(tmp_path):
     assert where == {"additive": {"auto": [0, 1, 2], "cuda": [4]}, "concat": {"auto": [0, 1, 2], "cuda": [4]}}
     assert ca.devices_line(where).endswith("additive, concat: auto 0-2; cuda 4.")
     assert ca._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
+
+
+def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys):
+    rows = _rows_file(tmp_path)
+    assert ca.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
+    runs = tmp_path / "runs" / "tiny-3steps" / "additive"
+    a, b = str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt")
+    tests = ca.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    same = ca.score_only(a, tests, 1, against=a, resamples=50)
+    assert all(d is None or (d["diff"] == 0 and d["lo"] == 0 == d["hi"]) for d in same.values())
+    other = ca.score_only(b, tests, 1, against=a, resamples=50)
+    assert other["entropy"]["diff"] != 0 and other["entropy"]["lo"] < other["entropy"]["hi"]
+    out = capsys.readouterr().out
+    assert f"{b} - {a}, 9 images" in out and "| entropy |" in out
+    with pytest.raises(SystemExit) as e:
+        ca.parse_args(["--against", a])
+    assert e.value.code == 2

@@ -368,6 +368,18 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     return 0
 
 
+def _device_of(recipe: dict, steps: int, row: Row, device: str | None) -> str:
+    from train.config import load_config
+
+    return load_config(ROOT / recipe["config"], training_sets(recipe, steps, row, 0, device)).optim.device
+
+
+def _device_here(device: str) -> bool:
+    import torch
+
+    return not device.startswith("cuda") or torch.cuda.is_available()
+
+
 def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, test_sets: dict[str, Path] | None,
             out: Path, runs: Path) -> list[str]:
     """Every missing (training, seed), ``args.jobs`` at a time (0: in this process);
@@ -381,6 +393,14 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
             if any(not result_path(out, r, seed).is_file() for r in by_key[key])
             and not (test_sets is None and _last_step(runs / key / f"seed{seed}") == steps)]
     done = sum(len(seeds) for _ in by_key) - len(todo)
+    # A training on a device this machine lacks (a row that names cuda, run on a CPU) is left
+    # out with a note, unless a finished last.pt waits to be scored: not a failure of the rest.
+    absent = [(k, s) for k, s in todo if not _device_here(_device_of(recipe, steps, by_key[k][0], args.device))
+              and _last_step(runs / k / f"seed{s}") != steps]
+    if absent:
+        print(f"left out, their device is not on this machine: "
+              f"{', '.join(f'{k} seed {s}' for k, s in absent)}", file=sys.stderr)
+        todo = [t for t in todo if t not in absent]
     print(f"{len(todo)} training(s) to run, {done} already finished; logs in {runs / 'logs'}", file=sys.stderr)
     if not todo:
         return []

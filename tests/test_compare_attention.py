@@ -411,3 +411,16 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
     with pytest.raises(SystemExit) as e:
         ca.parse_args(["--against", a])
     assert e.value.code == 2
+
+
+def test_a_row_whose_device_this_machine_lacks_is_left_out_not_failed(tmp_path, monkeypatch, capsys):
+    rows = _rows_file(tmp_path, '''[[rows]]
+name = "additive-cuda"
+sets = ["optim.device=cuda", "optim.precision=fp32"]
+''')
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ca.main(_args(tmp_path, rows, "--rows", "additive,additive-cuda", "--seeds", "0", "--skip-timing")) == 0
+    err = capsys.readouterr().err
+    assert "left out, their device is not on this machine: additive-cuda seed 0" in err
+    results = tmp_path / "out" / "tiny-3steps" / "results"
+    assert (results / "additive" / "seed0.json").is_file() and not (results / "additive-cuda").exists()

@@ -1,0 +1,112 @@
+"""Where each head of a multi-head model looks: the pointing game and the mass in the box for
+every head's own map and for their mean (the map the overlay shows by default), on the same
+reference words as the attention comparison (each test image's first reference caption fed
+to the model; its colour and shape words that name an object uniquely present).
+
+    python benchmarks/head_pointing.py runs/attention-comparison/full-3752steps/heads4/seed0 \\
+        --data data/shapes-test7001-1000 --images 1000
+
+The weights are a checkpoint file or a run folder (its last.pt, with the moving average of the
+weights where the run keeps one: the attention comparison's checkpoint rule). Also useful on a
+single-head model: its one head is its mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]  # compare_attention, beside this file
+
+from captioner.data.coco import ImageDataset, load_split  # noqa: E402
+from captioner.grounding import load_shape_objects, pointing_game  # noqa: E402
+from captioner.inference import Captioner  # noqa: E402
+from captioner.vocab import tokenize  # noqa: E402
+
+
+@dataclass
+class HeadPointing:
+    """Strict pointing and mass in box per map: the mean map first, then head 1, 2, ..."""
+    hits: np.ndarray  # (1 + h,) words whose argmax cell lies in the named object's box
+    mass: np.ndarray  # (1 + h,) summed mass in that box
+    words: int  # words scored (the same for every map)
+    best_head_hits: int  # words where at least one head's argmax lies in the box
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        names = ["mean of heads"] + [f"head {i + 1}" for i in range(len(self.hits) - 1)]
+        n = max(1, self.words)
+        return [(name, h / n, m / n) for name, h, m in zip(names, self.hits, self.mass)]
+
+
+def load(weights: str) -> Captioner:
+    path = Path(weights)
+    if path.is_dir():
+        import compare_attention
+
+        return compare_attention.last_step_model(path)
+    return Captioner.load(weights)
+
+
+@torch.inference_mode()
+def head_pointing(cap: Captioner, folder: Path, images: int, batch_size: int = 32) -> HeadPointing:
+    records = load_split(folder, "test")[:images]
+    objects = load_shape_objects(folder / "instances_test.json")
+    data = ImageDataset(records, cap.preprocess)
+    cap.model.eval()
+    hits = mass = None
+    words_scored = best = 0
+    for start in range(0, len(records), batch_size):
+        idx = range(start, min(start + batch_size, len(records)))
+        images_t = torch.stack([data[i][0] for i in idx])
+        words = [tokenize(records[i].captions[0]) for i in idx]
+        ids = [cap.vocab.encode(w) for w in words]
+        lengths = torch.tensor([len(x) for x in ids])
+        tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
+        for i, x in enumerate(ids):
+            tokens[i, :len(x)] = torch.tensor(x)
+        out = cap.model(images_t, tokens, lengths)
+        grid = cap.model.encode(images_t[:1]).grid
+        heads = out.alphas_heads if out.alphas_heads is not None else out.alphas.unsqueeze(2)  # (B, T, h, L)
+        maps = torch.cat([out.alphas.unsqueeze(2), heads], dim=2)  # the mean first
+        maps = maps.unflatten(3, grid).double().numpy()  # (B, T, 1 + h, H, W)
+        if hits is None:
+            hits, mass = np.zeros(maps.shape[2]), np.zeros(maps.shape[2])
+        for b, i in enumerate(idx):
+            img = objects[records[i].image_id]
+            per_map = [pointing_game(words[b], maps[b, :len(words[b]), k], img.objects, img.size)
+                       for k in range(maps.shape[2])]
+            words_scored += len(per_map[0])
+            for k, recs in enumerate(per_map):
+                hits[k] += sum(r.hit for r in recs)
+                mass[k] += sum(r.mass for r in recs)
+            best += sum(any(per_map[k][w].hit for k in range(1, len(per_map))) for w in range(len(per_map[0])))
+    return HeadPointing(hits, mass, words_scored, best)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("weights", nargs="+", help="checkpoint files or run folders")
+    ap.add_argument("--data", type=Path, required=True, help="a shapes test set (captioner shapes ... --test N)")
+    ap.add_argument("--images", type=int, default=1000, help="its first N test images")
+    args = ap.parse_args(argv)
+    if not (args.data / "instances_test.json").is_file():
+        ap.error(f"{args.data} has no instances_test.json: make one with captioner shapes --train 0 --val 0 --test N")
+    if args.images < 1:
+        ap.error("--images must be >= 1")
+    print("| weights | map | strict pointing | mass in box |\n|---|---|---|---|")
+    for w in args.weights:
+        r = head_pointing(load(w), args.data, args.images)
+        for name, p, m in r.rows():
+            print(f"| {w} | {name} | {p:.3f} | {m:.3f} |")
+        print(f"| {w} | any head | {r.best_head_hits / max(1, r.words):.3f} | |")
+        print(f"<!-- {w}: {r.words:,} words scored -->")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

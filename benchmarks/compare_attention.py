@@ -784,7 +784,8 @@ def score_only(weights: str, test_sets: dict[str, Path], beam_size: int, against
     print("| figure | difference | interval |\n|---|---|---|")
     for name in names:
         d = diff.get(name)
-        print(f"| {name} | " + ("n/a | n/a |" if d is None else f"{d['diff']:+.3f} | [{d['lo']:+.3f}, {d['hi']:+.3f}] |"))
+        cells = "n/a | n/a" if d is None else f"{d['diff']:+.3f} | [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+        print(f"| {name} | {cells} |")
     return diff
 
 
@@ -829,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.timing:
         time_trainings(rows, recipe, out, args.timing_steps, args.timing_rounds, device=args.device)
         return 0
-    test_sets = None if args.train_only and not args.score else ensure_test_sets(args.test_seed_list, args.test_images, args.test_root)
+    test_sets = (None if args.train_only and not args.score
+                 else ensure_test_sets(args.test_seed_list, args.test_images, args.test_root))
     if args.score:
         score_only(args.score, test_sets, args.beam_size, args.against, args.resamples, args.bootstrap_seed)
         return 0

@@ -581,6 +581,10 @@ def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds:
     keys: dict[str, Row] = {}
     for r in rows:
         keys.setdefault(r.train_key, r)
+    absent = [k for k, r in keys.items() if not _device_here(_device_of(recipe, measured, r, device))]
+    if absent:
+        print(f"not timed, their device is not on this machine: {', '.join(absent)}", file=sys.stderr)
+        keys = {k: r for k, r in keys.items() if k not in absent}
     rates: dict[str, list[float]] = {k: [] for k in keys}
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     prepare_training_data(recipe, measured, rows[0])

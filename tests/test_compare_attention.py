@@ -424,3 +424,9 @@ sets = ["optim.device=cuda", "optim.precision=fp32"]
     assert "left out, their device is not on this machine: additive-cuda seed 0" in err
     results = tmp_path / "out" / "tiny-3steps" / "results"
     assert (results / "additive" / "seed0.json").is_file() and not (results / "additive-cuda").exists()
+    # Nor timed: the other rows are.
+    assert ca.main(_args(tmp_path, rows, "--rows", "additive,additive-cuda", "--timing", "--timing-steps", "5",
+                         "--timing-rounds", "1")) == 0
+    assert "not timed, their device is not on this machine: additive-cuda" in capsys.readouterr().err
+    timing = json.loads((tmp_path / "out" / "tiny-3steps" / "timing.json").read_text())["rates"]
+    assert set(timing) == {"additive"}

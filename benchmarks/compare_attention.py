@@ -160,17 +160,18 @@ def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, P
 
 # ------------------------------------------------------------------------ evaluation
 
-def forced_maps(cap, records, batch_size: int = 32) -> list[tuple[list[str], np.ndarray]]:
-    """Each image's first reference caption fed to the model (teacher forcing): its words
-    and the map of every word's step, (T, H, W). The words scored for pointing are then
-    the same for every model, whatever it would have said."""
+def forced_outputs(cap, records, batch_size: int = 32):
+    """Each image's first reference caption fed to the model (teacher forcing), a batch at a
+    time: yields (the batch's record indices, their caption words, the model's DecoderOutput,
+    the annotation grid (H, W)). The words scored for pointing are then the same for every
+    model, whatever it would have said."""
     import torch
 
     from captioner.data.coco import ImageDataset
     from captioner.vocab import tokenize
 
     data = ImageDataset(records, cap.preprocess)
-    out = []
+    grid = None
     for start in range(0, len(records), batch_size):
         idx = range(start, min(start + batch_size, len(records)))
         images = torch.stack([data[i][0] for i in idx])
@@ -180,11 +181,19 @@ def forced_maps(cap, records, batch_size: int = 32) -> list[tuple[list[str], np.
         tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
         for i, x in enumerate(ids):
             tokens[i, :len(x)] = torch.tensor(x)
+        if grid is None:  # one model, one image size: one grid
+            grid = cap.model.encode(images[:1]).grid  # (H, W), H * W = L
         # From the images, as training calls it: whatever the model does to the annotations
         # after the encoder (grid self-attention) happens here as it does there.
-        alphas = cap.model(images, tokens, lengths).alphas  # (B, T, L)
-        grid = cap.model.encode(images[:1]).grid  # (H, W), H * W = L
-        maps = alphas.unflatten(2, grid).double().numpy()  # (B, T, H, W)
+        yield idx, words, cap.model(images, tokens, lengths), grid
+
+
+def forced_maps(cap, records, batch_size: int = 32) -> list[tuple[list[str], np.ndarray]]:
+    """Each image's first reference caption (forced_outputs): its words and the map of every
+    word's step, (T, H, W)."""
+    out = []
+    for _, words, output, grid in forced_outputs(cap, records, batch_size):
+        maps = output.alphas.unflatten(2, grid).double().numpy()  # (B, T, H, W)
         out += [(w, maps[i, :len(w)]) for i, w in enumerate(words)]
     return out
 
@@ -291,6 +300,14 @@ def last_step_model(run_dir: Path):
     if average is not None:
         ckpt["state_dict"] = average["tensors"]
     return Captioner.from_checkpoint(ckpt)
+
+
+def load_weights(weights: str | os.PathLike):
+    """A checkpoint file, a bundled model's name, or a run folder (its last.pt under the
+    checkpoint rule, last_step_model). Returns a Captioner."""
+    from captioner.inference import Captioner
+
+    return last_step_model(Path(weights)) if Path(weights).is_dir() else Captioner.load(weights)
 
 
 def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:

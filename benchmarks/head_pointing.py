@@ -23,10 +23,11 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]  # compare_attention, beside this file
 
-from captioner.data.coco import ImageDataset, load_split  # noqa: E402
+from compare_attention import forced_outputs, load_weights  # noqa: E402
+
+from captioner.data.coco import load_split  # noqa: E402
 from captioner.grounding import load_shape_objects, pointing_game  # noqa: E402
 from captioner.inference import Captioner  # noqa: E402
-from captioner.vocab import tokenize  # noqa: E402
 
 
 @dataclass
@@ -43,34 +44,14 @@ class HeadPointing:
         return [(name, h / n, m / n) for name, h, m in zip(names, self.hits, self.mass)]
 
 
-def load(weights: str) -> Captioner:
-    path = Path(weights)
-    if path.is_dir():
-        import compare_attention
-
-        return compare_attention.last_step_model(path)
-    return Captioner.load(weights)
-
-
 @torch.inference_mode()
 def head_pointing(cap: Captioner, folder: Path, images: int, batch_size: int = 32) -> HeadPointing:
     records = load_split(folder, "test")[:images]
     objects = load_shape_objects(folder / "instances_test.json")
-    data = ImageDataset(records, cap.preprocess)
     cap.model.eval()
     hits = mass = None
     words_scored = best = 0
-    for start in range(0, len(records), batch_size):
-        idx = range(start, min(start + batch_size, len(records)))
-        images_t = torch.stack([data[i][0] for i in idx])
-        words = [tokenize(records[i].captions[0]) for i in idx]
-        ids = [cap.vocab.encode(w) for w in words]
-        lengths = torch.tensor([len(x) for x in ids])
-        tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
-        for i, x in enumerate(ids):
-            tokens[i, :len(x)] = torch.tensor(x)
-        out = cap.model(images_t, tokens, lengths)
-        grid = cap.model.encode(images_t[:1]).grid
+    for idx, words, out, grid in forced_outputs(cap, records, batch_size):
         heads = out.alphas_heads if out.alphas_heads is not None else out.alphas.unsqueeze(2)  # (B, T, h, L)
         maps = torch.cat([out.alphas.unsqueeze(2), heads], dim=2)  # the mean first
         maps = maps.unflatten(3, grid).double().numpy()  # (B, T, 1 + h, H, W)
@@ -100,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--images must be >= 1")
     print("| weights | map | strict pointing | mass in box |\n|---|---|---|---|")
     for w in args.weights:
-        r = head_pointing(load(w), args.data, args.images)
+        r = head_pointing(load_weights(w), args.data, args.images)
         for name, p, m in r.rows():
             print(f"| {w} | {name} | {p:.3f} | {m:.3f} |")
         print(f"| {w} | any head | {r.best_head_hits / max(1, r.words):.3f} | |")

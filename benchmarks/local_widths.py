@@ -70,14 +70,9 @@ def half_widths(cap: Captioner, images: list, batch_size: int = 16) -> Widths:
                   tuple(results[0].alphas.shape[-2:]))
 
 
-def load(weights: Path) -> Captioner:
-    if weights.is_dir():
-        from compare_attention import last_step_model  # beside this script
-        return last_step_model(weights)
-    return Captioner.load(weights)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from compare_attention import load_weights  # beside this script
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("weights", type=Path, help="a checkpoint file, or a run folder (its last.pt)")
@@ -94,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         ap.error(f"no images in {args.images}")
     try:
-        w = half_widths(load(args.weights), [Image.open(p).convert("RGB") for p in paths])
+        w = half_widths(load_weights(args.weights), [Image.open(p).convert("RGB") for p in paths])
     except ValueError as e:
         print(f"{args.weights}: {e}", file=sys.stderr)
         return 2

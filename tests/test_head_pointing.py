@@ -44,25 +44,31 @@ def test_each_head_and_the_mean_are_scored_on_the_same_words(shapes):
     cap = tiny_captioner(seed=3, heads=2)
     r = hp.head_pointing(cap, shapes, images=7, batch_size=3)
     assert len(r.hits) == len(r.mass) == 3 and r.words > 0
-    # The mean map: as the attention comparison scores it.
-    with torch.inference_mode():
-        hits, mass, words = _pointing(shapes, lambda recs: ca.forced_maps(cap, recs))
-    assert (r.hits[0], r.words) == (hits, words) and r.mass[0] == pytest.approx(mass)
-    # Head 2 on its own: its maps differ from the mean's, and are scored apart.
     from captioner.data.coco import ImageDataset
     from captioner.vocab import tokenize
 
-    def head_maps(recs, head=1):
+    def maps_one_by_one(recs, head=None):
+        """Each image alone, apart from the batched code under test: the mean map (head None)
+        or one head's."""
         out = []
-        for rec in recs:  # one image at a time, apart from the batched code under test
+        for rec in recs:
             words = tokenize(rec.captions[0])
             x = ImageDataset([rec], cap.preprocess)[0][0][None]
             ids = torch.tensor([cap.vocab.encode(words)])
             with torch.inference_mode():
-                a = cap.model(x, ids, torch.tensor([ids.shape[1]])).alphas_heads[0, :, head]
+                o = cap.model(x, ids, torch.tensor([ids.shape[1]]))
+            a = o.alphas[0] if head is None else o.alphas_heads[0, :, head]
             out.append((words, a.unflatten(1, cap.model.encode(x).grid).double().numpy()))
         return out
 
+    # The mean map: as the attention comparison scores it (forced_maps), and image by image.
+    with torch.inference_mode():
+        hits, mass, words = _pointing(shapes, lambda recs: ca.forced_maps(cap, recs))
+    assert (r.hits[0], r.words) == (hits, words) and r.mass[0] == pytest.approx(mass)
+    hits0, mass0, words0 = _pointing(shapes, maps_one_by_one)
+    assert (r.hits[0], r.words) == (hits0, words0) and r.mass[0] == pytest.approx(mass0)
+    # Head 2 on its own: its maps differ from the mean's, and are scored apart.
+    head_maps = lambda recs: maps_one_by_one(recs, head=1)  # noqa: E731
     hits2, mass2, _ = _pointing(shapes, head_maps)
     assert r.hits[2] == hits2 and r.mass[2] == pytest.approx(mass2)
     assert r.mass[0] == pytest.approx((r.mass[1] + r.mass[2]) / 2)  # mass is linear in the map: the mean's is the mean

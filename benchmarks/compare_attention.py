@@ -293,13 +293,16 @@ def last_step_model(run_dir: Path):
     their moving average where the recipe keeps one (as demo-soft ships), whatever
     validation said on the way. Returns a Captioner."""
     from captioner.checkpoint import load_checkpoint
+
+    return model_at_last_step(load_checkpoint(run_dir / "last.pt"))
+
+
+def model_at_last_step(ckpt: dict):
+    """last_step_model's rule on a last.pt already read (left as it was). Returns a Captioner."""
     from captioner.inference import Captioner
 
-    ckpt = load_checkpoint(run_dir / "last.pt")
     average = ckpt["train_state"].get("weight_average")
-    if average is not None:
-        ckpt["state_dict"] = average["tensors"]
-    return Captioner.from_checkpoint(ckpt)
+    return Captioner.from_checkpoint(ckpt if average is None else {**ckpt, "state_dict": average["tensors"]})
 
 
 def load_weights(weights: str | os.PathLike):
@@ -320,12 +323,6 @@ def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
 
         generate_dataset(Path(d.dir), {d.train_split: d.shapes_train, d.val_split: d.shapes_val},
                          seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True)
-
-
-def _train_seconds(run_dir: Path) -> float:
-    from captioner.checkpoint import load_checkpoint
-
-    return load_checkpoint(run_dir / "last.pt")["train_state"]["train_seconds"]
 
 
 def _trained_on(run_dir: Path) -> str:
@@ -350,8 +347,9 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     if _last_step(run_dir) != steps:  # not started, or stopped on the way: resume from last.pt
         cfg = load_config(ROOT / recipe["config"], training_sets(recipe, steps, pending[0], seed, device))
         resume = (run_dir / "last.pt").is_file()
-        if resume and _trained_on(run_dir) != cfg.optim.device:  # one run, one device's arithmetic
-            raise RuntimeError(f"{run_dir}: started with optim.device={_trained_on(run_dir)}, not "
+        started_on = _trained_on(run_dir) if resume else cfg.optim.device
+        if started_on != cfg.optim.device:  # one run, one device's arithmetic
+            raise RuntimeError(f"{run_dir}: started with optim.device={started_on}, not "
                                f"{cfg.optim.device}; resume it there (--device), or delete the folder to start over")
         if cfg.optim.device.startswith("cuda"):
             import torch
@@ -365,14 +363,18 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
             raise RuntimeError(f"{run_dir}: training ended ({outcome.reason}) at step {outcome.step}, not {steps}")
     if test_sets is None:
         return 0
+    from captioner.checkpoint import load_checkpoint
+
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     val = next((r for r in reversed(log) if "val" in r), None)  # the one validation, at the end
-    cap = last_step_model(run_dir)
+    last = load_checkpoint(run_dir / "last.pt")
+    state = last["train_state"]
+    cap = model_at_last_step(last)
     for row in pending:
         tests = evaluate_checkpoint(cap, row.decode, test_sets, beam_size, progress)
         record = {"row": row.name, "seed": seed, "recipe": recipe_name, "steps": steps, "sets": list(row.sets),
                   "decode": row.decode, "checkpoint": f"last.pt at step {steps}, its weight average if any",
-                  "train_seconds": round(_train_seconds(run_dir), 1), "trained_on": _trained_on(run_dir),
+                  "train_seconds": round(state["train_seconds"], 1), "trained_on": state["config"]["optim"]["device"],
                   "validation": val, "tests": tests}
         path = result_path(out, row, seed)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -406,18 +408,25 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     by_key: dict[str, list[Row]] = {}
     for r in rows:
         by_key.setdefault(r.train_key, []).append(r)
-    todo = [(key, seed) for key in by_key for seed in seeds
-            if any(not result_path(out, r, seed).is_file() for r in by_key[key])
-            and not (test_sets is None and _last_step(runs / key / f"seed{seed}") == steps)]
-    done = sum(len(seeds) for _ in by_key) - len(todo)
     # A training on a device this machine lacks (a row that names cuda, run on a CPU) is left
     # out with a note, unless a finished last.pt waits to be scored: not a failure of the rest.
-    absent = [(k, s) for k, s in todo if not _device_here(_device_of(recipe, steps, by_key[k][0], args.device))
-              and _last_step(runs / k / f"seed{s}") != steps]
+    here = {k: _device_here(_device_of(recipe, steps, r[0], args.device)) for k, r in by_key.items()}
+    todo, absent = [], []
+    for key in by_key:
+        for seed in seeds:
+            if all(result_path(out, r, seed).is_file() for r in by_key[key]):
+                continue
+            if here[key] and test_sets is not None:
+                todo.append((key, seed))
+                continue
+            finished = _last_step(runs / key / f"seed{seed}") == steps
+            if test_sets is None and finished:
+                continue
+            (todo if here[key] or finished else absent).append((key, seed))
+    done = sum(len(seeds) for _ in by_key) - len(todo) - len(absent)
     if absent:
         print(f"left out, their device is not on this machine: "
               f"{', '.join(f'{k} seed {s}' for k, s in absent)}", file=sys.stderr)
-        todo = [t for t in todo if t not in absent]
     print(f"{len(todo)} training(s) to run, {done} already finished; logs in {runs / 'logs'}", file=sys.stderr)
     if not todo:
         return []
@@ -478,19 +487,14 @@ PACKED = "packed"  # a marker in a run folder: packed once already
 _MEMBER = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*)/seed([0-9]+)/(last\.pt|metrics\.jsonl|config\.toml)$")
 
 
-def slim_checkpoint(run_dir: Path) -> dict:
-    """A finished run's last.pt as it is scored (last_step_model): the weights at the last
+def slim_checkpoint(ckpt: dict) -> dict:
+    """A finished run's last.pt as it is scored (model_at_last_step): the weights at the last
     step, their moving average where the recipe keeps one, with the step, training time and
     config; no optimizer state (about a quarter of the size; it cannot be resumed)."""
-    from captioner.checkpoint import load_checkpoint
-
-    ckpt = load_checkpoint(run_dir / "last.pt")
     ts = ckpt["train_state"]
     average = ts.get("weight_average")
-    if average is not None:
-        ckpt["state_dict"] = average["tensors"]
-    ckpt["train_state"] = {k: ts[k] for k in ("step", "epoch", "batch_in_epoch", "train_seconds", "config")}
-    return ckpt
+    return {**ckpt, "state_dict": ckpt["state_dict"] if average is None else average["tensors"],
+            "train_state": {k: ts[k] for k in ("step", "epoch", "batch_in_epoch", "train_seconds", "config")}}
 
 
 def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: Path, limit_bytes: int,
@@ -504,37 +508,38 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
 
     import torch
 
+    from captioner.checkpoint import load_checkpoint
+
     dest.mkdir(parents=True, exist_ok=True)
     start = len(list(dest.glob("runs-*.tar")))
     files: list[Path] = []
     tar, size = None, 0
-    for key in keys:
-        for seed in seeds:
-            run_dir = runs / key / f"seed{seed}"
-            if _last_step(run_dir) != steps or (run_dir / PACKED).exists():
-                continue
-            buf = io.BytesIO()
-            torch.save(slim_checkpoint(run_dir), buf)
-            members = {"last.pt": buf.getvalue(), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes(),
-                       "config.toml": (run_dir / "config.toml").read_bytes()}
-            need = sum(len(v) + 1024 for v in members.values())
-            if tar is None or (size and size + need > limit_bytes):
-                if max_files and len(files) == max_files:
-                    break
-                if tar is not None:
-                    tar.close()
-                files.append(dest / f"runs-{start + len(files) + 1:03d}.tar")
-                tar, size = tarfile.open(files[-1], "w"), 0
-            for name, data in members.items():
-                info = tarfile.TarInfo(f"{key}/seed{seed}/{name}")
-                info.size, info.mtime = len(data), 0
-                tar.addfile(info, io.BytesIO(data))
-            size += need
-            (run_dir / PACKED).touch()
-            print(f"packed {key} seed {seed} into {files[-1].name}", file=sys.stderr)
-        else:
+    for key, seed in ((k, s) for k in keys for s in seeds):
+        run_dir = runs / key / f"seed{seed}"
+        if (run_dir / PACKED).exists() or not (run_dir / "last.pt").is_file():
             continue
-        break  # max_files reached
+        ckpt = load_checkpoint(run_dir / "last.pt")
+        if ckpt["train_state"]["step"] != steps:
+            continue
+        buf = io.BytesIO()
+        torch.save(slim_checkpoint(ckpt), buf)
+        members = {"last.pt": buf.getvalue(), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes(),
+                   "config.toml": (run_dir / "config.toml").read_bytes()}
+        need = sum(len(v) + 1024 for v in members.values())
+        if tar is None or (size and size + need > limit_bytes):
+            if max_files and len(files) == max_files:
+                break  # the rest wait for the next --pack
+            if tar is not None:
+                tar.close()
+            files.append(dest / f"runs-{start + len(files) + 1:03d}.tar")
+            tar, size = tarfile.open(files[-1], "w"), 0
+        for name, data in members.items():
+            info = tarfile.TarInfo(f"{key}/seed{seed}/{name}")
+            info.size, info.mtime = len(data), 0
+            tar.addfile(info, io.BytesIO(data))
+        size += need
+        (run_dir / PACKED).touch()
+        print(f"packed {key} seed {seed} into {files[-1].name}", file=sys.stderr)
     if tar is not None:
         tar.close()
     return files
@@ -732,20 +737,18 @@ def table_for(plan: Plan, rows: list[Row], out: Path, recipe_name: str, steps: i
     header = (f"Recipe `{recipe_name}`: {steps:,} training steps, the weights at the last step; "
               f"{summary['n_images']:,} test images (test sets of seeds {args.test_seeds}), beam {args.beam_size}; "
               "mean ± sd over seeds.")
-    devices = trained_where(out, list(summary["rows"]))
+    devices = trained_where(found)
     for name, where in devices.items():
         summary["rows"][name]["trained_on"] = where
     return ct.markdown(summary, timing, header) + "\n\n" + devices_line(devices), summary
 
 
-def trained_where(out: Path, rows: list[str]) -> dict[str, dict[str, list[int]]]:
-    """row -> device its seeds were trained on (a result's "trained_on", optim.device; results
-    written before it was recorded say nothing: "auto") -> those seeds."""
+def trained_where(found: dict[str, dict[int, dict]]) -> dict[str, dict[str, list[int]]]:
+    """row -> device its seeds were trained on (ct.load_results' "trained_on") -> those seeds."""
     where: dict[str, dict[str, list[int]]] = {}
-    for row in rows:
-        for path in sorted((out / "results" / row).glob("seed*[0-9].json")):
-            rec = json.loads(path.read_text())
-            where.setdefault(row, {}).setdefault(rec.get("trained_on", "auto"), []).append(rec["seed"])
+    for row, by_seed in found.items():
+        for seed in sorted(by_seed):
+            where.setdefault(row, {}).setdefault(by_seed[seed]["trained_on"], []).append(seed)
     return where
 
 

@@ -35,7 +35,9 @@ def load_results(out: Path, rows: list[str]) -> dict[str, dict[int, dict]]:
             names = sorted(tests)
             ids = [(n, i) for n in names for i in tests[n]["image_ids"]]
             cols = cs.concat([tests[n]["stats"] for n in names])
-            found.setdefault(row, {})[rec["seed"]] = {"ids": ids, "stats": cols}
+            # The device that trained it (optim.device); results from before it was recorded: "auto".
+            found.setdefault(row, {})[rec["seed"]] = {"ids": ids, "stats": cols,
+                                                      "trained_on": rec.get("trained_on", "auto")}
     return found
 
 

@@ -301,7 +301,7 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
 def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys):
     rows = _rows_file(tmp_path)
     gpu_box = _args(tmp_path, rows, "--rows", "additive")
-    assert ca.main([*gpu_box, "--train-only"]) == 0
+    assert ca.main([*gpu_box, "--train-only", "--device", "cpu"]) == 0  # a device named: recorded as such
     out, runs = tmp_path / "out" / "tiny-3steps", tmp_path / "runs" / "tiny-3steps"
     assert not (out / "results").exists() and not (tmp_path / "tests").exists()  # nothing scored, no test sets
     assert [ca._last_step(runs / "additive" / f"seed{s}") for s in (0, 1)] == [3, 3]
@@ -331,7 +331,7 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
     monkeypatch.setattr(train.loop, "train", no_training)
     assert ca.main([*gpu_box, *here, "--skip-timing"]) == 0
     rec = json.loads((out / "results" / "additive" / "seed0.json").read_text())
-    assert rec["steps"] == 3 and rec["trained_on"] == "auto" and sorted(rec["tests"]) == ["test7001", "test7002",
+    assert rec["steps"] == 3 and rec["trained_on"] == "cpu" and sorted(rec["tests"]) == ["test7001", "test7002",
                                                                                           "test7003"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:  # never over a run already there
@@ -390,7 +390,7 @@ def test_the_table_says_which_device_trained_each_seed(tmp_path):
         if device:
             path = out / "results" / row / f"seed{seed}.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), "trained_on": device}))
-    where = ca.trained_where(out, ["additive", "concat"])
+    where = ca.trained_where(ct.load_results(out, ["additive", "concat"]))
     assert where == {"additive": {"auto": [0, 1, 2], "cuda": [4]}, "concat": {"auto": [0, 1, 2], "cuda": [4]}}
     assert ca.devices_line(where).endswith("additive, concat: auto 0-2; cuda 4.")
     assert ca._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"

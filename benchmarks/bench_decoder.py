@@ -13,6 +13,10 @@ one tensor program).
 128 px images, 128/256/128, 30 words, captions of 5 to 12 words), training only.
 --model KEY=VALUE (repeatable) changes the model's attention, e.g. --model heads=4, or
 --model local_window=2 --model local_width=learned, --model score=cosine.
+--search-demo N: beam search (k=3, up to 20 words) with a bundled demo model on N
+generated shapes images, batch 32: images/s and the decoder steps each image took (the
+search runs until no open beam can beat the best finished caption, so the steps depend
+on the model, not only on the caption lengths).
 """
 
 from __future__ import annotations
@@ -116,6 +120,44 @@ def demo(args) -> None:
     compare_previous(step(False), step(True), args.repeats)
 
 
+def search_demo(args) -> None:
+    """Beam search as users run it: a demo model on shapes images, where captions end."""
+    import tempfile
+    from pathlib import Path
+
+    from captioner.data.shapes import generate_dataset
+    from captioner.images import load_image
+    from captioner.inference import Captioner, DecodeOptions
+
+    cap = Captioner.load(args.weights)
+    with tempfile.TemporaryDirectory() as tmp:
+        generate_dataset(Path(tmp), {"test": args.search_demo}, seed=args.seed)
+        images = torch.stack([cap.preprocess(load_image(p))
+                              for p in sorted((Path(tmp) / "images" / "test").glob("*.png"))])
+    steps, real_step = [], cap.model.decoder.step
+
+    def counting_step(y, *a, **kw):
+        steps.append(y.shape[0])
+        return real_step(y, *a, **kw)
+
+    opts = DecodeOptions(beam_size=3, max_len=20)
+
+    def run() -> None:
+        for i in range(0, len(images), 32):
+            cap.caption_batch(images[i:i + 32], opts)
+
+    t = _timed(run, args.repeats)
+    cap.model.decoder.step = counting_step
+    try:
+        run()
+    finally:
+        del cap.model.decoder.step
+    beam_rows = sum(steps)  # one row per image and beam, every step
+    print(f"{args.weights}, {len(images)} shapes images (seed {args.seed}), beam 3, batch 32, CPU, "
+          f"{torch.get_num_threads()} threads")
+    print(f"beam search: {len(images) / t:.1f} images/s; decoder steps per image {beam_rows / 3 / len(images):.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -123,6 +165,10 @@ def main() -> None:
     ap.add_argument("--previous", action="store_true", help="also time the previous training step, interleaved")
     ap.add_argument("--demo", action="store_true", help="demo-soft's whole model instead (training only, CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--search-demo", type=int, default=0, metavar="N",
+                    help="beam search with a bundled demo model on N generated shapes images instead")
+    ap.add_argument("--weights", default="demo-soft", help="the demo model of --search-demo (default demo-soft)")
+    ap.add_argument("--seed", type=int, default=9102, help="the shapes images' seed for --search-demo")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="a model config field for the attention, e.g. heads=4 (repeatable)")
     args = ap.parse_args()
@@ -136,6 +182,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.demo:
         demo(args)
+        return
+    if args.search_demo:
+        search_demo(args)
         return
     dev = torch.device(args.device)
     torch.manual_seed(0)

@@ -5,9 +5,13 @@ Legend: B images, k beams, L locations, V vocabulary, T steps.
 Beam search runs B images x k beams as one (B*k)-row tensor program. A caption that
 emits <end> leaves the open beams for a pool of finished captions kept apart, per image
 (as in the authors' code), so open beams can never push it out; the best of the pool is
-returned. The search stops for an image when its pool is full or no open beam can beat
-the pool's best, else at ``max_len`` steps; with no <end> by then, the best open beam is
-returned (no crash).
+returned. The search is exact for its width: it stops for an image only when no open
+beam can still beat the pool's best, or at the length limit; with no <end> by then, the
+best open beam is returned (no crash).
+
+``max_len`` counts words, never the <end> token: a caption of exactly ``max_len`` words
+followed by <end> can come out. The step after the ``max_len``-th word can only end a
+caption; an open beam that does not end there is cut off at ``max_len`` words.
 """
 
 from __future__ import annotations
@@ -74,9 +78,16 @@ def _hard_kwargs(hard: str) -> dict:
     return {"argmax": hard == "argmax", "sample": hard == "sample"}
 
 
+def _check_max_len(max_len: int) -> None:
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len counts the words of a caption and must be >= 1, got {max_len!r}")
+
+
 @torch.no_grad()
 def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int,
            max_len: int, hard: str = "expected") -> list[DecodedIds]:
+    """The most likely next word at every step, up to ``max_len`` words and <end>."""
+    _check_max_len(max_len)
     ann = decoder.annotate(ann)
     a = ann.vectors
     kw = _hard_kwargs(hard)
@@ -86,17 +97,22 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
     y = torch.full((b,), start, dtype=torch.long, device=a.device)
     done = torch.zeros(b, dtype=torch.bool, device=a.device)
     ids, alphas, betas, logps, heads = [], [], [], [], []
-    for _ in range(max_len):
+    for t in range(max_len + 1):
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         h, c = o.h, o.c
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
         y = logp.argmax(-1)
+        counted = ~done
+        if t == max_len:  # past the last word only <end> may come; any other word is cut off
+            counted = counted & (y == end)
+            y = torch.where(y == end, y, torch.full_like(y, pad))
         ids.append(y)
         alphas.append(o.alpha)
         betas.append(o.beta)
         if o.alpha_heads is not None:
             heads.append(o.alpha_heads)
-        logps.append(torch.where(done, torch.zeros_like(y, dtype=logp.dtype), logp.gather(1, y[:, None]).squeeze(1)))
+        logps.append(torch.where(counted, logp.gather(1, y[:, None]).squeeze(1),
+                                 torch.zeros_like(y, dtype=logp.dtype)))
         done = done | (y == end)
         if bool(done.all()):
             break
@@ -104,7 +120,7 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
     alphas_t, betas_t = torch.stack(alphas, 1), torch.stack(betas, 1)  # (B, T, L), (B, T)
     heads_t = torch.stack(heads, 1) if heads else None  # (B, T, h, L)
     total = torch.stack(logps, 1).sum(1)
-    return [_trim(ids_t[i].tolist(), alphas_t[i], betas_t[i], float(total[i]), end,
+    return [_trim(ids_t[i].tolist(), alphas_t[i], betas_t[i], float(total[i]), end, pad,
                   heads_t[i] if heads_t is not None else None) for i in range(b)]
 
 
@@ -118,9 +134,11 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     ended. Every step ranks the k*V extensions of the open beams: an extension ending in
     <end> that is among the best k joins the pool (so a finished caption is never pushed
     out by open ones), and the best k extensions that did not end are the new open beams.
-    An image is done when its pool holds k captions, or when no open beam can still beat
-    the pool's best (log p only falls as words are added, so an open beam's best possible
-    rank is its score / max_len**length_penalty). It returns the pool's best; a caption
+    An image is done only when no open beam can still beat the pool's best: log p only
+    falls as words are added, so an open beam's best possible rank is its score /
+    (max_len + 1)**length_penalty (the longest caption it can still become). A full pool
+    is no reason to stop. At the step after the ``max_len``-th word the extensions that end
+    may still join the pool; the others are cut off. It returns the pool's best; a caption
     that ended beats one cut off by the length limit, which is returned only when none ended.
 
     B images x k beams run as one tensor program; the k beams of an image share one copy of
@@ -130,10 +148,12 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
+    _check_max_len(max_len)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
     a = ann.vectors
     b, n, _ = a.shape
     k = beam_size
+    steps = max_len + 1  # max_len words, then a step that can only end
     dev = a.device
     ninf = float("-inf")
     keys = decoder.attention.prepare(a)  # once per image, shared by its beams
@@ -150,25 +170,26 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     pool_parent = torch.zeros(b, k, dtype=torch.long, device=dev)
     # Per step, indexed by the original image: the open beams' words, the beam each extends
     # (its parent) and the maps and gates each beam's step computed (indexed by that beam).
-    words = torch.full((max_len, b, k), pad, dtype=torch.long, device=dev)
-    parents = torch.zeros(max_len, b, k, dtype=torch.long, device=dev)
-    alpha_steps = torch.zeros(max_len, b, k, n, device=dev)
-    beta_steps = torch.zeros(max_len, b, k, device=dev)
-    head_steps = None  # (max_len, B, k, h, L) each head's maps, made at the first step of a multi-head model
+    words = torch.full((steps, b, k), pad, dtype=torch.long, device=dev)
+    parents = torch.zeros(steps, b, k, dtype=torch.long, device=dev)
+    alpha_steps = torch.zeros(steps, b, k, n, device=dev)
+    beta_steps = torch.zeros(steps, b, k, device=dev)
+    head_steps = None  # (steps, B, k, h, L) each head's maps, made at the first step of a multi-head model
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
     active = torch.arange(b, device=dev)  # original index of each image still in the batch
     out: list[DecodedIds | None] = [None] * b
-    best_possible = max_len ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
+    best_possible = steps ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
     width = 2 * k  # k may end, k go on
 
     def emit(rows: torch.Tensor, last: int) -> None:
         """Store the best caption of these (batch-relative) images; none ends after step ``last``."""
         img = active[rows]
+        cut = min(last, max_len - 1)  # the last step whose open beams are kept
         ended = torch.isfinite(pool_rank[rows, 0])  # the pool is sorted: entry 0 is its best
         slot = scores[rows].argmax(1)  # else the best open beam, cut off by the length limit
-        step = torch.where(ended, pool_step[rows, 0], torch.full_like(slot, last))
-        word = torch.where(ended, torch.full_like(slot, end), words[last, img, slot])
-        j = torch.where(ended, pool_parent[rows, 0], parents[last, img, slot])
+        step = torch.where(ended, pool_step[rows, 0], torch.full_like(slot, cut))
+        word = torch.where(ended, torch.full_like(slot, end), words[cut, img, slot])
+        j = torch.where(ended, pool_parent[rows, 0], parents[cut, img, slot])
         score = torch.where(ended, pool_score[rows, 0], scores[rows].gather(1, slot[:, None]).squeeze(1))
         ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
         alphas = torch.zeros(len(img), last + 1, n, device=dev)
@@ -183,10 +204,10 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
                 heads[:, t] = head_steps[t, img, j]
         m = (step + 1).tolist()
         for r, i in enumerate(img.tolist()):
-            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], float(score[r]), end,
+            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad,
                            heads[r, :m[r]] if heads is not None else None)
 
-    for t in range(max_len):
+    for t in range(steps):
         bb = len(active)
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(bb, k, -1)  # (b', k, V)
@@ -195,7 +216,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         beta_steps[t, active] = o.beta.view(bb, k).float()
         if o.alpha_heads is not None:
             if head_steps is None:
-                head_steps = torch.zeros(max_len, b, k, o.alpha_heads.shape[1], n, device=dev)
+                head_steps = torch.zeros(steps, b, k, o.alpha_heads.shape[1], n, device=dev)
             head_steps[t, active] = o.alpha_heads.view(bb, k, -1, n).float()
         cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)  # (b', 2k) sorted
         beam = torch.div(idx, v, rounding_mode="floor")  # the open beam each candidate extends
@@ -210,6 +231,9 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         pool_score = torch.cat([pool_score, cand], 1).gather(1, pick)
         pool_step = torch.cat([pool_step, torch.full_like(beam, t)], 1).gather(1, pick)
         pool_parent = torch.cat([pool_parent, beam], 1).gather(1, pick)
+        if t == steps - 1:
+            emit(torch.arange(bb, device=dev), t)  # the length limit: the best of what is there
+            break
         # The new open beams: the best k candidates that did not end (at most k of 2k ended).
         position = torch.arange(cand.shape[1], device=dev).expand_as(cand)
         go_on = torch.sort(position + cand.shape[1] * ended.long(), dim=1).values[:, :k] % cand.shape[1]  # (b', k)
@@ -219,10 +243,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
         best = pool_rank[:, 0]
-        done = torch.isfinite(pool_rank[:, -1]) | (torch.isfinite(best) & (best >= scores[:, 0] / best_possible))
-        if t == max_len - 1:
-            emit(torch.arange(bb, device=dev), t)  # the length limit: the best of what is there
-            break
+        done = torch.isfinite(best) & (best >= scores[:, 0] / best_possible)  # no open beam can beat it
         if bool(done.any()):
             emit(done.nonzero().flatten(), t)
             keep = (~done).nonzero().flatten()
@@ -243,10 +264,11 @@ def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
     return logp
 
 
-def _trim(ids: list[int], alphas: torch.Tensor, betas: torch.Tensor, score: float, end: int,
+def _trim(ids: list[int], alphas: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int,
           heads: torch.Tensor | None = None) -> DecodedIds:
-    if end in ids:
-        m = ids.index(end) + 1
-        ids, alphas, betas = ids[:m], alphas[:m], betas[:m]
-        heads = heads[:m] if heads is not None else None
+    """Up to and with the first <end>; a caption cut off at the length limit stops before
+    its first <pad> (never a word of a caption)."""
+    m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
+    ids, alphas, betas = ids[:m], alphas[:m], betas[:m]
+    heads = heads[:m] if heads is not None else None
     return DecodedIds(ids, alphas, betas, score, heads)

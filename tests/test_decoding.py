@@ -67,22 +67,22 @@ def test_beam_score_is_the_caption_log_probability_and_alphas_follow_the_words()
 
 
 def test_beam_as_wide_as_the_vocabulary_finds_the_best_short_caption():
-    """On a tiny space, enumerate every caption of at most two words: a beam of width V
-    over two steps keeps every candidate that could win, so it must return the best."""
+    """On a tiny space, enumerate every caption of at most one word: a beam of width V
+    keeps every one-word caption, so it must return the best finished one, or, when no
+    <end> ranks among the best V at the last step, the best one-word caption cut off."""
     cap = tiny_captioner(seed=7)
     images = _images(4, seed=8)
     ann = cap.model.encode(images)
     v = cap.vocab
     words = [v.unk] + list(range(4, len(v)))
-    results = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=len(v), max_len=2)
+    results = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=len(v), max_len=1)
     for i, r in enumerate(results):
         finished = [[v.end]] + [[w, v.end] for w in words]
-        open_ = [[w1, w2] for w1 in words for w2 in words]
         best_finished = max(_sequence_log_prob(cap, images[i], c) for c in finished)
-        best_open = max(_sequence_log_prob(cap, images[i], c) for c in open_)
+        best_open = max(_sequence_log_prob(cap, images[i], [w]) for w in words)
         if r.ids[-1] == v.end:
             assert abs(r.score - best_finished) < 1e-4
-        else:  # nothing ended within two words: the best open caption
+        else:
             assert abs(r.score - best_open) < 1e-4
 
 
@@ -199,8 +199,56 @@ def _stub_search(table, k, max_len, length_penalty=0.0):
                        length_penalty=length_penalty)[0]
 
 
+def test_a_full_pool_does_not_stop_an_open_beam_that_can_still_win():
+    # Beam 2. Step 0: "<end>" (-2.30) joins the pool. Step 1: "A <end>" (-1.21) joins it
+    # and fills it, but the open "A A" (-0.67) can still beat it: step 2 ends it at -0.78.
+    table = [{A: 0.85, END: 0.10, B: 0.05}, {A: 0.6, END: 0.35, B: 0.05}, {END: 0.9, A: 0.1}]
+    r = _stub_search(table, k=2, max_len=2)
+    assert r.ids == [A, A, END]
+    assert abs(r.score - math.log(0.85 * 0.6 * 0.9)) < 1e-5
+
+
+def test_a_long_likely_caption_beats_an_early_unlikely_end():
+    # Twenty steps of {A .99, <end> .01}, then <end>: "<end>" alone (-4.61) fills no pool
+    # reason to stop; the twenty-word caption (-0.20) is what greedy finds too.
+    table = [{A: 0.99, END: 0.01}] * 20 + [{END: 1.0}]
+    for k in (1, 3):
+        r = _stub_search(table, k=k, max_len=20)
+        assert r.ids == [A] * 20 + [END], k
+        assert abs(r.score - 20 * math.log(0.99)) < 1e-5
+    g = greedy(_StepTable(table), Annotations(torch.zeros(1, 4, 3), (2, 2)), start=START, end=END, pad=PAD,
+               max_len=20)[0]
+    assert g.ids == [A] * 20 + [END]
+
+
+def test_max_len_counts_words_and_a_caption_of_exactly_that_many_can_end():
+    table = [{A: 0.9, END: 0.1}] * 3 + [{END: 0.8, B: 0.2}, {A: 1.0}]
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    for k in (1, 2, 3):
+        r = _stub_search(table, k=k, max_len=3)
+        assert r.ids == [A, A, A, END], k  # three words, then <end>
+        assert r.alphas.shape == (4, 4)
+    g = greedy(_StepTable(table), ann, start=START, end=END, pad=PAD, max_len=3)[0]
+    assert g.ids == [A, A, A, END]
+    assert abs(g.score - math.log(0.9 ** 3 * 0.8)) < 1e-5
+    # No <end> before the fourth step and two words allowed: the caption is cut off at two
+    # words, its score without <end>.
+    never_early = [{A: 0.9, B: 0.1}] * 3 + [{END: 0.8, B: 0.2}]
+    for search in (lambda: _stub_search(never_early, k=2, max_len=2),
+                   lambda: greedy(_StepTable(never_early), ann, start=START, end=END, pad=PAD, max_len=2)[0]):
+        r = search()
+        assert r.ids == [A, A]
+        assert abs(r.score - 2 * math.log(0.9)) < 1e-5
+        assert r.alphas.shape == (2, 4)
+
+
+def test_max_len_must_allow_a_word():
+    with pytest.raises(ValueError, match="max_len"):
+        _stub_search([{END: 1.0}], k=2, max_len=0)
+
+
 def test_a_finished_caption_pushed_out_of_the_beams_is_still_returned():
-    r = _stub_search(PUSHED_OUT, k=2, max_len=5)
+    r = _stub_search(PUSHED_OUT, k=2, max_len=4)
     assert r.ids == [A, END]
     assert abs(r.score - (math.log(0.9) - 2.71)) < 1e-5  # -2.81, not -2.95
     assert r.alphas.shape == (2, 4) and r.betas.shape == (2,)
@@ -209,8 +257,8 @@ def test_a_finished_caption_pushed_out_of_the_beams_is_still_returned():
 def test_length_penalty_ranks_the_finished_pool_by_score_per_length():
     # Same search: the pool ends with "A <end>" (-2.81, 2 tokens) and "A C A A <end>"
     # (-2.95, 5 tokens). By score the short one wins; divided by the length, the long one.
-    assert _stub_search(PUSHED_OUT, k=2, max_len=5, length_penalty=0.0).ids == [A, END]
-    r = _stub_search(PUSHED_OUT, k=2, max_len=5, length_penalty=1.0)
+    assert _stub_search(PUSHED_OUT, k=2, max_len=4, length_penalty=0.0).ids == [A, END]
+    r = _stub_search(PUSHED_OUT, k=2, max_len=4, length_penalty=1.0)
     assert r.ids == [A, C, A, A, END]
     assert abs(r.score - LONG) < 1e-5  # the log p, not the rank
 
@@ -224,42 +272,53 @@ def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption()
     real = stub.step
     stub.step = lambda *x, **kw: calls.append(1) or real(*x, **kw)
     ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
-    r = beam_search(stub, ann, start=START, end=END, pad=PAD, beam_size=3, max_len=6)[0]
+    r = beam_search(stub, ann, start=START, end=END, pad=PAD, beam_size=3, max_len=5)[0]
     assert r.ids == [END] and len(calls) == 1
 
 
 # --- against a plain search, one image and one beam at a time ------------------------------
 @torch.no_grad()
 def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
-    """The same search written the plain way, for one image: lists of (score, ids, h, c),
-    every candidate scored one at a time. Returns the chosen (ids, score) and every
-    finished caption the pool held, as (rank, ids)."""
-    rank = (lambda s, n: s / n ** length_penalty) if length_penalty > 0 else (lambda s, n: s)
+    """Beam search of width k written plainly, for one image, from the definition alone:
+    Python lists of (log p, ids, state), every extension scored one at a time.
+
+    Each step takes the k*V extensions of the open beams, best first; the ones among the
+    best k that end join a pool of finished captions; the best k that do not end are the
+    next open beams. Up to ``max_len`` words: at the step after the last word an extension
+    can only end. The search stops only when no open beam can still beat the pool's best
+    (an open caption's log p only falls; its rank is best when it is as long as it can
+    be). Returns (ids, log p) of the pool's best, or of the best open beam cut off at the
+    limit when nothing ended, and every finished caption the pool held, as (rank, ids)."""
+    def rank(logp, n):
+        return logp / n ** length_penalty if length_penalty > 0 else logp
+
     keys = decoder.attention.prepare(a)
     h, c = decoder.init_state(a)
-    beams = [(torch.zeros((), dtype=torch.float32), [], h, c)]
+    beams = [(0.0, [], (h, c))]
     pool, held = [], []
-    for t in range(max_len):
+    for t in range(max_len + 1):
         cands = []
-        for score, ids, h, c in beams:
+        for score, ids, (h, c) in beams:
             o = decoder.step(torch.tensor([ids[-1] if ids else START]), h, c, a, keys, grid)
-            logp = F.log_softmax(o.logits.float(), -1)[0]
-            for w in range(len(logp)):
-                if w not in (START, PAD):
-                    cands.append((score + logp[w], ids + [w], o.h, o.c))
-        cands.sort(key=lambda x: -float(x[0]))
-        top = cands[:2 * k]
-        for score, ids, _, _ in top[:k]:
+            logp = F.log_softmax(o.logits.double(), -1)[0].tolist()
+            for w, lp in enumerate(logp):
+                if w not in (START, PAD) and lp > -math.inf:
+                    cands.append((score + lp, ids + [w], (o.h, o.c)))
+        cands.sort(key=lambda x: -x[0])
+        for score, ids, _ in cands[:k]:
             if ids[-1] == END:
-                pool.append((float(rank(score, len(ids))), float(score), ids))
-                held.append((pool[-1][0], ids))
-        pool = sorted(pool, key=lambda x: -x[0])[:k]
-        beams = [x for x in top if x[1][-1] != END][:k]
-        if len(pool) == k or (pool and pool[0][0] >= float(beams[0][0]) / (max_len ** length_penalty)):
+                pool.append((rank(score, len(ids)), score, ids))
+                held.append((rank(score, len(ids)), ids))
+        if t == max_len:
+            break
+        beams = [x for x in cands if x[1][-1] != END][:k]
+        best = max(pool, default=None, key=lambda x: x[0])
+        if best is not None and (not beams or best[0] >= rank(beams[0][0], max_len + 1)):
             break
     if pool:
-        return pool[0][2], pool[0][1], held
-    return beams[0][1], float(beams[0][0]), held
+        best = max(pool, key=lambda x: x[0])
+        return best[2], best[1], held
+    return beams[0][1], beams[0][0], held
 
 
 def _random_decoder(seed, **variant):
@@ -275,11 +334,13 @@ def _random_decoder(seed, **variant):
 
 
 def test_batched_search_equals_the_plain_search_on_random_tiny_models():
+    """450 images over 90 random decoders (vocabulary 6, k 2-4, max_len 5-8, some with a
+    length penalty): the batched search returns exactly what the plain one does."""
     differs_from_best_beam = 0
-    for seed in range(24):
+    for seed in range(90):
         decoder = _random_decoder(seed)
-        k, max_len = 2 + seed % 3, 4 + seed % 3
-        length_penalty = 0.7 if seed % 4 == 3 else 0.0
+        k, max_len = 2 + seed % 3, 5 + seed % 4
+        length_penalty = 0.7 if seed % 5 == 3 else 0.0
         a = torch.randn(5, 4, 5, dtype=torch.float64)
         got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
                           max_len=max_len, length_penalty=length_penalty)

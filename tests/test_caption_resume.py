@@ -90,3 +90,36 @@ def test_a_failed_file_is_retried_and_its_new_line_replaces_the_error(tmp_path, 
     lines = _lines(out)
     assert sorted(r["image"] for r in lines) == sorted(str(folder / f"img{i}.png") for i in range(3))
     assert all("error" not in r and r["words"] for r in lines)
+
+
+def test_a_later_error_never_replaces_a_caption(tmp_path, weights, capsys):
+    """Captioned once; then the file became unreadable and attention is asked for: the run
+    tries it again and fails, and the file keeps its caption rather than the error."""
+    folder = _folder(tmp_path / "photos")
+    out = tmp_path / "out.jsonl"
+    assert _run([str(folder), "--out", str(out)], weights, capsys)[0] == 0
+    before = {r["image"]: r for r in _lines(out)}
+    bad = folder / "img1.png"
+    bad.write_bytes(b"no longer an image")
+
+    code, err = _run([str(folder), "--out", str(out), "--with-attention"], weights, capsys)
+    assert code == 1 and "failed 1" in err
+    lines = _lines(out)
+    assert len(lines) == 3 and all("error" not in r for r in lines)
+    kept = next(r for r in lines if r["image"] == str(bad))
+    assert kept == before[str(bad)]  # the earlier caption, as it was
+    assert all("alphas" in r for r in lines if r["image"] != str(bad))
+
+
+def test_compact_keeps_the_caption_whichever_order_the_lines_came_in(tmp_path):
+    import json
+
+    from captioner.batch import compact
+
+    out = tmp_path / "out.jsonl"
+    caption = {"image": "a.png", "resolved": str(tmp_path / "a.png"), "caption": "a red circle", "words": ["a"]}
+    error = {"image": "a.png", "resolved": str(tmp_path / "a.png"), "error": "unreadable"}
+    for order in ([caption, error], [error, caption], [error, caption, error]):
+        out.write_text("".join(json.dumps(r) + "\n" for r in order))
+        compact(out)
+        assert [json.loads(x) for x in out.read_text().splitlines()] == [caption]

@@ -1,18 +1,24 @@
 """Multi-head decoder attention: h heads over the same annotations, one context.
 
 Legend: B batch, k queries per image (beams), h heads, L locations, D annotation size,
-K key size (per head, as the head's score makes it).
+K key size (per head, as the head's score makes it), V = D // h value size per head.
 
 Each head is a whole ``Attention`` (attention.py) with its own projections, and with the
-model's score, normaliser and local window (its own centre, and width where learned):
+model's score, normaliser and local window (its own centre, and width where learned).
+As the seeds define multi-head attention (and the Transformer), queries, keys and values
+are projected per head, the values to D / h, and the concatenated values back to D:
 
     alpha^j_t = head_j.weights(a, h_{t-1})                       (B, L), j = 1..h
-    z^j_t     = sum_i alpha^j_ti a_i    (hard: a_{s^j_t}, s^j_t ~ Multinoulli(alpha^j_t))
-    z_t       = W_o [z^1_t; ..; z^h_t] + b_o                     (B, h D) -> (B, D)
+    v^j_t     = W_v^j sum_i alpha^j_ti a_i                       (B, D) -> (B, V)
+                (hard: W_v^j a_{s^j_t}, s^j_t ~ Multinoulli(alpha^j_t))
+    z_t       = W_o [v^1_t; ..; v^h_t] + b_o                     (B, h V) -> (B, D)
 
-z_t then goes through the beta gate as a single head's context does. The additive and
-concat heads get attention_dim // h units each (the model's size stays about the same).
-The dot-product scores project the query in every head, or all heads would be the same.
+(W_v^j is linear, so projecting the attended annotation equals attending over projected
+annotations, at a cost per query rather than per location.) z_t then goes through the
+beta gate as a single head's context does. The size stays the same whatever h: the value
+and output projections hold 2 D^2 + D parameters when h divides D, and the additive and
+concat heads get attention_dim // h units each. The dot-product scores project the query
+in every head, or all heads would be the same.
 
 Hard attention draws one cell per head, independently: log p(s_t | a) is the sum of the
 heads' log-probabilities, and the entropy reported is the sum of the heads' entropies
@@ -43,11 +49,25 @@ class MultiHeadAttention(nn.Module):
             Attention(key_dim, query_dim, head_dim, score=score, normalizer=normalizer, mode=mode,
                       local_window=local_window, local_width=local_width, project_query=True)
             for _ in range(heads))
-        self.out_proj = nn.Linear(heads * key_dim, key_dim)  # W_o: the heads' contexts back to D
+        self.value_dim = max(1, key_dim // heads)
+        # W_v^j: each head's attended annotation to its value, (D -> V); no bias, as b_o adds one.
+        self.value_proj = nn.ModuleList(nn.Linear(key_dim, self.value_dim, bias=False) for _ in range(heads))
+        self.out_proj = nn.Linear(heads * self.value_dim, key_dim)  # W_o: the heads' values back to D
         self.score, self.normalizer, self.mode = score, normalizer, mode
         self.local_window, self.local_width = float(local_window), local_width
         self.key_dim = key_dim
         self.num_heads = heads
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A checkpoint from before values were projected per head has W_o of (D, h D) and
+        no W_v: it cannot be mapped onto this form; say so instead of a size mismatch."""
+        w_o = state_dict.get(prefix + "out_proj.weight")
+        if w_o is not None and prefix + "value_proj.0.weight" not in state_dict \
+                and w_o.shape[-1] == self.num_heads * self.key_dim != self.out_proj.in_features:
+            raise RuntimeError(
+                f"this multi-head checkpoint keeps all {self.key_dim} values per head (an earlier form, "
+                f"before values were projected to {self.value_dim} per head); retrain it with this version")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of every head's score, once per image: (B, L, D) -> (B, h, L, K)."""
@@ -69,7 +89,8 @@ class MultiHeadAttention(nn.Module):
         and ``argmax`` pick one cell per head (``sample`` (B*k, h))."""
         steps = [head(keys[:, j], a, h, grid, sample=sample, argmax=argmax, generator=generator)
                  for j, head in enumerate(self.heads)]
-        context = self.out_proj(torch.cat([s.context for s in steps], -1))  # (B*k, h D) -> (B*k, D)
+        values = [w_v(s.context) for w_v, s in zip(self.value_proj, steps)]  # h x (B*k, V)
+        context = self.out_proj(torch.cat(values, -1))  # (B*k, h V) -> (B*k, D)
         alpha_heads = torch.stack([s.alpha for s in steps], 1)  # (B*k, h, L)
         picked = torch.stack([s.sample for s in steps], 1) if steps[0].sample is not None else None  # (B*k, h)
         log_p = entropy = None

@@ -53,8 +53,10 @@ def test_soft_heads_attend_apart_and_their_contexts_are_concatenated_and_project
     for j, head in enumerate(att.heads):
         torch.testing.assert_close(step.alpha_heads[:, j], head.weights(head.prepare(a), a, h, GRID))
     torch.testing.assert_close(step.alpha, step.alpha_heads.mean(1))
-    contexts = torch.cat([torch.einsum("bl,bld->bd", step.alpha_heads[:, j], a) for j in range(2)], -1)  # (B, 2D)
-    torch.testing.assert_close(step.context, contexts @ att.out_proj.weight.T + att.out_proj.bias)
+    values = torch.cat([torch.einsum("bl,bld->bd", step.alpha_heads[:, j], a) @ att.value_proj[j].weight.T
+                        for j in range(2)], -1)  # (B, 2 V): each head's attended annotation, projected
+    assert values.shape == (B, 2 * (D // 2))
+    torch.testing.assert_close(step.context, values @ att.out_proj.weight.T + att.out_proj.bias)
     assert step.context.shape == (B, D)
     (step.context.sum() + (step.alpha_heads[:, 1] * torch.arange(L)).sum()).backward()
     for name, p in att.named_parameters():
@@ -73,10 +75,48 @@ def test_hard_heads_each_sample_one_cell_and_their_log_probs_and_entropies_add()
     torch.testing.assert_close(step.sample_log_prob.detach(), picked.log().sum(1))
     plogp = torch.where(heads > 0, heads * heads.clamp_min(1e-300).log(), torch.zeros_like(heads))
     torch.testing.assert_close(step.entropy.detach(), -plogp.sum((1, 2)))
-    chosen = torch.cat([a[torch.arange(B), step.sample[:, j]] for j in range(3)], -1)  # (B, 3D)
+    chosen = torch.cat([att.value_proj[j](a[torch.arange(B), step.sample[:, j]]) for j in range(3)], -1)  # (B, 3V)
     torch.testing.assert_close(step.context, att.out_proj(chosen))
     arg = att(att.prepare(a), a, h, GRID, argmax=True)
     assert torch.equal(arg.sample, heads.argmax(-1))
+
+
+def test_values_are_projected_to_d_over_h_so_the_size_does_not_grow_with_the_heads():
+    """The seeds' multi-head attention: values of D / h per head, W_o from h (D / h) = D
+    back to D. The value and output projections hold 2 D^2 + D parameters for any h that
+    divides D; at the paper's sizes (D 2048, attention 512) the attention module with 4
+    or 8 heads then holds 9.7 M parameters, not the 18.8 M or 35.5 M of h full-size values."""
+    def count(module, skip=""):
+        return sum(p.numel() for n, p in module.named_parameters() if not (skip and n.startswith(skip)))
+
+    d = 64
+    for h in (2, 4, 8):
+        att = build_attention(d, 16, 16, heads=h)
+        assert [tuple(w.weight.shape) for w in att.value_proj] == [(d // h, d)] * h
+        assert tuple(att.out_proj.weight.shape) == (d, d)
+        assert count(att) - count(att.heads) == 2 * d * d + d
+    one = count(build_attention(2048, 512, 512, heads=1))
+    for h in (4, 8):
+        many = build_attention(2048, 512, 512, heads=h)
+        assert count(many) - count(many.heads) == 2 * 2048 * 2048 + 2048
+        assert abs(count(many.heads) - one) < 0.01 * one  # the heads' scores together match one head's
+        assert count(many) < 9.8e6
+
+
+def test_a_checkpoint_of_the_earlier_form_is_refused_with_a_reason():
+    from captioner.checkpoint import CheckpointError
+    from captioner.inference import Captioner
+    from tiny import tiny_captioner
+
+    cap = tiny_captioner(seed=0, heads=2)
+    ckpt = cap.checkpoint()
+    state = dict(ckpt["state_dict"])
+    d = cap.model.decoder.attention.key_dim
+    for j in range(2):
+        del state[f"decoder.attention.value_proj.{j}.weight"]
+    state["decoder.attention.out_proj.weight"] = torch.zeros(d, 2 * d)
+    with pytest.raises(CheckpointError, match="earlier form"):
+        Captioner.from_checkpoint({**ckpt, "state_dict": state})
 
 
 def test_multi_head_queries_sharing_an_image_equal_queries_with_their_own_copy():

@@ -73,6 +73,7 @@ class Plan:
     reference: str
     aa_pair: tuple[str, str]
     recipes: dict[str, dict]
+    twins: tuple[str, ...] = ()  # the reference's recipe on another device: its seeds there
 
 
 class UsageError(SystemExit):
@@ -88,7 +89,8 @@ def load_plan(path: Path) -> Plan:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         rows = [Row(r["name"], tuple(r.get("sets", ())), r.get("train", ""), dict(r.get("decode", {})),
                     r.get("requires_param", "")) for r in data["rows"]]
-        return Plan(rows, data["reference"], tuple(data["aa_pair"]), dict(data["recipes"]))
+        return Plan(rows, data["reference"], tuple(data["aa_pair"]), dict(data["recipes"]),
+                    tuple(data.get("reference_twins", ())))
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as e:
         raise UsageError(f"cannot read the rows file {path}: {e}") from e
 
@@ -205,7 +207,7 @@ def image_stats(records, results, forced, objects: dict, with_pointing: bool) ->
     from captioner.grounding import object_accuracy, pointing_game, relation_accuracy
     from captioner.metrics import _prepare
 
-    cols: dict[str, list] = {k: [] for k in ("obj", "rel_true", "rel_n", "ent_sum", "ent_n")}
+    cols: dict[str, list] = {k: [] for k in ("obj", "rel_true", "rel_named", "rel_n", "ent_sum", "ent_n")}
     if with_pointing:
         cols.update({k: [] for k in ("pt_hit", "pt_n", "pt_mass", "pt_chance", "gen_hit", "gen_n")})
     for rec, res, (words, maps) in zip(records, results, forced):
@@ -213,6 +215,7 @@ def image_stats(records, results, forced, objects: dict, with_pointing: bool) ->
         cols["obj"].append(float(object_accuracy(res.words, img.objects)["exact_color_shape"]))
         rel = relation_accuracy(res.words, img.objects)
         cols["rel_true"].append(rel["relations_true"])
+        cols["rel_named"].append(rel["n_relations_named"])
         cols["rel_n"].append(rel["n_relations"])
         cols["ent_sum"].append(float(-(maps * np.log(np.clip(maps, 1e-30, None))).sum()))
         cols["ent_n"].append(len(words))
@@ -725,7 +728,8 @@ def table_for(plan: Plan, rows: list[Row], out: Path, recipe_name: str, steps: i
     if not found:
         raise UsageError(f"no results under {out / 'results'} yet")
     try:
-        summary = ct.summarise(found, plan.reference, plan.aa_pair, args.resamples, seed=args.bootstrap_seed)
+        summary = ct.summarise(found, plan.reference, plan.aa_pair, args.resamples, seed=args.bootstrap_seed,
+                               twins=plan.twins)
     except ValueError as e:
         raise UsageError(str(e)) from e
     summary["aa_pair"] = list(plan.aa_pair)

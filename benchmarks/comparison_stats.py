@@ -6,7 +6,8 @@ Every figure of the comparison is a ratio of sums over (seed, image) records, so
 seeds and images can be resampled and seeds pooled without changing what a figure means:
 
     object accuracy   sum exact / sum 1              (per image: the caption names exactly its objects)
-    relation accuracy sum true / sum stated          (micro-average over the stated relations)
+    relation accuracy sum true / sum named           (direction, over the stated relations whose
+                                                      two objects are named right; chance 0.5)
     pointing          sum hits / sum scored words    (the same words for every model, see below)
     mass in box       sum mass / sum scored words
     entropy           sum entropy / sum steps        (nats, over the same reference words)
@@ -28,7 +29,7 @@ import numpy as np
 # figure -> (numerator column, denominator column); None: 1 per image and run ("runs")
 RATIOS: dict[str, tuple[str, str | None]] = {
     "object_accuracy": ("obj", None),
-    "relation_accuracy": ("rel_true", "rel_n"),
+    "relation_accuracy": ("rel_true", "rel_named"),  # results from before "rel_named": n/a
     "pointing": ("pt_hit", "pt_n"),
     "pointing_chance": ("pt_chance", "pt_n"),  # a uniformly random cell
     "mass_in_box": ("pt_mass", "pt_n"),
@@ -111,7 +112,7 @@ def resampled_figures(runs: Sequence[Mapping[str, Sequence]], image_weights: np.
 
     out: dict[str, np.ndarray | None] = {}
     for name, (num, den) in RATIOS.items():
-        if num not in width:
+        if num not in width or (den is not None and den not in width):
             out[name] = None
             continue
         top, bottom = total(num), total(den or "runs")
@@ -190,6 +191,38 @@ def paired_difference(variant, reference, image_weights: np.ndarray, variant_see
     return out
 
 
+def stratified_difference(strata: Sequence[tuple], image_weights: np.ndarray,
+                          level: float = 0.95) -> dict[str, dict | None]:
+    """``paired_difference`` taken stratum by stratum and weighted: each stratum is
+    (w, variant runs, reference runs, variant seed draws or None, reference seed draws or
+    None), its runs the seeds trained on one device; the difference is sum_d w_d (F(v_d) -
+    F(r_d)), seeds pooled within a stratum, and every resample draws the images once for
+    all strata (paired) and the seeds within each stratum. One stratum of weight 1 is
+    ``paired_difference``."""
+    r = len(image_weights)
+    full: dict[str, float | None] = {}
+    boot: dict[str, np.ndarray | None] = {}
+    for w, v, ref, vs, rs in strata:
+        v, ref = _runs(v), _runs(ref)
+        fv, fr = figures(pool(v)), figures(pool(ref))
+        bv = resampled_figures(v, image_weights, np.ones((r, len(v))) if vs is None else vs)
+        br = resampled_figures(ref, image_weights, np.ones((r, len(ref))) if rs is None else rs)
+        for name in fv:
+            missing = fv[name] is None or fr.get(name) is None or name in full and full[name] is None
+            full[name] = None if missing else full.get(name, 0.0) + w * (fv[name] - fr[name])
+            boot[name] = None if missing else boot.get(name, 0.0) + w * (bv[name] - br[name])
+    lo_q, hi_q = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    out: dict[str, dict | None] = {}
+    for name, diff in full.items():
+        if diff is None:
+            out[name] = None
+            continue
+        draws = boot[name][~np.isnan(boot[name])]
+        lo, hi = (np.percentile(draws, [lo_q, hi_q]) if len(draws) else (math.nan, math.nan))
+        out[name] = {"diff": diff, "lo": float(lo), "hi": float(hi)}
+    return out
+
+
 # ------------------------------------------------------------- seed means, Welch's t
 
 def _betainc(a: float, b: float, x: float) -> float:
@@ -242,21 +275,65 @@ def t_quantile(p: float, df: float) -> float:
     return (lo + hi) / 2
 
 
+def t_two_sided_p(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with df degrees of freedom."""
+    return _betainc(df / 2, 0.5, df / (df + t * t)) if t else 1.0
+
+
 def welch_difference(variant: Sequence[float], reference: Sequence[float], level: float = 0.95) -> dict | None:
     """Difference of two variants' seed means, with Welch's t interval from their seed
-    sds (degrees of freedom by Welch-Satterthwaite: n - 1 to 2n - 2 with n seeds each). It treats a
-    seed's figure on the test set as one measurement and ignores which images were drawn.
-    None when a side has fewer than 2 seeds."""
-    a, b = np.asarray(variant, dtype=np.float64), np.asarray(reference, dtype=np.float64)
-    if len(a) < 2 or len(b) < 2:
-        return None
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    diff = float(a.mean() - b.mean())
-    if va + vb == 0:
-        return {"diff": diff, "lo": diff, "hi": diff, "df": None}
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half = t_quantile((1 + level) / 2, df) * math.sqrt(va + vb)
-    return {"diff": diff, "lo": diff - half, "hi": diff + half, "df": float(df)}
+    sds (degrees of freedom by Welch-Satterthwaite: n - 1 to 2n - 2 with n seeds each) and
+    its two-sided p-value. It treats a seed's figure on the test set as one measurement and
+    ignores which images were drawn. None when a side has fewer than 2 seeds."""
+    return stratified_welch([(1.0, variant, reference)], level)
+
+
+def stratified_welch(strata: Sequence[tuple[float, Sequence[float], Sequence[float]]],
+                     level: float = 0.95) -> dict | None:
+    """Welch's interval for a difference of seed means taken stratum by stratum (a stratum:
+    the seeds trained on one device) and weighted: D = sum_d w_d (mean v_d - mean r_d).
+    Each side's seed variance is pooled over its strata (taken as the same on every device:
+    s_v^2 = sum of squares about each stratum's mean / (n_v - its strata)), so that a
+    stratum of one seed adds its mean but no spread; var D = s_v^2 sum_d w_d^2 / n_vd +
+    s_r^2 sum_d w_d^2 / n_rd, with Welch-Satterthwaite's degrees of freedom over the two
+    sides. One stratum of weight 1 is Welch's own interval. None when a side has no more
+    seeds than strata (no spread to judge by)."""
+    diff, sides = 0.0, {"v": [0.0, 0, 0, 0.0], "r": [0.0, 0, 0, 0.0]}  # squares, seeds, strata, sum w^2 / n
+    for w, v, r in strata:
+        for key, x in (("v", v), ("r", r)):
+            x = np.asarray(x, dtype=np.float64)
+            if not len(x):
+                return None
+            side = sides[key]
+            side[0] += float(((x - x.mean()) ** 2).sum())
+            side[1] += len(x)
+            side[2] += 1
+            side[3] += w * w / len(x)
+        diff += w * float(np.mean(v) - np.mean(r))
+    parts = []
+    for squares, n, k, spread in sides.values():
+        if n <= k:
+            return None
+        parts.append((squares / (n - k) * spread, n - k))
+    var = sum(t for t, _ in parts)
+    if var == 0:
+        return {"diff": diff, "lo": diff, "hi": diff, "df": None, "p": 0.0 if diff else 1.0}
+    df = var ** 2 / sum(t * t / dof for t, dof in parts if t > 0)
+    half = t_quantile((1 + level) / 2, df) * math.sqrt(var)
+    return {"diff": diff, "lo": diff - half, "hi": diff + half, "df": float(df),
+            "p": t_two_sided_p(diff / math.sqrt(var), df)}
+
+
+def holm(pvalues: Mapping[object, float]) -> dict[object, float]:
+    """Holm-Bonferroni adjusted p-values over a family of tests (they control the
+    family-wise error rate: call a test where its adjusted p is below the level):
+    the i-th smallest p times (m - i + 1), made non-decreasing, capped at 1."""
+    order = sorted(pvalues, key=lambda k: pvalues[k])
+    m, running, out = len(order), 0.0, {}
+    for i, key in enumerate(order):
+        running = max(running, min(1.0, (m - i) * pvalues[key]))
+        out[key] = running
+    return out
 
 
 # -------------------------------------------------------------------------- rankings

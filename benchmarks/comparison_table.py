@@ -19,7 +19,7 @@ def images_path(result: Path) -> Path:
 
 
 
-COLUMNS = [("object_accuracy", "object acc."), ("relation_accuracy", "relation acc."),
+COLUMNS = [("object_accuracy", "object acc."), ("relation_accuracy", "relation direction"),
            ("pointing", "pointing, strict"), ("mass_in_box", "mass in box"), ("entropy", "entropy (nats)"),
            ("BLEU-4", "BLEU-4"), ("CIDEr", "CIDEr")]
 CI_COLUMNS = ["object_accuracy", "relation_accuracy", "pointing", "mass_in_box", "BLEU-4", "CIDEr"]
@@ -41,14 +41,27 @@ def load_results(out: Path, rows: list[str]) -> dict[str, dict[int, dict]]:
     return found
 
 
+def _device(entry: dict) -> str:
+    return entry.get("trained_on", "auto")
+
+
 def summarise(found: dict[str, dict[int, dict]], reference: str, aa_pair: tuple[str, str], resamples: int,
-              seed: int = 0, level: float = 0.95) -> dict:
-    """Mean and sd over seeds of each figure, and each variant against the reference:
-    seeds pooled, with the interval of a bootstrap over seeds and images (cs.paired_difference
-    with seed draws), the same over images alone (``images_only``: seeds pooled, kept for
-    the record, not for ranking) and Welch's interval of the seed means (``seed_means``)."""
+              seed: int = 0, level: float = 0.95, twins: tuple[str, ...] = ()) -> dict:
+    """Mean and sd over seeds of each figure, and each variant against the reference
+    trained on the same device: seeds pooled within each device, the devices weighted by
+    the variant's seeds on each, with the interval of a bootstrap over seeds and images
+    (seeds drawn within their device), the same over images alone (``images_only``: kept
+    for the record, not for ranking) and Welch's interval of the seed means with its
+    p-value (``seed_means``), Holm-adjusted over every comparison of the table (``p_holm``).
+
+    The reference's seeds on a device are those of the reference row and of its ``twins``
+    (the reference's recipe run on another device). A variant's seeds on a device that no
+    reference seed was trained on are left out of its comparison (``left_out``). A twin is
+    compared with the reference's seeds on the other devices: the device's own effect."""
     rows: dict[str, dict] = {}
     runs: dict[str, list[dict]] = {}
+    seed_figs: dict[str, list[dict]] = {}
+    devices: dict[str, list[str]] = {}
     ids = None
     for name, by_seed in found.items():
         for s in by_seed.values():
@@ -58,7 +71,8 @@ def summarise(found: dict[str, dict[int, dict]], reference: str, aa_pair: tuple[
                 raise ValueError(f"row {name!r}: its results are on other test images than the rest "
                                  "(other --test-seeds or --test-images): put them in another --out")
         runs[name] = [by_seed[k]["stats"] for k in sorted(by_seed)]
-        per_seed = [cs.figures(stats) for stats in runs[name]]
+        devices[name] = [_device(by_seed[k]) for k in sorted(by_seed)]
+        seed_figs[name] = per_seed = [cs.figures(stats) for stats in runs[name]]
         stat = {}
         for key in [*dict(COLUMNS), "pointing_chance", "pointing_generated"]:
             vals = [f[key] for f in per_seed if f[key] is not None]
@@ -68,32 +82,85 @@ def summarise(found: dict[str, dict[int, dict]], reference: str, aa_pair: tuple[
         rows[name] = {"seeds": sorted(by_seed), "figures": stat,
                       # per seed (every seed scores the same reference words)
                       "pointing_words": int(sum(pooled["pt_n"])) // len(by_seed) if "pt_n" in pooled else None,
+                      "relations_named": float(np.mean([sum(r["rel_named"]) for r in runs[name]]))
+                      if all("rel_named" in r for r in runs[name]) else None,
                       "relations_stated": float(np.mean([sum(r["rel_n"]) for r in runs[name]]))
                       if all("rel_n" in r for r in runs[name]) else None}
     summary = {"n_images": len(ids or []), "reference": reference, "resamples": resamples, "bootstrap_seed": seed,
-               "rows": rows, "vs_reference": {}, "aa": None}
+               "rows": rows, "vs_reference": {}, "aa": None, "left_out": {}}
     if reference not in rows:
         return summary
     images = cs.bootstrap_weights(len(ids), resamples, seed=seed)  # (R, N): one image draw for every variant
-    seeds = {name: cs.seed_weights(len(r), resamples, seed, name) for name, r in runs.items()}  # (R, S) each
 
-    def compare(v: str, r: str) -> dict[str, dict | None]:
-        both = cs.paired_difference(runs[v], runs[r], images, seeds[v], seeds[r], level)
-        only = cs.paired_difference(runs[v], runs[r], images, level=level)
+    def select(name: str, keep) -> tuple[list[dict], list[dict]]:
+        picked = [i for i, d in enumerate(devices[name]) if keep(d)]
+        return [runs[name][i] for i in picked], [seed_figs[name][i] for i in picked]
+
+    ref_rows = [reference] + [t for t in twins if t in rows]
+    ref_on: dict[str, tuple[list[dict], list[dict]]] = {}
+    for name in ref_rows:
+        for dev in sorted(set(devices[name])):
+            r, f = select(name, lambda d, dev=dev: d == dev)
+            ref_on.setdefault(dev, ([], []))
+            ref_on[dev][0].extend(r)
+            ref_on[dev][1].extend(f)
+
+    def draws(key: str, n: int) -> np.ndarray:
+        return cs.seed_weights(n, resamples, seed, key)
+
+    def compare(v: str, ref_by_device: dict[str, tuple[list[dict], list[dict]]], ref_key: str) -> dict | None:
+        """v against the reference seeds of the same device, the devices weighted by v's seeds."""
+        matched = [d for d in sorted(set(devices[v])) if d in ref_by_device]
+        left = sorted(set(devices[v]) - set(matched))
+        if left:
+            summary["left_out"][v] = left
+        if not matched:
+            return None
+        n = sum(devices[v].count(d) for d in matched)
+        one = len(set(devices[v])) == 1 and len(ref_by_device) == 1
+        strata, welch_in = [], []
+        for d in matched:
+            v_runs, v_figs = select(v, lambda x, d=d: x == d)
+            r_runs, r_figs = ref_by_device[d]
+            w = len(v_runs) / n
+            strata.append((w, v_runs, r_runs, draws(v if one else f"{v}@{d}", len(v_runs)),
+                           draws(ref_key if one else f"{ref_key}@{d}", len(r_runs))))
+            welch_in.append((w, v_figs, r_figs))
+        both = cs.stratified_difference(strata, images, level)
+        only = cs.stratified_difference([(w, vr, rr, None, None) for w, vr, rr, _, _ in strata], images, level)
         out: dict[str, dict | None] = {}
-        for fig, d in both.items():
-            fv, fr = rows[v]["figures"].get(fig), rows[r]["figures"].get(fig)
-            out[fig] = None if d is None else {
-                **d, "images_only": {"lo": only[fig]["lo"], "hi": only[fig]["hi"]},
-                "seed_means": cs.welch_difference(fv["per_seed"], fr["per_seed"], level) if fv and fr else None}
+        for fig, diff in both.items():
+            if diff is None:
+                out[fig] = None
+                continue
+            per = [(w, [f[fig] for f in vf if f[fig] is not None], [f[fig] for f in rf if f[fig] is not None])
+                   for w, vf, rf in welch_in]
+            out[fig] = {**diff, "images_only": {"lo": only[fig]["lo"], "hi": only[fig]["hi"]},
+                        "seed_means": cs.stratified_welch(per, level)}
         return out
 
     for name in rows:
-        if name != reference:
-            summary["vs_reference"][name] = compare(name, reference)
+        if name == reference:
+            continue
+        if name in twins:  # the device's effect: the reference's seeds trained elsewhere
+            mine = set(devices[name])
+            elsewhere = [i for i, d in enumerate(devices[reference]) if d not in mine]
+            if elsewhere:
+                pool = {devices[name][0]: ([runs[reference][i] for i in elsewhere],
+                                           [seed_figs[reference][i] for i in elsewhere])}
+                summary["vs_reference"][name] = compare(name, pool, f"{reference}@elsewhere")
+            continue
+        summary["vs_reference"][name] = compare(name, ref_on, reference)
+    summary["vs_reference"] = {k: v for k, v in summary["vs_reference"].items() if v is not None}
+    # Holm over every call the table makes: each (variant, figure) with a seed-means p-value.
+    family = {(name, fig): d["seed_means"]["p"] for name, figs in summary["vs_reference"].items()
+              for fig, d in figs.items() if fig in CI_COLUMNS and d and d.get("seed_means")}
+    for (name, fig), p in cs.holm(family).items():
+        summary["vs_reference"][name][fig]["seed_means"]["p_holm"] = p
+    summary["tests"] = len(family)
     a, b = aa_pair
-    if a in rows and b in rows:
-        summary["aa"] = summary["vs_reference"][b] if a == reference else compare(b, a)
+    if a == reference and b in summary["vs_reference"]:
+        summary["aa"] = summary["vs_reference"][b]
     return summary
 
 
@@ -116,11 +183,19 @@ def _excludes_zero(d: dict | None) -> bool:
     return d is not None and (d["lo"] > 0 or d["hi"] < 0)
 
 
+ALPHA = 0.05  # the family-wise error rate of the table's calls
+
+
 def beyond_noise(d: dict | None, floor: dict | None) -> bool:
-    """A difference the table calls real: the interval over seeds and images and the seed
-    means' Welch interval both exclude 0, and it is larger than the A/A difference."""
-    return (d is not None and _excludes_zero(d) and _excludes_zero(d.get("seed_means"))
-            and (floor is None or abs(d["diff"]) > abs(floor["diff"])))
+    """A difference the table calls real: the interval over seeds and images excludes 0,
+    the seed means' Welch test rejects 0 after Holm's correction over every call of the
+    table (where it was made; else its interval excludes 0), and it is larger than the A/A
+    difference."""
+    if d is None or not _excludes_zero(d) or d.get("seed_means") is None:
+        return False
+    means = d["seed_means"]
+    significant = means["p_holm"] < ALPHA if "p_holm" in means else _excludes_zero(means)
+    return significant and (floor is None or abs(d["diff"]) > abs(floor["diff"]))
 
 
 def _interval(d: dict | None) -> str:
@@ -128,7 +203,10 @@ def _interval(d: dict | None) -> str:
 
 
 def _ci(d: dict | None, floor: dict | None, part: str | None = None) -> str:
-    text = _interval(d if d is None or part is None else d.get(part))
+    shown = d if d is None or part is None else d.get(part)
+    text = _interval(shown)
+    if part == "seed_means" and shown and "p_holm" in shown:
+        text += f" p {shown['p_holm']:.2g}"
     return f"**{text}**" if beyond_noise(d, floor) else text
 
 
@@ -149,20 +227,32 @@ def markdown(summary: dict, timing: dict | None, header: str) -> str:
                       "words for every variant (the colour and shape words of each test image's first reference "
                       "caption that name an object uniquely present, fed to the model by teacher forcing)"
                       + (f"; a uniformly random cell scores {chance['mean']:.3f}." if chance else ".")
-                      + " Entropy is over every word of those captions. Relation accuracy is over the relations "
-                        "each variant's own captions state (chance 0.5): "
-                      + ", ".join(f"{n} {_count(r['relations_stated'])}" for n, r in summary["rows"].items()) + "."]
+                      + " Entropy is over every word of those captions. Relation direction is over the relations "
+                        "each variant's own captions state between two rightly named objects (chance 0.5), per seed "
+                        "(named of stated): "
+                      + ", ".join(f"{n} {_count(r.get('relations_named'))} of {_count(r['relations_stated'])}"
+                                  for n, r in summary["rows"].items())
+                      + "; n/a where the results predate the count of named relations (their checkpoints were "
+                        "not kept, so they cannot be scored again without training them again)."]
     floor = summary.get("aa")
     if summary["vs_reference"]:
         ref = summary["reference"]
         head = ["", "| variant | " + " | ".join(dict(COLUMNS)[k] for k in CI_COLUMNS) + " |",
                 "|---" * (len(CI_COLUMNS) + 1) + "|"]
-        lines += ["", f"Difference from {ref}, seeds pooled, with its 95% interval from a bootstrap over training "
-                      f"seeds and test images: each of {summary.get('resamples', 0):,} resamples draws every "
-                      f"variant's seeds with replacement (apart for each variant) and the {summary['n_images']:,} "
-                      "test images with replacement (the same images for every variant). In bold, in this table and "
-                      "the next, where this interval and the seed means' interval both exclude 0 and the difference "
-                      "is larger than the A/A floor:", *head]
+        left = summary.get("left_out") or {}
+        lines += ["", f"Difference from {ref} trained on the same device (each device's seeds pooled, the devices "
+                      "weighted by the variant's seeds on each), with its 95% interval from a bootstrap over "
+                      f"training seeds and test images: each of {summary.get('resamples', 0):,} resamples draws "
+                      "every variant's seeds with replacement (apart for each variant and device) and the "
+                      f"{summary['n_images']:,} test images with replacement (the same images for every variant). "
+                      "In bold, in this table and the next, where this interval excludes 0, the seed means' Welch "
+                      f"test rejects 0 after Holm's correction over all {summary.get('tests', 0)} tests of the table "
+                      f"(family-wise error {ALPHA:.0%}; p below is Holm's adjusted p), and the difference is "
+                      "larger than the A/A floor. A difference not in bold is no difference detected, not an "
+                      "equality: its interval says how large it may be."
+                      + (" Seeds left out for want of a reference on their device: "
+                         + "; ".join(f"{n} ({', '.join(d)})" for n, d in left.items()) + "." if left else ""),
+                  *head]
         for name, d in summary["vs_reference"].items():
             lines.append(f"| {name} | " + " | ".join(_ci(d.get(k), (floor or {}).get(k)) for k in CI_COLUMNS) + " |")
         dfs = [d[k]["seed_means"]["df"] for d in summary["vs_reference"].values() for k in CI_COLUMNS

@@ -56,12 +56,17 @@ def test_bleu_counts_give_pycocoevalcaps_corpus_bleu_on_the_set_and_on_a_resampl
 
 def test_figures_are_ratios_of_sums_over_images_not_means_of_per_image_ratios():
     stats = {"obj": np.array([1.0, 0.0]), "pt_hit": np.array([1.0, 0.0]), "pt_n": np.array([1.0, 3.0]),
-             "pt_mass": np.array([0.5, 0.3]), "rel_true": np.array([0.0, 0.0]), "rel_n": np.array([0.0, 0.0])}
+             "pt_mass": np.array([0.5, 0.3]), "rel_true": np.array([0.0, 0.0]), "rel_named": np.array([0.0, 0.0]),
+             "rel_n": np.array([0.0, 1.0])}
     f = cs.figures(stats)
     assert f["pointing"] == pytest.approx(0.25)  # 1 hit of 4 words, not (1/1 + 0/3) / 2
     assert f["mass_in_box"] == pytest.approx(0.2)
     assert f["object_accuracy"] == pytest.approx(0.5)
-    assert f["relation_accuracy"] is None  # no relation stated: nothing to score, not 0
+    assert f["relation_accuracy"] is None  # no relation between named objects: nothing to score, not 0
+    named = cs.figures({**stats, "rel_true": np.array([1.0, 0.0]), "rel_named": np.array([2.0, 0.0])})
+    assert named["relation_accuracy"] == pytest.approx(0.5)  # over the named relations, not the stated
+    old = {k: v for k, v in stats.items() if k != "rel_named"}  # results from before directions were kept
+    assert cs.figures({**old, "rel_true": np.array([1.0, 0.0])})["relation_accuracy"] is None
     boot = cs.resampled_figures([stats], np.array([[2.0, 0.0], [0.0, 2.0]]), np.ones((2, 1)))
     assert boot["pointing"].tolist() == [1.0, 0.0] and boot["object_accuracy"].tolist() == [1.0, 0.0]
 
@@ -262,7 +267,7 @@ def _write_result(out: Path, row: str, seed: int, hits: np.ndarray) -> None:
     (folder / f"seed{seed}.json").write_text(json.dumps({"seed": seed, "steps": 3}))
     n = len(hits)
     stats = {"pt_hit": hits.tolist(), "pt_n": [3.0] * n, "obj": (hits == 3).astype(float).tolist(),
-             "rel_true": [1.0] * n, "rel_n": [1.0] * n}
+             "rel_true": [1.0] * n, "rel_named": [1.0] * n, "rel_n": [1.0] * n}
     tests = {"test7001": {"image_ids": list(range(n)), "stats": stats}}
     (folder / f"seed{seed}.images.json.gz").write_bytes(gzip.compress(json.dumps(tests).encode()))
 

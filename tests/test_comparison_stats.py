@@ -35,7 +35,7 @@ def _run(p: np.ndarray, offset: float, rng: np.random.Generator) -> dict:
     q = np.clip(p + offset, 0.0, 1.0)
     return {"pt_hit": rng.binomial(WORDS, q).astype(float), "pt_n": np.full(N_IMAGES, float(WORDS)),
             "obj": (rng.random(N_IMAGES) < q).astype(float), "rel_true": (rng.random(N_IMAGES) < q).astype(float),
-            "rel_n": np.ones(N_IMAGES)}
+            "rel_named": np.ones(N_IMAGES), "rel_n": np.ones(N_IMAGES)}
 
 
 def _found(offsets: dict[str, list[float]], data_seed: int = 0) -> dict:
@@ -186,3 +186,73 @@ def test_with_three_seeds_the_bootstrap_alone_is_too_narrow_and_the_seed_means_d
     assert not ct.beyond_noise(d, None)
     assert not any("**" in line for line in ct.markdown(summary, None, "h").splitlines()
                    if line.startswith("| concat |"))
+
+
+def test_the_welch_p_value_and_one_stratum_of_weight_one_is_welchs_own_test():
+    d = cs.welch_difference([0.70, 0.60, 0.65], [0.80, 0.90, 0.85])
+    # t = -0.2 / (0.05 sqrt(2/3)) = -4.899 on 4 degrees of freedom: the two tails, integrated.
+    t = 0.2 / (0.05 * math.sqrt(2 / 3))
+    x = np.linspace(t, 200.0, 2_000_001)
+    density = np.exp(math.lgamma(2.5) - math.lgamma(2.0) - 0.5 * math.log(4 * math.pi) - 2.5 * np.log1p(x * x / 4))
+    assert d["p"] == pytest.approx(2 * np.trapezoid(density, x), rel=1e-4)
+    assert d == cs.stratified_welch([(1.0, [0.70, 0.60, 0.65], [0.80, 0.90, 0.85])])
+    assert cs.welch_difference([0.5, 0.6], [0.5, 0.6])["p"] == pytest.approx(1.0)
+
+
+def test_holm_adjusts_each_p_by_its_rank_and_keeps_the_order():
+    adjusted = cs.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    # sorted: d 0.005 x 4 = 0.02; a 0.01 x 3 = 0.03; c 0.03 x 2 = 0.06; b 0.04 x 1, raised to 0.06
+    assert adjusted == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06, "b": 0.06})
+    assert cs.holm({"x": 0.6, "y": 0.7}) == pytest.approx({"x": 1.0, "y": 1.0})
+
+
+def _on(found: dict, row: str, device: str, seeds=None) -> dict:
+    for s, entry in found[row].items():
+        if seeds is None or s in seeds:
+            entry["trained_on"] = device
+    return found
+
+
+def test_each_variant_is_compared_with_the_reference_trained_on_its_own_device():
+    # The reference's seeds on the GPU point 0.10 better than its seeds on the CPU (a device
+    # effect); the variant, all on the GPU, points as the reference does there. Against the
+    # reference's seeds pooled over devices it would seem 0.05 better; against its own
+    # device's seeds (the reference's twin's too), it is not.
+    found = _found({"additive": [0.0, 0.01, -0.01, 0.10, 0.11], "additive-cuda": [0.09, 0.10, 0.11],
+                    "sparsemax": [0.10, 0.09, 0.11, 0.10, 0.12]})
+    _on(_on(_on(found, "additive", "auto", {0, 1, 2}), "additive", "cuda", {3, 4}), "additive-cuda", "cuda")
+    _on(found, "sparsemax", "cuda")
+    summary = ct.summarise(found, "additive", ("additive", "none"), resamples=1000, twins=("additive-cuda",))
+    d = summary["vs_reference"]["sparsemax"]["pointing"]
+    assert abs(d["diff"]) < 0.02 and _covers_zero(d["seed_means"])
+    pooled = ct.summarise({k: v for k, v in found.items() if k != "additive-cuda"}
+                          | {"additive": {s: dict(e, trained_on="auto") for s, e in found["additive"].items()},
+                             "sparsemax": {s: dict(e, trained_on="auto") for s, e in found["sparsemax"].items()}},
+                          "additive", ("additive", "none"), resamples=1000)
+    assert pooled["vs_reference"]["sparsemax"]["pointing"]["diff"] > 0.04
+    # The twin measures the device's effect: against the reference's CPU seeds.
+    twin = summary["vs_reference"]["additive-cuda"]["pointing"]
+    assert twin["diff"] == pytest.approx(0.10, abs=0.02)
+    # Seeds on a device no reference seed was trained on are left out, and said so.
+    _on(found, "sparsemax", "mps", {4})
+    summary = ct.summarise(found, "additive", ("additive", "none"), resamples=200, twins=("additive-cuda",))
+    assert summary["left_out"] == {"sparsemax": ["mps"]}
+    assert "sparsemax (mps)" in ct.markdown(summary, None, "h")
+
+
+def test_a_call_that_fails_holms_correction_is_not_in_bold():
+    # concat points better by about 2.5 seed sds: Welch's p near 0.01 on its own, but
+    # fourteen other comparisons share the table, and Holm's correction keeps it from a call.
+    offsets = {"additive": [0.0, 0.03, -0.03], "concat": [0.07, 0.10, 0.04]}
+    offsets |= {f"v{k}": [0.01 * (k % 3 - 1), 0.03, -0.03] for k in range(14)}
+    summary = ct.summarise(_found(offsets), "additive", ("additive", "none"), resamples=1000)
+    d = summary["vs_reference"]["concat"]["pointing"]
+    assert d["seed_means"]["p"] < 0.05 and _excludes(d)  # called without the correction ...
+    assert d["seed_means"]["p_holm"] >= 0.05  # ... not with it
+    assert not ct.beyond_noise(d, None)
+    assert not any("**" in line for line in ct.markdown(summary, None, "h").splitlines()
+                   if line.startswith("| concat |"))
+
+
+def _excludes(d: dict) -> bool:
+    return d["lo"] > 0 or d["hi"] < 0

@@ -123,8 +123,10 @@ def format_table(report: EvalReport) -> str:
         rows += [
             ("object accuracy (colour+shape)", fmt("object_accuracy")),
             ("object accuracy (with size)", fmt("object_accuracy_with_size")),
-            ("relation accuracy", f"{fmt('relation_accuracy')}  (chance {fmt('relation_chance')}, "
-                                  f"{g.get('n_relations')} relations stated)"),
+            ("relation direction accuracy", f"{fmt('relation_accuracy')}  (chance {fmt('relation_chance')}, over "
+                                            f"{g.get('n_relations', 0) - g.get('n_relations_misnamed', 0)} relations "
+                                            f"between rightly named objects)"),
+            ("relations with a misnamed object", f"{g.get('n_relations_misnamed')} of {g.get('n_relations')} stated"),
             ("pointing game (shape+colour words)", f"{fmt('pointing_accuracy')}  (chance {fmt('pointing_chance')})"),
             ("pointing game, argmax cell touches the box", f"{fmt('pointing_accuracy_touch')}  "
                                                            f"(chance {fmt('pointing_chance_touch')})"),

@@ -4,9 +4,11 @@ Two questions, both answerable only because the shapes images come with exact ob
 
 * Object accuracy: does the caption name exactly the objects in the image? Mentions
   ("[size] colour shape") are parsed from the words and matched against the objects.
-* Relation accuracy: is each spatial relation the caption states ("X above Y", "X below
-  Y", "X to the left / right of Y", "from left to right: A, B and C") true of the objects'
-  centres? A random direction is right half the time: chance 0.5.
+* Relation direction accuracy: of the spatial relations a caption states ("X above Y",
+  "X below Y", "X to the left / right of Y", "from left to right: A, B and C") whose two
+  mentions both name an object of the image, how many stand as stated (the objects'
+  centres)? There a random direction is right half the time: chance 0.5. Relations with
+  a misnamed object are counted apart: they are naming errors, not direction errors.
 * Pointing game: when the model emits a word that names an object uniquely present in
   the image (its shape word or its colour word), does the argmax of that step's attention
   map fall inside the object's box? We also report the attention mass inside the box,
@@ -193,7 +195,7 @@ def object_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dic
 
 # --------------------------------------------------------------- spatial relations
 
-RELATION_CHANCE = 0.5  # a stated direction between two named objects, picked at random
+RELATION_CHANCE = 0.5  # a stated direction between two rightly named objects, picked at random
 
 
 @dataclass(frozen=True)
@@ -242,25 +244,36 @@ def _centre(o: ShapeObject) -> tuple[float, float]:
     return x + w / 2, y + h / 2
 
 
-def relation_holds(rel: Relation, objects: Sequence[ShapeObject]) -> bool:
-    """True when two distinct objects named by the relation's mentions (colour and shape;
-    size too where the caption gives one) stand as it says: ``above`` is the smaller
-    centre y, ``left_of`` the smaller centre x. A mention that names no object is false."""
-    axis = 1 if rel.relation == "above" else 0
+def _named_pairs(rel: Relation, objects: Sequence[ShapeObject]):
+    """(o1, o2): two distinct objects named by the relation's first and second mentions
+    (colour and shape; size too where the caption gives one)."""
     for i, o1 in enumerate(objects):
-        if not _fits_full(rel.first, o1):
-            continue
-        for j, o2 in enumerate(objects):
-            if i != j and _fits_full(rel.second, o2) and _centre(o1)[axis] < _centre(o2)[axis]:
-                return True
-    return False
+        if _fits_full(rel.first, o1):
+            for j, o2 in enumerate(objects):
+                if i != j and _fits_full(rel.second, o2):
+                    yield o1, o2
+
+
+def relation_named(rel: Relation, objects: Sequence[ShapeObject]) -> bool:
+    """True when both mentions name objects of the image, two distinct ones."""
+    return any(True for _ in _named_pairs(rel, objects))
+
+
+def relation_holds(rel: Relation, objects: Sequence[ShapeObject]) -> bool:
+    """True when two distinct objects named by the relation's mentions stand as it says:
+    ``above`` is the smaller centre y, ``left_of`` the smaller centre x. A mention that
+    names no object is false (and the relation is not ``relation_named``)."""
+    axis = 1 if rel.relation == "above" else 0
+    return any(_centre(o1)[axis] < _centre(o2)[axis] for o1, o2 in _named_pairs(rel, objects))
 
 
 def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, int]:
-    """How many relations the caption states, and how many of them are true."""
+    """How many relations the caption states, how many of them name two objects of the
+    image, and how many of those stand as stated (a true relation is always named)."""
     relations = parse_relations(words)
-    return {"n_relations": len(relations),
-            "relations_true": sum(relation_holds(r, objects) for r in relations)}
+    named = [r for r in relations if relation_named(r, objects)]
+    return {"n_relations": len(relations), "n_relations_named": len(named),
+            "relations_true": sum(relation_holds(r, objects) for r in named)}
 
 
 # ------------------------------------------------------------------- pointing game
@@ -362,16 +375,19 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
     matched = sum(a["matched"] for a in acc)
     chance = _mean([r.chance for r in records])
     n_relations = sum(a.get("n_relations", 0) for a in acc)
+    n_named = sum(a.get("n_relations_named", 0) for a in acc)
     return {
         "n_images": len(acc),
         "object_accuracy": _mean([float(a["exact_color_shape"]) for a in acc]),
         "object_accuracy_with_size": _mean([float(a["exact_full"]) for a in acc]),
         "object_precision": matched / n_mentions if n_mentions else None,
         "object_recall": matched / n_objects if n_objects else None,
-        # Relations are micro-averaged over the relations stated, in every image.
-        "relation_accuracy": sum(a.get("relations_true", 0) for a in acc) / n_relations if n_relations else None,
+        # Directions are micro-averaged over the relations, in every image, whose two objects
+        # are named right; the others are counted apart, as naming errors.
+        "relation_accuracy": sum(a.get("relations_true", 0) for a in acc) / n_named if n_named else None,
         "relation_chance": RELATION_CHANCE,
         "n_relations": n_relations,
+        "n_relations_misnamed": n_relations - n_named,
         "pointing_accuracy": _mean([float(r.hit) for r in records]),
         "pointing_accuracy_shape": _mean([float(r.hit) for r in by_kind["shape"]]),
         "pointing_accuracy_color": _mean([float(r.hit) for r in by_kind["color"]]),

@@ -1,4 +1,5 @@
-"""Relation accuracy: spatial relations stated in a caption, checked against the boxes."""
+"""Relation direction accuracy: spatial relations stated in a caption, checked against the
+boxes, over the relations whose two objects are named right."""
 
 from __future__ import annotations
 
@@ -27,27 +28,28 @@ RED_STAR = ShapeObject("star", "red", "large", (40, 0, 20, 20))
 OBJECTS = [RED_CIRCLE, BLUE_SQUARE, RED_STAR]
 
 
-@pytest.mark.parametrize("caption,stated,true", [
-    ("a red circle above a blue square", 1, 1),
-    ("a blue square above a red circle", 1, 0),
-    ("a blue square below a red circle", 1, 1),
-    ("a red circle below a blue square", 1, 0),
-    ("a red circle to the left of a red star", 1, 1),
-    ("a red star to the left of a red circle", 1, 0),
-    ("a red star to the right of a red circle", 1, 1),
-    ("an image with a red circle on the left of a blue square", 1, 1),
-    ("from left to right: a red circle, a blue square and a red star", 2, 2),
-    ("from left to right: a red star and a red circle", 1, 0),
-    ("from left to right: a red circle, a red star and a blue square", 2, 1),
-    ("a green circle above a blue square", 1, 0),  # names no object: not true
-    ("a large red circle above a blue square", 1, 0),  # the circle is small
-    ("a small red circle above a large blue square", 1, 1),
-    ("a red circle and a blue square", 0, 0),
-    ("two objects: a red circle and a blue square", 0, 0),
-    ("a red star above", 0, 0),
+@pytest.mark.parametrize("caption,stated,named,true", [
+    ("a red circle above a blue square", 1, 1, 1),
+    ("a blue square above a red circle", 1, 1, 0),
+    ("a blue square below a red circle", 1, 1, 1),
+    ("a red circle below a blue square", 1, 1, 0),
+    ("a red circle to the left of a red star", 1, 1, 1),
+    ("a red star to the left of a red circle", 1, 1, 0),
+    ("a red star to the right of a red circle", 1, 1, 1),
+    ("an image with a red circle on the left of a blue square", 1, 1, 1),
+    ("from left to right: a red circle, a blue square and a red star", 2, 2, 2),
+    ("from left to right: a red star and a red circle", 1, 1, 0),
+    ("from left to right: a red circle, a red star and a blue square", 2, 2, 1),
+    ("a green circle above a blue square", 1, 0, 0),  # names no object: not true
+    ("a large red circle above a blue square", 1, 0, 0),  # the circle is small
+    ("a small red circle above a large blue square", 1, 1, 1),
+    ("a red circle and a blue square", 0, 0, 0),
+    ("two objects: a red circle and a blue square", 0, 0, 0),
+    ("a red star above", 0, 0, 0),
 ])
-def test_relations_stated_and_true(caption: str, stated: int, true: int) -> None:
-    assert relation_accuracy(tokenize(caption), OBJECTS) == {"n_relations": stated, "relations_true": true}
+def test_relations_stated_named_and_true(caption: str, stated: int, named: int, true: int) -> None:
+    assert relation_accuracy(tokenize(caption), OBJECTS) == {"n_relations": stated, "n_relations_named": named,
+                                                             "relations_true": true}
 
 
 def test_relations_are_normalised_to_left_of_and_above() -> None:
@@ -60,22 +62,45 @@ def test_relations_are_normalised_to_left_of_and_above() -> None:
 def test_two_objects_of_one_kind_need_distinct_objects() -> None:
     left, right = ShapeObject("star", "red", "small", (0, 0, 10, 10)), ShapeObject("star", "red", "small", (50, 0, 10, 10))
     words = tokenize("a red star to the left of a red star")
-    assert relation_accuracy(words, [left, right]) == {"n_relations": 1, "relations_true": 1}
-    assert relation_accuracy(words, [left]) == {"n_relations": 1, "relations_true": 0}
+    assert relation_accuracy(words, [left, right]) == {"n_relations": 1, "n_relations_named": 1, "relations_true": 1}
+    assert relation_accuracy(words, [left]) == {"n_relations": 1, "n_relations_named": 0, "relations_true": 0}
 
 
 def test_summary_micro_averages_relations_with_chance_and_count() -> None:
     image = ImageObjects(1, "x.png", 64, 64, OBJECTS)
     captions = ["a red circle above a blue square",  # 1 of 1
                 "from left to right: a red circle, a red star and a blue square",  # 1 of 2
+                "a green circle above a blue square",  # misnamed: not a direction error
+                "a large red circle above a blue square",  # misnamed (the circle is small)
                 "a red circle and a blue square"]  # none stated
     per_image = [evaluate_caption(words, np.full((len(words), 2, 2), 0.25), image)
                  for words in map(tokenize, captions)]
     summary = summarize_grounding([p for p, _ in per_image], [a for _, a in per_image])
-    assert summary["n_relations"] == 3
-    assert summary["relation_accuracy"] == pytest.approx(2 / 3)
+    assert summary["n_relations"] == 5
+    assert summary["n_relations_misnamed"] == 2
+    assert summary["relation_accuracy"] == pytest.approx(2 / 3)  # directions of the 3 rightly named
     assert summary["relation_chance"] == 0.5
     assert summarize_grounding([], [])["relation_accuracy"] is None
+    only_misnamed = evaluate_caption(tokenize(captions[2]), np.full((7, 2, 2), 0.25), image)
+    assert summarize_grounding([only_misnamed[0]], [only_misnamed[1]])["relation_accuracy"] is None
+
+
+def test_a_random_direction_between_named_objects_scores_one_half() -> None:
+    """Chance is 0.5 over rightly named pairs: a caption stating each pair of two objects
+    in a random direction, over many random layouts, is right about half the time, while
+    misnamed relations never enter the figure."""
+    rng = np.random.default_rng(0)
+    per_image = []
+    for _ in range(400):
+        a = ShapeObject("circle", "red", "small", (*rng.uniform(0, 50, 2), 8, 8))
+        b = ShapeObject("square", "blue", "small", (*rng.uniform(0, 50, 2), 8, 8))
+        word = rng.choice(["above", "below"])
+        stated = f"a red circle {word} a blue square and a green star {word} a red circle"
+        per_image.append(evaluate_caption(tokenize(stated), np.full((20, 2, 2), 0.25),
+                                          ImageObjects(1, "x.png", 64, 64, [a, b]))[1])
+    summary = summarize_grounding([[]] * len(per_image), per_image)
+    assert summary["n_relations_misnamed"] == 400  # "a green star" names nothing
+    assert 0.43 < summary["relation_accuracy"] < 0.57
 
 
 def test_generated_reference_captions_state_only_true_relations(tmp_path: Path) -> None:

@@ -140,15 +140,18 @@ def _fixed_hard_model(seed, **variant):
 CAPTIONS = ["red circle", "a small blue star"]  # different lengths: 3 and 5 real steps
 
 
-def test_gradient_and_baseline_are_scaled_as_in_the_authors_code():
-    """The default objective against the formula written out by hand along the sampled paths:
-    loss = mean_b -log p(y_b) - sum_b [0.1 (log p(y_b)/n_b - b) log p(s_b) + 0.002 H_b],
-    b <- 0.9 b + 0.1 mean_b log p(y_b)/n_b (n_b: the caption's real steps, <end> included)."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_and_baseline_are_scaled_as_the_paper_or_the_authors_code(reduction):
+    """The objective against the formula written out by hand along the sampled paths:
+    loss = mean_b -log p(y_b) - c sum_b [0.1 (log p(y_b)/n_b - b) log p(s_b) + 0.002 H_b],
+    b <- 0.9 b + 0.1 mean_b log p(y_b)/n_b (n_b: the caption's real steps, <end> included),
+    with c = 1/B by default (the paper's mean over the samples), 1 with capgen's "sum"."""
     cap, model = _fixed_hard_model(4)
     tokens, lengths = token_batch(cap.vocab, CAPTIONS)
     images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
     b0 = -1.5
-    objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, b0)
+    c = 1 / len(CAPTIONS) if reduction == "mean" else 1.0
+    objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0, reduction=reduction), 0.0, b0)
     torch.manual_seed(7)
     parts = objective(model, images, tokens, lengths)
     assert parts.sampled
@@ -165,7 +168,7 @@ def test_gradient_and_baseline_are_scaled_as_in_the_authors_code():
                                               with_entropy=True)
         reward = log_py.item() / n
         rewards.append(reward)
-        hand = hand - log_py / len(CAPTIONS) - (0.1 * (reward - b0) * log_ps + 0.002 * entropy)
+        hand = hand - log_py / len(CAPTIONS) - c * (0.1 * (reward - b0) * log_ps + 0.002 * entropy)
     expected = _flat_grad(model, hand)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)  # the objective works in float32
     assert abs(objective.baseline - (0.9 * b0 + 0.1 * sum(rewards) / len(rewards))) < 1e-6
@@ -176,6 +179,32 @@ def test_gradient_and_baseline_are_scaled_as_in_the_authors_code():
     torch.manual_seed(7)
     other = _flat_grad(model, first(model, images, tokens, lengths).loss)
     assert not torch.allclose(other, expected, rtol=1e-3, atol=1e-6)
+
+
+def test_duplicating_every_caption_leaves_the_default_gradient_alone_and_doubles_the_summed_terms(monkeypatch):
+    """The default averages the score-function and entropy terms over the captions, as it
+    does the NLL: a batch of every caption twice is the same objective. capgen's summed
+    form adds them over the captions: twice the captions, twice those terms."""
+    cap, model = _fixed_hard_model(5)
+    tokens, lengths = token_batch(cap.vocab, CAPTIONS)
+    images = torch.zeros(len(CAPTIONS), 1, dtype=torch.float64)
+    # A caption and its copy must draw the same cells: the most likely one stands in for the
+    # draw (log p(s|a) and its gradient are computed as for a sample).
+    monkeypatch.setattr(torch, "multinomial", lambda p, n, generator=None: p.argmax(-1, keepdim=True))
+
+    def grad(twice: bool, **kw) -> torch.Tensor:
+        objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0, **kw), 0.0, -1.0)
+        rep = 2 if twice else 1
+        parts = objective(model, images.repeat(rep, 1), tokens.repeat(rep, 1), lengths.repeat(rep))
+        assert parts.sampled
+        return _flat_grad(model, parts.loss)
+
+    torch.testing.assert_close(grad(True), grad(False))  # the default
+    once, twice, mean = grad(False, reduction="sum"), grad(True, reduction="sum"), grad(False, reduction="mean")
+    b = len(CAPTIONS)
+    extra = (once - mean) / (1 - 1 / b)  # the summed score-function and entropy terms of one copy
+    assert extra.abs().max() > 1e-3  # they move the weights: the check has power
+    torch.testing.assert_close(twice - once, extra)
 
 
 def test_the_mean_reduction_divides_the_score_and_entropy_terms_by_the_batch():
@@ -191,7 +220,7 @@ def test_the_mean_reduction_divides_the_score_and_entropy_terms_by_the_batch():
         grads[reduction] = _flat_grad(model, loss - nll_only)  # the score-function and entropy terms alone
     torch.testing.assert_close(grads["mean"] * len(CAPTIONS), grads["sum"])
     # Under torchrun each process holds a share: "sum" adds up over the global batch.
-    objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, -1.0)
+    objective = HardAttentionObjective(HardConfig(reduction="sum", expected_context_prob=0.0), 0.0, -1.0)
     torch.manual_seed(3)
     share = objective(model, images, tokens, lengths, global_batch=8).loss
     nll_only = -caption_log_likelihood(_replay(model, images, tokens, lengths, 3), tokens[:, 1:]).mean()
@@ -221,7 +250,7 @@ def test_expected_minibatches_add_the_entropy_bonus_and_update_the_baseline():
     ll = caption_log_likelihood(out, tokens[:, 1:])  # (B,) the expected context's log-likelihood
     mask = out.mask.double()
     entropy = (-(out.alphas * torch.log(out.alphas)).sum(-1) * mask).sum(1)  # (B,)
-    hand = -ll.mean() - 0.002 * entropy.sum()
+    hand = -ll.mean() - 0.002 * entropy.mean()
     torch.testing.assert_close(parts.loss.item(), hand.item(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, _flat_grad(soft, hand), rtol=1e-4, atol=1e-6)
     word_mean = (ll / mask.sum(1)).mean().item()
@@ -243,7 +272,7 @@ def test_with_several_heads_the_entropy_bonus_is_the_sum_of_the_heads_entropies(
     of_mean = (-(out.alphas * torch.log(out.alphas)).sum(-1) * mask).sum(1)
     assert float((entropy - of_mean).abs().min()) > 1e-3  # the two differ: the check can fail
     torch.testing.assert_close(parts.entropy, entropy.mean().item(), rtol=1e-5, atol=1e-6)
-    hand = -caption_log_likelihood(out, tokens[:, 1:]).mean() - 0.002 * entropy.sum()
+    hand = -caption_log_likelihood(out, tokens[:, 1:]).mean() - 0.002 * entropy.mean()
     torch.testing.assert_close(parts.loss.item(), hand.item(), rtol=1e-5, atol=1e-6)
 
 

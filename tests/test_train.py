@@ -10,6 +10,7 @@ import torch
 
 from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
+from captioner.model import CaptionModel, ModelConfig
 from train.averaging import WeightAverage
 from train.config import HardConfig, TrainConfig, apply_overrides, load_config, to_toml
 from train.loop import train, validation_value
@@ -53,12 +54,40 @@ def load_config_text(text):
     return TrainConfig.from_dict(tomllib.loads(text))
 
 
-def test_reinforce_defaults_are_the_authors_settings():
-    """capgen.py (RL_sumCost): the per-word mean cost against a baseline of the same, /10., no
-    1/B on the known gradients, entropy 0.002, b <- 0.9 b + 0.1 cost, the 0.5 coin."""
+def test_reinforce_defaults_are_the_authors_settings_averaged_per_caption():
+    """capgen.py: the per-word mean cost against a baseline of the same, /10., entropy 0.002,
+    b <- 0.9 b + 0.1 cost, the 0.5 coin; the known gradients averaged over the captions like
+    the NLL (the paper's eq. 12), not added over them as capgen does (x B)."""
     assert dataclasses.asdict(HardConfig()) == {"reward": "word_mean", "lambda_r": 0.1, "entropy": 0.002,
-                                                "reduction": "sum", "baseline_decay": 0.9,
+                                                "reduction": "mean", "baseline_decay": 0.9,
                                                 "expected_context_prob": 0.5}
+
+
+def test_the_encoder_starts_from_a_checkpoint_and_the_decoder_fresh(tiny_coco, tmp_path, capsys):
+    """model.encoder_from with freeze_encoder: the paper's set-up of a new decoder over a
+    trained encoder that stays fixed (its features read through the cache)."""
+    first = tmp_path / "first"
+    train(tiny_config(tiny_coco, **{"optim.max_steps": 4, "val.every_epochs": 0, "optim.seed": 7}), first,
+          progress=False)
+    source = load_checkpoint(first / "last.pt")["state_dict"]
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_coco, **{"optim.max_steps": 3, "val.every_epochs": 0, "model.attention": "hard",
+                                    "model.encoder_from": str(first / "last.pt"), "model.freeze_encoder": True,
+                                    "data.feature_cache": True})
+    train(cfg, run, progress=False)
+    got = load_checkpoint(run / "last.pt")["state_dict"]
+    encoder = [k for k in source if k.startswith("encoder.")]
+    assert encoder and all(torch.equal(got[k], source[k]) for k in encoder)  # copied, then never trained
+    torch.manual_seed(cfg.optim.seed)
+    fresh = CaptionModel(ModelConfig.from_dict(load_checkpoint(run / "last.pt")["model_config"])).state_dict()
+    # The decoder started fresh (the seed's initialisation), not from the source's decoder:
+    # the bias of the last layer moved by three small steps from the fresh one.
+    start = fresh["decoder.L_o.bias"]
+    assert (got["decoder.L_o.bias"] - start).abs().max() < (got["decoder.L_o.bias"] - source["decoder.L_o.bias"]).abs().max()
+    # An encoder of another kind is refused with one line.
+    bad = tiny_config(tiny_coco, **{"model.encoder": "small8", "model.encoder_from": str(first / "last.pt")})
+    with pytest.raises(ValueError, match="encoder_from"):
+        train(bad, tmp_path / "bad", progress=False)
 
 
 def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_refused(tmp_path):

@@ -39,6 +39,9 @@ class ModelSection:
     fine_tune_blocks: int = 0
     freeze_encoder: bool = False  # no encoder weight trains (needed by the feature cache for "small")
     init_from: str = ""  # start from this checkpoint's weights (same architecture), e.g. hard from soft
+    # Start the encoder alone from this checkpoint (a bundled model's name or a path), the
+    # decoder fresh: with freeze_encoder, the paper's set-up of a decoder over fixed features.
+    encoder_from: str = ""
     image_size: int = 128
     # 0: the whole image resized to image_size (no crop). N: torchvision's ImageNet recipe,
     # the shorter side resized to N then the centre image_size cropped (the paper: 256 -> 224).
@@ -103,19 +106,20 @@ class ValConfig:
 
 @dataclass
 class HardConfig:
-    """REINFORCE for hard attention. The defaults are the authors' code (capgen.py,
-    ``RL_sumCost``): reward = per-word mean log p(y|s,a) against a moving-average baseline
-    of the same, divided by 10, entropy bonus 0.002, both added over the minibatch's
-    captions; see ``train.losses.HardAttentionObjective``. This project's first form was
-    reward = "caption", lambda_r = 1, reduction = "mean" (and it also left out the entropy
-    bonus and the baseline update on expected-context minibatches)."""
+    """REINFORCE for hard attention: reward = per-word mean log p(y|s,a) against a
+    moving-average baseline of the same, weighted 0.1, entropy bonus 0.002, as in the
+    authors' code (capgen.py), each averaged over the captions of the minibatch like the
+    NLL (the paper's eq. 12), so that the weights mean the same at any batch size; see
+    ``train.losses.HardAttentionObjective``. ``reduction = "sum"`` is capgen's form, which
+    adds the two terms over the captions (their weight grows with the batch size)."""
 
     reward: str = "word_mean"  # word_mean: mean over the caption's words of log p | caption: their sum
     lambda_r: float = 0.1  # weight of the score-function term (the authors' "/10.")
     entropy: float = 0.002  # lambda_e, entropy bonus on every minibatch
     # How the score-function and entropy terms add over the B captions of a minibatch:
-    # "sum" (the authors': no 1/B, beside a mean NLL) or "mean" (1/B, like the NLL).
-    reduction: str = "sum"
+    # "mean" (1/B, like the NLL; the paper's estimator) or "sum" (capgen's: no 1/B beside a
+    # mean NLL, so their weight is x B and changes with the batch size).
+    reduction: str = "mean"
     baseline_decay: float = 0.9  # b <- decay * b + (1 - decay) * mean over the minibatch of the reward
     expected_context_prob: float = 0.5  # per minibatch, use the expected (soft) context instead of a sample
 
@@ -202,7 +206,7 @@ def check_model_section(m: ModelSection) -> None:
     rather than with a traceback once data and encoder are loaded."""
     from captioner.model import ModelConfig
 
-    shape = {k: v for k, v in asdict(m).items() if k not in ("init_from", "resize")}
+    shape = {k: v for k, v in asdict(m).items() if k not in ("init_from", "encoder_from", "resize")}
     ModelConfig.from_dict({**shape, "vocab_size": 1, "image_size": (m.image_size, m.image_size)})
 
 

@@ -28,7 +28,7 @@ from captioner.distributed import DistContext, setup, teardown
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
-from captioner.inference import Captioner, DecodeOptions
+from captioner.inference import Captioner, DecodeOptions, resolve_weights
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import Vocabulary
 
@@ -197,7 +197,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
     else:
         # init_from is where to start, resize belongs to the preprocessing: the rest is the model's shape.
-        fields = {k: v for k, v in asdict(m).items() if k not in ("init_from", "resize")}
+        fields = {k: v for k, v in asdict(m).items() if k not in ("init_from", "encoder_from", "resize")}
         model_cfg = ModelConfig.from_dict({**fields, "vocab_size": len(vocab),
                                            "image_size": (m.image_size, m.image_size)})
     model = CaptionModel(model_cfg).to(device)
@@ -205,6 +205,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         model.load_state_dict(ckpt["state_dict"])
     elif m.init_from:
         _init_from(model, vocab, Path(m.init_from))
+    if ckpt is None and m.encoder_from:
+        _encoder_from(model, m.encoder_from)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
 
@@ -429,6 +431,20 @@ def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
         model.load_state_dict(src["state_dict"])
     except RuntimeError as e:
         raise ValueError(f"{path} does not fit this model: {e}") from e
+
+
+def _encoder_from(model: CaptionModel, name: str) -> None:
+    """Copy only the encoder's weights of another checkpoint (a bundled model's name or a
+    path); the decoder keeps its fresh initialisation. The encoders must be the same."""
+    src = load_checkpoint(resolve_weights(name))
+    theirs = src["model_config"].get("encoder")
+    if theirs != model.config.encoder:
+        raise ValueError(f"model.encoder_from: {name} has the encoder {theirs!r}, this model {model.config.encoder!r}")
+    weights = {k.removeprefix("encoder."): v for k, v in src["state_dict"].items() if k.startswith("encoder.")}
+    try:
+        model.encoder.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ValueError(f"model.encoder_from: {name}'s encoder does not fit this model: {e}") from e
 
 
 def validation_value(metric: str, figures: dict) -> float:

@@ -110,8 +110,9 @@ def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: t
 
 
 class HardAttentionObjective:
-    """REINFORCE for stochastic hard attention (Xu et al. 2015, sec. 4.1), scaled as the
-    authors' code scales it (capgen.py with ``RL_sumCost``; the defaults of ``HardConfig``).
+    """REINFORCE for stochastic hard attention (Xu et al. 2015, sec. 4.1): the authors' code's
+    reward, baseline and weights (capgen.py), averaged over the captions as the paper's
+    estimator (its eq. 12) averages over the samples (the defaults of ``HardConfig``).
 
     Per minibatch of B captions (the global batch under torchrun), with r_i the reward of
     caption i and b the baseline, the loss whose gradient is followed is
@@ -119,13 +120,17 @@ class HardAttentionObjective:
         mean_i -log p(y_i|s_i,a) + lambda_ds * penalty
           - c * sum_i [ lambda_r (r_i - b) log p(s_i|a) + lambda_e H[alpha_i] ]
 
+    with c = 1/B (``reduction = "mean"``, the default): every term a mean over the captions,
+    so lambda_r and lambda_e mean the same at any batch size and under torchrun (B is then
+    the global batch).
+
     - r_i = mean over the caption's real words of log p(y_t|s,a) (``reward = "word_mean"``;
       the authors' ``-masked_cost.mean(0)``, whose minibatches hold captions of one length),
       or the whole caption's log p(y|s,a) (``reward = "caption"``). (r_i - b) is a constant.
     - lambda_r = 0.1: the authors' "/10.".
-    - c = 1 with ``reduction = "sum"``: the authors give these two terms as known gradients
-      with no 1/B, while their NLL is a minibatch mean, so they add over the captions.
-      ``reduction = "mean"`` (c = 1/B) weighs them like the NLL instead.
+    - c = 1 with ``reduction = "sum"``: capgen gives these two terms as known gradients with
+      no 1/B beside a minibatch-mean NLL, so they add over the captions and their weight
+      grows with B (16 by default there, 64 in its COCO script, less in a short last batch).
     - H[alpha_i] = sum over real steps of the entropy of alpha_t (nats; with several heads,
       the sum of the heads' entropies, as log p(s|a) sums theirs); lambda_e = 0.002.
     - b <- decay * b + (1 - decay) * mean_i r_i, on every minibatch (the authors: 0.9).

@@ -5,8 +5,9 @@ H hidden size, V vocabulary size.
 
     h_0 = tanh(f_init_h(mean_i a_i)),  c_0 = tanh(f_init_c(mean_i a_i))
     alpha_t = softmax(f_att(a, h_{t-1}))                  (attention.py)
-                  with heads > 1: h such maps, contexts concatenated and projected back
-                  to D before the gate, alpha_t their mean      (multihead.py)
+                  with heads > 1: h such maps, each head's context projected to
+                  D/h, concatenated and projected back to D before the gate,
+                  alpha_t their mean                            (multihead.py)
     beta_t = sigmoid(f_beta(h_{t-1}))                     a scalar per step
     z_t = beta_t * sum_i alpha_ti a_i                     (hard: beta_t * a_{s_t})
     h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
@@ -50,7 +51,7 @@ class ModelConfig:
     normalizer: str = "softmax"
     local_window: float = 0.0
     local_width: str = "fixed"  # fixed (local_window) | learned (predicted per step, starts at local_window)
-    heads: int = 1  # decoder attention heads; their contexts are concatenated and projected back to D
+    heads: int = 1  # decoder attention heads; values of D/h each, concatenated and projected back to D
     # Self-attention over the grid cells before the decoder (grid.py): blocks (0: none),
     # heads, clip of the relative offsets, block width (0: min(D, 512)), feed-forward (0: 2x width).
     grid_layers: int = 0

@@ -207,6 +207,35 @@ def test_duplicating_every_caption_leaves_the_default_gradient_alone_and_doubles
     torch.testing.assert_close(twice - once, extra)
 
 
+def test_shares_of_a_batch_weighted_as_the_loop_weighs_them_give_the_whole_batch_gradient(monkeypatch):
+    """Under torchrun each of R ranks holds a share of the global batch; the loop scales a
+    rank's loss by its share (local B * R / global B) and averages the ranks' gradients. With
+    the default per-caption mean, that is the objective over the global batch, every term of
+    it: the same draws give the same gradient as one process holding all the captions."""
+    cap, model = _fixed_hard_model(5)
+    captions = CAPTIONS + ["a red star", "a blue circle and a red square"]
+    tokens, lengths = token_batch(cap.vocab, captions)
+    images = torch.zeros(len(captions), 1, dtype=torch.float64)
+    monkeypatch.setattr(torch, "multinomial", lambda p, n, generator=None: p.argmax(-1, keepdim=True))
+    whole = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, -1.0)
+    expected = _flat_grad(model, whole(model, images, tokens, lengths).loss)
+    ranks = [slice(0, 1), slice(1, 4)]  # shares of different sizes, as a short last batch gives
+
+    def rank_loss(part: slice) -> torch.Tensor:
+        objective = HardAttentionObjective(HardConfig(expected_context_prob=0.0), 0.0, -1.0)
+        t = tokens[part][:, :int(lengths[part].max())]  # each rank pads to its own longest caption
+        return objective(model, images[part], t, lengths[part], global_batch=len(captions)).loss
+
+    got = torch.zeros_like(expected)
+    for part in ranks:
+        share = len(tokens[part]) * len(ranks) / len(captions)
+        got += _flat_grad(model, rank_loss(part) * share) / len(ranks)  # DDP's average over the ranks
+    torch.testing.assert_close(got, expected)
+    # The check has power: without the share weighting the short share would count 3 times over.
+    unweighted = sum(_flat_grad(model, rank_loss(p)) for p in ranks) / len(ranks)
+    assert not torch.allclose(unweighted, expected, rtol=1e-3, atol=1e-6)
+
+
 def test_the_mean_reduction_divides_the_score_and_entropy_terms_by_the_batch():
     cap, model = _fixed_hard_model(5)
     tokens, lengths = token_batch(cap.vocab, CAPTIONS)

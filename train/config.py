@@ -99,7 +99,7 @@ class ValConfig:
     # ...), or "min:A,B" for the smaller of several.
     metric: str = "CIDEr"
     beam_size: int = 1
-    max_len: int = 20
+    max_len: int = 20  # words per caption at validation (<end> not counted)
     limit: int = 0  # 0: the whole validation split
     patience: int = 5  # early stopping: validations without improvement; 0 = never stop early
 

@@ -20,7 +20,7 @@ from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png
                          logged_run, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
-from captioner.images import ImageLoadError
+from captioner.images import ImageLoadError, ImageTooLargeError
 from captioner.inference import Captioner, DecodeOptions
 
 EXAMPLES_DIR = Path(__file__).parent / "examples"
@@ -68,6 +68,17 @@ def load_captioner(weights: str, modified: float) -> Captioner:
 
 def _markdown_text(text: str) -> str:
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~$])", r"\\\1", text)
+
+
+def _clause(error: BaseException) -> str:
+    """An error's message as markdown, without its closing full stop: the page's sentence goes on."""
+    return _markdown_text(str(error).rstrip().rstrip("."))
+
+
+def _unreadable(error: ImageLoadError) -> str:
+    if isinstance(error, ImageTooLargeError):  # the visitor cannot raise it, whoever runs the app can
+        return f"{_clause(error)}; the app's limit is raised with `captioner app --max-pixels N`"
+    return _clause(error)
 
 
 def no_model_message() -> None:
@@ -250,7 +261,7 @@ def main() -> None:
         modified = path.stat().st_mtime
         captioner = load_captioner(str(path), modified)
     except (CheckpointError, OSError) as e:
-        st.error(f"Cannot load the model **{_markdown_text(label)}**: {_markdown_text(str(e))}. "
+        st.error(f"Cannot load the model **{_markdown_text(label)}**: {_clause(e)}. "
                  "Pick another model in the sidebar.")
         return
     if captioner.model.config.attention == "hard":
@@ -288,7 +299,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
             picture, image, preview = Picture.decode(digest, data)
             decoded = (image, preview)  # the caption below draws on them, without decoding again
         except ImageLoadError as e:
-            left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
+            left.error(f"Cannot read **{_markdown_text(name)}**: {_unreadable(e)}. Try another file.")
             return
         st.session_state["picture"] = picture
     show_preview(left, picture, name)
@@ -313,7 +324,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
                     shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
                                           queued)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
-                    right.error(f"Captioning failed: {_markdown_text(str(e))}")
+                    right.error(f"Captioning failed: {_clause(e)}.")
                     return
                 finally:
                     waiting.empty()

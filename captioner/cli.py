@@ -145,7 +145,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                         'the heads\' mean): "alphas_heads" (T x heads x H x W) on each line, with "alphas" and '
                         '"betas", and in --attention-dir a row per word, its mean map then one overlay per head')
     p.add_argument("--max-pixels", type=_positive, default=None,
-                   help="refuse images with more pixels than this (default: Pillow's 89,478,485)")
+                   help="refuse images with more pixels than this, a guard against decompression bombs "
+                        "(default: Pillow's 89,478,485); a higher value lets larger images through")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="fp32 (default), or bf16/fp16 autocast: faster on a GPU (bf16 also on CPUs with "

@@ -223,6 +223,38 @@ def test_examples_are_captioned_before_any_upload(app):
     assert ".png" in _details(app) and _word_panels(app)
 
 
+def test_an_image_over_the_pixel_limit_names_the_apps_setting_and_reads_as_one_sentence(app):
+    app.file_uploader[0].set_value(("huge.png", _bomb_png(), "image/png")).run()
+    assert not app.exception
+    message = app.error[0].value.replace("\\", "")
+    assert "96,000,000 pixels" in message and "captioner app --max-pixels" in message
+    assert ".." not in message and ". ." not in message
+
+
+def test_the_apps_pixel_limit_can_be_raised_above_pillows_own(weights_dir, monkeypatch):
+    """Pillow's limit lowered to make the test small: an upload over twice it is still captioned
+    when the app's own limit (captioner app --max-pixels) allows it."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
+    monkeypatch.setenv("CAPTIONER_APP_MAX_PIXELS", "5000")
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    at.sidebar.selectbox[0].select(MODEL).run()
+    at.file_uploader[0].set_value(("wide.png", _png(seed=2, size=(64, 48)), "image/png")).run()  # 3,072 pixels
+    assert not at.exception and not at.error
+    assert "wide.png" in _details(at) and _word_panels(at)
+
+
+def test_app_command_passes_its_pixel_limit_to_the_page(monkeypatch):
+    import app.cli
+
+    calls = []
+    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append(env))
+    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append(env) or 0)
+    args = build_parser().parse_args(["app", "--max-pixels", "300000000"])
+    assert args.func(args) == 0
+    assert calls[0]["CAPTIONER_APP_MAX_PIXELS"] == "300000000"
+
+
 def test_no_model_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path / "empty"))
@@ -239,6 +271,7 @@ def test_an_unusable_checkpoint_shows_an_error(tmp_path, monkeypatch):
     at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
     assert len(at.error) == 1 and "broken" in at.error[0].value
+    assert ".." not in at.error[0].value.replace("\\", "")  # the checkpoint's sentence, then the page's
     assert not at.file_uploader  # nothing to caption with
 
 

@@ -115,3 +115,29 @@ def test_worker_batches_cross_as_one_tensor_in_path_order(tmp_path):
             torch.testing.assert_close(b.tensors[row], prep(load_image(paths[index])))
     only_bad = list(image_loader([paths[1]], prep, batch_size=3, workers=0))
     assert only_bad[0].tensors is None and only_bad[0].loaded == []
+
+
+def test_max_pixels_raises_the_limit_above_pillows_own(tmp_path, weights, monkeypatch, capsys):
+    """Pillow refuses images over twice its own limit before ours is asked: a raised
+    --max-pixels must let them through (here Pillow's limit is lowered to make that small)."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    tiny_image(0, size=(60, 50)).save(tmp_path / "huge.png")  # 3,000 pixels: over twice Pillow's limit
+    out = tmp_path / "out.jsonl"
+    code = main(["caption", str(tmp_path / "huge.png"), "--weights", weights, "--out", str(out), "--max-len", "4",
+                 "--max-pixels", "5000", "--attention-dir", str(tmp_path / "maps"), "--quiet"])
+    assert code == 0, _lines(out)
+    (record,) = _lines(out)
+    assert record["words"] and "error" not in record
+    assert (tmp_path / "maps").is_dir() and record["attention_png"]  # the figure reads it under the same limit
+
+
+def test_an_image_over_the_limit_names_the_option_that_raises_it(tmp_path, weights, capsys):
+    tiny_image(0, size=(40, 30)).save(tmp_path / "big.png")
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", str(tmp_path / "big.png"), "--weights", weights, "--out", str(out),
+                 "--max-pixels", "1000", "--quiet"]) == 1
+    (record,) = _lines(out)
+    assert "1,200 pixels" in record["error"] and "1,000" in record["error"]
+    assert "--max-pixels" in record["error"]

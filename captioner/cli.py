@@ -163,7 +163,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .batch import (BatchSummary, caption_paths, compact, discover, merge_parts, part_path, read_resume,
                         resume_key)
     from .checkpoint import CheckpointError
-    from .distributed import setup, teardown
+    from .distributed import setup, teardown, work_done
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
 
@@ -240,8 +240,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
                   f"(not image files), already done {already}{extra}", file=sys.stderr)
         # torchrun stops every rank as soon as one exits non-zero (some images failed): no
-        # rank leaves before rank 0 has merged the parts and printed the summary.
+        # rank leaves before rank 0 has merged the parts and printed the summary, and then
+        # none is stopped half-way out (each ends with its own exit code).
         ctx.barrier()
+        work_done(ctx)
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
         teardown(ctx)

@@ -149,7 +149,8 @@ def model_details(captioner: Captioner) -> str:
     parts = [f"{cfg.attention} attention", f"{cfg.encoder} encoder", f"{w}×{h} input",
              f"{len(captioner.vocab):,} words"]
     if "step" in captioner.meta:
-        parts.append(f"trained {captioner.meta['step']:,} steps")
+        steps = captioner.meta["step"]
+        parts.append(f"trained {steps:,} step{'s' if steps != 1 else ''}")
     return " · ".join(parts)
 
 

@@ -337,14 +337,44 @@ def test_a_user_checkpoint_shows_its_training_data_and_no_notice(app):
     app.sidebar.selectbox[0].select(COCO_MODEL).run()
     assert not app.exception and _word_panels(app)
     assert not _notices(app)
-    assert "COCO 2014 Dataset (data/coco)" in _model_card(app)
+    assert "COCO 2014 Dataset" in _model_card(app) and "data/coco" not in _model_card(app)
 
 
 def test_a_user_checkpoint_trained_on_shapes_shows_the_notice(app):
     app.sidebar.selectbox[0].select(SHAPES_MODEL).run()
     assert not app.exception
     assert len(_notices(app)) == 1
-    assert "synthetic shapes (data/shapes)" in _model_card(app)
+    assert "synthetic shapes" in _model_card(app) and "data/shapes" not in _model_card(app)
+
+
+@pytest.mark.parametrize("meta, shown", [
+    ({"training_data": "coco (/home/trainer/data/coco, Karpathy split dataset_coco.json)"},
+     "coco (Karpathy split dataset_coco.json)"),
+    ({"training_data": "Flicker8k_Dataset (/srv/flickr8k/Flicker8k_Dataset, split train)"},
+     "Flicker8k_Dataset (split train)"),
+    ({"data": "/home/trainer/data/coco"}, "the data in a folder named coco"),
+], ids=["coco", "flickr8k", "folder-only"])
+def test_the_model_card_never_shows_the_trainers_paths(weights_dir, tmp_path, monkeypatch, meta, shown):
+    """Checkpoints trained before the data was named from its layout held the trainer's folders."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    tiny_captioner(seed=SEED).save(folder / "old.pt", meta=meta)
+    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(folder))
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    assert not at.exception
+    card = _model_card(at)
+    assert shown in card and "/home/" not in card and "/srv/" not in card
+
+
+def test_a_model_trained_for_one_step_says_step_not_steps():
+    from app.streamlit_app import model_details
+
+    cap = tiny_captioner(seed=SEED)
+    cap.meta["step"] = 1
+    assert "trained 1 step" in model_details(cap) and "1 steps" not in model_details(cap)
+    cap.meta["step"] = 1200
+    assert "trained 1,200 steps" in model_details(cap)
 
 
 def test_a_checkpoint_that_does_not_say_its_data_says_so_in_its_card(app):

@@ -141,3 +141,18 @@ def test_an_image_over_the_limit_names_the_option_that_raises_it(tmp_path, weigh
     (record,) = _lines(out)
     assert "1,200 pixels" in record["error"] and "1,000" in record["error"]
     assert "--max-pixels" in record["error"]
+
+
+def test_attention_in_the_json_is_written_as_rounded(tmp_path, weights):
+    """Rounded to 4 decimals as the help says, in the file too: 0.0012, not 0.0012000000569969416."""
+    import re
+
+    tiny_image(0).save(tmp_path / "a.png")
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--out", str(out), "--with-attention",
+                 "--max-len", "5", "--quiet"]) == 0
+    (record,) = _lines(out)
+    numbers = [x for row in record["alphas"] for line in row for x in line] + record["betas"] + [record["score"]]
+    assert numbers and all(x == round(x, 4) for x in numbers)
+    assert not re.search(r"\d\.\d{5,}", out.read_text())
+

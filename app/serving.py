@@ -30,7 +30,7 @@ from PIL import Image
 from captioner.decoding import CaptionResult
 from captioner.images import DEFAULT_MAX_PIXELS, load_image
 from captioner.inference import Captioner, DecodeOptions
-from captioner.overlay import attention_figure
+from captioner.overlay import attention_figure, figure_info
 
 from app.result_view import attention_layers, data_uri, grid_html, picker_html, picture_defs, png, words_of
 
@@ -392,10 +392,12 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 
-def figure_png(shown: Shown) -> bytes:
-    """The downloadable figure: the image and one panel per word, as `captioner caption --attention-dir` draws it."""
+def figure_png(shown: Shown, model: str) -> bytes:
+    """The downloadable figure: the image and one panel per word under a title (the caption and
+    the model), as `captioner caption --attention-dir` draws it."""
     buf = io.BytesIO()
-    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result).save(buf, "PNG")
+    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result, model=model).save(
+        buf, "PNG", pnginfo=figure_info(shown.result, model))
     return buf.getvalue()
 
 

@@ -204,13 +204,13 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     st.html(Html(shown.picker))  # the picker, the big view and its pictures: one element, no request, no rerun
 
 
-def show_grid(shown: Shown) -> None:
+def show_grid(shown: Shown, model_label: str) -> None:
     st.html(Html(shown.grid))  # every word's map: one element; a panel clicked picks its word
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
-    buttons.download_button("Download the figure (PNG)", lambda: figure_png(shown), file_name=f"{stem}-attention.png",
-                            mime="image/png", on_click="ignore")
+    buttons.download_button("Download the figure (PNG)", lambda: figure_png(shown, model_label),
+                            file_name=f"{stem}-attention.png", mime="image/png", on_click="ignore")
     buttons.download_button("Download the result (JSON)", lambda: result_json(shown),
                             file_name=f"{stem}-caption.json", mime="application/json", on_click="ignore")
 
@@ -242,7 +242,7 @@ def show_all(right, shown: Shown, captioner: Captioner, label: str, options: Dec
         show_result(shown, label, options, captioner.model.config.attention == "hard",
                     shapes_notice(captioner, label))
     if shown.result.words:
-        show_grid(shown)
+        show_grid(shown, label)
 
 
 def main() -> None:

@@ -283,7 +283,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                     record = r.to_json(path, with_attention, heads=heads)
                     if attention_dir is not None:
                         record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads,
-                                                               max_pixels)
+                                                               max_pixels, captioner.name or "")
                     summary.captioned += 1
                 else:
                     record = {"image": path, "error": batch.errors[index]}
@@ -299,12 +299,12 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
 
 
 def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False,
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
-    from .overlay import attention_figure
+                 max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "") -> str:
+    from .overlay import attention_figure, figure_info
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.
     name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
     seen = preprocess.seen(load_image(path, max_pixels))  # the part the model saw
-    attention_figure(seen, result, heads=heads).save(folder / name)
+    attention_figure(seen, result, heads=heads, model=model).save(folder / name, pnginfo=figure_info(result, model))
     return str(folder / name)

@@ -102,7 +102,9 @@ def test_upload_shows_the_cli_caption_and_one_overlay_per_word(app, weights_dir,
     shown = app.session_state["shown"]  # what the download buttons serve
     # Same pixels, same model, same settings: the same numbers, attention maps included.
     assert json.loads(result_json(shown)) == {**cli, "image": "generated.png"}
-    assert Image.open(io.BytesIO(figure_png(shown))).format == "PNG"
+    figure = Image.open(io.BytesIO(figure_png(shown, MODEL)))
+    assert figure.format == "PNG"
+    assert figure.text["Title"] == shown.result.caption and figure.text["Model"] == MODEL  # and drawn above
 
 
 def _bomb_png() -> bytes:
@@ -406,7 +408,7 @@ def test_an_upload_makes_no_figure_until_it_is_downloaded(app, monkeypatch):
     app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
     assert not app.exception and _word_panels(app)
     assert figures == []  # not drawn yet
-    png = figure_png(app.session_state["shown"])  # what the button's callable serves on a click
+    png = figure_png(app.session_state["shown"], MODEL)  # what the button's callable serves on a click
     assert Image.open(io.BytesIO(png)).format == "PNG" and figures == [1]
 
 

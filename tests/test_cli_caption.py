@@ -156,3 +156,26 @@ def test_attention_in_the_json_is_written_as_rounded(tmp_path, weights):
     assert numbers and all(x == round(x, 4) for x in numbers)
     assert not re.search(r"\d\.\d{5,}", out.read_text())
 
+
+def test_the_attention_figure_is_titled_with_the_caption_and_the_model(tmp_path, weights):
+    import numpy as np
+    from PIL import Image
+
+    from captioner.inference import Captioner
+    from captioner.overlay import attention_figure
+
+    tiny_image(0, size=(48, 32)).save(tmp_path / "a.png")
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--out", str(out), "--attention-dir",
+                 str(tmp_path / "maps"), "--max-len", "5", "--quiet"]) == 0
+    (record,) = _lines(out)
+    figure = Image.open(record["attention_png"])
+    assert figure.text["Title"] == record["caption"] and figure.text["Model"] == "tiny.pt"
+    # Drawn too: a band above the panels, as wide as the figure, with dark text in it.
+    cap = Captioner.load(weights)
+    result = cap.caption(tiny_image(0, size=(48, 32)))
+    untitled = attention_figure(tiny_image(0, size=(48, 32)), result)
+    band = figure.height - untitled.height
+    assert band > 10 and figure.width == untitled.width
+    assert np.asarray(figure.convert("L"))[:band].min() < 100
+

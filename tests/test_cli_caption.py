@@ -179,3 +179,19 @@ def test_the_attention_figure_is_titled_with_the_caption_and_the_model(tmp_path,
     assert band > 10 and figure.width == untitled.width
     assert np.asarray(figure.convert("L"))[:band].min() < 100
 
+
+def test_every_out_makes_its_missing_folders_and_says_so(tmp_path, weights, capsys):
+    from captioner.cli import build_parser
+
+    tiny_image(0).save(tmp_path / "a.png")
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--out", str(out), "--max-len", "4",
+                 "--quiet"]) == 0
+    assert len(_lines(out)) == 1
+    assert main(["shapes", "--out", str(tmp_path / "made" / "shapes"), "--train", "1", "--val", "0", "--test", "0",
+                 "--image-size", "64"]) == 0
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    for command in ("caption", "evaluate", "shapes"):
+        (action,) = [a for a in sub[command]._actions if "--out" in a.option_strings]
+        assert "missing folders are made" in action.help, command

@@ -37,7 +37,9 @@ TRAIN = ["train", "--config", "{root}/cfg.toml", "--run-dir", "{root}/run"]
 
 # (what the user got wrong, argv, words the message must contain)
 MISTAKES = [
-    ("--out in a folder that does not exist", CAPTION + ["--out", "{root}/nowhere/out.jsonl"], "does not exist"),
+    ("--out under a file", CAPTION + ["--out", "{root}/notes.txt/out.jsonl"], "notes.txt is a file, not a folder"),
+    ("evaluate: --out under a file", ["evaluate", "--data", "{root}/coco", "--weights", "{root}/tiny.pt",
+                                      "--out", "{root}/notes.txt/m.json"], "notes.txt is a file, not a folder"),
     ("--out names a folder", CAPTION + ["--out", "{root}/imgs"], "is a folder"),
     ("--out cannot be written", CAPTION + ["--out", "/proc/version"], "cannot write"),
     ("--attention-dir names a file", CAPTION + ["--attention-dir", "{root}/notes.txt"], "not a folder"),

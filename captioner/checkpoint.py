@@ -59,14 +59,28 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        failed = _write_error(e)
+        if failed is not None and failed is not e:  # torch's zip writer reports a full disk as a RuntimeError
+            raise OSError(failed.errno, failed.strerror, str(path)) from e
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _write_error(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (itself, or what it was raised while handling), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def make_checkpoint(*, model_state: dict, model_config: dict, vocab: list[str], preprocess: dict,

@@ -141,16 +141,41 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_last_checkpoint_stays_int
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(tiny_config(tiny_coco, **{"optim.max_steps": 12, "optim.save_every": 2,
                                                           "val.every_epochs": 0})))
-    real_save, saved = torch.save, []
+    import train.loop
 
-    def save(obj, f, *args, **kwargs):
-        if len(saved) == 2:  # the third checkpoint: the disk is full half-way through it
-            f.write(b"\0" * 1000)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_save(obj, f, *args, **kwargs)
+    real_fdopen, real_save, saved = os.fdopen, train.loop.atomic_save, []
+
+    class FullDisk:
+        """A file on a disk that fills up half-way through the write."""
+
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.written += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fdopen(fd, *args, **kwargs):  # the third checkpoint finds the disk full
+        f = real_fdopen(fd, *args, **kwargs)
+        return FullDisk(f) if len(saved) == 2 else f
+
+    def atomic_save(obj, path):
+        real_save(obj, path)
         saved.append(obj["train_state"]["step"])
 
-    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    monkeypatch.setattr(train.loop, "atomic_save", atomic_save)
     run = tmp_path / "run"
     code = captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"])
     err = capsys.readouterr().err

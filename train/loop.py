@@ -520,9 +520,10 @@ LISTED = 10  # unreadable images named in the one-line error; `data check` lists
 def _unreadable_message(unreadable: dict[Path, str]) -> str:
     named = "; ".join(f"{path} ({why})" for path, why in list(unreadable.items())[:LISTED])
     more = f"; and {len(unreadable) - LISTED:,} more" if len(unreadable) > LISTED else ""
-    return (f"{len(unreadable):,} image{'s' if len(unreadable) != 1 else ''} cannot be read: {named}{more}. "
-            "Replace or remove them (`captioner data check --config FILE` lists every one), or train without "
-            "them: --set data.skip_unreadable=true")
+    one = len(unreadable) == 1
+    return (f"{len(unreadable):,} image{'' if one else 's'} cannot be read: {named}{more}. Replace or remove "
+            f"{'it' if one else 'them'} (`captioner data check --config FILE` lists every one), or train without "
+            f"{'it' if one else 'them'}: --set data.skip_unreadable=true")
 
 
 def _on_main(ctx: DistContext, work) -> None:

@@ -397,4 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m captioner.cli` (as torchrun runs it) makes this file __main__, a second copy of
+    # the module: the subcommands raise captioner.cli.UsageError, which only that copy's main catches.
+    from captioner.cli import main as module_main
+
+    sys.exit(module_main())

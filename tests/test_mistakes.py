@@ -100,3 +100,15 @@ def test_a_read_only_out_file_is_one_line(place, capsys):
                  "--out", str(place / "readonly" / "out.jsonl")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "cannot write" in err
+
+
+def test_a_mistake_under_python_m_is_one_line_too(tmp_path):
+    """torchrun runs `-m captioner.cli`: the error a subcommand raises must be the one main() catches."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "captioner.cli", "train", "--config", str(tmp_path / "missing.toml")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().startswith("captioner train: error: ") and "missing.toml" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -283,3 +283,16 @@ def test_training_says_what_it_did_in_figures_a_reader_can_use(tiny_coco, tmp_pa
     figure = re.search(r"best val BLEU-1 (\S+) ", last).group(1)
     assert re.fullmatch(r"\d\.\d{4}|\d\.\d\de-\d\d", figure), last  # 0.1234, or 3.83e-13: never 17 digits
     assert float(figure) == pytest.approx(load_checkpoint(run / "best.pt")["meta"]["val_BLEU-1"], rel=1e-2)
+
+
+def test_checking_the_images_draws_nothing_from_the_global_random_state(tiny_coco):
+    """Training checks its images before it builds the model: its initial weights (the same on
+    every rank, the same as before the check existed) must not depend on the check."""
+    from captioner.data.check import unreadable_images
+    from captioner.images import Preprocess
+
+    paths = sorted((tiny_coco / "images").glob("*.png"))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert unreadable_images(paths, Preprocess(size=(16, 16)), workers=0, progress=False) == {}
+    assert torch.equal(torch.get_rng_state(), before)

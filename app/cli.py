@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=None,
                    help="uploads captioned together at most, when several wait for the model (default 4; "
                         "1: one at a time)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="refuse uploads with more pixels than this (default: Pillow's 89,478,485, a guard "
+                        "against decompression bombs); the page names this option when it refuses one")
     p.set_defaults(func=cmd_app)
 
 
@@ -40,7 +43,8 @@ def streamlit_command(port: int, address: str) -> list[str]:
             "--runner.postScriptGC", "false"]
 
 
-def server_env(workers: int | None = None, base: dict | None = None, batch: int | None = None) -> dict:
+def server_env(workers: int | None = None, base: dict | None = None, batch: int | None = None,
+               max_pixels: int | None = None) -> dict:
     """The server's environment. Streamlit runs every script run in a fresh thread, and glibc
     gives threads up to 8 malloc arenas per core: memory one run freed sits in an arena the next
     run may not use. Two arenas keep the server smaller (6 browser sessions for a minute: a peak
@@ -51,6 +55,8 @@ def server_env(workers: int | None = None, base: dict | None = None, batch: int 
         env["CAPTIONER_APP_WORKERS"] = str(workers)
     if batch is not None:
         env["CAPTIONER_APP_BATCH"] = str(batch)
+    if max_pixels is not None:
+        env["CAPTIONER_APP_MAX_PIXELS"] = str(max_pixels)
     return env
 
 
@@ -63,8 +69,10 @@ def cmd_app(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers must be at least 1, got {args.workers}")
     if args.batch is not None and args.batch < 1:
         raise UsageError(f"--batch must be at least 1, got {args.batch}")
+    if args.max_pixels is not None and args.max_pixels < 1:
+        raise UsageError(f"--max-pixels must be at least 1, got {args.max_pixels}")
     cmd = streamlit_command(args.port, args.address)
-    env = server_env(args.workers, batch=args.batch)
+    env = server_env(args.workers, batch=args.batch, max_pixels=args.max_pixels)
     if os.name == "posix":
         # Become the server, so that Ctrl-C or a supervisor's SIGTERM reaches it directly
         # instead of leaving it running behind a parent that was stopped.

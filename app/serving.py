@@ -28,9 +28,9 @@ import torch
 from PIL import Image
 
 from captioner.decoding import CaptionResult
-from captioner.images import load_image
+from captioner.images import DEFAULT_MAX_PIXELS, load_image
 from captioner.inference import Captioner, DecodeOptions
-from captioner.overlay import attention_figure
+from captioner.overlay import attention_figure, figure_info
 
 from app.result_view import attention_layers, data_uri, grid_html, picker_html, picture_defs, png, words_of
 
@@ -227,6 +227,12 @@ def _env_count(name: str, default: int) -> int:
         return default
 
 
+def pixel_limit() -> int:
+    """The most pixels an upload may have: CAPTIONER_APP_MAX_PIXELS (`captioner app --max-pixels`),
+    else Pillow's own limit."""
+    return _env_count("CAPTIONER_APP_MAX_PIXELS", DEFAULT_MAX_PIXELS)
+
+
 @st.cache_resource
 def caption_gate() -> Gate:
     """The process's one gate. CAPTIONER_APP_WORKERS captions at once (default: one per core),
@@ -299,11 +305,11 @@ class Picture:
         resizes nor encodes it again. It is still decoded whole, at 1/8 scale, so that a broken
         file is refused here with its message."""
         if _shown_as_is(data):
-            load_image(data, at_least=1)
+            load_image(data, pixel_limit(), at_least=1)
             with Image.open(io.BytesIO(data)) as im:
                 width, height = im.size
             return cls(digest, width, height, data, as_is=True), None, None
-        image = load_image(data, at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
+        image = load_image(data, pixel_limit(), at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
         preview = fit_width(image, LARGE_WIDTH)
         return cls(digest, image.width, image.height, jpeg(preview)), image, preview
 
@@ -341,7 +347,7 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     checkpoint's own caption) and draw what the page shows. ``picture``, ``decoded``: the upload as
     Picture.decode gave it, when this run has decoded it already."""
     start, cpu = time.perf_counter(), time.thread_time()
-    image = captioner.preprocess.load(data)  # decoded before the gate, by this session's thread
+    image = captioner.preprocess.load(data, pixel_limit())  # decoded before the gate, by this session's thread
     decoding, cpu = time.perf_counter() - start, time.thread_time() - cpu
 
     def caption_all(images: list[Image.Image]) -> list[CaptionResult]:
@@ -359,7 +365,7 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     else:
         image, preview = decoded if decoded and decoded[0] is not None else (None, None)
         if image is None:
-            image = load_image(data, at_least=LARGE_WIDTH)
+            image = load_image(data, pixel_limit(), at_least=LARGE_WIDTH)
         cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
         if cropped is image and preview is not None and picture is not None:
             seen_jpeg, seen_size = picture.preview, preview.size  # encoded already
@@ -386,10 +392,12 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
 
 
-def figure_png(shown: Shown) -> bytes:
-    """The downloadable figure: the image and one panel per word, as `captioner caption --attention-dir` draws it."""
+def figure_png(shown: Shown, model: str) -> bytes:
+    """The downloadable figure: the image and one panel per word under a title (the caption and
+    the model), as `captioner caption --attention-dir` draws it."""
     buf = io.BytesIO()
-    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result).save(buf, "PNG")
+    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result, model=model).save(
+        buf, "PNG", pnginfo=figure_info(shown.result, model))
     return buf.getvalue()
 
 

@@ -20,7 +20,7 @@ from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png
                          logged_run, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
-from captioner.images import ImageLoadError
+from captioner.images import ImageLoadError, ImageTooLargeError
 from captioner.inference import Captioner, DecodeOptions
 
 EXAMPLES_DIR = Path(__file__).parent / "examples"
@@ -68,6 +68,17 @@ def load_captioner(weights: str, modified: float) -> Captioner:
 
 def _markdown_text(text: str) -> str:
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|<>~$])", r"\\\1", text)
+
+
+def _clause(error: BaseException) -> str:
+    """An error's message as markdown, without its closing full stop: the page's sentence goes on."""
+    return _markdown_text(str(error).rstrip().rstrip("."))
+
+
+def _unreadable(error: ImageLoadError) -> str:
+    if isinstance(error, ImageTooLargeError):  # the visitor cannot raise it, whoever runs the app can
+        return f"{_clause(error)}; the app's limit is raised with `captioner app --max-pixels N`"
+    return _clause(error)
 
 
 def no_model_message() -> None:
@@ -138,7 +149,8 @@ def model_details(captioner: Captioner) -> str:
     parts = [f"{cfg.attention} attention", f"{cfg.encoder} encoder", f"{w}×{h} input",
              f"{len(captioner.vocab):,} words"]
     if "step" in captioner.meta:
-        parts.append(f"trained {captioner.meta['step']:,} steps")
+        steps = captioner.meta["step"]
+        parts.append(f"trained {steps:,} step{'s' if steps != 1 else ''}")
     return " · ".join(parts)
 
 
@@ -192,13 +204,13 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     st.html(Html(shown.picker))  # the picker, the big view and its pictures: one element, no request, no rerun
 
 
-def show_grid(shown: Shown) -> None:
+def show_grid(shown: Shown, model_label: str) -> None:
     st.html(Html(shown.grid))  # every word's map: one element; a panel clicked picks its word
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
-    buttons.download_button("Download the figure (PNG)", lambda: figure_png(shown), file_name=f"{stem}-attention.png",
-                            mime="image/png", on_click="ignore")
+    buttons.download_button("Download the figure (PNG)", lambda: figure_png(shown, model_label),
+                            file_name=f"{stem}-attention.png", mime="image/png", on_click="ignore")
     buttons.download_button("Download the result (JSON)", lambda: result_json(shown),
                             file_name=f"{stem}-caption.json", mime="application/json", on_click="ignore")
 
@@ -230,7 +242,7 @@ def show_all(right, shown: Shown, captioner: Captioner, label: str, options: Dec
         show_result(shown, label, options, captioner.model.config.attention == "hard",
                     shapes_notice(captioner, label))
     if shown.result.words:
-        show_grid(shown)
+        show_grid(shown, label)
 
 
 def main() -> None:
@@ -250,7 +262,7 @@ def main() -> None:
         modified = path.stat().st_mtime
         captioner = load_captioner(str(path), modified)
     except (CheckpointError, OSError) as e:
-        st.error(f"Cannot load the model **{_markdown_text(label)}**: {_markdown_text(str(e))}. "
+        st.error(f"Cannot load the model **{_markdown_text(label)}**: {_clause(e)}. "
                  "Pick another model in the sidebar.")
         return
     if captioner.model.config.attention == "hard":
@@ -288,7 +300,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
             picture, image, preview = Picture.decode(digest, data)
             decoded = (image, preview)  # the caption below draws on them, without decoding again
         except ImageLoadError as e:
-            left.error(f"Cannot read **{_markdown_text(name)}**: {_markdown_text(str(e))}. Try another file.")
+            left.error(f"Cannot read **{_markdown_text(name)}**: {_unreadable(e)}. Try another file.")
             return
         st.session_state["picture"] = picture
     show_preview(left, picture, name)
@@ -313,7 +325,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
                     shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
                                           queued)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
-                    right.error(f"Captioning failed: {_markdown_text(str(e))}")
+                    right.error(f"Captioning failed: {_clause(e)}.")
                     return
                 finally:
                     waiting.empty()

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from .decoding import CaptionResult
-from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path, load_image
+from .images import (DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError, Preprocess, is_image_path,
+                     load_image)
 from .inference import Captioner, DecodeOptions
 
 
@@ -211,6 +212,8 @@ class _ImageFiles(Dataset):
         try:
             image = self.preprocess.load(self.paths[i], self.max_pixels)
             return Loaded(i, self.preprocess(image), None)
+        except ImageTooLargeError as e:
+            return Loaded(i, None, f"{e}; --max-pixels raises the limit")
         except ImageLoadError as e:
             return Loaded(i, None, str(e))
         except Exception as e:  # anything else about this one file must not stop the run
@@ -279,7 +282,8 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                     r = results[index]
                     record = r.to_json(path, with_attention, heads=heads)
                     if attention_dir is not None:
-                        record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads)
+                        record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads,
+                                                               max_pixels, captioner.name or "")
                     summary.captioned += 1
                 else:
                     record = {"image": path, "error": batch.errors[index]}
@@ -294,11 +298,13 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     return summary
 
 
-def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False) -> str:
-    from .overlay import attention_figure
+def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "") -> str:
+    from .overlay import attention_figure, figure_info
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.
     name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
-    attention_figure(preprocess.seen(load_image(path)), result, heads=heads).save(folder / name)  # the part the model saw
+    seen = preprocess.seen(load_image(path, max_pixels))  # the part the model saw
+    attention_figure(seen, result, heads=heads, model=model).save(folder / name, pnginfo=figure_info(result, model))
     return str(folder / name)

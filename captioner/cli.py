@@ -78,14 +78,12 @@ def check_device(name: str) -> str:
     return name
 
 
-def check_out_file(path: Path, *, create_folder: bool = False) -> None:
-    """Refuse, before any work, an output file that cannot be written."""
+def check_out_file(path: Path) -> None:
+    """Refuse, before any work, an output file that cannot be written. Its missing folders are
+    made now (the one rule of every --out), so that the file can be written when the work is done."""
     if path.is_dir():
         raise UsageError(f"--out {path} is a folder; give a file name, e.g. {path / 'captions.jsonl'}")
-    if not path.parent.is_dir():
-        if path.parent.exists() or not create_folder:
-            raise UsageError(f"--out {path}: the folder {path.parent} does not exist")
-        return  # made when the file is written
+    make_folders(path.parent)
     existed = path.exists()
     try:
         open(path, "a").close()
@@ -93,6 +91,19 @@ def check_out_file(path: Path, *, create_folder: bool = False) -> None:
         raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
     if not existed:
         path.unlink(missing_ok=True)
+
+
+def make_folders(folder: Path, option: str = "--out") -> None:
+    """``folder`` and its missing parents, or a one-line UsageError saying why not."""
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{option}: {parent} is a file, not a folder")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{option}: cannot make the folder {folder} ({e.strerror or e})") from None
 
 
 def demo_notice(command: str, captioner) -> None:
@@ -134,18 +145,20 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=_non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON-lines output file in an existing folder (default stdout); resumable: each line "
+                   help="JSON-lines output file (default stdout; missing folders are made); resumable: each line "
                         'also holds "resolved", the absolute path resume matches on')
     p.add_argument("--with-attention", action="store_true",
                    help='add "alphas" (T x H x W, rounded) and "betas" (T) to each line')
     p.add_argument("--attention-dir", type=Path, default=None,
-                   help="write one PNG per image: the image and an attention overlay per word")
+                   help="write one PNG per image: the caption and the model as its title, the image and an "
+                        "attention overlay per word (missing folders are made)")
     p.add_argument("--attention-heads", action="store_true",
                    help='each attention head\'s maps too (models with model.heads > 1; the default maps are '
                         'the heads\' mean): "alphas_heads" (T x heads x H x W) on each line, with "alphas" and '
                         '"betas", and in --attention-dir a row per word, its mean map then one overlay per head')
     p.add_argument("--max-pixels", type=_positive, default=None,
-                   help="refuse images with more pixels than this (default: Pillow's 89,478,485)")
+                   help="refuse images with more pixels than this, a guard against decompression bombs "
+                        "(default: Pillow's 89,478,485); a higher value lets larger images through")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="fp32 (default), or bf16/fp16 autocast: faster on a GPU (bf16 also on CPUs with "
@@ -162,7 +175,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .batch import (BatchSummary, caption_paths, compact, discover, merge_parts, part_path, read_resume,
                         resume_key)
     from .checkpoint import CheckpointError
-    from .distributed import setup, teardown
+    from .distributed import setup, teardown, work_done
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
 
@@ -172,10 +185,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.attention_dir is not None:
         if args.attention_dir.exists() and not args.attention_dir.is_dir():
             raise UsageError(f"--attention-dir {args.attention_dir} is not a folder")
-        try:
-            args.attention_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--attention-dir {args.attention_dir}: {e.strerror or e}") from None
+        make_folders(args.attention_dir, "--attention-dir")
     # Under torchrun each rank captions its share into a part file; rank 0 merges them.
     ctx = setup(args.device)
     try:
@@ -239,8 +249,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
                   f"(not image files), already done {already}{extra}", file=sys.stderr)
         # torchrun stops every rank as soon as one exits non-zero (some images failed): no
-        # rank leaves before rank 0 has merged the parts and printed the summary.
+        # rank leaves before rank 0 has merged the parts and printed the summary, and then
+        # none is stopped half-way out (each ends with its own exit code).
         ctx.barrier()
+        work_done(ctx)
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
         teardown(ctx)
@@ -250,7 +262,7 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("shapes", help="generate the synthetic shapes dataset (COCO format)",
                        description="Write the synthetic shapes dataset: images of 1-3 coloured shapes with 5 "
                                    "captions each, as images/, captions_<split>.json, instances_<split>.json.")
-    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--out", type=Path, required=True, help="output folder (missing folders are made)")
     p.add_argument("--train", type=_non_negative, default=3000, help="training images (default 3000)")
     p.add_argument("--val", type=_non_negative, default=200, help="validation images (default 200)")
     p.add_argument("--test", type=_non_negative, default=500, help="test images (default 500)")
@@ -303,8 +315,8 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=_positive, default=32, help="images per batch (default 32)")
     p.add_argument("--limit", type=_positive, default=None, help="evaluate only the first N images")
     p.add_argument("--out", type=Path, default=None,
-                   help="write metrics JSON here (its folder is made if needed), and the COCO results JSON "
-                        "beside it (default: print only)")
+                   help="write metrics JSON here, and the COCO results JSON beside it (missing folders are "
+                        "made; default: print only)")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.set_defaults(func=cmd_evaluate)
@@ -318,7 +330,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     device = check_device(args.device)
     if args.out is not None:
-        check_out_file(args.out, create_folder=True)
+        check_out_file(args.out)
     # The data first: a missing file is the one line a user sees, before any model is loaded.
     try:
         records = load_split(args.data, args.split, args.karpathy)
@@ -385,4 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m captioner.cli` (as torchrun runs it) makes this file __main__, a second copy of
+    # the module: the subcommands raise captioner.cli.UsageError, which only that copy's main catches.
+    from captioner.cli import main as module_main
+
+    sys.exit(module_main())

@@ -49,11 +49,12 @@ class CaptionResult:
         """``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
         out: dict = {} if image is None else {"image": image}
         out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
+        # Rounded in float64: a float32 0.0012 is 0.0012000000569969416 once it is a Python float.
         if with_attention or heads:
-            out["alphas"] = torch.round(self.alphas.float(), decimals=digits).tolist()
-            out["betas"] = torch.round(self.betas.float(), decimals=digits).tolist()
+            out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
+            out["betas"] = torch.round(self.betas.double(), decimals=digits).tolist()
         if heads:
-            out["alphas_heads"] = torch.round(self.head_alphas.float(), decimals=digits).tolist()
+            out["alphas_heads"] = torch.round(self.head_alphas.double(), decimals=digits).tolist()
         return out
 
 

@@ -8,6 +8,7 @@ no-op, so the training loop reads the same either way.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -95,3 +96,17 @@ def setup(device_name: str = "auto") -> DistContext:
 def teardown(ctx: DistContext) -> None:
     if ctx.active and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def is_main_process() -> bool:
+    """Rank 0 under torchrun, or a single process: the one that prints what all ranks share."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def work_done(ctx: DistContext) -> None:
+    """Call on every rank once all of them are past their last collective step. torchrun stops
+    the ranks still running with SIGTERM as soon as one exits non-zero (some images failed, an
+    interrupted run); from here that SIGTERM is ignored, so each rank finishes and ends with its
+    own exit code instead of showing up as killed (-15)."""
+    if ctx.active:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

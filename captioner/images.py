@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,24 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 class ImageLoadError(ValueError):
     """The file is not an image we can read; the message says why, for the user."""
+
+
+class ImageTooLargeError(ImageLoadError):
+    """The image has more pixels than the limit; callers add how their user raises it."""
+
+    def __init__(self, pixels: int, limit: int, size: tuple[int, int] | None = None):
+        self.pixels, self.limit, self.size = pixels, limit, size
+        shape = f"{size[0]}x{size[1]} = " if size else ""
+        super().__init__(f"image is {shape}{pixels:,} pixels, over the limit of {limit:,} "
+                         "(a guard against decompression bombs)")
+
+
+def _allow_pixels(max_pixels: int) -> None:
+    """Pillow's Image.open refuses images over twice its own limit (89,478,485 pixels) before
+    ours is asked: lift its limit to ``max_pixels`` when that is higher, so that the limit
+    the caller chose decides. Raised only, never lowered, and only to a limit a caller asked for."""
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
 
 
 @dataclass(frozen=True)
@@ -147,15 +166,14 @@ def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_
         if size == 0:
             raise ImageLoadError("empty file (0 bytes)")
         fp = source
+    _allow_pixels(max_pixels)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(fp) as im:
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our limit is checked below
+            with Image.open(fp) as im:  # reads the header only: the size is known before any decoding
                 w, h = im.size
                 if w * h > max_pixels:
-                    raise ImageLoadError(
-                        f"image is {w}x{h} = {w * h:,} pixels, over the limit of {max_pixels:,} "
-                        "(possible decompression bomb)")
+                    raise ImageTooLargeError(w * h, max_pixels, (w, h))
                 im.seek(0)  # first frame of animations
                 if at_least is not None and im.format == "JPEG":
                     im.draft(None, (at_least, at_least))
@@ -163,10 +181,11 @@ def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_
                 return to_rgb(im)
     except ImageLoadError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        if isinstance(e, UnidentifiedImageError):
-            raise ImageLoadError("not an image file Pillow can read") from e
-        raise ImageLoadError(f"image over the pixel limit (possible decompression bomb): {e}") from e
+    except UnidentifiedImageError as e:
+        raise ImageLoadError("not an image file Pillow can read") from e
+    except Image.DecompressionBombError as e:  # over twice Pillow's limit, which is at least ours
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        raise ImageTooLargeError(int(found.group(1)) if found else 2 * max_pixels + 1, max_pixels) from e
     except PermissionError as e:
         raise ImageLoadError(f"permission denied: {name}") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,6 +39,15 @@ def resolve_weights(weights: str | os.PathLike | None) -> Path:
     return path
 
 
+def _without_paths(name: str) -> str:
+    """Older checkpoints named their data "NAME (FOLDER, split ...)": the folder goes."""
+    found = re.fullmatch(r"(.*?) \((.*)\)", name)
+    if found is None:
+        return name
+    kept = [part for part in found.group(2).split(", ") if "/" not in part and "\\" not in part]
+    return f"{found.group(1)} ({', '.join(kept)})" if kept else found.group(1)
+
+
 # Numeric precision -> autocast dtype (None: no autocast). Training uses the same names.
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 INFERENCE_PRECISIONS = tuple(AUTOCAST_DTYPES)
@@ -68,16 +78,17 @@ class Captioner:
 
     @property
     def training_data(self) -> str | None:
-        """What the model was trained on, in words, when known. Checkpoints from ``captioner
-        train`` store it as ``meta["training_data"]``; the bundled models are trained on the
-        synthetic shapes whatever their metadata says (older files name only the data folder)."""
+        """What the model was trained on, in words, when known, and never where it lay on the
+        trainer's disk (the app shows it to every visitor). Checkpoints from ``captioner train``
+        store it as ``meta["training_data"]``; the bundled models are trained on the synthetic
+        shapes whatever their metadata says (older files name only the data folder)."""
         for key in ("training_data", "trained_on"):
             if isinstance(self.meta.get(key), str) and self.meta[key]:
-                return self.meta[key]
+                return _without_paths(self.meta[key])
         if self.bundled:
             return SYNTHETIC_SHAPES
         data = self.meta.get("data")
-        return f"the data in {data}" if isinstance(data, str) and data else None
+        return f"the data in a folder named {Path(data).name}" if isinstance(data, str) and data else None
 
     @property
     def shapes_only(self) -> bool:

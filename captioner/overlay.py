@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageChops, ImageDraw, ImageFont
+from PIL.PngImagePlugin import PngInfo
 
 from .decoding import CaptionResult
 
@@ -92,9 +93,11 @@ def overlays(image: Image.Image, alphas: torch.Tensor | np.ndarray, smooth: bool
 
 
 def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224, columns: int = 5,
-                     smooth: bool = True, heads: bool = False) -> Image.Image:
+                     smooth: bool = True, heads: bool = False, model: str | None = None) -> Image.Image:
     """The image, then one overlay panel per word with the word and its beta below.
-    ``heads``: a row per word instead, its map (the heads' mean) then each head's map."""
+    ``heads``: a row per word instead, its map (the heads' mean) then each head's map.
+    ``model``: a title above the panels, the caption and this model's name, so that a figure
+    found later in a folder says what it shows."""
     scale = panel / max(image.size)
     pw, ph = max(1, round(image.width * scale)), max(1, round(image.height * scale))
     shown = image.convert("RGB").resize((pw, ph), Image.Resampling.BICUBIC)
@@ -117,17 +120,38 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     label_h = font.size + 8 if hasattr(font, "size") else 20
     rows = -(-len(panels) // cols)
     pad = 6
-    fig = Image.new("RGB", (cols * (pw + pad) + pad, rows * (ph + label_h + pad) + pad), "white")
+    title_h = label_h + pad if model is not None else 0
+    fig = Image.new("RGB", (cols * (pw + pad) + pad, title_h + rows * (ph + label_h + pad) + pad), "white")
     draw = ImageDraw.Draw(fig)
+    if model is not None:
+        title = _fitted(draw, f"{result.caption or '(no words)'}  (model: {model})", font, fig.width - 2 * pad - 2)
+        draw.text((pad + 2, pad + 2), title, fill="black", font=font)
     for i, cell in enumerate(panels):
         if cell is None:
             continue
         img, label = cell
         x = pad + (i % cols) * (pw + pad)
-        y = pad + (i // cols) * (ph + label_h + pad)
+        y = title_h + pad + (i // cols) * (ph + label_h + pad)
         fig.paste(img, (x, y))
         draw.text((x + 2, y + ph + 3), label, fill="black", font=font)
     return fig
+
+
+def figure_info(result: CaptionResult, model: str) -> PngInfo:
+    """PNG text chunks for a saved figure: its caption and model, readable without looking."""
+    info = PngInfo()
+    info.add_text("Title", result.caption)
+    info.add_text("Model", model)
+    return info
+
+
+def _fitted(draw: ImageDraw.ImageDraw, text: str, font, width: float) -> str:
+    """``text``, cut short with an ellipsis where it would run past ``width`` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "…", font=font) > width:
+        text = text[:-1]
+    return text + "…"
 
 
 def _font(size: int):

@@ -102,7 +102,9 @@ def test_upload_shows_the_cli_caption_and_one_overlay_per_word(app, weights_dir,
     shown = app.session_state["shown"]  # what the download buttons serve
     # Same pixels, same model, same settings: the same numbers, attention maps included.
     assert json.loads(result_json(shown)) == {**cli, "image": "generated.png"}
-    assert Image.open(io.BytesIO(figure_png(shown))).format == "PNG"
+    figure = Image.open(io.BytesIO(figure_png(shown, MODEL)))
+    assert figure.format == "PNG"
+    assert figure.text["Title"] == shown.result.caption and figure.text["Model"] == MODEL  # and drawn above
 
 
 def _bomb_png() -> bytes:
@@ -223,6 +225,38 @@ def test_examples_are_captioned_before_any_upload(app):
     assert ".png" in _details(app) and _word_panels(app)
 
 
+def test_an_image_over_the_pixel_limit_names_the_apps_setting_and_reads_as_one_sentence(app):
+    app.file_uploader[0].set_value(("huge.png", _bomb_png(), "image/png")).run()
+    assert not app.exception
+    message = app.error[0].value.replace("\\", "")
+    assert "96,000,000 pixels" in message and "captioner app --max-pixels" in message
+    assert ".." not in message and ". ." not in message
+
+
+def test_the_apps_pixel_limit_can_be_raised_above_pillows_own(weights_dir, monkeypatch):
+    """Pillow's limit lowered to make the test small: an upload over twice it is still captioned
+    when the app's own limit (captioner app --max-pixels) allows it."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
+    monkeypatch.setenv("CAPTIONER_APP_MAX_PIXELS", "5000")
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    at.sidebar.selectbox[0].select(MODEL).run()
+    at.file_uploader[0].set_value(("wide.png", _png(seed=2, size=(64, 48)), "image/png")).run()  # 3,072 pixels
+    assert not at.exception and not at.error
+    assert "wide.png" in _details(at) and _word_panels(at)
+
+
+def test_app_command_passes_its_pixel_limit_to_the_page(monkeypatch):
+    import app.cli
+
+    calls = []
+    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append(env))
+    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append(env) or 0)
+    args = build_parser().parse_args(["app", "--max-pixels", "300000000"])
+    assert args.func(args) == 0
+    assert calls[0]["CAPTIONER_APP_MAX_PIXELS"] == "300000000"
+
+
 def test_no_model_says_how_to_get_one(tmp_path, monkeypatch):
     monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path / "empty"))
@@ -239,6 +273,7 @@ def test_an_unusable_checkpoint_shows_an_error(tmp_path, monkeypatch):
     at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
     assert len(at.error) == 1 and "broken" in at.error[0].value
+    assert ".." not in at.error[0].value.replace("\\", "")  # the checkpoint's sentence, then the page's
     assert not at.file_uploader  # nothing to caption with
 
 
@@ -304,14 +339,44 @@ def test_a_user_checkpoint_shows_its_training_data_and_no_notice(app):
     app.sidebar.selectbox[0].select(COCO_MODEL).run()
     assert not app.exception and _word_panels(app)
     assert not _notices(app)
-    assert "COCO 2014 Dataset (data/coco)" in _model_card(app)
+    assert "COCO 2014 Dataset" in _model_card(app) and "data/coco" not in _model_card(app)
 
 
 def test_a_user_checkpoint_trained_on_shapes_shows_the_notice(app):
     app.sidebar.selectbox[0].select(SHAPES_MODEL).run()
     assert not app.exception
     assert len(_notices(app)) == 1
-    assert "synthetic shapes (data/shapes)" in _model_card(app)
+    assert "synthetic shapes" in _model_card(app) and "data/shapes" not in _model_card(app)
+
+
+@pytest.mark.parametrize("meta, shown", [
+    ({"training_data": "coco (/home/trainer/data/coco, Karpathy split dataset_coco.json)"},
+     "coco (Karpathy split dataset_coco.json)"),
+    ({"training_data": "Flicker8k_Dataset (/srv/flickr8k/Flicker8k_Dataset, split train)"},
+     "Flicker8k_Dataset (split train)"),
+    ({"data": "/home/trainer/data/coco"}, "the data in a folder named coco"),
+], ids=["coco", "flickr8k", "folder-only"])
+def test_the_model_card_never_shows_the_trainers_paths(weights_dir, tmp_path, monkeypatch, meta, shown):
+    """Checkpoints trained before the data was named from its layout held the trainer's folders."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    tiny_captioner(seed=SEED).save(folder / "old.pt", meta=meta)
+    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(folder))
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    assert not at.exception
+    card = _model_card(at)
+    assert shown in card and "/home/" not in card and "/srv/" not in card
+
+
+def test_a_model_trained_for_one_step_says_step_not_steps():
+    from app.streamlit_app import model_details
+
+    cap = tiny_captioner(seed=SEED)
+    cap.meta["step"] = 1
+    assert "trained 1 step" in model_details(cap) and "1 steps" not in model_details(cap)
+    cap.meta["step"] = 1200
+    assert "trained 1,200 steps" in model_details(cap)
 
 
 def test_a_checkpoint_that_does_not_say_its_data_says_so_in_its_card(app):
@@ -343,7 +408,7 @@ def test_an_upload_makes_no_figure_until_it_is_downloaded(app, monkeypatch):
     app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
     assert not app.exception and _word_panels(app)
     assert figures == []  # not drawn yet
-    png = figure_png(app.session_state["shown"])  # what the button's callable serves on a click
+    png = figure_png(app.session_state["shown"], MODEL)  # what the button's callable serves on a click
     assert Image.open(io.BytesIO(png)).format == "PNG" and figures == [1]
 
 

@@ -52,8 +52,8 @@ def test_attention_heads_writes_each_heads_maps_and_overlays(tmp_path, two_heads
         r = cap.caption(Image.open(path), DecodeOptions(max_len=5))
         seen = cap.preprocess.seen(Image.open(path).convert("RGB"))
         png = Image.open(rec["attention_png"])
-        assert png.size == attention_figure(seen, r, heads=True).size
-        assert png.size != attention_figure(seen, r).size
+        assert png.size == attention_figure(seen, r, heads=True, model=cap.name).size  # titled
+        assert png.size != attention_figure(seen, r, model=cap.name).size
 
 
 def test_a_run_without_head_maps_is_redone_for_them(tmp_path, two_heads, capsys):

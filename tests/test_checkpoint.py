@@ -70,7 +70,8 @@ def test_not_a_checkpoint(tmp_path):
     torch.save({"weights": torch.zeros(2)}, path)
     with pytest.raises(CheckpointError, match="not a captioner checkpoint"):
         load_checkpoint(path)
-    path.write_bytes(b"garbage")
+    path.write_bytes(torch_bytes := path.read_bytes())
+    path.write_bytes(torch_bytes[: len(torch_bytes) // 2])  # a checkpoint cut short
     with pytest.raises(CheckpointError, match="cannot read"):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="not found"):
@@ -115,3 +116,64 @@ def test_loading_never_asks_for_pretrained_weights(tmp_path, monkeypatch):
     assert again.model.config.encoder_pretrained is True  # still says how it was trained
     image = tiny_image(0, (64, 64))
     assert again.caption(image).words == cap.caption(image).words
+
+
+def _image_bytes(fmt: str) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    tiny_image(0).save(buf, fmt)
+    return buf.getvalue()
+
+
+def _zip_bytes() -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("notes.txt", "not weights")
+    return buf.getvalue()
+
+
+NOT_CHECKPOINTS = [
+    ("notes.jpg", _image_bytes("JPEG"), "a JPEG image"),
+    ("photo.png", _image_bytes("PNG"), "a PNG image"),
+    ("config.toml", b'name = "shapes-soft"\n[data]\ndir = "data/shapes"\n', "a text file"),
+    ("model.pt", b"<!doctype html><html><body>404 Not Found</body></html>", "an HTML page"),
+    ("metrics.json", b'{"BLEU-4": 0.25}\n', "a JSON file"),
+    ("weights.zip", _zip_bytes(), "a zip archive"),
+    ("empty.pt", b"", "an empty file"),
+    ("model.safetensors", (14).to_bytes(8, "little") + b'{"__meta__":1}' + bytes(8), "a safetensors file"),
+    ("noise.pt", bytes(range(7, 256)) * 4, "binary data of no kind captioner knows"),
+]
+
+
+@pytest.mark.parametrize("name, data, kind", NOT_CHECKPOINTS, ids=[n for n, _, _ in NOT_CHECKPOINTS])
+def test_a_file_that_is_not_a_checkpoint_is_named_for_what_it_is(tmp_path, name, data, kind):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path} is not a captioner checkpoint ({kind}"), message
+    assert "captioner train" in message and "\n" not in message  # what a checkpoint is, in one line
+
+
+def test_caption_with_an_image_as_weights_says_so_in_one_line(tmp_path, capsys):
+    from captioner.cli import main
+
+    weights = tmp_path / "notes.jpg"
+    weights.write_bytes(_image_bytes("JPEG"))
+    tiny_image(1).save(tmp_path / "photo.png")
+    assert main(["caption", str(tmp_path / "photo.png"), "--weights", str(weights)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"captioner caption: error: {weights} is not a captioner checkpoint (a JPEG image)")
+    assert "\n" not in err
+
+
+def test_a_pytorch_file_of_another_program_is_told_apart(tmp_path):
+    path = tmp_path / "resnet.pth"
+    torch.save({"fc.weight": torch.zeros(2, 2)}, path)
+    with pytest.raises(CheckpointError, match=r"is not a captioner checkpoint \(a PyTorch file"):
+        load_checkpoint(path)

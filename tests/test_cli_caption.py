@@ -115,3 +115,83 @@ def test_worker_batches_cross_as_one_tensor_in_path_order(tmp_path):
             torch.testing.assert_close(b.tensors[row], prep(load_image(paths[index])))
     only_bad = list(image_loader([paths[1]], prep, batch_size=3, workers=0))
     assert only_bad[0].tensors is None and only_bad[0].loaded == []
+
+
+def test_max_pixels_raises_the_limit_above_pillows_own(tmp_path, weights, monkeypatch, capsys):
+    """Pillow refuses images over twice its own limit before ours is asked: a raised
+    --max-pixels must let them through (here Pillow's limit is lowered to make that small)."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1_000)
+    tiny_image(0, size=(60, 50)).save(tmp_path / "huge.png")  # 3,000 pixels: over twice Pillow's limit
+    out = tmp_path / "out.jsonl"
+    code = main(["caption", str(tmp_path / "huge.png"), "--weights", weights, "--out", str(out), "--max-len", "4",
+                 "--max-pixels", "5000", "--attention-dir", str(tmp_path / "maps"), "--quiet"])
+    assert code == 0, _lines(out)
+    (record,) = _lines(out)
+    assert record["words"] and "error" not in record
+    assert (tmp_path / "maps").is_dir() and record["attention_png"]  # the figure reads it under the same limit
+
+
+def test_an_image_over_the_limit_names_the_option_that_raises_it(tmp_path, weights, capsys):
+    tiny_image(0, size=(40, 30)).save(tmp_path / "big.png")
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", str(tmp_path / "big.png"), "--weights", weights, "--out", str(out),
+                 "--max-pixels", "1000", "--quiet"]) == 1
+    (record,) = _lines(out)
+    assert "1,200 pixels" in record["error"] and "1,000" in record["error"]
+    assert "--max-pixels" in record["error"]
+
+
+def test_attention_in_the_json_is_written_as_rounded(tmp_path, weights):
+    """Rounded to 4 decimals as the help says, in the file too: 0.0012, not 0.0012000000569969416."""
+    import re
+
+    tiny_image(0).save(tmp_path / "a.png")
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--out", str(out), "--with-attention",
+                 "--max-len", "5", "--quiet"]) == 0
+    (record,) = _lines(out)
+    numbers = [x for row in record["alphas"] for line in row for x in line] + record["betas"] + [record["score"]]
+    assert numbers and all(x == round(x, 4) for x in numbers)
+    assert not re.search(r"\d\.\d{5,}", out.read_text())
+
+
+def test_the_attention_figure_is_titled_with_the_caption_and_the_model(tmp_path, weights):
+    import numpy as np
+    from PIL import Image
+
+    from captioner.inference import Captioner
+    from captioner.overlay import attention_figure
+
+    tiny_image(0, size=(48, 32)).save(tmp_path / "a.png")
+    out = tmp_path / "out.jsonl"
+    assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--out", str(out), "--attention-dir",
+                 str(tmp_path / "maps"), "--max-len", "5", "--quiet"]) == 0
+    (record,) = _lines(out)
+    figure = Image.open(record["attention_png"])
+    assert figure.text["Title"] == record["caption"] and figure.text["Model"] == "tiny.pt"
+    # Drawn too: a band above the panels, as wide as the figure, with dark text in it.
+    cap = Captioner.load(weights)
+    result = cap.caption(tiny_image(0, size=(48, 32)))
+    untitled = attention_figure(tiny_image(0, size=(48, 32)), result)
+    band = figure.height - untitled.height
+    assert band > 10 and figure.width == untitled.width
+    assert np.asarray(figure.convert("L"))[:band].min() < 100
+
+
+def test_every_out_makes_its_missing_folders_and_says_so(tmp_path, weights, capsys):
+    from captioner.cli import build_parser
+
+    tiny_image(0).save(tmp_path / "a.png")
+    out = tmp_path / "new" / "deeper" / "out.jsonl"
+    assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--out", str(out), "--max-len", "4",
+                 "--quiet"]) == 0
+    assert len(_lines(out)) == 1
+    assert main(["shapes", "--out", str(tmp_path / "made" / "shapes"), "--train", "1", "--val", "0", "--test", "0",
+                 "--image-size", "64"]) == 0
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices
+    for command in ("caption", "evaluate", "shapes"):
+        (action,) = [a for a in sub[command]._actions if "--out" in a.option_strings]
+        assert "missing folders are made" in action.help, command

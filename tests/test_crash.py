@@ -116,3 +116,24 @@ def test_training_stops_cleanly_and_saves_on_signal(tiny_coco, tmp_path, sig):
     assert "interrupted" in err
     state = load_checkpoint(run / "last.pt")["train_state"]
     assert state["step"] >= 3  # saved where it stopped, not at step 0
+
+
+def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
+    """A terminal's Ctrl-C reaches every process of the job, the data loader's workers too: one
+    press must read as one press."""
+    import os
+
+    cfg = tiny_config(tiny_coco, **{"optim.max_steps": 100000, "optim.save_every": 0, "val.every_epochs": 0,
+                                    "data.workers": 2, "data.cache_images": False})
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(to_toml(cfg))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*CAPTIONER, "train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own process group
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("nll") >= 3,
+              proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole foreground group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.count("SIGINT: saving and stopping after this step") == 1, err
+    assert load_checkpoint(run / "last.pt")["train_state"]["step"] >= 3

@@ -44,7 +44,7 @@ def test_a_user_checkpoint_gives_no_demo_note(images, tmp_path, capsys):
     tiny_captioner(seed=1).save(weights, meta={"training_data": "COCO 2014 Dataset (data/coco)"})
     assert main(["caption", images[0], "--weights", str(weights), "--max-len", "4"]) == 0
     assert NOTE not in capsys.readouterr().err
-    assert Captioner.load(weights).training_data == "COCO 2014 Dataset (data/coco)"
+    assert Captioner.load(weights).training_data == "COCO 2014 Dataset"  # an older label: its folder left out
 
 
 def test_a_user_model_trained_on_shapes_says_so(images, tmp_path, capsys):

@@ -86,3 +86,38 @@ def test_distributed_captioning_gives_every_image_exactly_once(tmp_path):
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["image"] for r in lines) == sorted(paths + [str(folder / "broken.jpg")])
     assert all("error" not in r for r in lines)
+
+
+SLOW_EXIT = '''
+import os, sys, time
+from captioner.cli import main
+code = main(sys.argv[1:])
+if os.environ.get("RANK") == "1":
+    time.sleep(3)  # a rank that takes a while to exit: torchrun sees rank 0 end first
+sys.exit(code)
+'''
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_ends_with_its_own_exit_code_none_killed(tmp_path):
+    """Some images fail: every rank exits 1, as the README says. torchrun stops the ranks still
+    running with SIGTERM when the first exits non-zero; a rank whose work is done lets it pass."""
+    import re
+
+    weights = tmp_path / "tiny.pt"
+    tiny_captioner(seed=1).save(weights)
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i in range(4):
+        tiny_image(i, size=(24, 24)).save(folder / f"img{i}.png")
+    (folder / "broken.jpg").write_bytes(b"not an image")
+    script = tmp_path / "slow_exit.py"
+    script.write_text(SLOW_EXIT)
+    res = subprocess.run([*TORCHRUN, str(script), "caption", str(folder), "--weights", str(weights),
+                          "--out", str(tmp_path / "out.jsonl"), "--max-len", "4"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "captioned 4, failed 1" in res.stderr
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", res.stderr)
+    assert codes and set(codes) == {"1"}, res.stderr[-3000:]  # no -15 (SIGTERM) for the slower rank
+    assert "Signal 15" not in res.stderr  # torchrun still logs that it sent one; no rank died of it

@@ -37,7 +37,9 @@ TRAIN = ["train", "--config", "{root}/cfg.toml", "--run-dir", "{root}/run"]
 
 # (what the user got wrong, argv, words the message must contain)
 MISTAKES = [
-    ("--out in a folder that does not exist", CAPTION + ["--out", "{root}/nowhere/out.jsonl"], "does not exist"),
+    ("--out under a file", CAPTION + ["--out", "{root}/notes.txt/out.jsonl"], "notes.txt is a file, not a folder"),
+    ("evaluate: --out under a file", ["evaluate", "--data", "{root}/coco", "--weights", "{root}/tiny.pt",
+                                      "--out", "{root}/notes.txt/m.json"], "notes.txt is a file, not a folder"),
     ("--out names a folder", CAPTION + ["--out", "{root}/imgs"], "is a folder"),
     ("--out cannot be written", CAPTION + ["--out", "/proc/version"], "cannot write"),
     ("--attention-dir names a file", CAPTION + ["--attention-dir", "{root}/notes.txt"], "not a folder"),
@@ -98,3 +100,15 @@ def test_a_read_only_out_file_is_one_line(place, capsys):
                  "--out", str(place / "readonly" / "out.jsonl")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "cannot write" in err
+
+
+def test_a_mistake_under_python_m_is_one_line_too(tmp_path):
+    """torchrun runs `-m captioner.cli`: the error a subcommand raises must be the one main() catches."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "captioner.cli", "train", "--config", str(tmp_path / "missing.toml")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().startswith("captioner train: error: ") and "missing.toml" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

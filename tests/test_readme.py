@@ -60,3 +60,11 @@ def test_links_lead_to_files_that_exist():
 def test_the_readme_reads_in_minutes():
     assert len(README.split()) < 2500
     assert "### Train on COCO" in README  # the place the COCO and Flickr8k instructions go
+
+
+def test_the_cpu_build_of_torch_is_offered_before_the_set_up_commands():
+    """Someone on a laptop without a GPU reads the small install before running the 6 GB one."""
+    cpu_choice = README.index("download.pytorch.org/whl/cpu")
+    first_command = README.index("python3 -m venv .venv && . .venv/bin/activate && pip install -e .")
+    test_command = README.index('pip install -q -e ".[dev,dvc]"')
+    assert cpu_choice < first_command < test_command

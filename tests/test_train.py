@@ -172,7 +172,9 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_coco, tmp_path
 
     again = train(None, run, resume=True, progress=False)  # `captioner train --resume RUN`: the run's own config
     assert (again.step, again.epoch, again.reason) == (first.step, first.epoch, reason)
-    assert f"already finished ({reason}" in capsys.readouterr().err
+    said = {"max_steps": "stopped at optim.max_steps = 5: step 5,", "finished": "finished every epoch: step",
+            "time_budget": "stopped at optim.max_minutes = 0.0001: step"}[reason]
+    assert f"already finished ({said}" in capsys.readouterr().err
     after = load_checkpoint(run / "last.pt")
     assert after["train_state"]["step"] == first.step
     for k in before["state_dict"]:

@@ -44,7 +44,7 @@ def test_checkpoints_name_their_training_data(tiny_coco, tmp_path):
     train(cfg, tmp_path / "run", progress=False)
     for name in ("best.pt", "last.pt"):
         meta = load_checkpoint(tmp_path / "run" / name)["meta"]
-        assert meta["training_data"] == f"tiny test set, train ({tiny_coco}, split train)"
+        assert meta["training_data"] == "tiny test set, train, split train"  # its description, not its folder
     cap = Captioner.load(tmp_path / "run" / "best.pt")
     assert cap.training_data.startswith("tiny test set") and not cap.shapes_only and cap.notice() is None
 
@@ -52,9 +52,26 @@ def test_checkpoints_name_their_training_data(tiny_coco, tmp_path):
 def test_shapes_data_is_named_synthetic_shapes(tmp_path):
     generate_dataset(tmp_path / "shapes", {"train": 2}, seed=3, image_size=64)
     cfg = tiny_config(tmp_path / "shapes")
-    assert training_data_name(cfg.data) == f"synthetic shapes ({tmp_path / 'shapes'}, split train)"
-    karpathy = tiny_config(tmp_path / "coco", **{"data.karpathy": "data/coco/dataset_coco.json"})
-    assert training_data_name(karpathy.data) == f"coco ({tmp_path / 'coco'}, Karpathy split dataset_coco.json)"
+    assert training_data_name(cfg.data) == "synthetic shapes"
+
+
+def test_the_training_data_is_named_from_its_layout_never_by_its_path(photos, tmp_path):
+    coco, flickr = photos / "coco", photos / "flickr8k" / "Flicker8k_Dataset"
+    named = {
+        "COCO 2014, Karpathy split": tiny_config(coco, **{"data.karpathy": "dataset_coco.json"}),
+        "COCO 2014 (fixture), split train2014": tiny_config(coco, **{"data.train_split": "train2014"}),
+        "Flickr8k": tiny_config(flickr, **{"data.karpathy": "../dataset_flickr8k.json"}),
+    }
+    for name, cfg in named.items():
+        assert training_data_name(cfg.data) == name
+
+    # What a checkpoint trained on COCO says, and what the app shows of it.
+    cfg = tiny_config(coco, **{"data.karpathy": "dataset_coco.json", "optim.max_steps": 1, "val.limit": 1,
+                               "val.every_epochs": 0, "data.max_caption_len": 50})
+    train(cfg, tmp_path / "run", progress=False)
+    cap = Captioner.load(tmp_path / "run" / "best.pt")
+    assert cap.training_data == "COCO 2014, Karpathy split"
+    assert cap.meta["training_data"] == "COCO 2014, Karpathy split"
 
 
 def test_shapes_prints_a_readable_summary(tmp_path, capsys):

@@ -12,13 +12,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "train", help="train a captioning model from a TOML config",
         description="Train a model. Writes a run folder with the resolved config.toml, metrics.jsonl, "
                     "last.pt (resumable) and best.pt (best validation score by real decoding). "
-                    "Ctrl-C or SIGTERM saves and stops; --resume RUN_DIR continues exactly where it stopped.")
+                    "Ctrl-C or SIGTERM saves and stops; --resume RUN_DIR continues exactly where it stopped. "
+                    "Exit code: 0 the run ended (every epoch, or a limit reached); 1 a write to the run folder "
+                    "failed mid-run (a full disk: the last checkpoint stays intact); 2 a mistake in the command, "
+                    "config or data, or a run folder that cannot be written, said in one line before anything "
+                    "is written; 130 interrupted (saved).")
     p.add_argument("--config", type=Path, default=None,
                    help="TOML config, e.g. train/configs/shapes-soft.toml (not needed with --resume)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set optim.epochs=5 (repeatable)")
     p.add_argument("--run-dir", type=Path, default=None,
-                   help="where to write the run (default runs/<name>-<timestamp>)")
+                   help="where to write the run, missing folders made (default runs/<name>-<timestamp>)")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last.pt")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -27,11 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from captioner.checkpoint import CheckpointError, load_checkpoint
-    from captioner.cli import UsageError
+    from captioner.cli import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
+    from captioner.distributed import is_main_process
 
     from .config import TrainConfig, apply_overrides, load_config
     from .data_cli import require_data
-    from .loop import new_run_dir, train
+    from .loop import RunWriteError, StartupError, new_run_dir, outcome_line, train
 
     if args.resume is None and args.config is None:
         raise UsageError("give --config FILE for a new run, or --resume RUN_DIR")
@@ -49,7 +54,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
     except (OSError, ValueError, KeyError, CheckpointError) as e:
         raise UsageError(str(e)) from e
-    outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
-    print(f"{outcome.reason} at step {outcome.step} (epoch {outcome.epoch}); best val {outcome.best_metric}; "
-          f"run folder {outcome.run_dir}", file=sys.stderr)
+    try:
+        outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
+    except (StartupError, RunWriteError) as e:
+        # Under torchrun every rank stops on the same error: rank 0 says it.
+        if is_main_process():
+            print(f"captioner train: error: {e}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(e, StartupError) else EXIT_SOME_FAILED
+    if is_main_process():
+        print(outcome_line(outcome, cfg), file=sys.stderr)
     return 130 if outcome.reason == "interrupted" else 0

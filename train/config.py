@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -13,14 +14,20 @@ class DataConfig:
     dir: str = "data/shapes"
     train_split: str = "train"
     val_split: str = "val"
-    karpathy: str = ""  # Karpathy split file (dataset_coco.json); empty: the folder's own splits
+    # Karpathy split file (dataset_coco.json), inside `dir` unless absolute, so that --set
+    # data.dir=... moves it too; empty: the folder's own splits.
+    karpathy: str = ""
     min_count: int = 5  # vocabulary: words seen at least this often in training captions
     max_vocab: int = 0  # 0: no limit
     max_caption_len: int = 20  # words; longer training captions are left out (counted at start-up), never cut
     cache_images: bool = False  # keep preprocessed training images in memory (small data)
     feature_cache: bool = False  # frozen encoder: annotations computed once per image, memory-mapped fp16
     feature_cache_dir: str = ""  # where the cache lives (default: the run folder)
-    workers: int = 2
+    # Image-decoding processes, a ceiling: at most one per CPU core this run may use.
+    workers: int = 8
+    # Images that cannot be read (damaged, cut short) stop training at start-up, each named;
+    # true: they are left out, and counted in the start-up summary.
+    skip_unreadable: bool = False
     # Batches of captions of about one length (sorted by length, cut into batches, batches in
     # random order), as the authors grouped theirs: little padding. Off: uniformly random batches.
     length_buckets: bool = False
@@ -30,6 +37,18 @@ class DataConfig:
     shapes_val: int = 200
     shapes_seed: int = 1
     shapes_image_size: int = 128
+
+    @property
+    def split_file(self) -> Path | None:
+        """The Karpathy split file: ``karpathy`` inside ``dir`` unless it is absolute."""
+        return Path(self.dir) / self.karpathy if self.karpathy else None
+
+    def loader_workers(self) -> int:
+        """``workers``, at most the CPU cores this process may use (under torchrun, its share of
+        the machine's): more processes than cores only compete for them, and torch warns."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return max(0, min(self.workers, max(1, cores // ranks_here)))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Reads the config's split file or annotations, checks that every image exists and decodes
 (worker processes, progress bar), and prints what a run would train on: images per split,
-captions per image, captions left out as too long, the vocabulary size at the config's
+captions per image, captions left out as too long or empty, the vocabulary size at the config's
 ``min_count``, and every unusable file with the reason. Exit 0 when all is well, 1 when
 images are missing or unreadable, 2 when the annotations or split file themselves are
 missing (a one-line error saying where to get them).
@@ -20,6 +20,7 @@ from pathlib import Path
 from captioner.data.coco import (
     ImageRecord,
     SplitNotFoundError,
+    TrainingCaptions,
     build_vocab,
     load_split,
     load_splits,
@@ -35,7 +36,7 @@ MAX_LISTED = 50  # unusable files printed one per line; the rest are counted
 def config_splits(cfg: TrainConfig) -> dict[str, list[ImageRecord]]:
     """The config's training and validation splits, and with a Karpathy file its test split."""
     d = cfg.data
-    karpathy = d.karpathy or None
+    karpathy = d.split_file
     splits = load_splits(d.dir, [d.train_split, d.val_split], karpathy)
     if karpathy is not None and "test" not in splits:
         try:
@@ -51,29 +52,41 @@ def require_data(cfg: TrainConfig) -> None:
     if cfg.data.generate_shapes:
         return
     d = cfg.data
-    for split, records in load_splits(d.dir, [d.train_split, d.val_split], d.karpathy or None).items():
+    for split, records in load_splits(d.dir, [d.train_split, d.val_split], d.split_file).items():
         require_images(records, split)
 
 
 def summary_lines(cfg: TrainConfig, splits: dict[str, list[ImageRecord]], vocab_size: int,
-                  too_long: int) -> list[str]:
+                  kept: TrainingCaptions, unreadable: dict[str, int] | None = None) -> list[str]:
     """What a run trains and validates on, a line per item: shared by `data check` and training.
-    ``too_long``: training captions left out for having over ``data.max_caption_len`` words."""
+    ``kept``: the training captions, with those left out for having over ``data.max_caption_len``
+    words or none at all; ``unreadable``: split -> images left out as unreadable."""
     d = cfg.data
-    source = f" (split file {d.karpathy})" if d.karpathy else ""
+    source = f" (split file {d.split_file})" if d.split_file else ""
     lines = [f"data: {d.dir}{source}"]
     for name, records in splits.items():
         counts = [len(r.captions) for r in records]
         n = sum(counts)
-        images = f"{len(records):,} image{'s' if len(records) != 1 else ''}"
-        line = (f"{name}: {images}, {n:,} captions, {n / max(1, len(records)):.1f} per image "
+        line = (f"{name}: {_count(len(records), 'image')}, {n:,} captions, {n / max(1, len(records)):.1f} per image "
                 f"(min {min(counts, default=0)}, max {max(counts, default=0)})")
-        if name == d.train_split:
-            line += f"; {too_long:,} training captions over {d.max_caption_len} words left out"
+        left_out = []
+        if name == d.train_split and kept.too_long:
+            left_out.append(f"{kept.too_long:,} training captions over {d.max_caption_len} words")
+        empty = sum(r.empty_captions for r in records) + (kept.empty if name == d.train_split else 0)
+        if empty:
+            left_out.append(_count(empty, "empty caption"))
+        if left_out:
+            line += f"; {' and '.join(left_out)} left out"
+        if unreadable and unreadable.get(name):
+            line += f"; {_count(unreadable[name], 'unreadable image')} left out"
         lines.append(line)
     limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
     lines.append(f"vocabulary: {vocab_size:,} words (min_count {d.min_count}{limit}, with 4 special tokens)")
     return lines
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n:,} {thing}{'s' if n != 1 else ''}"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,14 +102,15 @@ def _add_subcommands(p: argparse.ArgumentParser) -> None:
         "check", help="check that every image exists and decodes; print split sizes and the vocabulary",
         description="Read the config's Karpathy split file or COCO annotations, check that every image of "
                     "the training, validation (and test) splits exists and decodes, and print images per "
-                    "split, captions per image, training captions left out as too long, the vocabulary size "
+                    "split, captions per image, captions left out as too long or empty, the vocabulary size "
                     "at the config's min_count, and every unusable file with the reason. Exit 0: all "
                     "good; 1: images missing or unreadable; 2: annotations or split file missing.")
     c.add_argument("--config", type=Path, required=True, help="training config, e.g. train/configs/coco-vgg19-soft.toml")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set data.dir=/data/coco (repeatable)")
     c.add_argument("--workers", type=int, default=None,
-                   help="image-decoding worker processes (default: the config's data.workers)")
+                   help="image-decoding worker processes (default: the config's data.workers, at most one "
+                        "per CPU core)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_check)
 
@@ -114,12 +128,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     d = cfg.data
     vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None,
                         max_len=d.max_caption_len)
-    too_long = training_captions(splits[d.train_split], d.max_caption_len).too_long
-    for line in summary_lines(cfg, splits, len(vocab), too_long):
+    for line in summary_lines(cfg, splits, len(vocab), training_captions(splits[d.train_split], d.max_caption_len)):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})
     preprocess = Preprocess(size=(cfg.model.image_size,) * 2, resize=cfg.model.resize)
-    workers = d.workers if args.workers is None else max(0, args.workers)
+    workers = d.loader_workers() if args.workers is None else max(0, args.workers)
     problems = unreadable_images(paths, preprocess, workers=workers, progress=not args.quiet)
     if not problems:
         print(f"all {len(paths):,} images found and decoded")

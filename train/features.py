@@ -8,8 +8,10 @@ Training reads rows through the memory map, so the cache need not fit in memory.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,9 +69,16 @@ def build_cache(model: CaptionModel, records: list[ImageRecord], preprocess: Pre
     model.encoder.eval()
     probe = model.encode(preprocess(preprocess.load(records[0].path)).unsqueeze(0).to(ctx.device))
     n, (l, d), grid = len(records), probe.vectors.shape[1:], probe.grid
+    full = None
     if ctx.is_main:
-        np.memmap(path, dtype=np.float16, mode="w+", shape=(n, l, d)).flush()
-    ctx.barrier()
+        try:
+            _allocate(path, n * l * d * np.dtype(np.float16).itemsize)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            full = f"no room for the feature cache in {folder}: it needs {_size(n * l * d * 2)} ({e.strerror or e})"
+    full = ctx.broadcast(full)  # every rank stops, not only the one that writes
+    if full is not None:
+        raise CacheSpaceError(full)
     out = np.memmap(path, dtype=np.float16, mode="r+", shape=(n, l, d))
     mine = list(range(ctx.rank, n, ctx.world))  # rank r encodes rows r, r + world, ...
     loader = DataLoader(_Subset(ImageDataset(records, preprocess), mine), batch_size=batch_size,
@@ -88,6 +97,29 @@ def build_cache(model: CaptionModel, records: list[ImageRecord], preprocess: Pre
     ctx.barrier()
     return FeatureCache(path)
 
+
+
+class CacheSpaceError(OSError):
+    """The feature cache does not fit where it was to be written; the message says how big it is."""
+
+
+def _allocate(path: Path, size: int) -> None:
+    """Make ``path`` ``size`` bytes long with its blocks reserved now: a disk too small says so
+    here, rather than killing the process (SIGBUS) when a write through the memory map finds
+    no block, hours into the encoding."""
+    with open(path, "wb") as f:
+        if hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot: a plain file
+                    raise
+        f.truncate(size)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 class _Subset(Dataset):

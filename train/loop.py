@@ -9,7 +9,9 @@ with the best validation score, from real decoding).
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -22,9 +24,10 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from captioner.checkpoint import atomic_save, load_checkpoint
-from captioner.data.coco import CaptionDataset, build_vocab, collate_captions, load_splits
-from captioner.distributed import DistContext, setup, teardown
+from captioner.checkpoint import CheckpointError, atomic_save, load_checkpoint
+from captioner.data.coco import (CaptionDataset, TrainingCaptions, build_vocab, collate_captions, load_splits,
+                                  training_captions)
+from captioner.distributed import DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
@@ -39,6 +42,16 @@ from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
 
 
+class StartupError(ValueError):
+    """Training cannot start: the data, the config or the run folder need the user. Raised
+    before anything is written, or after what was written is taken back; one line."""
+
+
+class RunWriteError(Exception):
+    """A write to the run folder failed (a full disk, say). The message names the file and the
+    last checkpoint, which is intact: checkpoints are written to a temporary file, then renamed."""
+
+
 @dataclass
 class TrainOutcome:
     run_dir: Path
@@ -50,13 +63,20 @@ class TrainOutcome:
 
 
 class _StopFlag:
-    """SIGINT / SIGTERM ask the loop to save and stop after the current step."""
+    """SIGINT / SIGTERM ask the loop to save and stop after the current step.
 
-    def __init__(self) -> None:
+    A terminal's Ctrl-C reaches every process of the job: the data loader's workers (forked
+    with this handler) and under torchrun every rank. The notice is printed once: by the
+    process that set the handler, on rank 0 (``announce``)."""
+
+    def __init__(self, announce: bool = True) -> None:
         self.signal: int | None = None
+        self.announce = announce
+        self._pid = os.getpid()
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "_StopFlag":
+        self._pid = os.getpid()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -65,11 +85,14 @@ class _StopFlag:
         return self
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self._pid:  # a data-loader worker: the training process stops it
+            return
         if self.signal is not None:  # second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal = signum
-        print(f"\n{signal.Signals(signum).name}: saving and stopping after this step "
-              "(again to abort without saving)", file=sys.stderr)
+        if self.announce:
+            print(f"\n{signal.Signals(signum).name}: saving and stopping after this step "
+                  "(again to abort without saving)", file=sys.stderr)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -166,7 +189,12 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
     assert cfg is not None
     ctx = setup(cfg.optim.device)
     try:
-        return _train(cfg, run_dir, ckpt, ctx, progress)
+        outcome = _train(cfg, run_dir, ckpt, ctx, progress)
+        work_done(ctx)  # every rank saved, or stopped on the same error: each ends with its own code
+        return outcome
+    except (StartupError, RunWriteError):
+        work_done(ctx)
+        raise
     finally:
         teardown(ctx)
 
@@ -182,16 +210,27 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         _prepare_data(cfg)
     ctx.barrier()
 
-    karpathy = d.karpathy or None
+    karpathy = d.split_file
     splits = load_splits(d.dir, [d.train_split, d.val_split], karpathy)
-    train_records, val_records = splits[d.train_split], splits[d.val_split]
+    preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                            resize=m.resize)
+    # Every image decoded once now, the way training decodes it: a damaged one stops the run
+    # here, each named, rather than with a traceback an hour in (or is left out, on request).
+    unreadable = _unreadable_images(splits, preprocess, d, ctx, progress)
+    if unreadable and not d.skip_unreadable:
+        raise StartupError(_unreadable_message(unreadable))
+    left_out = {name: sum(r.path in unreadable for r in records) for name, records in splits.items()}
+    train_records, val_records = ([r for r in splits[name] if r.path not in unreadable]
+                                  for name in (d.train_split, d.val_split))
+    if not train_records or not val_records:
+        raise StartupError("no readable images left in split "
+                           f"{d.train_split if not train_records else d.val_split!r}")
+    kept = training_captions(train_records, d.max_caption_len)
     if ckpt is not None:
         vocab = Vocabulary(list(ckpt["vocab"]))
     else:
         vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None,
                             max_len=d.max_caption_len)
-    preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                            resize=m.resize)
     if ckpt is not None:
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
@@ -232,35 +271,54 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
             average.load_state_dict(ts["weight_average"])
         rngs = ts.get("rng_per_rank") or [ts["rng"]]
         if len(rngs) != ctx.world:
-            raise ValueError(f"the run was saved with {len(rngs)} processes; resume it with as many")
+            raise StartupError(f"the run was saved with {len(rngs)} processes; resume it with as many")
         _set_rng_state(rngs[ctx.rank])
         done = _finished(cfg, state)
         if done is not None:  # resuming must not take one more step (nor rewrite the run)
             if ctx.is_main:
-                print(f"{run_dir} already finished ({done} at step {state['step']}, epoch {state['epoch']}): "
+                print(f"{run_dir} already finished ({_reason_text(done, cfg, state['step'], state['epoch'])}): "
                       "nothing to train; raise optim.max_steps, optim.max_minutes or optim.epochs with --set "
                       "to go on", file=sys.stderr)
             return TrainOutcome(run_dir, state["step"], state["epoch"], done, state["best"], state["train_seconds"])
-    elif ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    ctx.barrier()
-    if ctx.is_main:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
 
-    grid = None
-    if d.feature_cache:
-        from .features import CachedCaptionDataset, build_cache
+    # The run folder: made (or, resuming, rewritten) only now that everything above is known good.
+    created = ckpt is None and not run_dir.exists()
 
-        cache = build_cache(model, train_records, preprocess, Path(d.feature_cache_dir or run_dir), ctx,
-                            workers=d.workers, progress=progress)
-        dataset = CachedCaptionDataset(train_records, vocab, cache, d.max_caption_len)
-        grid = cache.grid
-    else:
-        dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len,
-                                 cache_images=d.cache_images)
-    if ctx.is_main:
-        _print_summary(cfg, {d.train_split: train_records, d.val_split: val_records}, vocab, dataset.too_long,
-                       model, device, run_dir)
+    def open_run() -> None:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(to_toml(cfg))
+        except OSError as e:
+            if created:
+                _take_back(run_dir)
+            raise StartupError(f"cannot write the run folder {run_dir}: {e.strerror or e}") from e
+
+    _on_main(ctx, open_run)
+    try:
+        if ctx.is_main:  # what it trains on, before the hours a feature cache may take
+            _print_summary(cfg, {d.train_split: train_records, d.val_split: val_records}, vocab, kept, left_out,
+                           model, device, run_dir)
+        grid = None
+        if d.feature_cache:
+            from .features import CachedCaptionDataset, CacheSpaceError, build_cache
+
+            cache_dir = Path(d.feature_cache_dir or run_dir)
+            try:
+                cache = build_cache(model, train_records, preprocess, cache_dir, ctx, workers=d.loader_workers(),
+                                    progress=progress)
+            except CacheSpaceError as e:
+                raise RunWriteError(str(e)) from e
+            except OSError as e:
+                raise RunWriteError(f"cannot write the feature cache in {cache_dir}: {e.strerror or e}") from e
+            dataset = CachedCaptionDataset(train_records, vocab, cache, d.max_caption_len)
+            grid = cache.grid
+        else:
+            dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len,
+                                     cache_images=d.cache_images)
+    except BaseException:
+        if created and ctx.is_main:
+            _take_back(run_dir)
+        raise
     net = model
     if ctx.active:
         from torch.nn.parallel import DistributedDataParallel
@@ -276,38 +334,73 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     if o.compile:
         model.decoder.compile_step(backend=o.compile)
 
+    # A write that fails on rank 0 (a full disk) is kept here and raised on every rank at the
+    # next step they take together, so that no rank waits for the others forever.
+    failure: list[str] = []
+    saved = {"step": state["step"] if ckpt is not None else None}  # the last checkpoint written whole
+
+    def guarded(path: Path, work) -> None:
+        if failure:
+            return
+        try:
+            work()
+        except OSError as e:
+            failure.append(f"cannot write {path}: {e.strerror or e}")
+
+    def stop_on_failure() -> None:
+        """Every rank calls this together; all raise RunWriteError when rank 0 could not write."""
+        message = ctx.broadcast(failure[0] if failure else None)
+        if message is not None:
+            intact = (f"the last checkpoint, {run_dir / 'last.pt'} (step {saved['step']}), is intact: make room "
+                      f"and continue with --resume {run_dir}" if saved["step"] is not None
+                      else "no checkpoint was written yet: make room and start again")
+            raise RunWriteError(f"{message}; {intact}")
+
     def save_last() -> None:
         rngs = ctx.gather(_rng_state())
-        if not ctx.is_main:
-            return
-        train_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                       "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict(),
-                       "grad_scaler": precision.state_dict()}
-        if hard is not None:
-            train_state["baseline"] = hard.baseline
-            train_state["hard"] = hard.state_dict()  # the baseline and the expected-context coin
-        if average is not None:
-            train_state["weight_average"] = average.state_dict()
-        atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
-                    run_dir / "last.pt")
+        if ctx.is_main:
+            train_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                           "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict(),
+                           "grad_scaler": precision.state_dict()}
+            if hard is not None:
+                train_state["baseline"] = hard.baseline
+                train_state["hard"] = hard.state_dict()  # the baseline and the expected-context coin
+            if average is not None:
+                train_state["weight_average"] = average.state_dict()
+
+            def save() -> None:
+                atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
+                            run_dir / "last.pt")
+                saved["step"] = state["step"]
+
+            guarded(run_dir / "last.pt", save)
+        stop_on_failure()
 
     def write(record: dict) -> None:
-        if log is not None:
+        def append() -> None:
             log.write(json.dumps(record) + "\n")
             log.flush()
+
+        if log is not None:
+            guarded(run_dir / "metrics.jsonl", append)
+
+    def save_best(checkpoint: dict) -> None:
+        guarded(run_dir / "best.pt", lambda: atomic_save(checkpoint, run_dir / "best.pt"))
 
     def validate() -> bool:
         """Real decoding on the validation split (rank 0); saves best.pt; True when early stopping says stop."""
         stop_early = False
         if ctx.is_main:
             with average.applied(model) if average is not None else nullcontext():
-                stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, run_dir, write)
-        return ctx.broadcast(stop_early)
+                stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, save_best, write)
+        stop_early = ctx.broadcast(stop_early)
+        stop_on_failure()
+        return stop_early
 
     reason = "finished"
     model.train()
     bar_loss = _BarLoss(o.max_minutes)
-    with _StopFlag() as stop:
+    with _StopFlag(announce=ctx.is_main) as stop:
         try:
             while state["epoch"] < o.epochs:
                 batches = _epoch_batches(len(dataset), o.batch_size, o.seed, state["epoch"],
@@ -316,7 +409,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                 todo = [b for b in batches[state["batch_in_epoch"]:] if len(b) >= ctx.world]
                 mine = [b[ctx.rank::ctx.world] for b in todo]
                 loader = DataLoader(dataset, batch_sampler=mine, collate_fn=collate_captions,
-                                    num_workers=d.workers, pin_memory=device.type == "cuda",
+                                    num_workers=d.loader_workers(), pin_memory=device.type == "cuda",
                                     # Its own generator: creating a loader must not draw from the
                                     # global RNG, or a resumed run would drift from the original.
                                     generator=torch.Generator().manual_seed(o.seed + state["epoch"]))
@@ -356,6 +449,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                                "train_seconds": round(state["train_seconds"], 1),
                                **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
                                **({"grad_scale": precision.scaler.get_scale()} if precision.scaler else {})})
+                        stop_on_failure()
                     if o.max_steps and state["step"] >= o.max_steps:
                         reason = "max_steps"
                     elif o.max_minutes and ctx.any(state["train_seconds"] >= 60 * o.max_minutes):
@@ -385,12 +479,15 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
             save_last()
         finally:
             if log is not None:
-                log.close()
+                try:
+                    log.close()
+                except OSError:  # what it still held could not be written either: already reported
+                    pass
     return TrainOutcome(run_dir, state["step"], state["epoch"], reason, state["best"], state["train_seconds"])
 
 
-def _print_summary(cfg: TrainConfig, splits: dict, vocab: Vocabulary, too_long: int, model: CaptionModel,
-                   device: torch.device, run_dir: Path) -> None:
+def _print_summary(cfg: TrainConfig, splits: dict, vocab: Vocabulary, kept: TrainingCaptions,
+                   unreadable: dict[str, int], model: CaptionModel, device: torch.device, run_dir: Path) -> None:
     """The start-up summary on stderr: what the run trains on, with what, where it writes."""
     from .data_cli import summary_lines
 
@@ -398,13 +495,71 @@ def _print_summary(cfg: TrainConfig, splits: dict, vocab: Vocabulary, too_long: 
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     threads = torch.get_num_threads()
-    lines = summary_lines(cfg, splits, len(vocab), too_long) + [
+    lines = summary_lines(cfg, splits, len(vocab), kept, unreadable) + [
         f"model: {m.attention} attention, {m.encoder} encoder"
         f"{' (ImageNet weights)' if m.encoder_pretrained else ''}, {total:,} parameters ({trainable:,} trained)",
         f"device: {device}, {threads} thread{'s' if threads != 1 else ''}",
         f"run folder: {run_dir}",
     ]
     print("\n".join(lines), file=sys.stderr)
+
+
+def _unreadable_images(splits: dict[str, list], preprocess: Preprocess, d, ctx: DistContext,
+                       progress: bool) -> dict[Path, str]:
+    """Path -> why, for every image of ``splits`` that does not decode; each rank checks its share."""
+    from captioner.data.check import unreadable_images
+
+    paths = sorted({r.path for records in splits.values() for r in records})
+    mine = unreadable_images(paths[ctx.rank::ctx.world], preprocess, workers=d.loader_workers(),
+                             progress=progress and ctx.is_main)
+    shares = ctx.gather(mine)
+    return ctx.broadcast({path: why for share in shares for path, why in share.items()} if ctx.is_main else None)
+
+
+LISTED = 10  # unreadable images named in the one-line error; `data check` lists them all
+
+
+def _unreadable_message(unreadable: dict[Path, str]) -> str:
+    named = "; ".join(f"{path} ({why})" for path, why in list(unreadable.items())[:LISTED])
+    more = f"; and {len(unreadable) - LISTED:,} more" if len(unreadable) > LISTED else ""
+    one = len(unreadable) == 1
+    return (f"{len(unreadable):,} image{'' if one else 's'} cannot be read: {named}{more}. Replace or remove "
+            f"{'it' if one else 'them'} (`captioner data check --config FILE` lists every one), or train without "
+            f"{'it' if one else 'them'}: --set data.skip_unreadable=true")
+
+
+def _on_main(ctx: DistContext, work) -> None:
+    """``work()`` on rank 0; a StartupError there is raised on every rank, which would otherwise
+    wait for rank 0 at their next step together."""
+    error = None
+    if ctx.is_main:
+        try:
+            work()
+        except StartupError as e:
+            error = str(e)
+    error = ctx.broadcast(error)
+    if error is not None:
+        raise StartupError(error)
+
+
+def _take_back(run_dir: Path) -> None:
+    """Undo a new run's start-up: what it wrote goes (the folder too, when that leaves it empty),
+    but a complete feature cache stays, for the next attempt to use."""
+    keep = set()
+    for meta in run_dir.glob("features-*.json"):
+        try:
+            complete = json.loads(meta.read_text()).get("complete")
+        except (OSError, ValueError):
+            complete = False
+        if complete:
+            keep |= {meta, meta.with_suffix(".f16")}
+    for path in run_dir.iterdir() if run_dir.is_dir() else ():
+        if path not in keep:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    try:
+        run_dir.rmdir()
+    except OSError:  # not empty (a cache kept), or gone already
+        pass
 
 
 def _finished(cfg: TrainConfig, state: dict) -> str | None:
@@ -424,13 +579,43 @@ def _finished(cfg: TrainConfig, state: dict) -> str | None:
 def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
     """Copy another checkpoint's weights: same sizes and the same vocabulary required
     (the attention mode may differ: soft and hard attention share every parameter)."""
-    src = load_checkpoint(path)
+    try:
+        src = load_checkpoint(path)
+    except CheckpointError as e:
+        raise StartupError(f"model.init_from: {e}") from e
     if list(src["vocab"]) != vocab.words:
-        raise ValueError(f"{path} has a different vocabulary; it cannot initialise this run")
+        raise StartupError(f"{path} has a different vocabulary; it cannot initialise this run")
     try:
         model.load_state_dict(src["state_dict"])
     except RuntimeError as e:
-        raise ValueError(f"{path} does not fit this model: {e}") from e
+        raise StartupError(f"{path} does not fit this model: {e}") from e
+
+
+def figure(value: float) -> str:
+    """A validation figure as a reader takes it in: four decimals, or three digits when smaller
+    than that shows (3.83e-13, not 3.829206137800792e-13 nor a 0.0000 that looks like nothing)."""
+    return f"{value:.4f}" if value == 0 or abs(value) >= 1e-4 else f"{value:.2e}"
+
+
+def _reason_text(reason: str, cfg: TrainConfig, step: int, epoch: int) -> str:
+    """Why a run stopped and where it is, e.g. "stopped at optim.max_steps = 3: step 3, 1 of 30 epochs done"."""
+    o, v = cfg.optim, cfg.val
+    where = f"step {step:,}, {epoch} of {o.epochs} epoch{'s' if o.epochs != 1 else ''} done"
+    why = {"finished": "finished every epoch",
+           "max_steps": f"stopped at optim.max_steps = {o.max_steps:,}",
+           "time_budget": f"stopped at optim.max_minutes = {o.max_minutes:g}",
+           "early_stop": f"stopped early: val {v.metric} did not improve in {v.patience} validations (val.patience)",
+           "interrupted": "interrupted, saved"}.get(reason, reason)
+    return f"{why}: {where}"
+
+
+def outcome_line(outcome: TrainOutcome, cfg: TrainConfig) -> str:
+    """The line `captioner train` ends with."""
+    best = ("no validation yet" if outcome.best_metric is None
+            else f"best val {cfg.val.metric} {figure(outcome.best_metric)} (best.pt)")
+    resume = f"; continue with --resume {outcome.run_dir}" if outcome.reason == "interrupted" else ""
+    return (f"{_reason_text(outcome.reason, cfg, outcome.step, outcome.epoch)}; {best}; "
+            f"run folder {outcome.run_dir}{resume}")
 
 
 def _encoder_from(model: CaptionModel, name: str) -> None:
@@ -458,7 +643,7 @@ def validation_value(metric: str, figures: dict) -> float:
 
 
 def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, state: dict, meta: dict,
-              run_dir: Path, write) -> bool:
+              save_best, write) -> bool:
     model = captioner.model
     model.eval()
     report = evaluate(captioner, cfg.data.dir, cfg.data.val_split, karpathy=karpathy, records=val_records,
@@ -466,19 +651,21 @@ def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, sta
                       limit=cfg.val.limit or None, meteor=False, progress=False)
     model.train()
     value = validation_value(cfg.val.metric, {**report.metrics, **(report.grounding or {})})
-    improved = state["best"] is None or value > state["best"]
+    previous = state["best"]
+    improved = previous is None or value > previous
     if improved:
         state["best"], state["bad_vals"] = value, 0
-        atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"], "epoch": state["epoch"],
-                                               f"val_{cfg.val.metric}": value,
-                                               "train_seconds": round(state["train_seconds"], 1)}),
-                    run_dir / "best.pt")
+        save_best(captioner.checkpoint(meta={**meta, "step": state["step"], "epoch": state["epoch"],
+                                             f"val_{cfg.val.metric}": value,
+                                             "train_seconds": round(state["train_seconds"], 1)}))
+        verdict = ("first validation" if previous is None else f"up from {figure(previous)}") + ": saved as best.pt"
     else:
         state["bad_vals"] += 1
+        verdict = f"best so far {figure(previous)}"
     write({"step": state["step"], "epoch": state["epoch"], "val": report.metrics,
            "grounding": report.grounding, "improved": improved})
-    print(f"epoch {state['epoch']} step {state['step']}: val {cfg.val.metric} {value:.4f}"
-          f"{' (best)' if improved else ''}", file=sys.stderr)
+    print(f"epoch {state['epoch']} step {state['step']}: val {cfg.val.metric} {figure(value)} ({verdict})",
+          file=sys.stderr)
     return cfg.val.patience > 0 and state["bad_vals"] >= cfg.val.patience
 
 

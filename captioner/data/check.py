@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
@@ -43,8 +44,10 @@ def unreadable_images(paths: Sequence[Path], preprocess: Preprocess, workers: in
                       progress: bool = True) -> dict[Path, str]:
     """Path -> reason ("missing", "corrupt or truncated image: ...") for every image of
     ``paths`` that cannot be used; empty when all decode."""
+    # Its own generator: training checks its images before it builds the model, whose initial
+    # weights must not depend on a loader having drawn from the global random state.
     loader = DataLoader(_Probe(paths, preprocess), batch_size=32, num_workers=workers,
-                        collate_fn=list, shuffle=False)
+                        collate_fn=list, shuffle=False, generator=torch.Generator())
     problems: dict[Path, str] = {}
     done = 0
     with tqdm(total=len(paths), desc="checking images", unit="img", file=sys.stderr,

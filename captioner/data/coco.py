@@ -72,6 +72,14 @@ class ImageRecord:
     captions: list[str]
     width: int | None = None
     height: int | None = None
+    empty_captions: int = 0  # captions with no word in the file (blank, or punctuation only): left out
+
+
+def _with_words(raw: list[object]) -> tuple[list[str], int]:
+    """The captions that hold a word (a letter or a digit), stripped, and how many did not."""
+    captions = [str(c).strip() for c in raw]
+    kept = [c for c in captions if any(ch.isalnum() for ch in c)]
+    return kept, len(captions) - len(kept)
 
 
 # --------------------------------------------------------------------------- loading
@@ -81,7 +89,8 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
     """Every image of a COCO captions file, with its captions, sorted by image id.
 
     Images without captions (e.g. an ``image_info_test*.json`` file) are kept with an
-    empty caption list: they can still be captioned, just not scored or trained on.
+    empty caption list: they can still be captioned, just not scored or trained on. A
+    caption with no word in it is left out (``ImageRecord.empty_captions`` counts them).
     """
     from pycocotools.coco import COCO  # imported here: only this function needs it
 
@@ -98,13 +107,14 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
     for image_id in sorted(coco.imgs):
         info = coco.imgs[image_id]
         anns = sorted(coco.imgToAnns.get(image_id, []), key=lambda a: a.get("id", 0))
-        captions = [str(a["caption"]).strip() for a in anns if "caption" in a]
+        captions, empty = _with_words([a["caption"] for a in anns if "caption" in a])
         records.append(ImageRecord(
             image_id=int(image_id),
             path=image_root / info["file_name"],
             captions=captions,
             width=_int_or_none(info.get("width")),
             height=_int_or_none(info.get("height")),
+            empty_captions=empty,
         ))
     return records
 
@@ -189,8 +199,8 @@ def _karpathy_split(images: list[dict], split_file: Path, data_dir: Path, split:
             continue
         image_id = entry["cocoid"] if "cocoid" in entry else entry["imgid"]
         path = data_dir / entry.get("filepath", "") / entry["filename"]
-        captions = [str(s["raw"]).strip() for s in entry.get("sentences", []) if "raw" in s]
-        records.append(ImageRecord(image_id=int(image_id), path=path, captions=captions))
+        captions, empty = _with_words([s["raw"] for s in entry.get("sentences", []) if "raw" in s])
+        records.append(ImageRecord(image_id=int(image_id), path=path, captions=captions, empty_captions=empty))
 
     if not records:
         present = sorted({str(e.get("split")) for e in images})

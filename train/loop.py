@@ -591,6 +591,24 @@ def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
         raise StartupError(f"{path} does not fit this model: {e}") from e
 
 
+def _encoder_from(model: CaptionModel, name: str) -> None:
+    """Copy only the encoder's weights of another checkpoint (a bundled model's name or a
+    path); the decoder keeps its fresh initialisation. The encoders must be the same."""
+    try:
+        src = load_checkpoint(resolve_weights(name))
+    except CheckpointError as e:
+        raise StartupError(f"model.encoder_from: {e}") from e
+    theirs = src["model_config"].get("encoder")
+    if theirs != model.config.encoder:
+        raise StartupError(f"model.encoder_from: {name} has the encoder {theirs!r}, this model "
+                           f"{model.config.encoder!r}")
+    weights = {k.removeprefix("encoder."): v for k, v in src["state_dict"].items() if k.startswith("encoder.")}
+    try:
+        model.encoder.load_state_dict(weights)
+    except RuntimeError as e:
+        raise StartupError(f"model.encoder_from: {name}'s encoder does not fit this model: {e}") from e
+
+
 def figure(value: float) -> str:
     """A validation figure as a reader takes it in: four decimals, or three digits when smaller
     than that shows (3.83e-13, not 3.829206137800792e-13 nor a 0.0000 that looks like nothing)."""
@@ -616,20 +634,6 @@ def outcome_line(outcome: TrainOutcome, cfg: TrainConfig) -> str:
     resume = f"; continue with --resume {outcome.run_dir}" if outcome.reason == "interrupted" else ""
     return (f"{_reason_text(outcome.reason, cfg, outcome.step, outcome.epoch)}; {best}; "
             f"run folder {outcome.run_dir}{resume}")
-
-
-def _encoder_from(model: CaptionModel, name: str) -> None:
-    """Copy only the encoder's weights of another checkpoint (a bundled model's name or a
-    path); the decoder keeps its fresh initialisation. The encoders must be the same."""
-    src = load_checkpoint(resolve_weights(name))
-    theirs = src["model_config"].get("encoder")
-    if theirs != model.config.encoder:
-        raise ValueError(f"model.encoder_from: {name} has the encoder {theirs!r}, this model {model.config.encoder!r}")
-    weights = {k.removeprefix("encoder."): v for k, v in src["state_dict"].items() if k.startswith("encoder.")}
-    try:
-        model.encoder.load_state_dict(weights)
-    except RuntimeError as e:
-        raise ValueError(f"model.encoder_from: {name}'s encoder does not fit this model: {e}") from e
 
 
 def validation_value(metric: str, figures: dict) -> float:

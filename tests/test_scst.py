@@ -4,14 +4,22 @@ SCST phase (resume, the training split's document frequencies, offline end to en
 
 from __future__ import annotations
 
+
 import pytest
 import torch
+import torch.nn.functional as F
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.cider.cider_scorer import CiderScorer
 
 from captioner.cider import CiderD, cider_d
+from captioner.encoders import Annotations
+from captioner.images import Preprocess
 from captioner.metrics import _prepare
+from captioner.model import CaptionModel
 from captioner.vocab import tokenize
+from tiny import tiny_config, tiny_image, tiny_vocab
+from train.config import ScstConfig
+from train.scst import ScstObjective, sample_captions, sample_log_probs
 
 # A corpus of six images' references: words in every image ("a"), in one image only, and
 # repeated; punctuation and capitals that the tokenizer must remove.
@@ -79,3 +87,143 @@ def test_cider_d_clips_repeats_and_penalises_length():
     assert cider.score("a red square on a table", refs) > cider.score(
         "a red square on a table on a table on a table with a red box", refs)
     assert cider.score("", refs) == 0.0
+
+
+# --------------------------------------------------------------------------- samples and rewards
+
+# Four tiny images' references, in the tiny vocabulary's words.
+REFS = [["a red circle", "a red circle and a small star"], ["a blue square", "a large blue square"],
+        ["a green star", "a small green star"], ["a large red square", "a red square and a blue circle"]]
+
+
+def _tiny_batch(n: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = CaptionModel(tiny_config())
+    images = torch.stack([Preprocess(size=(32, 32))(tiny_image(i)) for i in range(n)])
+    return model, images
+
+
+def _stepwise_log_p(decoder, ann, tokens, ended, vocab):
+    """log p of each sampled caption, one decoder step at a time with the full softmax
+    (<start> and <pad> excluded): every word, then <end>, or for a cut caption log (1 - p(<end>))."""
+    a = ann.vectors
+    keys = decoder.attention.prepare(a)
+    out = []
+    for r in range(tokens.shape[0]):
+        h, c = decoder.init_state(a[r:r + 1])
+        total, t = 0.0, 0
+        while True:
+            o = decoder.step(tokens[r, t:t + 1], h, c, a[r:r + 1], keys[r:r + 1], ann.grid)
+            h, c = o.h, o.c
+            logits = o.logits.float().clone()
+            logits[0, [vocab.start, vocab.pad]] = float("-inf")
+            logp = F.log_softmax(logits, -1)[0]
+            word = int(tokens[r, t + 1])
+            if word == vocab.end:
+                total += float(logp[word]) if ended[r] else float(torch.log1p(-logp[word].exp()))
+                break
+            total += float(logp[word])
+            t += 1
+        out.append(total)
+    return torch.tensor(out)
+
+
+@torch.no_grad()
+def test_end_belongs_to_every_finished_sample_and_to_its_log_probability():
+    vocab = tiny_vocab()
+    model, images = _tiny_batch()
+    with torch.no_grad():
+        model.decoder.L_o.bias[vocab.end] += 1.5  # some samples end within 3 words, some do not
+    model.eval()
+    k, max_len = 6, 3
+    ann = model.encode(images)
+    s = sample_captions(model.decoder, ann, vocab, k=k, max_len=max_len, generator=torch.Generator().manual_seed(3))
+    assert s.ended.any() and not s.ended.all()  # both kinds are checked
+    for r in range(len(s.words)):
+        n = int(s.lengths[r])
+        assert int(s.tokens[r, n - 1]) == vocab.end and (s.tokens[r, n:] == vocab.pad).all()
+        assert "<end>" not in s.words[r] and len(s.words[r]) == n - 2
+        if not s.ended[r]:  # cut off: max_len words, no <end> among them
+            assert len(s.words[r]) == max_len
+    # The log-probability includes the <end> draw (or, cut off, its absence), as drawn and
+    # as the teacher-forced pass computes it for the gradient.
+    rows = Annotations(ann.vectors.repeat_interleave(k, 0), ann.grid)
+    expected = _stepwise_log_p(model.decoder, rows, s.tokens, s.ended, vocab)
+    torch.testing.assert_close(s.log_probs, expected, rtol=1e-5, atol=1e-5)
+    forced, _ = sample_log_probs(model, ann, s, vocab)
+    torch.testing.assert_close(forced, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cut_off_sample_gets_the_reward_of_what_it_says():
+    vocab = tiny_vocab()
+    model, images = _tiny_batch()
+    with torch.no_grad():
+        model.decoder.L_o.bias[vocab.end] = -30.0  # never ends
+    objective = ScstObjective(ScstConfig(samples=2, max_len=4), vocab, REFS)
+    s = sample_captions(model.decoder, model.encode(images), vocab, k=2, max_len=4, generator=objective.generator)
+    assert not s.ended.any() and all(len(w) == 4 for w in s.words)
+    got = objective.rewards(s.words, [i for i in range(4) for _ in range(2)])
+    cider = CiderD(REFS)
+    want = [cider.score(" ".join(w), cider.references(REFS[r // 2])) for r, w in enumerate(s.words)]
+    assert got.tolist() == pytest.approx(want)
+
+
+def test_the_leave_one_out_baseline_is_the_mean_of_the_image_s_other_samples():
+    objective = ScstObjective(ScstConfig(samples=4, baseline="loo"), tiny_vocab(), REFS)
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 6.0], [0.0, 0.0, 4.0, 0.0]], dtype=torch.float64)
+    b = objective.baselines(rewards)
+    for i in range(2):
+        for j in range(4):
+            others = [rewards[i, x] for x in range(4) if x != j]
+            assert float(b[i, j]) == pytest.approx(float(sum(others)) / 3)
+    greedy = ScstObjective(ScstConfig(samples=4, baseline="greedy"), tiny_vocab(), REFS)
+    assert greedy.baselines(rewards, torch.tensor([0.5, 2.0], dtype=torch.float64)).tolist() == [[0.5] * 4, [2.0] * 4]
+    with pytest.raises(ValueError, match="at least 2"):
+        ScstObjective(ScstConfig(samples=1, baseline="loo"), tiny_vocab(), REFS)
+    with pytest.raises(ValueError, match="scst.baseline"):
+        ScstObjective(ScstConfig(baseline="mean"), tiny_vocab(), REFS)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine lose much to them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _overfit(baseline: str, flip: bool, steps: int = 40) -> list[float]:
+    model, images = _tiny_batch()
+    objective = ScstObjective(ScstConfig(samples=5, baseline=baseline, max_len=6), tiny_vocab(), REFS)
+    if flip:
+        objective.advantages = lambda rewards, baselines: baselines - rewards
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    rewards = []
+    for _ in range(steps):
+        parts = objective(model, images, torch.arange(4))
+        optimizer.zero_grad()
+        parts.loss.backward()
+        optimizer.step()
+        rewards.append(parts.reward)
+    return rewards
+
+
+@pytest.mark.parametrize("baseline", ["loo", "greedy"])
+def test_scst_raises_the_reward_of_a_fixed_batch_and_the_flipped_sign_lowers_it(baseline, one_thread):
+    up = _overfit(baseline, flip=False)
+    down = _overfit(baseline, flip=True)
+    assert up[0] == down[0]  # the same start and the same samples until the first step
+    first = sum(up[:5]) / 5
+    assert first > 0.2  # the untrained model's samples earn something: there is room to fall
+    assert sum(up[-5:]) / 5 > 2 * first
+    assert sum(down[-5:]) / 5 < 0.5 * first
+
+
+def test_the_document_frequencies_are_the_training_split_s():
+    """Rewards against CIDEr-D's document frequencies from the references given (the
+    training split's): an image outside them changes them, so the loop must give only those."""
+    train_only = ScstObjective(ScstConfig(), tiny_vocab(), REFS)
+    with_eval = ScstObjective(ScstConfig(), tiny_vocab(), REFS + [["a red circle", "a small red circle"]])
+    caption = [["a", "red", "circle"]]
+    assert float(train_only.rewards(caption, [0])) != pytest.approx(float(with_eval.rewards(caption, [0])))

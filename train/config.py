@@ -144,6 +144,22 @@ class HardConfig:
 
 
 @dataclass
+class ScstConfig:
+    """Self-critical sequence training (Rennie et al. 2017; ``train.scst``): when enabled,
+    every training step samples captions and follows their CIDEr-D against a baseline
+    instead of the cross-entropy (or hard attention's REINFORCE) objective. Start it from a
+    cross-entropy checkpoint (``model.init_from``) at a learning rate well below
+    cross-entropy's: Rennie et al. used 5e-5 after cross-entropy training on COCO; at
+    cross-entropy's rates the first noisy steps undo the start."""
+
+    enabled: bool = False
+    samples: int = 5  # k captions drawn per image
+    # loo: the mean reward of the image's other k - 1 samples | greedy: the greedy caption's reward (Rennie's)
+    baseline: str = "loo"
+    max_len: int = 20  # words per sampled caption (<end> not counted); longer samples are cut off
+
+
+@dataclass
 class TrainConfig:
     name: str = "run"
     data: DataConfig = field(default_factory=DataConfig)
@@ -151,6 +167,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     val: ValConfig = field(default_factory=ValConfig)
     hard: HardConfig = field(default_factory=HardConfig)
+    scst: ScstConfig = field(default_factory=ScstConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)

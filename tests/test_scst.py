@@ -4,6 +4,7 @@ SCST phase (resume, the training split's document frequencies, offline end to en
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -11,14 +12,17 @@ import torch.nn.functional as F
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.cider.cider_scorer import CiderScorer
 
+from captioner.checkpoint import load_checkpoint
 from captioner.cider import CiderD, cider_d
 from captioner.encoders import Annotations
 from captioner.images import Preprocess
 from captioner.metrics import _prepare
 from captioner.model import CaptionModel
 from captioner.vocab import tokenize
+from test_train import tiny_config as tiny_train_config
 from tiny import tiny_config, tiny_image, tiny_vocab
 from train.config import ScstConfig
+from train.loop import train
 from train.scst import ScstObjective, sample_captions, sample_log_probs
 
 # A corpus of six images' references: words in every image ("a"), in one image only, and
@@ -227,3 +231,49 @@ def test_the_document_frequencies_are_the_training_split_s():
     with_eval = ScstObjective(ScstConfig(), tiny_vocab(), REFS + [["a red circle", "a small red circle"]])
     caption = [["a", "red", "circle"]]
     assert float(train_only.rewards(caption, [0])) != pytest.approx(float(with_eval.rewards(caption, [0])))
+
+
+# --------------------------------------------------------------------------- the training loop
+
+SCST = {"scst.enabled": True, "scst.samples": 3, "scst.max_len": 6, "optim.lr": 0.001, "optim.encoder_lr": 0.001,
+        "val.every_epochs": 0}
+
+
+@pytest.mark.parametrize("sets", [{}, {"model.attention": "hard", "scst.baseline": "greedy",
+                                       "model.freeze_encoder": True, "data.feature_cache": True}],
+                         ids=["soft-loo", "hard-greedy-feature-cache"])
+def test_a_resumed_scst_run_equals_the_uninterrupted_one(tiny_coco, tmp_path, sets, one_thread):
+    sets = {**SCST, **sets, "optim.max_steps": 9}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(tiny_train_config(tiny_coco, **sets), straight, progress=False)
+    assert train(tiny_train_config(tiny_coco, **{**sets, "optim.max_steps": 5}), split, progress=False).step == 5
+    assert train(tiny_train_config(tiny_coco, **sets), split, resume=True, progress=False).step == 9
+
+    a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    assert a["train_state"]["epoch"] >= 1  # an epoch boundary was crossed
+    assert torch.equal(a["train_state"]["scst"][0]["generator"], b["train_state"]["scst"][0]["generator"])
+    logged = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in logged if "reward" in r]
+    assert len(rewards) == 9 and all(r >= 0 for r in rewards) and any(r > 0 for r in rewards)
+    assert "baseline" not in logged[0]  # a hard model under SCST runs no REINFORCE of its attention
+
+
+def test_the_evaluation_split_s_captions_do_not_change_the_reward(tiny_coco, tmp_path, one_thread):
+    """Two SCST runs whose validation splits say different things train the same weights:
+    the rewards' document frequencies are the training split's alone (were the validation
+    references among them, N and every idf would change, and the rewards with them)."""
+    sets = {**SCST, "optim.max_steps": 4}
+    train(tiny_train_config(tiny_coco, **sets), tmp_path / "a", progress=False)
+    val = tiny_coco / "captions_val.json"
+    data = json.loads(val.read_text())
+    for ann in data["annotations"]:
+        ann["caption"] = "a red square on a table"
+    val.write_text(json.dumps(data))
+    train(tiny_train_config(tiny_coco, **sets), tmp_path / "b", progress=False)
+    a, b = load_checkpoint(tmp_path / "a" / "last.pt"), load_checkpoint(tmp_path / "b" / "last.pt")
+    for k in a["state_dict"]:
+        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    rewards = [json.loads(x).get("reward") for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r for r in rewards if r)  # samples earned rewards: the weights moved by them

@@ -5,6 +5,7 @@ SCST phase (resume, the training split's document frequencies, offline end to en
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,15 +14,18 @@ from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.cider.cider_scorer import CiderScorer
 
 from captioner.checkpoint import load_checkpoint
+from captioner.cli import main
 from captioner.cider import CiderD, cider_d
 from captioner.encoders import Annotations
 from captioner.images import Preprocess
 from captioner.metrics import _prepare
-from captioner.model import CaptionModel
+from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import tokenize
+from pretrained import fake_torch_home, forbid_downloads
+from test_distributed import TORCHRUN, _run
 from test_train import tiny_config as tiny_train_config
 from tiny import tiny_config, tiny_image, tiny_vocab
-from train.config import ScstConfig
+from train.config import ScstConfig, load_config, to_toml
 from train.loop import train
 from train.scst import ScstObjective, sample_captions, sample_log_probs
 
@@ -277,3 +281,80 @@ def test_the_evaluation_split_s_captions_do_not_change_the_reward(tiny_coco, tmp
         assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
     rewards = [json.loads(x).get("reward") for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert any(r for r in rewards if r)  # samples earned rewards: the weights moved by them
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "train" / "configs"
+
+
+def test_shapes_scst_starts_from_demo_soft_on_its_data():
+    """The shapes-scst config's model takes demo-soft's weights whole, and its data are
+    shapes-soft's, so that the vocabulary built at start-up is demo-soft's (init_from checks)."""
+    cfg, soft = load_config(CONFIGS / "shapes-scst.toml"), load_config(CONFIGS / "shapes-soft.toml")
+    assert cfg.scst.enabled and cfg.optim.lr == 5e-5
+    source = load_checkpoint(Path(__file__).resolve().parents[1] / cfg.model.init_from)
+    shape = {k: v for k, v in vars(cfg.model).items() if k not in ("init_from", "encoder_from", "resize")}
+    model = CaptionModel(ModelConfig.from_dict({**shape, "vocab_size": len(source["vocab"]),
+                                                "image_size": (cfg.model.image_size,) * 2}))
+    model.load_state_dict(source["state_dict"])  # strict: every weight fits
+    for key in ("dir", "train_split", "shapes_train", "shapes_seed", "shapes_image_size", "min_count",
+                "max_vocab", "max_caption_len"):
+        assert getattr(cfg.data, key) == getattr(soft.data, key), key
+    coco, xe = load_config(CONFIGS / "coco-vgg19-scst.toml"), load_config(CONFIGS / "coco-vgg19-soft.toml")
+    assert coco.scst.enabled and coco.optim.lr == 5e-5
+    assert vars(coco.data) == vars(xe.data)
+    assert {**vars(coco.model), "init_from": ""} == vars(xe.model)
+
+
+@pytest.mark.slow
+def test_an_scst_phase_fine_tunes_a_coco_checkpoint_offline(tmp_path, photos, monkeypatch, capsys):
+    """On real photographs in COCO's layout with Karpathy's split file: a cross-entropy run
+    from "ImageNet" weights, then with no weights to download an SCST phase from its
+    checkpoint over the feature cache, then evaluation of the fine-tuned model."""
+    coco = photos / "coco"
+    split_file = coco / "dataset_coco.json"
+    fake_torch_home(tmp_path / "torch-home", monkeypatch, "resnet18")
+    common = ["model.encoder=resnet18", "model.image_size=64", "model.resize=73", "model.embed_dim=16",
+              "model.hidden_dim=16", "model.attention_dim=16", "optim.batch_size=8", "optim.threads=1",
+              "data.workers=0", "data.min_count=1", "val.limit=2", "val.max_len=6", f"data.dir={coco}",
+              f"data.karpathy={split_file}"]
+    config = tmp_path / "c.toml"
+    config.write_text('name = "offline"\n')
+    xe, scst = tmp_path / "xe", tmp_path / "scst"
+
+    def run(folder, sets):
+        args = ["train", "--config", str(config), "--run-dir", str(folder), "--quiet"]
+        return main(args + [a for s in common + sets for a in ("--set", s)])
+
+    assert run(xe, ["model.encoder_pretrained=true", "optim.max_steps=4"]) == 0
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))
+    asked = forbid_downloads(monkeypatch)
+    assert run(scst, [f"model.init_from={xe / 'last.pt'}", "model.freeze_encoder=true", "data.feature_cache=true",
+                      "scst.enabled=true", "scst.samples=3", "scst.max_len=6", "optim.lr=5e-5",
+                      "optim.max_steps=3", "optim.log_every=1"]) == 0
+    logged = [json.loads(x) for x in (scst / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "reward" in r] == [1, 2, 3]
+    start, tuned = load_checkpoint(xe / "last.pt")["state_dict"], load_checkpoint(scst / "last.pt")["state_dict"]
+    assert all(torch.equal(start[k], tuned[k]) for k in start if k.startswith("encoder."))  # frozen
+    assert not torch.equal(start["decoder.L_o.weight"], tuned["decoder.L_o.weight"])  # fine-tuned
+    assert main(["evaluate", "--data", str(coco), "--karpathy", str(split_file), "--split", "test",
+                 "--weights", str(scst / "best.pt"), "--beam-size", "1", "--max-len", "6", "--no-meteor",
+                 "--device", "cpu", "--out", str(tmp_path / "test.json")]) == 0
+    assert json.loads((tmp_path / "test.json").read_text())["metrics"]["CIDEr"] >= 0
+    assert asked == []
+
+
+@pytest.mark.slow
+def test_two_ranks_run_an_scst_phase_and_resume_it(tiny_coco, tmp_path):
+    """Under torchrun each rank draws its own samples (its own generator, saved per rank)
+    and the resumed run goes on with both."""
+    cfg = tiny_train_config(tiny_coco, **{**SCST, "optim.max_steps": 4, "optim.threads": 1, "model.dropout": 0.0})
+    path = tmp_path / "cfg.toml"
+    path.write_text(to_toml(cfg))
+    run = tmp_path / "run"
+    _run([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(path), "--run-dir", str(run), "--quiet"])
+    first = load_checkpoint(run / "last.pt")["train_state"]
+    samplers = [s["generator"] for s in first["scst"]]
+    assert first["step"] == 4 and len(samplers) == 2 and not torch.equal(*samplers)
+    _run([*TORCHRUN, "-m", "captioner.cli", "train", "--resume", str(run), "--set", "optim.max_steps=6", "--quiet"])
+    again = load_checkpoint(run / "last.pt")["train_state"]
+    assert again["step"] == 6 and not torch.equal(again["scst"][0]["generator"], samplers[0])

@@ -358,3 +358,12 @@ def test_two_ranks_run_an_scst_phase_and_resume_it(tiny_coco, tmp_path):
     _run([*TORCHRUN, "-m", "captioner.cli", "train", "--resume", str(run), "--set", "optim.max_steps=6", "--quiet"])
     again = load_checkpoint(run / "last.pt")["train_state"]
     assert again["step"] == 6 and not torch.equal(again["scst"][0]["generator"], samplers[0])
+
+
+@pytest.mark.parametrize("setting,message", [("scst.baseline=mean", "scst.baseline must be one of loo, greedy"),
+                                             ("scst.samples=1", "at least 2 with the loo baseline"),
+                                             ("scst.max_len=0", "scst.max_len counts words")])
+def test_an_scst_section_the_objective_cannot_use_is_refused_when_the_config_loads(tmp_path, setting, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_train_config(tmp_path, **dict([setting.split("=")]))
+    assert tiny_train_config(tmp_path, **{"scst.samples": 1, "scst.baseline": "greedy"}).scst.samples == 1

@@ -234,6 +234,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
             value = raw
         _set_field(section, section_name, key, value)
     check_model_section(cfg.model)
+    check_scst_section(cfg.scst)
     return cfg
 
 
@@ -244,6 +245,20 @@ def check_model_section(m: ModelSection) -> None:
 
     shape = {k: v for k, v in asdict(m).items() if k not in ("init_from", "encoder_from", "resize")}
     ModelConfig.from_dict({**shape, "vocab_size": 1, "image_size": (m.image_size, m.image_size)})
+
+
+SCST_BASELINES = ("loo", "greedy")
+
+
+def check_scst_section(s: ScstConfig) -> None:
+    """Refuse (ValueError, one line) at start-up an [scst] section the objective cannot use."""
+    if s.baseline not in SCST_BASELINES:
+        raise ValueError(f"scst.baseline must be one of {', '.join(SCST_BASELINES)}, got {s.baseline!r}")
+    least = 2 if s.baseline == "loo" else 1  # leave-one-out needs another sample of the image
+    if s.samples < least:
+        raise ValueError(f"scst.samples must be at least {least} with the {s.baseline} baseline, got {s.samples}")
+    if s.max_len < 1:
+        raise ValueError(f"scst.max_len counts words and must be >= 1, got {s.max_len}")
 
 
 def to_toml(cfg: TrainConfig) -> str:

@@ -56,11 +56,8 @@ from captioner.encoders import Annotations
 from captioner.model import CaptionModel, Decoder
 from captioner.vocab import Vocabulary
 
-from .config import ScstConfig
+from .config import ScstConfig, check_scst_section
 from .losses import LossParts, token_log_prob
-
-BASELINES = ("loo", "greedy")
-
 
 @dataclass
 class Samples:
@@ -166,13 +163,7 @@ class ScstObjective:
 
     def __init__(self, cfg: ScstConfig, vocab: Vocabulary, references: Sequence[Sequence[str]], *,
                  seed: int = 0, rank: int = 0, device: torch.device | str = "cpu"):
-        if cfg.baseline not in BASELINES:
-            raise ValueError(f"scst.baseline must be one of {', '.join(BASELINES)}, got {cfg.baseline!r}")
-        if cfg.samples < (2 if cfg.baseline == "loo" else 1):
-            raise ValueError(f"scst.samples must be at least {2 if cfg.baseline == 'loo' else 1} with the "
-                             f"{cfg.baseline} baseline, got {cfg.samples}")
-        if cfg.max_len < 1:
-            raise ValueError(f"scst.max_len counts words and must be >= 1, got {cfg.max_len}")
+        check_scst_section(cfg)
         self.cfg = cfg
         self.vocab = vocab
         self.references = [list(r) for r in references]

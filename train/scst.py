@@ -59,6 +59,7 @@ from captioner.vocab import Vocabulary
 from .config import ScstConfig, check_scst_section
 from .losses import LossParts, token_log_prob
 
+
 @dataclass
 class Samples:
     """k sampled captions per image, image-major (rows i k .. i k + k - 1 are image i's)."""
@@ -74,8 +75,8 @@ class Samples:
 def sample_captions(decoder: Decoder, ann: Annotations, vocab: Vocabulary, *, k: int, max_len: int,
                     generator: torch.Generator) -> Samples:
     """k captions per image drawn from p(w | a) at temperature 1; <start> and <pad> are never
-    drawn (as in decoding). Rows that ended draw on, their draws unused: the generator
-    advances by the same amount whatever the captions say."""
+    drawn (as in decoding). Rows that ended draw on, their draws unused, until every row
+    has ended: the generator's use depends only on the longest caption."""
     start, end, pad = vocab.start, vocab.end, vocab.pad
     ann = decoder.annotate(ann)
     a = ann.vectors  # (B, L, D)
@@ -143,6 +144,7 @@ def sample_log_probs(model: nn.Module, ann: Annotations, samples: Samples, vocab
 
 @contextmanager
 def _dropout_off(model: nn.Module):
+    """The model's dropout layers in evaluation mode for the duration, then back as they were."""
     switched = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.training]
     for m in switched:
         m.eval()

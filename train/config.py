@@ -144,6 +144,22 @@ class HardConfig:
 
 
 @dataclass
+class ScstConfig:
+    """Self-critical sequence training (Rennie et al. 2017; ``train.scst``): when enabled,
+    every training step samples captions and follows their CIDEr-D against a baseline
+    instead of the cross-entropy (or hard attention's REINFORCE) objective. Start it from a
+    cross-entropy checkpoint (``model.init_from``) at a learning rate well below
+    cross-entropy's: Rennie et al. used 5e-5 after cross-entropy training on COCO; at
+    cross-entropy's rates the first noisy steps undo the start."""
+
+    enabled: bool = False
+    samples: int = 5  # k captions drawn per image
+    # loo: the mean reward of the image's other k - 1 samples | greedy: the greedy caption's reward (Rennie's)
+    baseline: str = "loo"
+    max_len: int = 20  # words per sampled caption (<end> not counted); longer samples are cut off
+
+
+@dataclass
 class TrainConfig:
     name: str = "run"
     data: DataConfig = field(default_factory=DataConfig)
@@ -151,6 +167,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     val: ValConfig = field(default_factory=ValConfig)
     hard: HardConfig = field(default_factory=HardConfig)
+    scst: ScstConfig = field(default_factory=ScstConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -217,6 +234,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
             value = raw
         _set_field(section, section_name, key, value)
     check_model_section(cfg.model)
+    check_scst_section(cfg.scst)
     return cfg
 
 
@@ -227,6 +245,20 @@ def check_model_section(m: ModelSection) -> None:
 
     shape = {k: v for k, v in asdict(m).items() if k not in ("init_from", "encoder_from", "resize")}
     ModelConfig.from_dict({**shape, "vocab_size": 1, "image_size": (m.image_size, m.image_size)})
+
+
+SCST_BASELINES = ("loo", "greedy")
+
+
+def check_scst_section(s: ScstConfig) -> None:
+    """Refuse (ValueError, one line) at start-up an [scst] section the objective cannot use."""
+    if s.baseline not in SCST_BASELINES:
+        raise ValueError(f"scst.baseline must be one of {', '.join(SCST_BASELINES)}, got {s.baseline!r}")
+    least = 2 if s.baseline == "loo" else 1  # leave-one-out needs another sample of the image
+    if s.samples < least:
+        raise ValueError(f"scst.samples must be at least {least} with the {s.baseline} baseline, got {s.samples}")
+    if s.max_len < 1:
+        raise ValueError(f"scst.max_len counts words and must be >= 1, got {s.max_len}")
 
 
 def to_toml(cfg: TrainConfig) -> str:

@@ -40,6 +40,7 @@ from .config import TrainConfig, to_toml
 from .datainfo import training_data_name
 from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
+from .scst import ScstObjective
 
 
 class StartupError(ValueError):
@@ -255,8 +256,11 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         groups.append({"params": enc_params, "lr": o.encoder_lr})
     optimizer = build_optimizer(groups, o)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
+    # Self-critical training replaces the objective; the references are the training split's.
+    scst = (ScstObjective(cfg.scst, vocab, [r.captions for r in train_records], seed=o.seed, rank=ctx.rank,
+                          device=device) if cfg.scst.enabled else None)
     hard = (HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx)
-            if model_cfg.attention == "hard" else None)
+            if model_cfg.attention == "hard" and scst is None else None)
     average = WeightAverage(model, o.ema) if o.ema else None
 
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best": None, "bad_vals": 0, "train_seconds": 0.0}
@@ -267,6 +271,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         state.update({k: ts[k] for k in state})
         if hard is not None:
             hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
+        if scst is not None and "scst" in ts:  # else its samples start from here
+            scst.load_state_dict(ts["scst"][ctx.rank])
         if average is not None and "weight_average" in ts:  # else the average starts from here
             average.load_state_dict(ts["weight_average"])
         rngs = ts.get("rng_per_rank") or [ts["rng"]]
@@ -358,6 +364,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 
     def save_last() -> None:
         rngs = ctx.gather(_rng_state())
+        samplers = ctx.gather(scst.state_dict()) if scst is not None else None
         if ctx.is_main:
             train_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                            "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict(),
@@ -365,6 +372,8 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
             if hard is not None:
                 train_state["baseline"] = hard.baseline
                 train_state["hard"] = hard.state_dict()  # the baseline and the expected-context coin
+            if scst is not None:
+                train_state["scst"] = samplers  # each rank's sampling generator
             if average is not None:
                 train_state["weight_average"] = average.state_dict()
 
@@ -422,8 +431,10 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                     batch = batch.to(device, non_blocking=True)
                     inputs = Annotations(batch.images, grid) if grid is not None else batch.images
                     with precision.autocast():
-                        if hard is not None:
-                            parts: LossParts = hard(net, inputs, batch.tokens, batch.lengths, len(global_batch))
+                        if scst is not None:
+                            parts: LossParts = scst(net, inputs, batch.image_indices)
+                        elif hard is not None:
+                            parts = hard(net, inputs, batch.tokens, batch.lengths, len(global_batch))
                         else:
                             parts = soft_loss(net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
                     # DDP averages gradients over ranks; weighting each rank's mean by its share
@@ -448,6 +459,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                                "penalty": round(ctx.mean(parts.penalty), 4), "lr": optimizer.param_groups[0]["lr"],
                                "train_seconds": round(state["train_seconds"], 1),
                                **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
+                               **({"reward": round(ctx.mean(parts.reward), 4)} if scst is not None else {}),
                                **({"grad_scale": precision.scaler.get_scale()} if precision.scaler else {})})
                         stop_on_failure()
                     if o.max_steps and state["step"] >= o.max_steps:

@@ -28,6 +28,7 @@ class LossParts:
     sampled: bool | None = None  # hard attention: this minibatch used a sampled context
     baseline: float | None = None
     entropy: float | None = None
+    reward: float | None = None  # self-critical training: the mean reward of the samples
 
 
 def caption_log_likelihood(out: DecoderOutput, targets: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,8 +119,8 @@ def training_sets(recipe: dict, steps: int, row: Row, seed: int, device: str | N
 def check_rows(rows: list[Row], recipe: dict, steps: int) -> None:
     """Every row's overrides must name fields this code has, and its model the parameters
     it needs: else one error naming each such row and field, before anything trains."""
-    from captioner.model import CaptionModel, ModelConfig
-    from train.config import load_config
+    from captioner.model import CaptionModel
+    from train.config import load_config, model_config
 
     problems = []
     for row in rows:
@@ -131,9 +131,7 @@ def check_rows(rows: list[Row], recipe: dict, steps: int) -> None:
             problems.append(f"{row.name} (unknown field {unknown.group(1)})" if unknown else f"{row.name} ({e})")
             continue
         if row.requires_param:
-            fields = {k: v for k, v in vars(cfg.model).items() if k not in ("init_from", "resize")}
-            model = CaptionModel(ModelConfig.from_dict({**fields, "vocab_size": 8, "encoder_pretrained": False,
-                                                        "image_size": (cfg.model.image_size,) * 2}))
+            model = CaptionModel(replace(model_config(cfg.model, 8), encoder_pretrained=False))
             if not any(row.requires_param in name for name, _ in model.named_parameters()):
                 problems.append(f"{row.name} (its model has no parameter named *{row.requires_param}*)")
     if problems:

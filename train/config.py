@@ -238,13 +238,23 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     return cfg
 
 
+# Fields of [model] that say how a run starts or reads its images, not the model's shape.
+TRAINING_ONLY_MODEL_FIELDS = ("init_from", "encoder_from", "resize")
+
+
+def model_config(m: ModelSection, vocab_size: int):
+    """The ``captioner`` ModelConfig a training config's [model] section describes: one
+    conversion for the training loop, the start-up check and the benchmarks."""
+    from captioner.model import ModelConfig
+
+    shape = {k: v for k, v in asdict(m).items() if k not in TRAINING_ONLY_MODEL_FIELDS}
+    return ModelConfig.from_dict({**shape, "vocab_size": vocab_size, "image_size": (m.image_size, m.image_size)})
+
+
 def check_model_section(m: ModelSection) -> None:
     """Refuse (ValueError, one line) at start-up a model section that ModelConfig refuses,
     rather than with a traceback once data and encoder are loaded."""
-    from captioner.model import ModelConfig
-
-    shape = {k: v for k, v in asdict(m).items() if k not in ("init_from", "encoder_from", "resize")}
-    ModelConfig.from_dict({**shape, "vocab_size": 1, "image_size": (m.image_size, m.image_size)})
+    model_config(m, vocab_size=1)
 
 
 SCST_BASELINES = ("loo", "greedy")

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import Vocabulary
 
 from .averaging import WeightAverage
-from .config import TrainConfig, to_toml
+from .config import TrainConfig, model_config, to_toml
 from .datainfo import training_data_name
 from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
@@ -237,9 +237,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
     else:
         # init_from is where to start, resize belongs to the preprocessing: the rest is the model's shape.
-        fields = {k: v for k, v in asdict(m).items() if k not in ("init_from", "encoder_from", "resize")}
-        model_cfg = ModelConfig.from_dict({**fields, "vocab_size": len(vocab),
-                                           "image_size": (m.image_size, m.image_size)})
+        model_cfg = model_config(m, len(vocab))
     model = CaptionModel(model_cfg).to(device)
     if ckpt is not None:
         model.load_state_dict(ckpt["state_dict"])

@@ -103,7 +103,9 @@ def test_flickr8k_layout_checks(tmp_path, photos, capsys):
     assert "all 8 images found and decoded" in out
 
 
-PAPER_CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*-vgg19-*.toml"))
+# The paper's recipe; the self-critical fine-tuning configs follow Rennie et al. instead.
+PAPER_CONFIGS = sorted(p for p in (Path(__file__).parent.parent / "train" / "configs").glob("*-vgg19-*.toml")
+                       if "scst" not in p.stem)
 
 
 @pytest.mark.parametrize("path", PAPER_CONFIGS, ids=[p.stem for p in PAPER_CONFIGS])

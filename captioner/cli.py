@@ -183,9 +183,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_file(args.out)
     if args.attention_dir is not None:
-        if args.attention_dir.exists() and not args.attention_dir.is_dir():
-            raise UsageError(f"--attention-dir {args.attention_dir} is not a folder")
-        make_folders(args.attention_dir, "--attention-dir")
+        make_folders(args.attention_dir, "--attention-dir")  # refuses a file in the way, in one line
     # Under torchrun each rank captions its share into a part file; rank 0 merges them.
     ctx = setup(args.device)
     try:

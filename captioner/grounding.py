@@ -254,26 +254,23 @@ def _named_pairs(rel: Relation, objects: Sequence[ShapeObject]):
                     yield o1, o2
 
 
-def relation_named(rel: Relation, objects: Sequence[ShapeObject]) -> bool:
-    """True when both mentions name objects of the image, two distinct ones."""
-    return any(True for _ in _named_pairs(rel, objects))
-
-
-def relation_holds(rel: Relation, objects: Sequence[ShapeObject]) -> bool:
-    """True when two distinct objects named by the relation's mentions stand as it says:
-    ``above`` is the smaller centre y, ``left_of`` the smaller centre x. A mention that
-    names no object is false (and the relation is not ``relation_named``)."""
+def _stands(rel: Relation, o1: ShapeObject, o2: ShapeObject) -> bool:
+    """``above`` is the smaller centre y, ``left_of`` the smaller centre x."""
     axis = 1 if rel.relation == "above" else 0
-    return any(_centre(o1)[axis] < _centre(o2)[axis] for o1, o2 in _named_pairs(rel, objects))
+    return _centre(o1)[axis] < _centre(o2)[axis]
 
 
 def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, int]:
     """How many relations the caption states, how many of them name two objects of the
-    image, and how many of those stand as stated (a true relation is always named)."""
+    image (distinct ones, by colour and shape, and size where the caption gives one), and
+    how many of those stand as stated (a true relation is always named)."""
     relations = parse_relations(words)
-    named = [r for r in relations if relation_named(r, objects)]
-    return {"n_relations": len(relations), "n_relations_named": len(named),
-            "relations_true": sum(relation_holds(r, objects) for r in named)}
+    named = true = 0
+    for rel in relations:
+        pairs = list(_named_pairs(rel, objects))
+        named += bool(pairs)
+        true += any(_stands(rel, o1, o2) for o1, o2 in pairs)
+    return {"n_relations": len(relations), "n_relations_named": named, "relations_true": true}
 
 
 # ------------------------------------------------------------------- pointing game

@@ -209,8 +209,9 @@ def test_a_full_pool_does_not_stop_an_open_beam_that_can_still_win():
 
 
 def test_a_long_likely_caption_beats_an_early_unlikely_end():
-    # Twenty steps of {A .99, <end> .01}, then <end>: "<end>" alone (-4.61) fills no pool
-    # reason to stop; the twenty-word caption (-0.20) is what greedy finds too.
+    # Twenty steps of {A .99, <end> .01}, then <end>: the early "<end>" (-4.61) and the
+    # short captions fill the pool of 3, but the open beam of A's stays above them until the
+    # twenty-word caption (-0.20), which greedy finds too.
     table = [{A: 0.99, END: 0.01}] * 20 + [{END: 1.0}]
     for k in (1, 3):
         r = _stub_search(table, k=k, max_len=20)

@@ -126,9 +126,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(str(e)) from e
     d = cfg.data
-    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None,
-                        max_len=d.max_caption_len)
-    for line in summary_lines(cfg, splits, len(vocab), training_captions(splits[d.train_split], d.max_caption_len)):
+    kept = training_captions(splits[d.train_split], d.max_caption_len)
+    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
+    for line in summary_lines(cfg, splits, len(vocab), kept):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})
     preprocess = Preprocess(size=(cfg.model.image_size,) * 2, resize=cfg.model.resize)

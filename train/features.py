@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.data.coco import ImageDataset, ImageRecord, training_captions
+from captioner.data.coco import ImageDataset, ImageRecord, TrainingCaptions, training_captions
 from captioner.images import Preprocess
 from captioner.model import CaptionModel
 from captioner.vocab import Vocabulary
@@ -136,11 +136,13 @@ class _Subset(Dataset):
 class CachedCaptionDataset(Dataset):
     """Like CaptionDataset, but items carry the cached annotations (L, D) instead of pixels."""
 
-    def __init__(self, records: list[ImageRecord], vocab: Vocabulary, cache: FeatureCache, max_len: int | None):
+    def __init__(self, records: list[ImageRecord], vocab: Vocabulary, cache: FeatureCache, max_len: int | None,
+                 captions: TrainingCaptions | None = None):
         if len(cache) != len(records):
             raise ValueError(f"feature cache has {len(cache)} rows for {len(records)} images")
         self.cache = cache
-        kept = training_captions(records, max_len)  # captions over max_len words left out, not cut
+        # captions over max_len words left out, not cut; ``captions``: the caller's, if computed already
+        kept = captions if captions is not None else training_captions(records, max_len)
         self.too_long = kept.too_long
         self.items = [(i, vocab.encode(tokens)) for i, tokens in kept.items]
 

@@ -230,8 +230,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     if ckpt is not None:
         vocab = Vocabulary(list(ckpt["vocab"]))
     else:
-        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None,
-                            max_len=d.max_caption_len)
+        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
     if ckpt is not None:
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
@@ -314,11 +313,11 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
                 raise RunWriteError(str(e)) from e
             except OSError as e:
                 raise RunWriteError(f"cannot write the feature cache in {cache_dir}: {e.strerror or e}") from e
-            dataset = CachedCaptionDataset(train_records, vocab, cache, d.max_caption_len)
+            dataset = CachedCaptionDataset(train_records, vocab, cache, d.max_caption_len, captions=kept)
             grid = cache.grid
         else:
             dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len,
-                                     cache_images=d.cache_images)
+                                     cache_images=d.cache_images, captions=kept)
     except BaseException:
         if created and ctx.is_main:
             _take_back(run_dir)

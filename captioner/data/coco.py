@@ -263,13 +263,16 @@ def training_captions(records: Sequence[ImageRecord], max_len: int | None = None
 
 
 def build_vocab(train_records: Sequence[ImageRecord], min_count: int = 5,
-                max_size: int | None = None, max_len: int | None = None) -> Vocabulary:
+                max_size: int | None = None, max_len: int | None = None,
+                captions: TrainingCaptions | None = None) -> Vocabulary:
     """Vocabulary from the given (training) records' captions only, those the model trains
-    on (at most ``max_len`` words).
+    on (at most ``max_len`` words); ``captions``: ``training_captions`` of those records
+    when the caller has them already (tokenising COCO's captions takes a while).
 
     Passing validation or test records here would leak their words into the model.
     """
-    counts = Counter(t for _, tokens in training_captions(train_records, max_len).items for t in tokens)
+    captions = captions if captions is not None else training_captions(train_records, max_len)
+    counts = Counter(t for _, tokens in captions.items for t in tokens)
     return Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size)
 
 
@@ -317,12 +320,13 @@ class CaptionDataset(Dataset):
     """
 
     def __init__(self, records: Sequence[ImageRecord], vocab: Vocabulary, preprocess: Preprocess,
-                 max_len: int | None = None, cache_images: bool = False) -> None:
+                 max_len: int | None = None, cache_images: bool = False,
+                 captions: TrainingCaptions | None = None) -> None:
         self.records = list(records)
         self.vocab = vocab
         self.max_len = max_len
         self._images = _ImageSource(self.records, preprocess, cache_images)
-        kept = training_captions(self.records, max_len)
+        kept = captions if captions is not None else training_captions(self.records, max_len)
         self.too_long = kept.too_long
         # Encoded once up front: cheap, and it keeps __getitem__ to image work only.
         self.items: list[tuple[int, list[int]]] = [(i, vocab.encode(tokens)) for i, tokens in kept.items]

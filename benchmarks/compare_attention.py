@@ -48,6 +48,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]  # comparison_s
 import comparison_stats as cs  # noqa: E402
 import comparison_table as ct  # noqa: E402
 
+from captioner.forced import forced_maps, forced_outputs  # noqa: E402,F401  (head_pointing imports them from here)
+from train.checkpoints import last_step as _last_step  # noqa: E402
+from train.checkpoints import last_step_model, load_weights, model_at_last_step, slim_checkpoint  # noqa: E402,F401
+from train.checkpoints import run_device as _trained_on  # noqa: E402
+
 DEFAULT_ROWS = Path(__file__).resolve().parent / "attention_rows.toml"
 # Held by every training of the comparison: a fixed step count, no validation on the way
 # (the loop still validates once at the end; that figure is kept in the result file).
@@ -160,44 +165,6 @@ def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, P
 
 # ------------------------------------------------------------------------ evaluation
 
-def forced_outputs(cap, records, batch_size: int = 32):
-    """Each image's first reference caption fed to the model (teacher forcing), a batch at a
-    time: yields (the batch's record indices, their caption words, the model's DecoderOutput,
-    the annotation grid (H, W)). The words scored for pointing are then the same for every
-    model, whatever it would have said."""
-    import torch
-
-    from captioner.data.coco import ImageDataset
-    from captioner.vocab import tokenize
-
-    data = ImageDataset(records, cap.preprocess)
-    grid = None
-    for start in range(0, len(records), batch_size):
-        idx = range(start, min(start + batch_size, len(records)))
-        images = torch.stack([data[i][0] for i in idx])
-        words = [tokenize(records[i].captions[0]) for i in idx]
-        ids = [cap.vocab.encode(w) for w in words]
-        lengths = torch.tensor([len(x) for x in ids])
-        tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
-        for i, x in enumerate(ids):
-            tokens[i, :len(x)] = torch.tensor(x)
-        if grid is None:  # one model, one image size: one grid
-            grid = cap.model.encode(images[:1]).grid  # (H, W), H * W = L
-        # From the images, as training calls it: whatever the model does to the annotations
-        # after the encoder (grid self-attention) happens here as it does there.
-        yield idx, words, cap.model(images, tokens, lengths), grid
-
-
-def forced_maps(cap, records, batch_size: int = 32) -> list[tuple[list[str], np.ndarray]]:
-    """Each image's first reference caption (forced_outputs): its words and the map of every
-    word's step, (T, H, W)."""
-    out = []
-    for _, words, output, grid in forced_outputs(cap, records, batch_size):
-        maps = output.alphas.unflatten(2, grid).double().numpy()  # (B, T, H, W)
-        out += [(w, maps[i, :len(w)]) for i, w in enumerate(words)]
-    return out
-
-
 def image_stats(records, results, forced, objects: dict, with_pointing: bool) -> dict[str, list]:
     """Per-image columns (see comparison_stats) for one test set."""
     from pycocoevalcap.cider.cider import Cider
@@ -282,38 +249,6 @@ def _compact(cols: dict[str, list]) -> dict[str, list]:
     return {k: [[one(x) for x in v] if isinstance(v, list) else one(v) for v in vals] for k, vals in cols.items()}
 
 
-def _last_step(run_dir: Path) -> int | None:
-    from captioner.checkpoint import load_checkpoint
-
-    last = run_dir / "last.pt"
-    return load_checkpoint(last)["train_state"]["step"] if last.is_file() else None
-
-
-def last_step_model(run_dir: Path):
-    """The checkpoint rule, the same for every variant: the weights at the run's last step,
-    their moving average where the recipe keeps one (as demo-soft ships), whatever
-    validation said on the way. Returns a Captioner."""
-    from captioner.checkpoint import load_checkpoint
-
-    return model_at_last_step(load_checkpoint(run_dir / "last.pt"))
-
-
-def model_at_last_step(ckpt: dict):
-    """last_step_model's rule on a last.pt already read (left as it was). Returns a Captioner."""
-    from captioner.inference import Captioner
-
-    average = ckpt["train_state"].get("weight_average")
-    return Captioner.from_checkpoint(ckpt if average is None else {**ckpt, "state_dict": average["tensors"]})
-
-
-def load_weights(weights: str | os.PathLike):
-    """A checkpoint file, a bundled model's name, or a run folder (its last.pt under the
-    checkpoint rule, last_step_model). Returns a Captioner."""
-    from captioner.inference import Captioner
-
-    return last_step_model(Path(weights)) if Path(weights).is_dir() else Captioner.load(weights)
-
-
 def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
     """Generate the recipe's shapes data once, before parallel runs could race to write it."""
     from train.config import load_config
@@ -324,13 +259,6 @@ def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
 
         generate_dataset(Path(d.dir), {d.train_split: d.shapes_train, d.val_split: d.shapes_val},
                          seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True)
-
-
-def _trained_on(run_dir: Path) -> str:
-    """The device a run's config named ("auto": the machine's own, a CPU for every run so far)."""
-    from captioner.checkpoint import load_checkpoint
-
-    return load_checkpoint(run_dir / "last.pt")["train_state"]["config"]["optim"]["device"]
 
 
 def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: int, test_sets: dict[str, Path] | None,
@@ -486,16 +414,6 @@ def _pool(queue, running, by_key, args, runs: Path, env: dict, bar, failures: li
 
 PACKED = "packed"  # a marker in a run folder: packed once already
 _MEMBER = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*)/seed([0-9]+)/(last\.pt|metrics\.jsonl|config\.toml)$")
-
-
-def slim_checkpoint(ckpt: dict) -> dict:
-    """A finished run's last.pt as it is scored (model_at_last_step): the weights at the last
-    step, their moving average where the recipe keeps one, with the step, training time and
-    config; no optimizer state (about a quarter of the size; it cannot be resumed)."""
-    ts = ckpt["train_state"]
-    average = ts.get("weight_average")
-    return {**ckpt, "state_dict": ckpt["state_dict"] if average is None else average["tensors"],
-            "train_state": {k: ts[k] for k in ("step", "epoch", "batch_in_epoch", "train_seconds", "config")}}
 
 
 def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: Path, limit_bytes: int,

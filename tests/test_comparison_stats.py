@@ -1,22 +1,17 @@
-"""benchmarks/comparison_stats.py and the table's intervals: a variant is compared with the
+"""benchmarks.attention.stats and the table's intervals: a variant is compared with the
 reference by a bootstrap over training seeds and test images together, and by the seed
 means with a Welch t interval, so that a seed effect is not taken for a variant effect."""
 
 from __future__ import annotations
 
 import math
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import comparison_stats as cs  # noqa: E402
-import comparison_table as ct  # noqa: E402
+from benchmarks.attention import stats as cs
+from benchmarks.attention import table as ct
 
 N_IMAGES = 3000
 WORDS = 3  # scored words per image
@@ -39,7 +34,8 @@ def _run(p: np.ndarray, offset: float, rng: np.random.Generator) -> dict:
 
 
 def _found(offsets: dict[str, list[float]], data_seed: int = 0) -> dict:
-    """What ct.load_results gives: row -> seed -> {"ids", "stats"}, on the same images."""
+    """What the results file gives (store.Results.found): row -> seed -> {"ids", "stats"}, on the same
+    images."""
     p = _difficulty(data_seed)
     rng = np.random.default_rng(data_seed + 1)
     ids = [("test7001", i) for i in range(N_IMAGES)]

@@ -1,24 +1,20 @@
-"""benchmarks/head_pointing.py: each head's map and their mean scored on the same words."""
+"""benchmarks.attention.heads: each head's map and their mean scored on the same words."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import compare_attention as ca  # noqa: E402
-import head_pointing as hp  # noqa: E402
-from tiny import tiny_captioner  # noqa: E402
-
-from captioner.data.coco import load_split  # noqa: E402
-from captioner.data.shapes import generate_dataset  # noqa: E402
-from captioner.grounding import load_shape_objects, pointing_game  # noqa: E402
+from benchmarks.attention import cli
+from benchmarks.attention import heads as hp
+from captioner.data.coco import load_split
+from captioner.data.shapes import generate_dataset
+from captioner.forced import forced_maps
+from captioner.grounding import load_shape_objects, pointing_game
+from tests.tiny import tiny_captioner
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +59,7 @@ def test_each_head_and_the_mean_are_scored_on_the_same_words(shapes):
 
     # The mean map: as the attention comparison scores it (forced_maps), and image by image.
     with torch.inference_mode():
-        hits, mass, words = _pointing(shapes, lambda recs: ca.forced_maps(cap, recs))
+        hits, mass, words = _pointing(shapes, lambda recs: forced_maps(cap, recs))
     assert (r.hits[0], r.words) == (hits, words) and r.mass[0] == pytest.approx(mass)
     hits0, mass0, words0 = _pointing(shapes, maps_one_by_one)
     assert (r.hits[0], r.words) == (hits0, words0) and r.mass[0] == pytest.approx(mass0)
@@ -82,5 +78,5 @@ def test_a_single_head_model_is_its_own_mean(shapes, capsys):
     assert len(r.hits) == 2 and r.hits[0] == r.hits[1] == r.best_head_hits
     assert np.isclose(r.mass[0], r.mass[1])
     with pytest.raises(SystemExit) as e:
-        hp.main(["x.pt", "--data", str(shapes.parent / "nowhere")])
+        cli.main(["heads", "x.pt", "--data", str(shapes.parent / "nowhere")])
     assert e.value.code == 2 and "instances_test.json" in capsys.readouterr().err

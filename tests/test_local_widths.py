@@ -1,16 +1,12 @@
-"""benchmarks/local_widths.py: the half-widths a learned local window predicts."""
-
-import sys
-from pathlib import Path
+"""benchmarks.attention.widths: the half-widths a learned local window predicts."""
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import local_widths  # noqa: E402
-from captioner.inference import DecodeOptions  # noqa: E402
-from tests.tiny import tiny_captioner, tiny_image  # noqa: E402
+from benchmarks.attention import cli
+from benchmarks.attention import widths as local_widths
+from captioner.inference import DecodeOptions
+from tests.tiny import tiny_captioner, tiny_image
 
 
 def test_a_learned_window_starts_at_the_fixed_half_width_and_follows_its_bias():
@@ -37,7 +33,7 @@ def test_a_model_without_a_learned_window_is_refused(tmp_path, capsys):
     folder = tmp_path / "images"
     folder.mkdir()
     tiny_image(0).save(folder / "a.png")
-    assert local_widths.main([str(weights), str(folder)]) == 2
+    assert cli.main(["widths", str(weights), str(folder)]) == 2
     assert "no learned local window" in capsys.readouterr().err
 
 

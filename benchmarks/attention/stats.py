@@ -1,5 +1,5 @@
-"""Per-image statistics of a captioner on shapes test sets, and what compare_attention.py
-builds from them: pooled figures, bootstrap intervals over training seeds and test images,
+"""Per-image statistics of a captioner on shapes test sets, and what the comparison builds
+from them: pooled figures, bootstrap intervals over training seeds and test images,
 Welch intervals of seed means, rank correlations.
 
 Every figure of the comparison is a ratio of sums over (seed, image) records, so that

@@ -1,23 +1,21 @@
-"""benchmarks/compare_attention.py: the statistics its table rests on, the row checks, and
-the whole pipeline (train, score, table, rerun) on a tiny recipe."""
+"""benchmarks.attention: the statistics its table rests on, the row checks, the whole
+pipeline (train, score, table, rerun) on a tiny recipe, its subcommands, and its results
+file."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import compare_attention as ca  # noqa: E402
-import comparison_stats as cs  # noqa: E402
-import comparison_table as ct  # noqa: E402
+from benchmarks.attention import cli, plan, runner, scoring, store
+from benchmarks.attention import stats as cs
+from benchmarks.attention import table as ct
+from train.checkpoints import last_step, last_step_model
 
 
 # ----------------------------------------------------------------------------- BLEU
@@ -154,9 +152,16 @@ sets = ["data.dir={data}", "data.shapes_train=8", "data.shapes_val=2", "data.sha
 
 
 def _args(tmp_path: Path, rows_file: Path, *more: str) -> list[str]:
-    return ["--rows-file", str(rows_file), "--recipe", "tiny", "--seeds", "0,1", "--test-images", "3",
-            "--test-root", str(tmp_path / "tests"), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), "--jobs", "0",
-            "--resamples", "50", *more]
+    """The train subcommand on the tiny recipe, in this process."""
+    return ["train", "--rows-file", str(rows_file), "--recipe", "tiny", "--seeds", "0,1", "--test-images", "3",
+            "--test-root", str(tmp_path / "tests"), "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"),
+            "--jobs", "0", "--resamples", "50", *more]
+
+
+def _record(results: store.Results, row: str, seed: int) -> dict:
+    rec = results.get(row, seed)
+    assert rec is not None, f"no record of {row} seed {seed}"
+    return rec
 
 
 def test_a_row_whose_field_or_parameter_this_code_lacks_stops_the_run_naming_it(tmp_path, capsys):
@@ -169,7 +174,7 @@ sets = []
 requires_param = "no_such_param"
 ''')
     with pytest.raises(SystemExit) as e:
-        ca.main(_args(tmp_path, rows, "--skip-timing"))
+        cli.main(_args(tmp_path, rows, "--skip-timing"))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -180,19 +185,21 @@ requires_param = "no_such_param"
 
 def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, monkeypatch):
     rows = _rows_file(tmp_path)
-    assert ca.main(_args(tmp_path, rows, "--timing-steps", "5", "--timing-rounds", "2")) == 0
+    assert cli.main(_args(tmp_path, rows, "--timing-steps", "5", "--timing-rounds", "2")) == 0
     out = tmp_path / "out" / "tiny-3steps"
+    results = store.Results(out)
     timing = json.loads((out / "timing.json").read_text())["rates"]
     assert set(timing) == {"additive", "concat"}
     assert all(len(t["rounds"]) == 2 and t["steps_per_s"] == pytest.approx(np.median(t["rounds"]), rel=1e-3)
                and t["steps_per_s"] > 0 for t in timing.values())
     for name in ("additive", "concat"):
         for seed in (0, 1):
-            rec = json.loads((out / "results" / name / f"seed{seed}.json").read_text())
+            rec = _record(results, name, seed)
             assert rec["steps"] == 3 and rec["seed"] == seed and sorted(rec["tests"]) == ["test7001", "test7002",
                                                                                           "test7003"]
-            cols = json.loads(gzip.decompress((out / "results" / name / f"seed{seed}.images.json.gz").read_bytes()))
+            cols = rec["tests"]
             assert [len(cols[t]["image_ids"]) for t in sorted(cols)] == [3, 3, 3]
+            assert all(len(cols[t]["stats"]["obj"]) == 3 for t in cols)
     summary = json.loads((out / "table.json").read_text())
     assert summary["n_images"] == 9 and set(summary["rows"]) == {"additive", "concat"}
     words = {r["pointing_words"] for r in summary["rows"].values()}
@@ -205,23 +212,24 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     assert "| additive | 2 |" in table and "| concat | 2 |" in table and "A/A noise floor (concat - additive" in table
     assert f"| {timing['concat']['steps_per_s']:.2f} |" in table.split("| concat | 2 |")[1].splitlines()[0]
     # Seeds differ: another seed is another model (not the same run scored twice).
-    ent = [json.loads((out / "results" / "additive" / f"seed{s}.json").read_text())["tests"]["test7001"]
-           ["figures"]["entropy"] for s in (0, 1)]
+    ent = [_record(results, "additive", s)["tests"]["test7001"]["figures"]["entropy"] for s in (0, 1)]
     assert ent[0] != ent[1]
+    assert list(out.iterdir()) and not (out / "results").exists()  # one results file, no tree
 
-    stamps = {p: p.stat().st_mtime_ns for p in (out / "results").rglob("*")}
+    stamps = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("results*")}
     import train.loop
 
     def no_training(*a, **k):
         raise AssertionError("a finished (row, seed) was trained again")
 
     monkeypatch.setattr(train.loop, "train", no_training)
-    assert ca.main(_args(tmp_path, rows)) == 0  # nor timed again: timing.json has both
-    assert stamps == {p: p.stat().st_mtime_ns for p in (out / "results").rglob("*")}
+    assert cli.main(_args(tmp_path, rows)) == 0  # nor timed again: timing.json has both
+    assert stamps == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("results*")}
 
-    monkeypatch.setattr(ca, "evaluate_checkpoint", no_training)
+    monkeypatch.setattr(runner, "evaluate_checkpoint", no_training)
     (out / "table.md").unlink()
-    assert ca.main(_args(tmp_path, rows, "--table")) == 0  # reads the result files alone
+    assert cli.main(["table", "--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"),
+                     "--resamples", "50"]) == 0  # reads the results file alone
     assert (out / "table.md").read_text() == table
 
 
@@ -232,44 +240,58 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     run_training = train.loop.train
 
     rows_file = _rows_file(tmp_path)
-    plan = ca.load_plan(rows_file)
-    recipe, steps = ca.recipe_of(plan, "tiny", None)
-    additive = plan.rows[0]
+    the_plan = plan.load_plan(rows_file)
+    recipe, steps = plan.recipe_of(the_plan, "tiny", None)
+    additive = the_plan.rows[0]
     run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
     # A run stopped at step 2 (as Ctrl-C leaves it: last.pt, no result).
-    stopped = ca.training_sets(recipe, steps, additive, 0)
-    run_training(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+    stopped = plan.training_sets(recipe, steps, additive, 0)
+    run_training(load_config(plan.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
                  run_dir, progress=False)
-    assert ca._last_step(run_dir) == 2
-    args = ca.parse_args(_args(tmp_path, rows_file, "--rows", "additive", "--seeds", "0", "--skip-timing"))
-    tests = ca.ensure_test_sets(args.test_seed_list, 3, args.test_root)
+    assert last_step(run_dir) == 2
+    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
     calls = []
     monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
-    assert ca.run_job([additive], 0, recipe, "tiny", steps, tests, tmp_path / "out" / "tiny-3steps",
-                      tmp_path / "runs" / "tiny-3steps", 3) == 0
-    assert calls == [True] and ca._last_step(run_dir) == 3
-    rec = json.loads(ca.result_path(tmp_path / "out" / "tiny-3steps", additive, 0).read_text())
+    out = tmp_path / "out" / "tiny-3steps"
+    assert runner.run_job([additive], 0, recipe, "tiny", steps, tests, store.Results(out),
+                          tmp_path / "runs" / "tiny-3steps", 3) == 0
+    assert calls == [True] and last_step(run_dir) == 3
+    rec = _record(store.Results(out), "additive", 0)  # read again from the file
     assert rec["checkpoint"].startswith("last.pt at step 3")
     # Scored with the weight average the recipe keeps (optim.ema), not the raw last weights.
     from captioner.checkpoint import load_checkpoint
 
     last = load_checkpoint(run_dir / "last.pt")
     average = last["train_state"]["weight_average"]["tensors"]
-    scored = ca.last_step_model(run_dir).model.state_dict()
+    scored = last_step_model(run_dir).model.state_dict()
     key = "decoder.L_o.weight"
     assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last["state_dict"][key])
 
 
-def _write_result(out: Path, row: str, seed: int, hits: np.ndarray) -> None:
-    """A finished (row, seed) as run_job leaves it: the summary and the per-image columns."""
-    folder = out / "results" / row
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"seed{seed}.json").write_text(json.dumps({"seed": seed, "steps": 3}))
+def _made_up(seed: int, hits: np.ndarray, device: str | None = None) -> dict:
+    """A finished (row, seed)'s summary, and its per-image columns of one test set."""
     n = len(hits)
     stats = {"pt_hit": hits.tolist(), "pt_n": [3.0] * n, "obj": (hits == 3).astype(float).tolist(),
              "rel_true": [1.0] * n, "rel_named": [1.0] * n, "rel_n": [1.0] * n}
-    tests = {"test7001": {"image_ids": list(range(n)), "stats": stats}}
-    (folder / f"seed{seed}.images.json.gz").write_bytes(gzip.compress(json.dumps(tests).encode()))
+    return {"seed": seed, "steps": 3, **({"trained_on": device} if device else {}),
+            "tests": {"test7001": {"image_ids": list(range(n)), "stats": stats}}}
+
+
+def _write_result(out: Path, row: str, seed: int, hits: np.ndarray, device: str | None = None) -> None:
+    """A finished (row, seed) as run_job leaves it: its record in the results file."""
+    assert store.Results(out).add([{"row": row, **_made_up(seed, hits, device)}])
+
+
+def _write_tree_result(out: Path, row: str, seed: int, hits: np.ndarray, device: str | None = None) -> None:
+    """A finished (row, seed) as earlier versions left it: the summary and, beside it, the
+    per-image columns."""
+    folder = out / "results" / row
+    folder.mkdir(parents=True, exist_ok=True)
+    rec = _made_up(seed, hits, device)
+    columns = rec.pop("tests")
+    rec["tests"] = {name: {"figures": {}, "examples": {}} for name in columns}
+    (folder / f"seed{seed}.json").write_text(json.dumps(rec))
+    (folder / f"seed{seed}.images.json.gz").write_bytes(gzip.compress(json.dumps(columns).encode()))
 
 
 def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_path, capsys):
@@ -279,10 +301,10 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
     for row, shift in (("additive", 0.0), ("concat", -0.05)):
         for seed, offset in enumerate([0.1, -0.1, 0.0]):
             _write_result(out, row, seed, rng.binomial(3, np.clip(0.6 + shift + offset, 0, 1), 400).astype(float))
-    base = ["--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"), "--table", "--resamples", "200"]
+    base = ["table", "--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"), "--resamples", "200"]
     intervals = []
     for seed in ("0", "1"):
-        assert ca.main([*base, "--bootstrap-seed", seed]) == 0
+        assert cli.main([*base, "--bootstrap-seed", seed]) == 0
         summary = json.loads((out / "table.json").read_text())
         assert summary["bootstrap_seed"] == int(seed) and summary["resamples"] == 200
         d = summary["vs_reference"]["concat"]["pointing"]
@@ -297,7 +319,7 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
     assert 2 <= lo <= hi <= 4
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
-        ca.main([*base, "--bootstrap-seed", "-1"])
+        cli.main([*base, "--bootstrap-seed", "-1"])
     assert e.value.code == 2 and "--bootstrap-seed" in capsys.readouterr().err
 
 
@@ -306,25 +328,28 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
 def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys):
     rows = _rows_file(tmp_path)
     gpu_box = _args(tmp_path, rows, "--rows", "additive")
-    assert ca.main([*gpu_box, "--train-only", "--device", "cpu"]) == 0  # a device named: recorded as such
+    assert cli.main([*gpu_box, "--train-only", "--device", "cpu"]) == 0  # a device named: recorded as such
     out, runs = tmp_path / "out" / "tiny-3steps", tmp_path / "runs" / "tiny-3steps"
-    assert not (out / "results").exists() and not (tmp_path / "tests").exists()  # nothing scored, no test sets
-    assert [ca._last_step(runs / "additive" / f"seed{s}") for s in (0, 1)] == [3, 3]
+    assert not (out / store.RESULTS).exists() and not (tmp_path / "tests").exists()  # nothing scored, no test sets
+    assert [last_step(runs / "additive" / f"seed{s}") for s in (0, 1)] == [3, 3]
 
     packs = tmp_path / "packs"
-    assert ca.main([*gpu_box, "--pack", str(packs), "--pack-mb", "0.001"]) == 0
+    pack = ["pack", str(packs), "--rows-file", str(rows), "--recipe", "tiny", "--rows", "additive", "--seeds", "0,1",
+            "--runs", str(tmp_path / "runs")]
+    assert cli.main([*pack, "--max-mb", "0.001"]) == 0
     tars = sorted(packs.glob("runs-*.tar"))
     assert len(tars) == 2  # a file each: one run is over the limit alone
-    assert ca.main([*gpu_box, "--pack", str(packs)]) == 0 and sorted(packs.glob("*.tar")) == tars  # once only
+    assert cli.main(pack) == 0 and sorted(packs.glob("*.tar")) == tars  # once only
 
     # The other machine: its own runs folder, nothing trained there.
     here = ["--runs", str(tmp_path / "here")]
-    assert ca.main([*gpu_box, *here, "--unpack", *map(str, tars)]) == 0
+    unpack = ["unpack", "--rows-file", str(rows), "--recipe", "tiny", *here]
+    assert cli.main([*unpack, *map(str, tars)]) == 0
     slim_dir = tmp_path / "here" / "tiny-3steps" / "additive" / "seed0"
-    assert ca._last_step(slim_dir) == 3
+    assert last_step(slim_dir) == 3
     assert (slim_dir / "last.pt").stat().st_size < (runs / "additive" / "seed0" / "last.pt").stat().st_size / 2
-    scored_there = ca.last_step_model(runs / "additive" / "seed0").model.state_dict()
-    scored_here = ca.last_step_model(slim_dir).model.state_dict()
+    scored_there = last_step_model(runs / "additive" / "seed0").model.state_dict()
+    scored_here = last_step_model(slim_dir).model.state_dict()
     assert scored_here.keys() == scored_there.keys()
     assert all(torch.equal(scored_here[k], scored_there[k]) for k in scored_here)  # the weight average, as there
 
@@ -334,13 +359,13 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
         raise AssertionError("a packed run was trained again")
 
     monkeypatch.setattr(train.loop, "train", no_training)
-    assert ca.main([*gpu_box, *here, "--skip-timing"]) == 0
-    rec = json.loads((out / "results" / "additive" / "seed0.json").read_text())
+    assert cli.main([*gpu_box, *here, "--skip-timing"]) == 0
+    rec = _record(store.Results(out), "additive", 0)
     assert rec["steps"] == 3 and rec["trained_on"] == "cpu" and sorted(rec["tests"]) == ["test7001", "test7002",
                                                                                           "test7003"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:  # never over a run already there
-        ca.main([*gpu_box, *here, "--unpack", str(tars[0])])
+        cli.main([*unpack, str(tars[0])])
     assert e.value.code == 2 and "already in" in capsys.readouterr().err
 
 
@@ -356,8 +381,8 @@ def test_unpack_refuses_anything_but_a_pack_of_runs_and_writes_nothing(tmp_path,
             info.size = 3
             tar.addfile(info, io.BytesIO(b"abc"))
         with pytest.raises(SystemExit) as e:
-            ca.main(["--rows-file", str(rows), "--recipe", "tiny", "--runs", str(tmp_path / "runs"),
-                     "--unpack", str(bad)])
+            cli.main(["unpack", "--rows-file", str(rows), "--recipe", "tiny", "--runs", str(tmp_path / "runs"),
+                      str(bad)])
         assert e.value.code == 2 and "not a pack of runs" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists() and not (tmp_path / "escape").exists()
 
@@ -367,22 +392,22 @@ def test_a_device_trains_in_fp32_and_a_run_is_never_resumed_on_another_device(tm
     from train.config import load_config
 
     rows_file = _rows_file(tmp_path)
-    plan = ca.load_plan(rows_file)
-    recipe, steps = ca.recipe_of(plan, "tiny", None)
-    additive = plan.rows[0]
-    sets = ca.training_sets(recipe, steps, additive, 0, "cuda")
-    cfg = load_config(ca.ROOT / recipe["config"], sets)
+    the_plan = plan.load_plan(rows_file)
+    recipe, steps = plan.recipe_of(the_plan, "tiny", None)
+    additive = the_plan.rows[0]
+    sets = plan.training_sets(recipe, steps, additive, 0, "cuda")
+    cfg = load_config(plan.ROOT / recipe["config"], sets)
     assert (cfg.optim.device, cfg.optim.precision) == ("cuda", "fp32")  # "auto" would be bf16 there
-    assert ca.training_sets(recipe, steps, additive, 0) == [s for s in sets if not s.startswith("optim.device")
-                                                            and s != "optim.precision=fp32"]
+    assert plan.training_sets(recipe, steps, additive, 0) == [s for s in sets if not s.startswith("optim.device")
+                                                              and s != "optim.precision=fp32"]
     run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
-    stopped = ca.training_sets(recipe, steps, additive, 0)
-    train.loop.train(load_config(ca.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+    stopped = plan.training_sets(recipe, steps, additive, 0)
+    train.loop.train(load_config(plan.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
                      run_dir, progress=False)
     with pytest.raises(RuntimeError, match="started with optim.device=auto, not cuda:0"):
-        ca.run_job([additive], 0, recipe, "tiny", steps, None, tmp_path / "out", tmp_path / "runs" / "tiny-3steps",
-                   1, device="cuda:0")
-    assert ca._last_step(run_dir) == 2  # untouched
+        runner.run_job([additive], 0, recipe, "tiny", steps, None, store.Results(tmp_path / "out"),
+                       tmp_path / "runs" / "tiny-3steps", 1, device="cuda:0")
+    assert last_step(run_dir) == 2  # untouched
 
 
 def test_the_table_says_which_device_trained_each_seed(tmp_path):
@@ -391,30 +416,27 @@ def test_the_table_says_which_device_trained_each_seed(tmp_path):
     for row, seed, device in (("additive", 0, None), ("additive", 1, None), ("additive", 2, "auto"),
                               ("additive", 4, "cuda"), ("concat", 0, None), ("concat", 1, None), ("concat", 2, None),
                               ("concat", 4, "cuda")):
-        _write_result(out, row, seed, rng.binomial(3, 0.6, 50).astype(float))
-        if device:
-            path = out / "results" / row / f"seed{seed}.json"
-            path.write_text(json.dumps({**json.loads(path.read_text()), "trained_on": device}))
-    where = ca.trained_where(ct.load_results(out, ["additive", "concat"]))
+        _write_result(out, row, seed, rng.binomial(3, 0.6, 50).astype(float), device)
+    where = ct.trained_where(store.Results(out).found(["additive", "concat"]))
     assert where == {"additive": {"auto": [0, 1, 2], "cuda": [4]}, "concat": {"auto": [0, 1, 2], "cuda": [4]}}
-    assert ca.devices_line(where).endswith("additive, concat: auto 0-2; cuda 4.")
-    assert ca._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
+    assert ct.devices_line(where).endswith("additive, concat: auto 0-2; cuda 4.")
+    assert ct._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
 
 
 def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys):
     rows = _rows_file(tmp_path)
-    assert ca.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
+    assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
     runs = tmp_path / "runs" / "tiny-3steps" / "additive"
     a, b = str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt")
-    tests = ca.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
-    same = ca.score_only(a, tests, 1, against=a, resamples=50)
+    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    same = scoring.score_only(a, tests, 1, against=a, resamples=50)
     assert all(d is None or (d["diff"] == 0 and d["lo"] == 0 == d["hi"]) for d in same.values())
-    other = ca.score_only(b, tests, 1, against=a, resamples=50)
+    other = scoring.score_only(b, tests, 1, against=a, resamples=50)
     assert other["entropy"]["diff"] != 0 and other["entropy"]["lo"] < other["entropy"]["hi"]
     out = capsys.readouterr().out
     assert f"{b} - {a}, 9 images" in out and "| entropy |" in out
-    with pytest.raises(SystemExit) as e:
-        ca.parse_args(["--against", a])
+    with pytest.raises(SystemExit) as e:  # --against belongs to score
+        cli.main(["train", "--against", a])
     assert e.value.code == 2
 
 
@@ -424,14 +446,117 @@ name = "additive-cuda"
 sets = ["optim.device=cuda", "optim.precision=fp32"]
 ''')
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ca.main(_args(tmp_path, rows, "--rows", "additive,additive-cuda", "--seeds", "0", "--skip-timing")) == 0
+    assert cli.main(_args(tmp_path, rows, "--rows", "additive,additive-cuda", "--seeds", "0", "--skip-timing")) == 0
     err = capsys.readouterr().err
     assert "left out, their device is not on this machine: additive-cuda seed 0" in err
-    results = tmp_path / "out" / "tiny-3steps" / "results"
-    assert (results / "additive" / "seed0.json").is_file() and not (results / "additive-cuda").exists()
+    results = store.Results(tmp_path / "out" / "tiny-3steps")
+    assert results.done("additive", 0) and not any(r["row"] == "additive-cuda" for r in results.records())
     # Nor timed: the other rows are.
-    assert ca.main(_args(tmp_path, rows, "--rows", "additive,additive-cuda", "--timing", "--timing-steps", "5",
-                         "--timing-rounds", "1")) == 0
+    assert cli.main(["timing", "--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"),
+                     "--rows", "additive,additive-cuda", "--timing-steps", "5", "--timing-rounds", "1"]) == 0
     assert "not timed, their device is not on this machine: additive-cuda" in capsys.readouterr().err
     timing = json.loads((tmp_path / "out" / "tiny-3steps" / "timing.json").read_text())["rates"]
     assert set(timing) == {"additive"}
+
+
+# ----------------------------------------------------------------------- subcommands
+
+@pytest.mark.parametrize("command", cli.COMMANDS)
+def test_each_subcommand_explains_itself(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m benchmarks.attention {command} ") and len(out.splitlines()) > 5
+
+
+def test_the_help_names_every_subcommand_and_an_unknown_one_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    listed = capsys.readouterr().out.split("positional arguments:")[1]
+    assert all(f"\n    {c} " in listed for c in cli.COMMANDS) and "run-one" not in listed
+    for argv, says in ((["tabel"], "unknown subcommand 'tabel'; subcommands: train, score, table"),
+                       ([], "a subcommand is needed: train, score, table")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err
+
+
+def test_a_job_of_the_pool_hands_its_records_to_the_process_that_writes_them(tmp_path):
+    rows = _rows_file(tmp_path)
+    argv = _args(tmp_path, rows, "--rows", "additive", "--seeds", "0", "--skip-timing")
+    assert cli.main([*argv, "--jobs", "1"]) == 0  # one child process
+    run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
+    assert last_step(run_dir) == 3 and not store.handoff_path(run_dir).exists()
+    rec = _record(store.Results(tmp_path / "out" / "tiny-3steps"), "additive", 0)
+    assert rec["steps"] == 3 and sorted(rec["tests"]) == ["test7001", "test7002", "test7003"]
+    assert "| additive | 1 |" in (tmp_path / "out" / "tiny-3steps" / "table.md").read_text()
+
+
+# ---------------------------------------------------------------------- results file
+
+def test_records_are_added_once_and_two_writers_keep_each_others(tmp_path):
+    hits = np.array([3.0, 1.0])
+    first, second = store.Results(tmp_path), store.Results(tmp_path)  # two commands on one table
+    assert first.records() == [] and second.records() == []
+    assert len(first.add([{"row": "additive", **_made_up(0, hits)}])) == 1
+    assert len(second.add([{"row": "concat", **_made_up(0, hits)}])) == 1  # reads the file again first
+    assert second.add([{"row": "additive", **_made_up(0, hits * 0)}]) == []  # finished: kept as it was
+    again = store.Results(tmp_path)
+    assert [(r["row"], r["seed"]) for r in again.records()] == [("additive", 0), ("concat", 0)]
+    assert again.get("additive", 0)["tests"]["test7001"]["stats"]["pt_hit"] == [3.0, 1.0]
+    assert not list(tmp_path.glob("*.tmp"))
+    # A job's records, handed over in its run folder, reach the file once.
+    run_dir = tmp_path / "runs" / "dot" / "seed1"
+    run_dir.mkdir(parents=True)
+    store.write_handoff(run_dir, [{"row": "dot", **_made_up(1, hits)}])
+    assert [r["row"] for r in store.collect_handoff(again, run_dir)] == ["dot"]
+    assert not store.handoff_path(run_dir).exists() and store.collect_handoff(again, run_dir) == []
+    assert store.Results(tmp_path).done("dot", 1)
+
+
+def test_compact_converts_a_results_tree_and_its_table_is_the_trees(tmp_path, capsys, monkeypatch):
+    rows = _rows_file(tmp_path)
+    out = tmp_path / "out" / "tiny-3steps"
+    rng = np.random.default_rng(2)
+    made: dict[str, dict[int, np.ndarray]] = {}
+    for row, p in (("additive", 0.6), ("concat", 0.5), ("retired", 0.4)):
+        for seed in (0, 1, 2, 10):  # seed10 sorts before seed2 by name
+            hits = made.setdefault(row, {})[seed] = rng.binomial(3, p, 40).astype(float)
+            _write_tree_result(out, row, seed, hits, "cuda" if seed == 10 else None)
+    (out / "timing.json").write_text(json.dumps({"rates": {"additive": {"steps_per_s": 2.5}}}))
+    command = ["--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"), "--resamples", "100"]
+    assert cli.main(["compact", *command]) == 0
+    said = capsys.readouterr().out
+    assert "12 records" in said and "byte for byte" in said and "retired" in said
+    results = store.Results(out)
+    assert [(r["row"], r["seed"]) for r in results.records()][:4] == [("additive", s) for s in (0, 1, 2, 10)]
+    assert (out / "results").is_dir()  # the tree is left for its owner to remove
+
+    # The table the table subcommand writes from the file, against one built from the made-up
+    # columns by hand (what the earlier reader gave: the ids and columns of each seed).
+    assert cli.main(["table", *command]) == 0
+    the_plan = plan.load_plan(rows)
+    found = {row: {seed: {"ids": [("test7001", i) for i in range(40)],
+                          "stats": _made_up(seed, hits)["tests"]["test7001"]["stats"],
+                          "trained_on": "cuda" if seed == 10 else "auto"} for seed, hits in made[row].items()}
+             for row in ("additive", "concat")}
+    args = cli.parser().parse_args(["table", *command])
+    expected, _ = ct.table_of(the_plan, the_plan.rows, found, "tiny", 3, args, {"rates": {"additive":
+                                                                                            {"steps_per_s": 2.5}}})
+    assert (out / "table.md").read_text() == expected + "\n"
+    assert "| 2.50 |" in expected and "cuda 10" in expected
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # never over a results file
+        cli.main(["compact", *command])
+    assert e.value.code == 2 and "is there already" in capsys.readouterr().err
+
+    # A conversion that loses a record is caught, and leaves no results file.
+    results.path.unlink()
+    add = store.Results.add
+    monkeypatch.setattr(store.Results, "add", lambda self, records: add(self, records[1:]))
+    assert cli.main(["compact", *command]) == 1
+    assert "differs" in capsys.readouterr().err and not results.path.exists()

@@ -3,7 +3,7 @@ every head's own map and for their mean (the map the overlay shows by default), 
 reference words as the attention comparison (each test image's first reference caption fed
 to the model; its colour and shape words that name an object uniquely present).
 
-    python benchmarks/head_pointing.py runs/attention-comparison/full-3752steps/heads4/seed0 \\
+    python -m benchmarks.attention heads runs/attention-comparison/full-3752steps/heads4/seed0 \\
         --data data/shapes-test7001-1000 --images 1000
 
 The weights are a checkpoint file or a run folder (its last.pt, with the moving average of the
@@ -14,20 +14,18 @@ single-head model: its one head is its mean.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent)]  # compare_attention, beside this file
+from captioner.data.coco import load_split
+from captioner.forced import forced_outputs
+from captioner.grounding import load_shape_objects, pointing_game
+from captioner.inference import Captioner
 
-from compare_attention import forced_outputs, load_weights  # noqa: E402
-
-from captioner.data.coco import load_split  # noqa: E402
-from captioner.grounding import load_shape_objects, pointing_game  # noqa: E402
-from captioner.inference import Captioner  # noqa: E402
+from .plan import UsageError
 
 
 @dataclass
@@ -69,16 +67,23 @@ def head_pointing(cap: Captioner, folder: Path, images: int, batch_size: int = 3
     return HeadPointing(hits, mass, words_scored, best)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("weights", nargs="+", help="checkpoint files or run folders")
-    ap.add_argument("--data", type=Path, required=True, help="a shapes test set (captioner shapes ... --test N)")
-    ap.add_argument("--images", type=int, default=1000, help="its first N test images")
-    args = ap.parse_args(argv)
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("heads", help="pointing and mass in box of each head's map and of their mean",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("weights", nargs="+", help="checkpoint files or run folders")
+    p.add_argument("--data", type=Path, required=True, help="a shapes test set (captioner shapes ... --test N)")
+    p.add_argument("--images", type=int, default=1000, help="its first N test images")
+    p.set_defaults(func=cmd_heads)
+
+
+def cmd_heads(args: argparse.Namespace) -> int:
+    from train.checkpoints import load_weights
+
     if not (args.data / "instances_test.json").is_file():
-        ap.error(f"{args.data} has no instances_test.json: make one with captioner shapes --train 0 --val 0 --test N")
+        raise UsageError(f"{args.data} has no instances_test.json: make one with captioner shapes --train 0 "
+                         "--val 0 --test N")
     if args.images < 1:
-        ap.error("--images must be >= 1")
+        raise UsageError("--images must be >= 1")
     print("| weights | map | strict pointing | mass in box |\n|---|---|---|---|")
     for w in args.weights:
         r = head_pointing(load_weights(w), args.data, args.images)
@@ -87,7 +92,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {w} | any head | {r.best_head_hits / max(1, r.words):.3f} | |")
         print(f"<!-- {w}: {r.words:,} words scored -->")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

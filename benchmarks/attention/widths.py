@@ -3,7 +3,7 @@ records, for every word of the captions, the window's half-width (cells of the a
 that the centre network predicted. A fixed window (model.local_width = fixed) has one
 half-width, model.local_window; a learned one starts there and moves where training takes it.
 
-    python benchmarks/local_widths.py runs/attention-comparison/full-3752steps/local-learned/seed0 \\
+    python -m benchmarks.attention widths runs/attention-comparison/full-3752steps/local-learned/seed0 \\
         data/shapes-test7001-1000/images/test --images 200
 
 The weights are a checkpoint file or a run folder (its last.pt, with the moving average of the
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from captioner.attention import MIN_HALF_WIDTH, Attention
 from captioner.images import is_image_path
 from captioner.inference import Captioner, DecodeOptions
+
+from .plan import UsageError
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -70,24 +72,28 @@ def half_widths(cap: Captioner, images: list, batch_size: int = 16) -> Widths:
                   tuple(results[0].alphas.shape[-2:]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    from compare_attention import load_weights  # beside this script
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("widths", help="the half-widths a learned local window predicts, word by word",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("weights", type=Path, help="a checkpoint file, or a run folder (its last.pt)")
+    p.add_argument("images", type=Path, help="a folder of images")
+    p.add_argument("--images", dest="n_images", type=int, default=200, help="how many (sorted by name)")
+    p.add_argument("--threads", type=int, default=1)
+    p.set_defaults(func=cmd_widths)
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("weights", type=Path, help="a checkpoint file, or a run folder (its last.pt)")
-    ap.add_argument("images", type=Path, help="a folder of images")
-    ap.add_argument("--images", dest="n_images", type=int, default=200, help="how many (sorted by name)")
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+
+def cmd_widths(args: argparse.Namespace) -> int:
+    """Exit status 2 for a model without a learned window, said in one line."""
     from PIL import Image
 
+    from train.checkpoints import load_weights
+
+    torch.set_num_threads(args.threads)
     if not args.images.is_dir():
-        ap.error(f"not a folder: {args.images}")
+        raise UsageError(f"not a folder: {args.images}")
     paths = sorted(p for p in args.images.iterdir() if is_image_path(p))[: args.n_images]
     if not paths:
-        ap.error(f"no images in {args.images}")
+        raise UsageError(f"no images in {args.images}")
     try:
         w = half_widths(load_weights(args.weights), [Image.open(p).convert("RGB") for p in paths])
     except ValueError as e:
@@ -98,7 +104,3 @@ def main(argv: list[str] | None = None) -> int:
           f"{w.start:g} cells on a {w.grid[0]}x{w.grid[1]} grid")
     print(f"learned half-width, cells: mean {w.half_widths.mean():.2f}; quantiles {q}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,44 +1,23 @@
-"""The comparison's table from its result files: mean and sd over seeds, each variant
-against the reference by a bootstrap over training seeds and test images (paired over
-images) and by Welch's interval of the seed means, the A/A floor, and the agreement of two
-recipes' rankings. Used by compare_attention.py."""
+"""The comparison's table from its results: mean and sd over seeds, each variant against
+the reference by a bootstrap over training seeds and test images (paired over images) and
+by Welch's interval of the seed means, the A/A floor, where each seed was trained, and the
+agreement of two recipes' rankings."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import numpy as np
 
-import comparison_stats as cs
-
-
-def images_path(result: Path) -> Path:
-    return result.with_name(result.stem + ".images.json.gz")
-
-
+from . import stats as cs
+from .plan import Plan, Row, UsageError
+from .store import RESULTS, Results
 
 COLUMNS = [("object_accuracy", "object acc."), ("relation_accuracy", "relation direction"),
            ("pointing", "pointing, strict"), ("mass_in_box", "mass in box"), ("entropy", "entropy (nats)"),
            ("BLEU-4", "BLEU-4"), ("CIDEr", "CIDEr")]
 CI_COLUMNS = ["object_accuracy", "relation_accuracy", "pointing", "mass_in_box", "BLEU-4", "CIDEr"]
-
-
-def load_results(out: Path, rows: list[str]) -> dict[str, dict[int, dict]]:
-    """row -> seed -> per-image columns of all test sets joined (test sets in name order)."""
-    found: dict[str, dict[int, dict]] = {}
-    for row in rows:
-        for path in sorted((out / "results" / row).glob("seed*[0-9].json")):
-            rec = json.loads(path.read_text())
-            tests = json.loads(gzip.decompress(images_path(path).read_bytes()))
-            names = sorted(tests)
-            ids = [(n, i) for n in names for i in tests[n]["image_ids"]]
-            cols = cs.concat([tests[n]["stats"] for n in names])
-            # The device that trained it (optim.device); results from before it was recorded: "auto".
-            found.setdefault(row, {})[rec["seed"]] = {"ids": ids, "stats": cols,
-                                                      "trained_on": rec.get("trained_on", "auto")}
-    return found
 
 
 def _device(entry: dict) -> str:
@@ -297,3 +276,69 @@ def check_ranking(short: dict, full: dict, min_rows: int = 3) -> str:
         lines.append(f"| {title} | {cs.spearman(a, b):+.2f} | {cs.kendall_tau_b(a, b):+.2f} | {top_a} | {top_b} "
                      f"| {'yes' if top_a == top_b else 'no'} |")
     return "\n".join(lines)
+
+
+
+# ------------------------------------------------------------------ the table's text
+
+def table_for(plan: Plan, rows: list[Row], folder: Path, recipe_name: str, steps: int, args) -> tuple[str, dict]:
+    """The table of the records in ``folder`` (results.jsonl.gz, and timing.json where there
+    is one): its markdown and its summary."""
+    found = Results(folder).found([r.name for r in rows])
+    if not found:
+        raise UsageError(f"no results in {folder / RESULTS} yet")
+    timing_path = folder / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.is_file() else None
+    return table_of(plan, rows, found, recipe_name, steps, args, timing)
+
+
+def table_of(plan: Plan, rows: list[Row], found: dict[str, dict[int, dict]], recipe_name: str, steps: int, args,
+             timing: dict | None) -> tuple[str, dict]:
+    """table_for on entries already read (row -> seed -> store.entry); ``args`` gives
+    resamples, bootstrap_seed, and the test seeds and beam the header states."""
+    try:
+        summary = summarise(found, plan.reference, plan.aa_pair, args.resamples, seed=args.bootstrap_seed,
+                            twins=plan.twins)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    summary["aa_pair"] = list(plan.aa_pair)
+    for r in rows:
+        if r.name in summary["rows"]:
+            summary["rows"][r.name]["train_key"] = r.train_key
+    header = (f"Recipe `{recipe_name}`: {steps:,} training steps, the weights at the last step; "
+              f"{summary['n_images']:,} test images (test sets of seeds {args.test_seeds}), beam {args.beam_size}; "
+              "mean ± sd over seeds.")
+    devices = trained_where(found)
+    for name, where in devices.items():
+        summary["rows"][name]["trained_on"] = where
+    return markdown(summary, timing, header) + "\n\n" + devices_line(devices), summary
+
+
+def trained_where(found: dict[str, dict[int, dict]]) -> dict[str, dict[str, list[int]]]:
+    """row -> device its seeds were trained on (an entry's "trained_on") -> those seeds."""
+    where: dict[str, dict[str, list[int]]] = {}
+    for row, by_seed in found.items():
+        for seed in sorted(by_seed):
+            where.setdefault(row, {}).setdefault(by_seed[seed]["trained_on"], []).append(seed)
+    return where
+
+
+def _seed_list(seeds: list[int]) -> str:
+    """[0, 1, 2, 4] -> "0-2, 4"."""
+    spans: list[list[int]] = []
+    for s in sorted(seeds):
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def devices_line(where: dict[str, dict[str, list[int]]]) -> str:
+    """One line: where each row's seeds were trained (optim.device), rows alike grouped."""
+    groups: dict[str, list[str]] = {}
+    for row, by_device in where.items():
+        key = "; ".join(f"{dev} {_seed_list(seeds)}" for dev, seeds in sorted(by_device.items()))
+        groups.setdefault(key, []).append(row)
+    return ("Seeds by the device that trained them (optim.device; auto: the machine's own): "
+            + "; ".join(f"{', '.join(rows)}: {key}" for key, rows in groups.items()) + ".")

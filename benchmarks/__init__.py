@@ -1,0 +1,1 @@
+"""Benchmark scripts, and the attention comparison (benchmarks.attention)."""

@@ -1,0 +1,136 @@
+"""The comparison's scoring: three fresh shapes test sets, and per test image what the
+figures are built from (stats.py): whether the caption names its objects and states its
+relations right, CIDEr-D and BLEU counts, and the pointing game and entropy of the maps of
+each image's first reference caption fed to the model (teacher forcing,
+``captioner.forced``), the same words for every model.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import stats as cs
+from .plan import UsageError, child_env
+
+FIGURE_NAMES = ["object_accuracy", "relation_accuracy", "pointing", "pointing_generated", "pointing_chance",
+                "mass_in_box", "entropy", "BLEU-4", "CIDEr"]
+
+
+def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
+    """Three fresh test sets, each `captioner shapes --train 0 --val 0 --test N --seed S`."""
+    sets = {}
+    for seed in seeds:
+        folder = root / f"shapes-test{seed}-{n_images}"
+        if not (folder / "instances_test.json").is_file():
+            subprocess.run([sys.executable, "-m", "captioner.cli", "shapes", "--out", str(folder), "--train", "0",
+                            "--val", "0", "--test", str(n_images), "--seed", str(seed)], check=True, env=child_env())
+        sets[f"test{seed}"] = folder
+    return sets
+
+
+def image_stats(records, results, forced, objects: dict, with_pointing: bool) -> dict[str, list]:
+    """Per-image columns (see stats.py) for one test set."""
+    from pycocoevalcap.cider.cider import Cider
+
+    from captioner.grounding import object_accuracy, pointing_game, relation_accuracy
+    from captioner.metrics import _prepare
+
+    cols: dict[str, list] = {k: [] for k in ("obj", "rel_true", "rel_named", "rel_n", "ent_sum", "ent_n")}
+    if with_pointing:
+        cols.update({k: [] for k in ("pt_hit", "pt_n", "pt_mass", "pt_chance", "gen_hit", "gen_n")})
+    for rec, res, (words, maps) in zip(records, results, forced):
+        img = objects[rec.image_id]
+        cols["obj"].append(float(object_accuracy(res.words, img.objects)["exact_color_shape"]))
+        rel = relation_accuracy(res.words, img.objects)
+        cols["rel_true"].append(rel["relations_true"])
+        cols["rel_named"].append(rel["n_relations_named"])
+        cols["rel_n"].append(rel["n_relations"])
+        cols["ent_sum"].append(float(-(maps * np.log(np.clip(maps, 1e-30, None))).sum()))
+        cols["ent_n"].append(len(words))
+        if with_pointing:
+            fixed = pointing_game(words, maps, img.objects, img.size)
+            cols["pt_hit"].append(sum(p.hit for p in fixed))
+            cols["pt_n"].append(len(fixed))
+            cols["pt_mass"].append(sum(p.mass for p in fixed))
+            cols["pt_chance"].append(sum(p.chance for p in fixed))
+            own = pointing_game(res.words, res.alphas, img.objects, img.size)
+            cols["gen_hit"].append(sum(p.hit for p in own))
+            cols["gen_n"].append(len(own))
+    gts, res_tok = _prepare({r.image_id: r.captions for r in records},
+                            {r.image_id: res.caption for r, res in zip(records, results)})
+    ids = [r.image_id for r in records]
+    cols["bleu"] = cs.bleu_stats(gts, res_tok, ids).tolist()
+    order = list(gts)
+    _, per_image = Cider().compute_score(gts, res_tok)
+    cider = dict(zip(order, (float(s) for s in per_image)))
+    cols["cider"] = [cider[i] for i in ids]
+    return cols
+
+
+def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size: int,
+                        progress: bool = False) -> dict:
+    """Per-image columns and figures of a Captioner on each test set."""
+    import torch
+
+    from captioner.data.coco import load_split
+    from captioner.evaluation import decode_records
+    from captioner.forced import forced_maps
+    from captioner.grounding import load_shape_objects
+    from captioner.inference import DecodeOptions
+
+    options = DecodeOptions(beam_size=beam_size, max_len=20, **decode)
+    with_pointing = cap.model.config.attention != "mean"  # a uniform map points nowhere
+    out = {}
+    for name, folder in test_sets.items():
+        records = load_split(folder, "test")
+        with torch.inference_mode():
+            results = decode_records(cap, records, options, progress=progress)
+            forced = forced_maps(cap, records)
+        cols = image_stats(records, results, forced, load_shape_objects(folder / "instances_test.json"),
+                           with_pointing)
+        out[name] = {"image_ids": [r.image_id for r in records], "stats": cols,
+                     "figures": cs.figures({k: np.asarray(v) for k, v in cols.items()}),
+                     "examples": {r.image_id: res.caption for r, res in list(zip(records, results))[:5]}}
+    return out
+
+
+def score_only(weights: str, test_sets: dict[str, Path], beam_size: int, against: str | None = None,
+               resamples: int = 2000, seed: int = 0) -> dict:
+    """The comparison's figures of one checkpoint on each test set, printed; with ``against``,
+    that checkpoint's too and the difference weights - against, all test sets together, with
+    a 95% bootstrap interval over the test images (paired: the same images for both; two
+    fixed models, so no seed part). Returns the differences (empty without ``against``)."""
+    from captioner.checkpoint import CheckpointError
+    from captioner.inference import Captioner
+
+    scored = {}
+    for w in [weights] + ([against] if against else []):
+        try:
+            cap = Captioner.load(w)
+        except CheckpointError as e:
+            raise UsageError(str(e)) from e
+        tests = evaluate_checkpoint(cap, {}, test_sets, beam_size, progress=True)
+        print(f"\n{w}:\n")
+        print("| test set | " + " | ".join(FIGURE_NAMES) + " | words scored (reference / own) |")
+        print("|---" * (len(FIGURE_NAMES) + 2) + "|")
+        for name, t in tests.items():
+            f = t["figures"]
+            cells = ["n/a" if f.get(n) is None else f"{f[n]:.3f}" for n in FIGURE_NAMES]
+            words = f"{sum(t['stats'].get('pt_n', [])):,} / {sum(t['stats'].get('gen_n', [])):,}"
+            print(f"| {name} | " + " | ".join(cells) + f" | {words} |")
+        scored[w] = cs.concat([tests[n]["stats"] for n in sorted(tests)])
+    if not against:
+        return {}
+    n = len(next(iter(scored[weights].values())))
+    diff = cs.paired_difference(scored[weights], scored[against], cs.bootstrap_weights(n, resamples, seed))
+    print(f"\n{weights} - {against}, {n:,} images, 95% interval over the images ({resamples:,} resamples):\n")
+    print("| figure | difference | interval |\n|---|---|---|")
+    for name in FIGURE_NAMES:
+        d = diff.get(name)
+        cells = "n/a | n/a" if d is None else f"{d['diff']:+.3f} | [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+        print(f"| {name} | {cells} |")
+    return diff

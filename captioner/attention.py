@@ -18,7 +18,8 @@ size, A attention size.
                 under 3%, on one cell; a small tau lets it point at one
 
 Whatever depends only on the image (W_a a_i and the like) is computed once per image by
-``prepare``, not once per step.
+``prepare``, not once per step. The fast forms of the additive scores and of sparsemax's
+gradient are in kernels.py, behind its switch.
 
 Queries may come k to an image (beam search: k beams per image): h then has B*k rows,
 image-major, and each query attends over its own image's annotations and keys, which are
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import kernels
 
 SCORES = ("additive", "concat", "dot", "scaled_dot", "general", "cosine")
 NORMALIZERS = ("softmax", "sparsemax")
@@ -61,139 +64,26 @@ class AttentionStep:
 
 
 def sparsemax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Euclidean projection of ``scores`` onto the probability simplex (Martins & Astudillo 2016)."""
-    return _Sparsemax.apply(scores, dim)
+    """Euclidean projection of ``scores`` onto the probability simplex (Martins & Astudillo 2016):
+    p = max(z - tau, 0), tau such that p sums to 1. Its gradient is autograd's through the
+    projection, or with the kernels on the same in closed form (kernels.sparsemax_gradient)."""
+    if kernels.enabled():
+        with torch.no_grad():
+            p = _simplex_projection(scores, dim)
+        return kernels.sparsemax_gradient(scores, p, dim)
+    return _simplex_projection(scores, dim)
 
 
-class _Sparsemax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, dim: int) -> torch.Tensor:
-        z = z.transpose(dim, -1)
-        z_sorted, _ = torch.sort(z, dim=-1, descending=True)
-        k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
-        cumsum = z_sorted.cumsum(-1)
-        support = 1 + k * z_sorted > cumsum  # the k largest entries stay positive
-        k_z = support.sum(-1, keepdim=True)  # support size, >= 1
-        tau = (cumsum.gather(-1, k_z - 1) - 1) / k_z.to(z.dtype)
-        p = torch.clamp(z - tau, min=0).transpose(dim, -1)
-        ctx.save_for_backward(p)
-        ctx.dim = dim
-        return p
+def _simplex_projection(z: torch.Tensor, dim: int) -> torch.Tensor:
+    z = z.transpose(dim, -1)
+    z_sorted, _ = torch.sort(z, dim=-1, descending=True)
+    k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    cumsum = z_sorted.cumsum(-1)
+    support = 1 + k * z_sorted > cumsum  # the k largest entries stay positive
+    k_z = support.sum(-1, keepdim=True)  # support size, >= 1
+    tau = (cumsum.gather(-1, k_z - 1) - 1) / k_z.to(z.dtype)
+    return torch.clamp(z - tau, min=0).transpose(dim, -1)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (p,) = ctx.saved_tensors
-        dim = ctx.dim
-        # Jacobian = diag(s) - s s^T / |S| with s the support indicator.
-        support = (p > 0).to(grad.dtype)
-        g = grad * support
-        v = g.sum(dim, keepdim=True) / support.sum(dim, keepdim=True)
-        return support * (grad - v), None
-
-
-# Size of the slice of the (B, k, L, A) additive-attention sum handled at once when no
-# gradient is needed: about 1 MiB, so the sum is made, squashed and reduced while it sits
-# in the CPU's cache.
-BLOCK_BYTES = 1 << 20
-
-
-def _blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
-    """keys (B, L, A), q (B, k, A): is the sum of the two big enough to block, and may it be?"""
-    return (not torch.is_grad_enabled() and keys.device.type == "cpu" and keys.dtype == q.dtype
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and keys.numel() * q.shape[1] * keys.element_size() > BLOCK_BYTES)
-
-
-def _additive_blocked(keys: torch.Tensor, q: torch.Tensor, v: nn.Linear) -> torch.Tensor:
-    """w^T tanh(keys + q): keys (B, L, A), q (B, k, A) -> (B, k, L), a few images at a time
-    into one reused buffer. The plain expression writes and rereads two (B, k, L, A) tensors
-    per decoding step (at the paper's sizes with beam 3: 96 x 196 x 512 floats, 38 MB each);
-    this keeps the work in cache. It also uses tanh(u) = 2 sigmoid(2u) - 1, so
-    w^T tanh(u) = 2 w^T sigmoid(2u) - sum(w): a CPU's sigmoid is about 4x faster than its
-    tanh. Same values up to float rounding; inference only (no autograd through the buffer)."""
-    return _additive_blocked_w(keys, q, v.weight[0], v.bias)
-
-
-def _additive_blocked_w(keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """_additive_blocked with the weights given: w (A,), bias (1,)."""
-    b, n, d = keys.shape
-    k = q.shape[1]
-    rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
-    out = keys.new_empty(b, k, n)
-    buf = keys.new_empty(min(rows, b), k, n, d)
-    q2 = (2 * q).unsqueeze(2)  # (B, k, 1, A)
-    k2 = keys.unsqueeze(1)  # (B, 1, L, A)
-    w_rows = w.view(1, 1, d)
-    for i in range(0, b, rows):
-        j = min(i + rows, b)
-        blk = buf[: j - i]
-        torch.add(q2[i:j], k2[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
-        blk.sigmoid_()
-        _per_image_mm(w_rows.expand(j - i, 1, d), blk.view(j - i, k * n, d).transpose(1, 2),
-                      out[i:j].view(j - i, 1, k * n))  # (b, 1, A) x (b, A, k L)
-    return out.mul_(2).add_(bias - w.sum())
-
-
-def _per_image_mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.bmm over a block's images, for the products inside the cache-blocked loops.
-    A batched product gives each thread whole images, as the element-wise operations around
-    it split the block; one (1, b k L) x (b k L, A) product or a matrix-vector product splits
-    it another way, and each core then reads what the other just wrote (with two threads
-    that made the element-wise operation after it several times slower)."""
-    return torch.bmm(x, y, out=out)
-
-
-def _grad_blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
-    """May training's additive scores take the cache-blocked autograd path (CPU, fp32 or fp64)?"""
-    return (torch.is_grad_enabled() and keys.device.type == "cpu" and keys.dtype == q.dtype
-            and keys.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling())
-
-
-class _AdditiveScore(torch.autograd.Function):
-    """e = w^T tanh(keys + q) + b with its gradient, a cache-sized block of images at a time:
-    keys (B, L, A), q (B, k, A), w (A,), b (1,) -> e (B, k, L).
-
-    Autograd's plain expression keeps the (B, k, L, A) activation of every step and makes
-    several passes over tensors of that size in the backward (the outer product with w,
-    tanh's derivative, the sums over k and L); at the paper's sizes that is some 13 MB a pass
-    and most of the attention's time. Here nothing of that size is kept: the backward
-    recomputes s = sigmoid(2u), u = keys + q, block by block while it sits in cache, and
-    uses tanh(u) = 2 s - 1, d tanh(u) / du = 4 s (1 - s)."""
-
-    @staticmethod
-    def forward(ctx, keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(keys, q, w)
-        return _additive_blocked_w(keys, q, w, b)
-
-    @staticmethod
-    def backward(ctx, de: torch.Tensor):
-        keys, q, w = ctx.saved_tensors
-        bsz, n, d = keys.shape
-        k = q.shape[1]
-        rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
-        de = de.contiguous()
-        dkeys = torch.empty_like(keys)
-        dq = torch.empty_like(q)
-        ds_sum = keys.new_zeros(d)  # sum over (B, k, L) of de * s
-        # One query an image (training): the block is worked in dkeys itself, which it ends as.
-        buf = keys.new_empty(min(rows, bsz), k, n, d) if k > 1 else None
-        q2, k2, w4 = (2 * q).unsqueeze(2), keys.unsqueeze(1), 4 * w
-        for i in range(0, bsz, rows):
-            j = min(i + rows, bsz)
-            s = buf[: j - i] if buf is not None else dkeys[i:j].unsqueeze(1)
-            torch.add(q2[i:j], k2[i:j], alpha=2, out=s)
-            s.sigmoid_()  # (b, k, L, A)
-            de_blk = de[i:j]  # (b, k, L)
-            # (b, 1, k L) x (b, k L, A), summed over the block's images
-            ds_sum += _per_image_mm(de_blk.reshape(j - i, 1, k * n), s.view(j - i, k * n, d)).sum((0, 1))
-            s.addcmul_(s, s, value=-1)  # s (1 - s)
-            s.mul_(de_blk.unsqueeze(-1)).mul_(w4)  # de_u = de * w * 4 s (1 - s)
-            if buf is not None:
-                torch.sum(s, dim=1, out=dkeys[i:j])  # (b, L, A): the k queries of an image
-            torch.sum(s, dim=2, out=dq[i:j])  # (b, k, A)
-        dw = 2 * ds_sum - de.sum()  # e = 2 w^T s - sum(w) + b
-        return dkeys, dq, dw, de.sum().reshape(1)
 
 
 class Attention(nn.Module):
@@ -269,10 +159,8 @@ class Attention(nn.Module):
         """(B, k, L) from queries grouped by image, hq (B, k, Q)."""
         if self.score == "additive":
             q = self.query_proj(hq)  # (B, k, A)
-            if _blocked_ok(keys, q):
-                return _additive_blocked(keys, q, self.v)
-            if _grad_blocked_ok(keys, q):
-                return _AdditiveScore.apply(keys, q, self.v.weight[0], self.v.bias)
+            if kernels.additive_ok(keys, q):
+                return kernels.additive_scores(keys, q, self.v.weight[0], self.v.bias)
             return self.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
         if self.score == "concat":
             k, n = hq.shape[1], a.shape[1]

@@ -156,7 +156,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("heads", [1, 2])
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_teacher_forced_forward_equals_the_decoding_step_with_several_heads(name, heads):
+def test_teacher_forced_forward_equals_the_decoding_step_with_several_heads(name, heads, kernels_switch):
     variant = VARIANTS[name]
     dec = _decoder(seed=3, heads=heads, **variant)
     g = torch.Generator().manual_seed(0)

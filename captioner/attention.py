@@ -17,9 +17,11 @@ size, A attention size.
                 at 1): at tau = 1 a softmax over a 16x16 grid puts at most e/(e + 255/e),
                 under 3%, on one cell; a small tau lets it point at one
 
-Whatever depends only on the image (W_a a_i and the like) is computed once per image by
-``prepare``, not once per step. The fast forms of the additive scores and of sparsemax's
-gradient are in kernels.py, behind its switch.
+Each score is a small class (``Score``), registered by name (``register_score``) and
+chosen once when the module is built; it adds its layers to the module under the names
+checkpoints hold. Whatever depends only on the image (W_a a_i and the like) is computed
+once per image by ``prepare``, not once per step. The fast forms of the additive scores
+and of sparsemax's gradient are in kernels.py, behind its switch.
 
 Queries may come k to an image (beam search: k beams per image): h then has B*k rows,
 image-major, and each query attends over its own image's annotations and keys, which are
@@ -37,7 +39,6 @@ from torch import nn
 
 from . import kernels
 
-SCORES = ("additive", "concat", "dot", "scaled_dot", "general", "cosine")
 NORMALIZERS = ("softmax", "sparsemax")
 MODES = ("soft", "hard", "mean")
 LOCAL_WIDTHS = ("fixed", "learned")
@@ -86,6 +87,145 @@ def _simplex_projection(z: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 
+# ---------------------------------------------------------------------------- scores
+
+_SCORES: dict[str, type["Score"]] = {}
+
+
+def register_score(name: str):
+    """Class decorator: the score class chosen by ``score = name``."""
+    def deco(cls):
+        cls.name = name
+        _SCORES[name] = cls
+        return cls
+    return deco
+
+
+class Score:
+    """A score function e_i = f_att(a_i, h), the ``score`` option, chosen once by name.
+
+    It adds its layers to the attention module that uses it, under the names checkpoints
+    hold, and reads them from there (``att``): ``prepare`` computes what depends on the
+    image alone, once per image; a call scores the queries of a step."""
+
+    name: str
+
+    def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, project_query: bool = False):
+        self.key_dim, self.query_dim, self.attn_dim = key_dim, query_dim, attn_dim
+        self.project_query = project_query
+
+    def build(self, att: nn.Module) -> None:
+        """Add the score's layers to ``att``."""
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""
+        return a
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        """e: keys (B, L, K), a (B, L, D), queries grouped by image hq (B, k, Q) -> (B, k, L)."""
+        raise NotImplementedError
+
+    def upgrade(self, state_dict: dict, prefix: str) -> None:
+        """Complete a state dict saved before this score gained a parameter."""
+
+
+@register_score("additive")
+class Additive(Score):
+    """Show, Attend and Tell's f_att: w^T tanh(W_a a_i + W_h h)."""
+
+    def build(self, att: nn.Module) -> None:
+        att.key_proj = nn.Linear(self.key_dim, self.attn_dim)  # W_a, applied once per image
+        att.query_proj = nn.Linear(self.query_dim, self.attn_dim)  # W_h
+        att.v = nn.Linear(self.attn_dim, 1)  # w
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return att.key_proj(a)  # (B, L, A)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        q = att.query_proj(hq)  # (B, k, A)
+        if kernels.additive_ok(keys, q):
+            return kernels.additive_scores(keys, q, att.v.weight[0], att.v.bias)
+        return att.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
+
+
+@register_score("concat")
+class Concat(Score):
+    """v^T tanh(W [h; a_i]), built literally per step."""
+
+    def build(self, att: nn.Module) -> None:
+        att.joint = nn.Linear(self.query_dim + self.key_dim, self.attn_dim)  # W [h; a_i]
+        att.v = nn.Linear(self.attn_dim, 1)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        k, n = hq.shape[1], a.shape[1]
+        joint = torch.cat([hq.unsqueeze(2).expand(-1, -1, n, -1), a.unsqueeze(1).expand(-1, k, -1, -1)], dim=-1)
+        return att.v(torch.tanh(att.joint(joint))).squeeze(-1)  # (B, k, L)
+
+
+@register_score("dot")
+class Dot(Score):
+    """h^T a_i, with h projected to D when the sizes differ (or ``project_query``)."""
+
+    def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, project_query: bool = False):
+        super().__init__(key_dim, query_dim, attn_dim, project_query=project_query)
+        self.projects = query_dim != key_dim or project_query
+
+    def build(self, att: nn.Module) -> None:
+        if self.projects:
+            att.query_proj = nn.Linear(self.query_dim, self.key_dim, bias=False)  # project h
+
+    def query(self, att: nn.Module, hq: torch.Tensor) -> torch.Tensor:
+        return att.query_proj(hq) if self.projects else hq  # (B, k, D)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bld,bkd->bkl", keys, self.query(att, hq))
+
+
+@register_score("scaled_dot")
+class ScaledDot(Dot):
+    """h^T a_i / sqrt(D)."""
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        return super().__call__(att, keys, a, hq) / math.sqrt(self.key_dim)
+
+
+@register_score("general")
+class General(Score):
+    """The bilinear h^T W a_i, W a_i computed once per image."""
+
+    def build(self, att: nn.Module) -> None:
+        att.bilinear = nn.Linear(self.key_dim, self.query_dim, bias=False)  # W a_i, once per image
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return att.bilinear(a)  # (B, L, Q)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("blq,bkq->bkl", keys, hq)
+
+
+@register_score("cosine")
+class Cosine(Dot):
+    """cos(h, a_i) / tau, the temperature tau learned (stored as log tau, starting at 1)."""
+
+    def build(self, att: nn.Module) -> None:
+        super().build(att)
+        att.log_temperature = nn.Parameter(torch.zeros(()))  # log tau: tau = 1 at the start
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return F.normalize(a, dim=-1)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        scale = torch.exp(-att.log_temperature.clamp(min=math.log(MIN_TEMPERATURE)))  # 1 / tau
+        return torch.einsum("bld,bkd->bkl", keys, F.normalize(self.query(att, hq), dim=-1)) * scale
+
+    def upgrade(self, state_dict: dict, prefix: str) -> None:
+        # Saved before cosine had a temperature: tau = 1, the scores it was trained with.
+        state_dict.setdefault(prefix + "log_temperature", torch.zeros(()))
+
+
+SCORES = tuple(_SCORES)  # the built-in scores, in the order of their definitions
+
+
 class Attention(nn.Module):
     def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, score: str = "additive",
                  normalizer: str = "softmax", mode: str = "soft", local_window: float = 0.0,
@@ -93,8 +233,8 @@ class Attention(nn.Module):
         """``project_query``: the dot-product scores (dot, scaled_dot, cosine) project the query
         even when its size is the key size (the heads of a multi-head attention differ by it)."""
         super().__init__()
-        if score not in SCORES:
-            raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(SCORES)}")
+        if score not in _SCORES:
+            raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(_SCORES)}")
         if normalizer not in NORMALIZERS:
             raise ValueError(f"unknown normalizer {normalizer!r}; choose from {', '.join(NORMALIZERS)}")
         if mode not in MODES:
@@ -108,19 +248,8 @@ class Attention(nn.Module):
         self.local_width = local_width
         self.num_heads = 1
         self.key_dim = key_dim
-        if score == "additive":
-            self.key_proj = nn.Linear(key_dim, attn_dim)  # W_a, applied once per image
-            self.query_proj = nn.Linear(query_dim, attn_dim)  # W_h
-            self.v = nn.Linear(attn_dim, 1)  # w
-        elif score == "concat":
-            self.joint = nn.Linear(query_dim + key_dim, attn_dim)  # W [h; a_i]
-            self.v = nn.Linear(attn_dim, 1)
-        elif score == "general":
-            self.bilinear = nn.Linear(key_dim, query_dim, bias=False)  # W a_i, once per image
-        elif score in ("dot", "scaled_dot", "cosine") and (query_dim != key_dim or project_query):
-            self.query_proj = nn.Linear(query_dim, key_dim, bias=False)  # sizes differ: project h
-        if score == "cosine":
-            self.log_temperature = nn.Parameter(torch.zeros(()))  # log tau: tau = 1 at the start
+        self.f_att = _SCORES[score](key_dim, query_dim, attn_dim, project_query=project_query)
+        self.f_att.build(self)
         if self.local_window > 0:
             # (row, col) of the centre, and with a learned width its half-width's softplus input
             outputs = 3 if local_width == "learned" else 2
@@ -133,47 +262,18 @@ class Attention(nn.Module):
                     self.centre[2].bias[2] = _inverse_softplus(start)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "log_temperature"
-        if self.score == "cosine" and key not in state_dict:
-            # Saved before cosine had a temperature: tau = 1, the scores it was trained with.
-            state_dict[key] = torch.zeros(())
+        self.f_att.upgrade(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""
-        if self.score == "additive":
-            return self.key_proj(a)  # (B, L, A)
-        if self.score == "general":
-            return self.bilinear(a)  # (B, L, Q)
-        if self.score == "cosine":
-            return F.normalize(a, dim=-1)
-        return a
+        return self.f_att.prepare(self, a)
 
     def scores(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """e_ti = f_att(a_i, h_{t-1}): keys (B, L, K), a (B, L, D), h (B*k, Q) -> (B*k, L)."""
         b, n = a.shape[:2]
         hq = h.view(b, -1, h.shape[-1])  # (B, k, Q): the k queries of each image
-        return self._scores(keys, a, hq).reshape(-1, n)
-
-    def _scores(self, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
-        """(B, k, L) from queries grouped by image, hq (B, k, Q)."""
-        if self.score == "additive":
-            q = self.query_proj(hq)  # (B, k, A)
-            if kernels.additive_ok(keys, q):
-                return kernels.additive_scores(keys, q, self.v.weight[0], self.v.bias)
-            return self.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
-        if self.score == "concat":
-            k, n = hq.shape[1], a.shape[1]
-            joint = torch.cat([hq.unsqueeze(2).expand(-1, -1, n, -1), a.unsqueeze(1).expand(-1, k, -1, -1)], dim=-1)
-            return self.v(torch.tanh(self.joint(joint))).squeeze(-1)  # (B, k, L)
-        if self.score == "general":
-            return torch.einsum("blq,bkq->bkl", keys, hq)
-        q = self.query_proj(hq) if hasattr(self, "query_proj") else hq  # (B, k, D)
-        if self.score == "cosine":
-            scale = torch.exp(-self.log_temperature.clamp(min=math.log(MIN_TEMPERATURE)))  # 1 / tau
-            return torch.einsum("bld,bkd->bkl", keys, F.normalize(q, dim=-1)) * scale
-        e = torch.einsum("bld,bkd->bkl", keys, q)
-        return e / math.sqrt(self.key_dim) if self.score == "scaled_dot" else e
+        return self.f_att(self, keys, a, hq).reshape(-1, n)
 
     def weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
                 grid: tuple[int, int]) -> torch.Tensor:

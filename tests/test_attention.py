@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner import kernels
+from captioner import attention, kernels
 from captioner.attention import MODES, NORMALIZERS, SCORES, Attention, sparsemax
 from captioner.inference import Captioner, DecodeOptions
 from tiny import tiny_captioner, tiny_image
@@ -110,6 +110,22 @@ def test_query_is_projected_when_sizes_differ(score):
     same = make(score, key_dim=6, query_dim=6)
     assert not hasattr(same, "query_proj")
     assert [n for n, _ in same.named_parameters()] == (["log_temperature"] if score == "cosine" else [])
+
+
+def test_a_registered_score_is_chosen_by_its_name(monkeypatch):
+    """A score class added to the registry is built and called by name, like the built-in ones."""
+    monkeypatch.setattr(attention, "_SCORES", dict(attention._SCORES))
+
+    @attention.register_score("negative_dot")
+    class NegativeDot(attention.Dot):
+        def __call__(self, att, keys, a, hq):
+            return -super().__call__(att, keys, a, hq)
+
+    neg, dot = make("negative_dot"), make("dot")
+    assert type(neg.f_att) is NegativeDot and neg.f_att.name == "negative_dot"
+    neg.load_state_dict(dot.state_dict())  # the same layers, under the same names
+    a, h = inputs()
+    torch.testing.assert_close(neg.scores(neg.prepare(a), a, h), -dot.scores(dot.prepare(a), a, h))
 
 
 def test_scaled_dot_is_dot_over_sqrt_d():

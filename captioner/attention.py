@@ -20,8 +20,11 @@ size, A attention size.
 Each score is a small class (``Score``), registered by name (``register_score``) and
 chosen once when the module is built; it adds its layers to the module under the names
 checkpoints hold. Whatever depends only on the image (W_a a_i and the like) is computed
-once per image by ``prepare``, not once per step. The fast forms of the additive scores
-and of sparsemax's gradient are in kernels.py, behind its switch.
+once per image by ``prepare``, not once per step.
+
+A step returns every head's map, (B, h, L) with h = 1 here (several heads: multihead.py);
+the map alpha is their mean. The fast forms of the additive scores and of sparsemax's
+gradient are in kernels.py, behind its switch.
 
 Queries may come k to an image (beam search: k beams per image): h then has B*k rows,
 image-major, and each query attends over its own image's annotations and keys, which are
@@ -57,11 +60,15 @@ def _inverse_softplus(y: float) -> float:
 @dataclass
 class AttentionStep:
     context: torch.Tensor  # (B, D) the attended annotation (before the beta gate)
-    alpha: torch.Tensor  # (B, L) attention weights, >= 0, summing to 1
-    sample: torch.Tensor | None = None  # (B,) hard attention: the sampled location
+    alpha_heads: torch.Tensor  # (B, h, L) each head's weights, >= 0, summing to 1; h = 1 for one head
+    sample: torch.Tensor | None = None  # hard attention: the sampled location, (B,) one head, (B, h) several
     sample_log_prob: torch.Tensor | None = None  # (B,) log p(s_t | a), with gradient to alpha
     entropy: torch.Tensor | None = None  # (B,) H[alpha_t]
-    alpha_heads: torch.Tensor | None = None  # (B, h, L) each head's weights (multi-head only)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """(B, L) the heads' mean map (one head: its map)."""
+        return self.alpha_heads.mean(1)
 
 
 def sparsemax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -84,7 +91,6 @@ def _simplex_projection(z: torch.Tensor, dim: int) -> torch.Tensor:
     k_z = support.sum(-1, keepdim=True)  # support size, >= 1
     tau = (cumsum.gather(-1, k_z - 1) - 1) / k_z.to(z.dtype)
     return torch.clamp(z - tau, min=0).transpose(dim, -1)
-
 
 
 # ---------------------------------------------------------------------------- scores
@@ -285,6 +291,11 @@ class Attention(nn.Module):
             return self._local(e, h, grid)
         return torch.softmax(e, dim=-1) if self.normalizer == "softmax" else sparsemax(e, dim=-1)
 
+    def head_weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
+                     grid: tuple[int, int]) -> torch.Tensor:
+        """alpha_t as the one head's map: (B*k, 1, L)."""
+        return self.weights(keys, a, h, grid).unsqueeze(1)
+
     def _log_window(self, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """log of the 2-D Gaussian window, -d^2 / (2 sigma^2): (B, L). The centre is
         p_t = grid * sigmoid(v^T tanh(W h)) per axis, in cell units (cell i spans [i, i+1]);
@@ -338,13 +349,13 @@ class Attention(nn.Module):
             image = torch.div(torch.arange(h.shape[0], device=a.device), h.shape[0] // b, rounding_mode="floor")
             if not sample:
                 s = alpha.argmax(-1)
-                return AttentionStep(a[image, s], alpha, s)
+                return AttentionStep(a[image, s], alpha.unsqueeze(1), s)
             s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B*k,)
             context = a[image, s]  # (B*k, D): exactly one a_i
             log_alpha = torch.log(alpha.clamp_min(1e-12))
             log_p = log_alpha.gather(1, s.unsqueeze(1)).squeeze(1)
             entropy = -(alpha * log_alpha).sum(-1)
-            return AttentionStep(context, alpha, s, log_p, entropy)
+            return AttentionStep(context, alpha.unsqueeze(1), s, log_p, entropy)
         # (B, k, L) x (B, L, D) -> (B, k, D): every image's annotations read once for its k queries
         context = torch.bmm(alpha.view(b, -1, n), a).view(-1, d)
-        return AttentionStep(context, alpha)
+        return AttentionStep(context, alpha.unsqueeze(1))

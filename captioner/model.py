@@ -6,8 +6,8 @@ H hidden size, V vocabulary size.
     h_0 = tanh(f_init_h(mean_i a_i)),  c_0 = tanh(f_init_c(mean_i a_i))
     alpha_t = softmax(f_att(a, h_{t-1}))                  (attention.py)
                   with heads > 1: h such maps, each head's context projected to
-                  D/h, concatenated and projected back to D before the gate,
-                  alpha_t their mean                            (multihead.py)
+                  D/h, concatenated and projected back to D before the gate
+                  (multihead.py); alpha_t is the mean of the h maps (h = 1: the map)
     beta_t = sigmoid(f_beta(h_{t-1}))                     a scalar per step
     z_t = beta_t * sum_i alpha_ti a_i                     (hard: beta_t * a_{s_t})
     h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
@@ -81,11 +81,15 @@ class StepOutput:
     logits: torch.Tensor  # (B, V)
     h: torch.Tensor  # (B, H)
     c: torch.Tensor  # (B, H)
-    alpha: torch.Tensor  # (B, L) the heads' mean map with several heads
+    alpha_heads: torch.Tensor  # (B, h, L) each head's map; h = 1 for one head
     beta: torch.Tensor  # (B,)
     sample_log_prob: torch.Tensor | None = None  # (B,) hard attention only
     entropy: torch.Tensor | None = None  # (B,) hard attention only
-    alpha_heads: torch.Tensor | None = None  # (B, h, L) each head's map, several heads only
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """(B, L) the heads' mean map (one head: its map)."""
+        return self.alpha_heads.mean(1)
 
 
 @dataclass
@@ -93,12 +97,16 @@ class DecoderOutput:
     """Teacher-forced outputs over T = max length - 1 steps."""
 
     logits: torch.Tensor  # (B, T, V); Decoder.forward leaves padding steps at 0
-    alphas: torch.Tensor  # (B, T, L) the heads' mean map with several heads
+    alphas_heads: torch.Tensor  # (B, T, h, L) each head's map; h = 1 for one head
     betas: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) True on real (non-padding) steps
     sample_log_probs: torch.Tensor | None = None  # (B, T) log p(s_t | a), hard attention (summed over heads)
     entropies: torch.Tensor | None = None  # (B, T) (summed over heads)
-    alphas_heads: torch.Tensor | None = None  # (B, T, h, L) each head's map, several heads only
+
+    @property
+    def alphas(self) -> torch.Tensor:
+        """(B, T, L) the heads' mean map (one head: its map)."""
+        return self.alphas_heads.mean(2)
 
 
 class Decoder(nn.Module):
@@ -169,8 +177,7 @@ class Decoder(nn.Module):
         emb = self.embedding(y_prev)  # (B, E)
         h, c = self.lstm(torch.cat([emb, z], dim=1), (h, c))
         logits = self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))  # (B, V)
-        return StepOutput(logits, h, c, att.alpha, beta.squeeze(1), att.sample_log_prob, att.entropy,
-                          att.alpha_heads)
+        return StepOutput(logits, h, c, att.alpha_heads, beta.squeeze(1), att.sample_log_prob, att.entropy)
 
     def forward(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
                 sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
@@ -193,20 +200,18 @@ class Decoder(nn.Module):
         # (T, B, 4H), time-major so that each step reads one contiguous slice
         pre = F.linear(emb.transpose(0, 1), w_e, self.lstm.bias_ih + self.lstm.bias_hh)
         recur = self._compiled_recur if self._compiled_recur is not None else self._recur
-        hs, zs, alphas, betas, logps, ents, heads = [], [], [], [], [], [], []
+        hs, zs, heads, betas, logps, ents = [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
         for t, pre_t in enumerate(pre.unbind(0)):
             h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
                                        product=product)
             hs.append(h)
             zs.append(z)
-            alphas.append(att.alpha)
+            heads.append(att.alpha_heads)
             betas.append(beta)
             if att.sample_log_prob is not None:
                 logps.append(att.sample_log_prob)
                 ents.append(att.entropy)
-            if att.alpha_heads is not None:
-                heads.append(att.alpha_heads)
         hs_, zs_ = torch.stack(hs, 1), torch.stack(zs, 1)  # (B, T, H), (B, T, D)
         x = self.dropout(emb + self.L_h(hs_) + self.L_z(zs_))  # (B, T, E)
         if bool(mask.all()):
@@ -216,9 +221,8 @@ class Decoder(nn.Module):
             logits = real.new_zeros(b, steps, real.shape[-1])
             logits[mask] = real
         return DecoderOutput(
-            logits, torch.stack(alphas, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None,
-            torch.stack(heads, 1) if heads else None)
+            logits, torch.stack(heads, 1), torch.stack(betas, 1), mask,
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
 
     def _lstm_weights(self, rows: int):
         """The LSTM's weights as the teacher-forced loop uses them: the embedding's columns
@@ -260,22 +264,19 @@ class Decoder(nn.Module):
         h, c = self.init_state(a)
         steps = int(lengths.max()) - 1
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
-        logits, alphas, betas, logps, ents, heads = [], [], [], [], [], []
+        logits, heads, betas, logps, ents = [], [], [], [], []
         for t in range(steps):
             o = self.step(tokens[:, t], h, c, a, keys, ann.grid, sample=sample, generator=generator)
             h, c = o.h, o.c
             logits.append(o.logits)
-            alphas.append(o.alpha)
+            heads.append(o.alpha_heads)
             betas.append(o.beta)
             if o.sample_log_prob is not None:
                 logps.append(o.sample_log_prob)
                 ents.append(o.entropy)
-            if o.alpha_heads is not None:
-                heads.append(o.alpha_heads)
         return DecoderOutput(
-            torch.stack(logits, 1), torch.stack(alphas, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None,
-            torch.stack(heads, 1) if heads else None)
+            torch.stack(logits, 1), torch.stack(heads, 1), torch.stack(betas, 1), mask,
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
 
 
 class CaptionModel(nn.Module):

@@ -518,9 +518,8 @@ def test_variant_is_selected_by_the_config_and_survives_a_checkpoint(variant, tm
             assert x.words == y.words
             assert x.score == y.score
             assert torch.equal(x.alphas, y.alphas)
-            assert (x.alphas_heads is None) == (att.num_heads == 1)
-            if x.alphas_heads is not None:
-                assert torch.equal(x.alphas_heads, y.alphas_heads)
+            assert x.alphas_heads.shape[1] == att.num_heads  # one head: its map on a head axis
+            assert torch.equal(x.alphas_heads, y.alphas_heads)
             if x.words:
                 sums = x.alphas.flatten(1).sum(-1)
                 torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-5, rtol=0)

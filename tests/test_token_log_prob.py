@@ -36,7 +36,7 @@ def test_caption_log_likelihood_masks_padding_and_keeps_gradients(kernels_switch
     logits = torch.randn(b, t, v, requires_grad=True)
     targets = torch.randint(0, v, (b, t))
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
-    out = DecoderOutput(logits, torch.zeros(b, t, 4), torch.zeros(b, t), mask)
+    out = DecoderOutput(logits, torch.zeros(b, t, 1, 4), torch.zeros(b, t), mask)
     ll = caption_log_likelihood(out, targets)
     ref = (_reference(logits, targets) * mask).sum(1)
     torch.testing.assert_close(ll, ref)

@@ -133,7 +133,7 @@ class HardAttentionObjective:
         reward = ll.detach() / words if self.cfg.reward == "word_mean" else ll.detach()  # (B,)
         alphas = out.alphas.float()  # (B, T, L)
         # Several heads draw independently: the entropy of the draw is the sum of theirs.
-        drawn = alphas if out.alphas_heads is None else out.alphas_heads.float()  # (B, T, L) or (B, T, h, L)
+        drawn = out.alphas_heads.float()  # (B, T, h, L)
         plogp = (drawn * torch.log(drawn.clamp_min(1e-12))).flatten(2).sum(-1)  # (B, T)
         entropy = (-plogp * mask).sum(1)  # (B,)
         extra = self.cfg.entropy * entropy  # (B,) what each caption adds to the surrogate

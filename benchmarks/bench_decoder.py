@@ -8,7 +8,8 @@ batch 32, 20 steps. Prints teacher-forced forward+backward steps/s, and beam-sea
 one tensor program).
 
 --previous also times the previous training step (the decoder run step by step,
-``forward_stepwise``, with autograd's additive scores), interleaved with the current one.
+``forward_stepwise``, with the kernels off: autograd's additive scores), interleaved with
+the current one.
 --demo takes demo-soft's whole model instead (its small8 encoder trained from scratch,
 128 px images, 128/256/128, 30 words, captions of 5 to 12 words), training only.
 --model KEY=VALUE (repeatable) changes the model's attention, e.g. --model heads=4, or
@@ -50,16 +51,14 @@ def compare_previous(step_now, step_previous, repeats: int) -> None:
     """Interleaved rounds of the current and the previous training step; the median ratio."""
     import statistics
 
-    import captioner.attention as attention
-
-    blocked = attention._grad_blocked_ok
+    from captioner import kernels
 
     def previous() -> None:
-        attention._grad_blocked_ok = lambda keys, q: False  # autograd's plain expression
+        setting = kernels.set_enabled(False)  # autograd's plain additive scores
         try:
             step_previous()
         finally:
-            attention._grad_blocked_ok = blocked
+            kernels.set_enabled(setting)
 
     step_now()
     previous()

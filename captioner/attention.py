@@ -17,8 +17,14 @@ size, A attention size.
                 at 1): at tau = 1 a softmax over a 16x16 grid puts at most e/(e + 255/e),
                 under 3%, on one cell; a small tau lets it point at one
 
-Whatever depends only on the image (W_a a_i and the like) is computed once per image by
-``prepare``, not once per step.
+Each score is a small class (``Score``), registered by name (``register_score``) and
+chosen once when the module is built; it adds its layers to the module under the names
+checkpoints hold. Whatever depends only on the image (W_a a_i and the like) is computed
+once per image by ``prepare``, not once per step.
+
+A step returns every head's map, (B, h, L) with h = 1 here (several heads: multihead.py);
+the map alpha is their mean. The fast forms of the additive scores and of sparsemax's
+gradient are in kernels.py, behind its switch.
 
 Queries may come k to an image (beam search: k beams per image): h then has B*k rows,
 image-major, and each query attends over its own image's annotations and keys, which are
@@ -34,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SCORES = ("additive", "concat", "dot", "scaled_dot", "general", "cosine")
+from . import kernels
+
 NORMALIZERS = ("softmax", "sparsemax")
 MODES = ("soft", "hard", "mean")
 LOCAL_WIDTHS = ("fixed", "learned")
@@ -53,147 +60,176 @@ def _inverse_softplus(y: float) -> float:
 @dataclass
 class AttentionStep:
     context: torch.Tensor  # (B, D) the attended annotation (before the beta gate)
-    alpha: torch.Tensor  # (B, L) attention weights, >= 0, summing to 1
-    sample: torch.Tensor | None = None  # (B,) hard attention: the sampled location
+    alpha_heads: torch.Tensor  # (B, h, L) each head's weights, >= 0, summing to 1; h = 1 for one head
+    sample: torch.Tensor | None = None  # hard attention: the sampled location, (B,) one head, (B, h) several
     sample_log_prob: torch.Tensor | None = None  # (B,) log p(s_t | a), with gradient to alpha
     entropy: torch.Tensor | None = None  # (B,) H[alpha_t]
-    alpha_heads: torch.Tensor | None = None  # (B, h, L) each head's weights (multi-head only)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """(B, L) the heads' mean map (one head: its map)."""
+        return self.alpha_heads.mean(1)
 
 
 def sparsemax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Euclidean projection of ``scores`` onto the probability simplex (Martins & Astudillo 2016)."""
-    return _Sparsemax.apply(scores, dim)
+    """Euclidean projection of ``scores`` onto the probability simplex (Martins & Astudillo 2016):
+    p = max(z - tau, 0), tau such that p sums to 1. Its gradient is autograd's through the
+    projection, or with the kernels on the same in closed form (kernels.sparsemax_gradient)."""
+    if kernels.enabled():
+        with torch.no_grad():
+            p = _simplex_projection(scores, dim)
+        return kernels.sparsemax_gradient(scores, p, dim)
+    return _simplex_projection(scores, dim)
 
 
-class _Sparsemax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, dim: int) -> torch.Tensor:
-        z = z.transpose(dim, -1)
-        z_sorted, _ = torch.sort(z, dim=-1, descending=True)
-        k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
-        cumsum = z_sorted.cumsum(-1)
-        support = 1 + k * z_sorted > cumsum  # the k largest entries stay positive
-        k_z = support.sum(-1, keepdim=True)  # support size, >= 1
-        tau = (cumsum.gather(-1, k_z - 1) - 1) / k_z.to(z.dtype)
-        p = torch.clamp(z - tau, min=0).transpose(dim, -1)
-        ctx.save_for_backward(p)
-        ctx.dim = dim
-        return p
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (p,) = ctx.saved_tensors
-        dim = ctx.dim
-        # Jacobian = diag(s) - s s^T / |S| with s the support indicator.
-        support = (p > 0).to(grad.dtype)
-        g = grad * support
-        v = g.sum(dim, keepdim=True) / support.sum(dim, keepdim=True)
-        return support * (grad - v), None
+def _simplex_projection(z: torch.Tensor, dim: int) -> torch.Tensor:
+    z = z.transpose(dim, -1)
+    z_sorted, _ = torch.sort(z, dim=-1, descending=True)
+    k = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    cumsum = z_sorted.cumsum(-1)
+    support = 1 + k * z_sorted > cumsum  # the k largest entries stay positive
+    k_z = support.sum(-1, keepdim=True)  # support size, >= 1
+    tau = (cumsum.gather(-1, k_z - 1) - 1) / k_z.to(z.dtype)
+    return torch.clamp(z - tau, min=0).transpose(dim, -1)
 
 
-# Size of the slice of the (B, k, L, A) additive-attention sum handled at once when no
-# gradient is needed: about 1 MiB, so the sum is made, squashed and reduced while it sits
-# in the CPU's cache.
-BLOCK_BYTES = 1 << 20
+# ---------------------------------------------------------------------------- scores
+
+_SCORES: dict[str, type["Score"]] = {}
 
 
-def _blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
-    """keys (B, L, A), q (B, k, A): is the sum of the two big enough to block, and may it be?"""
-    return (not torch.is_grad_enabled() and keys.device.type == "cpu" and keys.dtype == q.dtype
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-            and keys.numel() * q.shape[1] * keys.element_size() > BLOCK_BYTES)
+def register_score(name: str):
+    """Class decorator: the score class chosen by ``score = name``."""
+    def deco(cls):
+        cls.name = name
+        _SCORES[name] = cls
+        return cls
+    return deco
 
 
-def _additive_blocked(keys: torch.Tensor, q: torch.Tensor, v: nn.Linear) -> torch.Tensor:
-    """w^T tanh(keys + q): keys (B, L, A), q (B, k, A) -> (B, k, L), a few images at a time
-    into one reused buffer. The plain expression writes and rereads two (B, k, L, A) tensors
-    per decoding step (at the paper's sizes with beam 3: 96 x 196 x 512 floats, 38 MB each);
-    this keeps the work in cache. It also uses tanh(u) = 2 sigmoid(2u) - 1, so
-    w^T tanh(u) = 2 w^T sigmoid(2u) - sum(w): a CPU's sigmoid is about 4x faster than its
-    tanh. Same values up to float rounding; inference only (no autograd through the buffer)."""
-    return _additive_blocked_w(keys, q, v.weight[0], v.bias)
+class Score:
+    """A score function e_i = f_att(a_i, h), the ``score`` option, chosen once by name.
+
+    It adds its layers to the attention module that uses it, under the names checkpoints
+    hold, and reads them from there (``att``): ``prepare`` computes what depends on the
+    image alone, once per image; a call scores the queries of a step."""
+
+    name: str
+
+    def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, project_query: bool = False):
+        self.key_dim, self.query_dim, self.attn_dim = key_dim, query_dim, attn_dim
+        self.project_query = project_query
+
+    def build(self, att: nn.Module) -> None:
+        """Add the score's layers to ``att``."""
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""
+        return a
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        """e: keys (B, L, K), a (B, L, D), queries grouped by image hq (B, k, Q) -> (B, k, L)."""
+        raise NotImplementedError
+
+    def upgrade(self, state_dict: dict, prefix: str) -> None:
+        """Complete a state dict saved before this score gained a parameter."""
 
 
-def _additive_blocked_w(keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """_additive_blocked with the weights given: w (A,), bias (1,)."""
-    b, n, d = keys.shape
-    k = q.shape[1]
-    rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
-    out = keys.new_empty(b, k, n)
-    buf = keys.new_empty(min(rows, b), k, n, d)
-    q2 = (2 * q).unsqueeze(2)  # (B, k, 1, A)
-    k2 = keys.unsqueeze(1)  # (B, 1, L, A)
-    w_rows = w.view(1, 1, d)
-    for i in range(0, b, rows):
-        j = min(i + rows, b)
-        blk = buf[: j - i]
-        torch.add(q2[i:j], k2[i:j], alpha=2, out=blk)  # 2u = 2q + 2 keys
-        blk.sigmoid_()
-        _per_image_mm(w_rows.expand(j - i, 1, d), blk.view(j - i, k * n, d).transpose(1, 2),
-                      out[i:j].view(j - i, 1, k * n))  # (b, 1, A) x (b, A, k L)
-    return out.mul_(2).add_(bias - w.sum())
+@register_score("additive")
+class Additive(Score):
+    """Show, Attend and Tell's f_att: w^T tanh(W_a a_i + W_h h)."""
+
+    def build(self, att: nn.Module) -> None:
+        att.key_proj = nn.Linear(self.key_dim, self.attn_dim)  # W_a, applied once per image
+        att.query_proj = nn.Linear(self.query_dim, self.attn_dim)  # W_h
+        att.v = nn.Linear(self.attn_dim, 1)  # w
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return att.key_proj(a)  # (B, L, A)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        q = att.query_proj(hq)  # (B, k, A)
+        if kernels.additive_ok(keys, q):
+            return kernels.additive_scores(keys, q, att.v.weight[0], att.v.bias)
+        return att.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
 
 
-def _per_image_mm(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.bmm over a block's images, for the products inside the cache-blocked loops.
-    A batched product gives each thread whole images, as the element-wise operations around
-    it split the block; one (1, b k L) x (b k L, A) product or a matrix-vector product splits
-    it another way, and each core then reads what the other just wrote (with two threads
-    that made the element-wise operation after it several times slower)."""
-    return torch.bmm(x, y, out=out)
+@register_score("concat")
+class Concat(Score):
+    """v^T tanh(W [h; a_i]), built literally per step."""
+
+    def build(self, att: nn.Module) -> None:
+        att.joint = nn.Linear(self.query_dim + self.key_dim, self.attn_dim)  # W [h; a_i]
+        att.v = nn.Linear(self.attn_dim, 1)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        k, n = hq.shape[1], a.shape[1]
+        joint = torch.cat([hq.unsqueeze(2).expand(-1, -1, n, -1), a.unsqueeze(1).expand(-1, k, -1, -1)], dim=-1)
+        return att.v(torch.tanh(att.joint(joint))).squeeze(-1)  # (B, k, L)
 
 
-def _grad_blocked_ok(keys: torch.Tensor, q: torch.Tensor) -> bool:
-    """May training's additive scores take the cache-blocked autograd path (CPU, fp32 or fp64)?"""
-    return (torch.is_grad_enabled() and keys.device.type == "cpu" and keys.dtype == q.dtype
-            and keys.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled("cpu")
-            and not torch.compiler.is_compiling())
+@register_score("dot")
+class Dot(Score):
+    """h^T a_i, with h projected to D when the sizes differ (or ``project_query``)."""
+
+    def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, project_query: bool = False):
+        super().__init__(key_dim, query_dim, attn_dim, project_query=project_query)
+        self.projects = query_dim != key_dim or project_query
+
+    def build(self, att: nn.Module) -> None:
+        if self.projects:
+            att.query_proj = nn.Linear(self.query_dim, self.key_dim, bias=False)  # project h
+
+    def query(self, att: nn.Module, hq: torch.Tensor) -> torch.Tensor:
+        return att.query_proj(hq) if self.projects else hq  # (B, k, D)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bld,bkd->bkl", keys, self.query(att, hq))
 
 
-class _AdditiveScore(torch.autograd.Function):
-    """e = w^T tanh(keys + q) + b with its gradient, a cache-sized block of images at a time:
-    keys (B, L, A), q (B, k, A), w (A,), b (1,) -> e (B, k, L).
+@register_score("scaled_dot")
+class ScaledDot(Dot):
+    """h^T a_i / sqrt(D)."""
 
-    Autograd's plain expression keeps the (B, k, L, A) activation of every step and makes
-    several passes over tensors of that size in the backward (the outer product with w,
-    tanh's derivative, the sums over k and L); at the paper's sizes that is some 13 MB a pass
-    and most of the attention's time. Here nothing of that size is kept: the backward
-    recomputes s = sigmoid(2u), u = keys + q, block by block while it sits in cache, and
-    uses tanh(u) = 2 s - 1, d tanh(u) / du = 4 s (1 - s)."""
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        return super().__call__(att, keys, a, hq) / math.sqrt(self.key_dim)
 
-    @staticmethod
-    def forward(ctx, keys: torch.Tensor, q: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(keys, q, w)
-        return _additive_blocked_w(keys, q, w, b)
 
-    @staticmethod
-    def backward(ctx, de: torch.Tensor):
-        keys, q, w = ctx.saved_tensors
-        bsz, n, d = keys.shape
-        k = q.shape[1]
-        rows = max(1, BLOCK_BYTES // (k * n * d * keys.element_size()))
-        de = de.contiguous()
-        dkeys = torch.empty_like(keys)
-        dq = torch.empty_like(q)
-        ds_sum = keys.new_zeros(d)  # sum over (B, k, L) of de * s
-        # One query an image (training): the block is worked in dkeys itself, which it ends as.
-        buf = keys.new_empty(min(rows, bsz), k, n, d) if k > 1 else None
-        q2, k2, w4 = (2 * q).unsqueeze(2), keys.unsqueeze(1), 4 * w
-        for i in range(0, bsz, rows):
-            j = min(i + rows, bsz)
-            s = buf[: j - i] if buf is not None else dkeys[i:j].unsqueeze(1)
-            torch.add(q2[i:j], k2[i:j], alpha=2, out=s)
-            s.sigmoid_()  # (b, k, L, A)
-            de_blk = de[i:j]  # (b, k, L)
-            # (b, 1, k L) x (b, k L, A), summed over the block's images
-            ds_sum += _per_image_mm(de_blk.reshape(j - i, 1, k * n), s.view(j - i, k * n, d)).sum((0, 1))
-            s.addcmul_(s, s, value=-1)  # s (1 - s)
-            s.mul_(de_blk.unsqueeze(-1)).mul_(w4)  # de_u = de * w * 4 s (1 - s)
-            if buf is not None:
-                torch.sum(s, dim=1, out=dkeys[i:j])  # (b, L, A): the k queries of an image
-            torch.sum(s, dim=2, out=dq[i:j])  # (b, k, A)
-        dw = 2 * ds_sum - de.sum()  # e = 2 w^T s - sum(w) + b
-        return dkeys, dq, dw, de.sum().reshape(1)
+@register_score("general")
+class General(Score):
+    """The bilinear h^T W a_i, W a_i computed once per image."""
+
+    def build(self, att: nn.Module) -> None:
+        att.bilinear = nn.Linear(self.key_dim, self.query_dim, bias=False)  # W a_i, once per image
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return att.bilinear(a)  # (B, L, Q)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("blq,bkq->bkl", keys, hq)
+
+
+@register_score("cosine")
+class Cosine(Dot):
+    """cos(h, a_i) / tau, the temperature tau learned (stored as log tau, starting at 1)."""
+
+    def build(self, att: nn.Module) -> None:
+        super().build(att)
+        att.log_temperature = nn.Parameter(torch.zeros(()))  # log tau: tau = 1 at the start
+
+    def prepare(self, att: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        return F.normalize(a, dim=-1)
+
+    def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
+        scale = torch.exp(-att.log_temperature.clamp(min=math.log(MIN_TEMPERATURE)))  # 1 / tau
+        return torch.einsum("bld,bkd->bkl", keys, F.normalize(self.query(att, hq), dim=-1)) * scale
+
+    def upgrade(self, state_dict: dict, prefix: str) -> None:
+        # Saved before cosine had a temperature: tau = 1, the scores it was trained with.
+        state_dict.setdefault(prefix + "log_temperature", torch.zeros(()))
+
+
+SCORES = tuple(_SCORES)  # the built-in scores, in the order of their definitions
 
 
 class Attention(nn.Module):
@@ -203,8 +239,8 @@ class Attention(nn.Module):
         """``project_query``: the dot-product scores (dot, scaled_dot, cosine) project the query
         even when its size is the key size (the heads of a multi-head attention differ by it)."""
         super().__init__()
-        if score not in SCORES:
-            raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(SCORES)}")
+        if score not in _SCORES:
+            raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(_SCORES)}")
         if normalizer not in NORMALIZERS:
             raise ValueError(f"unknown normalizer {normalizer!r}; choose from {', '.join(NORMALIZERS)}")
         if mode not in MODES:
@@ -218,19 +254,8 @@ class Attention(nn.Module):
         self.local_width = local_width
         self.num_heads = 1
         self.key_dim = key_dim
-        if score == "additive":
-            self.key_proj = nn.Linear(key_dim, attn_dim)  # W_a, applied once per image
-            self.query_proj = nn.Linear(query_dim, attn_dim)  # W_h
-            self.v = nn.Linear(attn_dim, 1)  # w
-        elif score == "concat":
-            self.joint = nn.Linear(query_dim + key_dim, attn_dim)  # W [h; a_i]
-            self.v = nn.Linear(attn_dim, 1)
-        elif score == "general":
-            self.bilinear = nn.Linear(key_dim, query_dim, bias=False)  # W a_i, once per image
-        elif score in ("dot", "scaled_dot", "cosine") and (query_dim != key_dim or project_query):
-            self.query_proj = nn.Linear(query_dim, key_dim, bias=False)  # sizes differ: project h
-        if score == "cosine":
-            self.log_temperature = nn.Parameter(torch.zeros(()))  # log tau: tau = 1 at the start
+        self.f_att = _SCORES[score](key_dim, query_dim, attn_dim, project_query=project_query)
+        self.f_att.build(self)
         if self.local_window > 0:
             # (row, col) of the centre, and with a learned width its half-width's softplus input
             outputs = 3 if local_width == "learned" else 2
@@ -243,49 +268,18 @@ class Attention(nn.Module):
                     self.centre[2].bias[2] = _inverse_softplus(start)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        key = prefix + "log_temperature"
-        if self.score == "cosine" and key not in state_dict:
-            # Saved before cosine had a temperature: tau = 1, the scores it was trained with.
-            state_dict[key] = torch.zeros(())
+        self.f_att.upgrade(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""
-        if self.score == "additive":
-            return self.key_proj(a)  # (B, L, A)
-        if self.score == "general":
-            return self.bilinear(a)  # (B, L, Q)
-        if self.score == "cosine":
-            return F.normalize(a, dim=-1)
-        return a
+        return self.f_att.prepare(self, a)
 
     def scores(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """e_ti = f_att(a_i, h_{t-1}): keys (B, L, K), a (B, L, D), h (B*k, Q) -> (B*k, L)."""
         b, n = a.shape[:2]
         hq = h.view(b, -1, h.shape[-1])  # (B, k, Q): the k queries of each image
-        return self._scores(keys, a, hq).reshape(-1, n)
-
-    def _scores(self, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
-        """(B, k, L) from queries grouped by image, hq (B, k, Q)."""
-        if self.score == "additive":
-            q = self.query_proj(hq)  # (B, k, A)
-            if _blocked_ok(keys, q):
-                return _additive_blocked(keys, q, self.v)
-            if _grad_blocked_ok(keys, q):
-                return _AdditiveScore.apply(keys, q, self.v.weight[0], self.v.bias)
-            return self.v(torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2))).squeeze(-1)
-        if self.score == "concat":
-            k, n = hq.shape[1], a.shape[1]
-            joint = torch.cat([hq.unsqueeze(2).expand(-1, -1, n, -1), a.unsqueeze(1).expand(-1, k, -1, -1)], dim=-1)
-            return self.v(torch.tanh(self.joint(joint))).squeeze(-1)  # (B, k, L)
-        if self.score == "general":
-            return torch.einsum("blq,bkq->bkl", keys, hq)
-        q = self.query_proj(hq) if hasattr(self, "query_proj") else hq  # (B, k, D)
-        if self.score == "cosine":
-            scale = torch.exp(-self.log_temperature.clamp(min=math.log(MIN_TEMPERATURE)))  # 1 / tau
-            return torch.einsum("bld,bkd->bkl", keys, F.normalize(q, dim=-1)) * scale
-        e = torch.einsum("bld,bkd->bkl", keys, q)
-        return e / math.sqrt(self.key_dim) if self.score == "scaled_dot" else e
+        return self.f_att(self, keys, a, hq).reshape(-1, n)
 
     def weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
                 grid: tuple[int, int]) -> torch.Tensor:
@@ -296,6 +290,11 @@ class Attention(nn.Module):
         if self.local_window > 0:
             return self._local(e, h, grid)
         return torch.softmax(e, dim=-1) if self.normalizer == "softmax" else sparsemax(e, dim=-1)
+
+    def head_weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
+                     grid: tuple[int, int]) -> torch.Tensor:
+        """alpha_t as the one head's map: (B*k, 1, L)."""
+        return self.weights(keys, a, h, grid).unsqueeze(1)
 
     def _log_window(self, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """log of the 2-D Gaussian window, -d^2 / (2 sigma^2): (B, L). The centre is
@@ -350,13 +349,13 @@ class Attention(nn.Module):
             image = torch.div(torch.arange(h.shape[0], device=a.device), h.shape[0] // b, rounding_mode="floor")
             if not sample:
                 s = alpha.argmax(-1)
-                return AttentionStep(a[image, s], alpha, s)
+                return AttentionStep(a[image, s], alpha.unsqueeze(1), s)
             s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B*k,)
             context = a[image, s]  # (B*k, D): exactly one a_i
             log_alpha = torch.log(alpha.clamp_min(1e-12))
             log_p = log_alpha.gather(1, s.unsqueeze(1)).squeeze(1)
             entropy = -(alpha * log_alpha).sum(-1)
-            return AttentionStep(context, alpha, s, log_p, entropy)
+            return AttentionStep(context, alpha.unsqueeze(1), s, log_p, entropy)
         # (B, k, L) x (B, L, D) -> (B, k, D): every image's annotations read once for its k queries
         context = torch.bmm(alpha.view(b, -1, n), a).view(-1, d)
-        return AttentionStep(context, alpha)
+        return AttentionStep(context, alpha.unsqueeze(1))

@@ -33,16 +33,17 @@ class CaptionResult:
     alphas: torch.Tensor  # (T, H, W), T = len(words); each map sums to 1 (several heads: their mean)
     betas: torch.Tensor  # (T,) the gate beta_t of each word's step
     score: float  # log-probability of the whole caption (its end token included, if any)
-    alphas_heads: torch.Tensor | None = None  # (T, h, H, W) each head's map; None for one head
+    # (T, h, H, W) each head's map, h = 1 for one head; the decoder always gives them, and a
+    # result made without them has its one map as its one head
+    alphas_heads: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.alphas_heads is None:
+            self.alphas_heads = self.alphas.unsqueeze(1)
 
     @property
     def caption(self) -> str:
         return " ".join(self.words)
-
-    @property
-    def head_alphas(self) -> torch.Tensor:
-        """(T, h, H, W) every head's map, h = 1 for a single-head model (its one map)."""
-        return self.alphas_heads if self.alphas_heads is not None else self.alphas.unsqueeze(1)
 
     def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4,
                 heads: bool = False) -> dict:
@@ -54,7 +55,7 @@ class CaptionResult:
             out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
             out["betas"] = torch.round(self.betas.double(), decimals=digits).tolist()
         if heads:
-            out["alphas_heads"] = torch.round(self.head_alphas.double(), decimals=digits).tolist()
+            out["alphas_heads"] = torch.round(self.alphas_heads.double(), decimals=digits).tolist()
         return out
 
 
@@ -63,10 +64,14 @@ class DecodedIds:
     """Raw decoder output for one image, before the vocabulary turns ids into words."""
 
     ids: list[int]  # generated token ids, without <start>; ends with <end> if it ended
-    alphas: torch.Tensor  # (len(ids), L)
+    alphas_heads: torch.Tensor  # (len(ids), h, L) each head's map; h = 1 for one head
     betas: torch.Tensor  # (len(ids),)
     score: float
-    alphas_heads: torch.Tensor | None = None  # (len(ids), h, L), several heads only
+
+    @property
+    def alphas(self) -> torch.Tensor:
+        """(len(ids), L) the heads' mean map (one head: its map)."""
+        return self.alphas_heads.mean(1)
 
 
 HARD_INFERENCE = ("expected", "argmax", "sample")
@@ -97,7 +102,7 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
     h, c = decoder.init_state(a)
     y = torch.full((b,), start, dtype=torch.long, device=a.device)
     done = torch.zeros(b, dtype=torch.bool, device=a.device)
-    ids, alphas, betas, logps, heads = [], [], [], [], []
+    ids, heads, betas, logps = [], [], [], []
     for t in range(max_len + 1):
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         h, c = o.h, o.c
@@ -108,21 +113,17 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
             counted = counted & (y == end)
             y = torch.where(y == end, y, torch.full_like(y, pad))
         ids.append(y)
-        alphas.append(o.alpha)
+        heads.append(o.alpha_heads)
         betas.append(o.beta)
-        if o.alpha_heads is not None:
-            heads.append(o.alpha_heads)
         logps.append(torch.where(counted, logp.gather(1, y[:, None]).squeeze(1),
                                  torch.zeros_like(y, dtype=logp.dtype)))
         done = done | (y == end)
         if bool(done.all()):
             break
     ids_t = torch.stack(ids, 1)  # (B, T)
-    alphas_t, betas_t = torch.stack(alphas, 1), torch.stack(betas, 1)  # (B, T, L), (B, T)
-    heads_t = torch.stack(heads, 1) if heads else None  # (B, T, h, L)
+    heads_t, betas_t = torch.stack(heads, 1), torch.stack(betas, 1)  # (B, T, h, L), (B, T)
     total = torch.stack(logps, 1).sum(1)
-    return [_trim(ids_t[i].tolist(), alphas_t[i], betas_t[i], float(total[i]), end, pad,
-                  heads_t[i] if heads_t is not None else None) for i in range(b)]
+    return [_trim(ids_t[i].tolist(), heads_t[i], betas_t[i], float(total[i]), end, pad) for i in range(b)]
 
 
 @torch.no_grad()
@@ -173,9 +174,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     # (its parent) and the maps and gates each beam's step computed (indexed by that beam).
     words = torch.full((steps, b, k), pad, dtype=torch.long, device=dev)
     parents = torch.zeros(steps, b, k, dtype=torch.long, device=dev)
-    alpha_steps = torch.zeros(steps, b, k, n, device=dev)
+    head_steps = torch.zeros(steps, b, k, decoder.attention.num_heads, n, device=dev)  # each head's map
     beta_steps = torch.zeros(steps, b, k, device=dev)
-    head_steps = None  # (steps, B, k, h, L) each head's maps, made at the first step of a multi-head model
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
     active = torch.arange(b, device=dev)  # original index of each image still in the batch
     out: list[DecodedIds | None] = [None] * b
@@ -193,32 +193,24 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         j = torch.where(ended, pool_parent[rows, 0], parents[cut, img, slot])
         score = torch.where(ended, pool_score[rows, 0], scores[rows].gather(1, slot[:, None]).squeeze(1))
         ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
-        alphas = torch.zeros(len(img), last + 1, n, device=dev)
+        heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:])  # (b', T, h, L)
         betas = torch.zeros(len(img), last + 1, device=dev)
-        heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:]) if head_steps is not None else None
         for t in range(last, -1, -1):
             before = step > t  # rows whose caption goes on after step t
             ids[:, t] = torch.where(step == t, word, torch.where(before, words[t, img, j], ids[:, t]))
             j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
-            alphas[:, t], betas[:, t] = alpha_steps[t, img, j], beta_steps[t, img, j]
-            if heads is not None:
-                heads[:, t] = head_steps[t, img, j]
+            heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
         m = (step + 1).tolist()
         for r, i in enumerate(img.tolist()):
-            out[i] = _trim(ids[r, :m[r]].tolist(), alphas[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad,
-                           heads[r, :m[r]] if heads is not None else None)
+            out[i] = _trim(ids[r, :m[r]].tolist(), heads[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad)
 
     for t in range(steps):
         bb = len(active)
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(bb, k, -1)  # (b', k, V)
         v = logp.shape[-1]
-        alpha_steps[t, active] = o.alpha.view(bb, k, n).float()
+        head_steps[t, active] = o.alpha_heads.view(bb, k, -1, n).float()
         beta_steps[t, active] = o.beta.view(bb, k).float()
-        if o.alpha_heads is not None:
-            if head_steps is None:
-                head_steps = torch.zeros(steps, b, k, o.alpha_heads.shape[1], n, device=dev)
-            head_steps[t, active] = o.alpha_heads.view(bb, k, -1, n).float()
         cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)  # (b', 2k) sorted
         beam = torch.div(idx, v, rounding_mode="floor")  # the open beam each candidate extends
         word = idx % v
@@ -265,11 +257,8 @@ def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
     return logp
 
 
-def _trim(ids: list[int], alphas: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int,
-          heads: torch.Tensor | None = None) -> DecodedIds:
+def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int) -> DecodedIds:
     """Up to and with the first <end>; a caption cut off at the length limit stops before
-    its first <pad> (never a word of a caption)."""
+    its first <pad> (never a word of a caption). heads (T, h, L)."""
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
-    ids, alphas, betas = ids[:m], alphas[:m], betas[:m]
-    heads = heads[:m] if heads is not None else None
-    return DecodedIds(ids, alphas, betas, score, heads)
+    return DecodedIds(ids[:m], heads[:m], betas[:m], score)

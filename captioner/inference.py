@@ -176,7 +176,7 @@ class Captioner:
     def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
-        heads = None if d.alphas_heads is None else d.alphas_heads[:t].reshape(t, d.alphas_heads.shape[1], *grid).float().cpu()
+        heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
                              heads)
 

@@ -6,8 +6,8 @@ H hidden size, V vocabulary size.
     h_0 = tanh(f_init_h(mean_i a_i)),  c_0 = tanh(f_init_c(mean_i a_i))
     alpha_t = softmax(f_att(a, h_{t-1}))                  (attention.py)
                   with heads > 1: h such maps, each head's context projected to
-                  D/h, concatenated and projected back to D before the gate,
-                  alpha_t their mean                            (multihead.py)
+                  D/h, concatenated and projected back to D before the gate
+                  (multihead.py); alpha_t is the mean of the h maps (h = 1: the map)
     beta_t = sigmoid(f_beta(h_{t-1}))                     a scalar per step
     z_t = beta_t * sum_i alpha_ti a_i                     (hard: beta_t * a_{s_t})
     h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
@@ -22,15 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .encoders import Annotations, create_encoder
 from .grid import GridSelfAttention, check_grid_fields
 from .multihead import build_attention
-
-
-# Weights of at least this many elements get their gradient over all steps at once
-# (_DeferredWeightGrad), and on a CPU their product from a packed layout (_PackedWeight):
-# the paper's LSTM (2560 x 2048) does, the demo models' do not.
-DEFERRED_MIN_WEIGHT = 1 << 20
 
 
 @dataclass
@@ -86,11 +81,15 @@ class StepOutput:
     logits: torch.Tensor  # (B, V)
     h: torch.Tensor  # (B, H)
     c: torch.Tensor  # (B, H)
-    alpha: torch.Tensor  # (B, L) the heads' mean map with several heads
+    alpha_heads: torch.Tensor  # (B, h, L) each head's map; h = 1 for one head
     beta: torch.Tensor  # (B,)
     sample_log_prob: torch.Tensor | None = None  # (B,) hard attention only
     entropy: torch.Tensor | None = None  # (B,) hard attention only
-    alpha_heads: torch.Tensor | None = None  # (B, h, L) each head's map, several heads only
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """(B, L) the heads' mean map (one head: its map)."""
+        return self.alpha_heads.mean(1)
 
 
 @dataclass
@@ -98,12 +97,16 @@ class DecoderOutput:
     """Teacher-forced outputs over T = max length - 1 steps."""
 
     logits: torch.Tensor  # (B, T, V); Decoder.forward leaves padding steps at 0
-    alphas: torch.Tensor  # (B, T, L) the heads' mean map with several heads
+    alphas_heads: torch.Tensor  # (B, T, h, L) each head's map; h = 1 for one head
     betas: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) True on real (non-padding) steps
     sample_log_probs: torch.Tensor | None = None  # (B, T) log p(s_t | a), hard attention (summed over heads)
     entropies: torch.Tensor | None = None  # (B, T) (summed over heads)
-    alphas_heads: torch.Tensor | None = None  # (B, T, h, L) each head's map, several heads only
+
+    @property
+    def alphas(self) -> torch.Tensor:
+        """(B, T, L) the heads' mean map (one head: its map)."""
+        return self.alphas_heads.mean(2)
 
 
 class Decoder(nn.Module):
@@ -174,8 +177,7 @@ class Decoder(nn.Module):
         emb = self.embedding(y_prev)  # (B, E)
         h, c = self.lstm(torch.cat([emb, z], dim=1), (h, c))
         logits = self.L_o(self.dropout(emb + self.L_h(h) + self.L_z(z)))  # (B, V)
-        return StepOutput(logits, h, c, att.alpha, beta.squeeze(1), att.sample_log_prob, att.entropy,
-                          att.alpha_heads)
+        return StepOutput(logits, h, c, att.alpha_heads, beta.squeeze(1), att.sample_log_prob, att.entropy)
 
     def forward(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
                 sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
@@ -193,36 +195,23 @@ class Decoder(nn.Module):
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
         keys = self.attention.prepare(a)  # once per image
         h, c = self.init_state(a)
-        e = self.embedding.embedding_dim
         emb = self.embedding(tokens[:, :steps])  # (B, T, E)
-        w_ih, w_hh = self.lstm.weight_ih, self.lstm.weight_hh  # (4H, E + D): columns [E y; z]; (4H, H)
-        deferred = None
-        # Only for a large weight: a small one's T gradient sums stay in cache, and the
-        # deferred form's Python bookkeeping would cost more than it saves.
-        if (self._compiled_recur is None and torch.is_grad_enabled() and w_ih.requires_grad
-                and (w_ih.shape[1] - e + w_hh.shape[1]) * w_ih.shape[0] >= DEFERRED_MIN_WEIGHT
-                and not torch.is_autocast_enabled(a.device.type)):
-            w_e, w_zh = _LSTMWeights.apply(w_ih, w_hh, e)
-            deferred = _DeferredWeightGrad(w_zh, b)
-        else:
-            w_e, w_zh = w_ih[:, :e], torch.cat([w_ih[:, e:], w_hh], 1).t()  # (4H, E), (D + H, 4H)
+        w_e, w_zh, product = self._lstm_weights(b)
         # (T, B, 4H), time-major so that each step reads one contiguous slice
         pre = F.linear(emb.transpose(0, 1), w_e, self.lstm.bias_ih + self.lstm.bias_hh)
         recur = self._compiled_recur if self._compiled_recur is not None else self._recur
-        hs, zs, alphas, betas, logps, ents, heads = [], [], [], [], [], [], []
+        hs, zs, heads, betas, logps, ents = [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
         for t, pre_t in enumerate(pre.unbind(0)):
             h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
-                                       deferred=deferred)
+                                       product=product)
             hs.append(h)
             zs.append(z)
-            alphas.append(att.alpha)
+            heads.append(att.alpha_heads)
             betas.append(beta)
             if att.sample_log_prob is not None:
                 logps.append(att.sample_log_prob)
                 ents.append(att.entropy)
-            if att.alpha_heads is not None:
-                heads.append(att.alpha_heads)
         hs_, zs_ = torch.stack(hs, 1), torch.stack(zs, 1)  # (B, T, H), (B, T, D)
         x = self.dropout(emb + self.L_h(hs_) + self.L_z(zs_))  # (B, T, E)
         if bool(mask.all()):
@@ -232,22 +221,34 @@ class Decoder(nn.Module):
             logits = real.new_zeros(b, steps, real.shape[-1])
             logits[mask] = real
         return DecoderOutput(
-            logits, torch.stack(alphas, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None,
-            torch.stack(heads, 1) if heads else None)
+            logits, torch.stack(heads, 1), torch.stack(betas, 1), mask,
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
+
+    def _lstm_weights(self, rows: int):
+        """The LSTM's weights as the teacher-forced loop uses them: the embedding's columns
+        w_e (4H, E), applied to all T steps before the loop; the z and h columns W_zh
+        (D + H, 4H); and the product pre + [z; h] W_zh of each step (torch.addmm's
+        signature). ``rows``: the batch size. In training with a large weight the kernels'
+        form (kernels.deferred_lstm) forms W_zh's gradient once over all steps; a compiled
+        step takes the plain form, which the compiler fuses."""
+        w_ih, w_hh = self.lstm.weight_ih, self.lstm.weight_hh  # (4H, E + D): columns [E y; z]; (4H, H)
+        e = self.embedding.embedding_dim
+        if self._compiled_recur is None and kernels.deferred_lstm_ok(w_ih, w_hh, e):
+            return kernels.deferred_lstm(w_ih, w_hh, e, rows)
+        return w_ih[:, :e], torch.cat([w_ih[:, e:], w_hh], 1).t(), torch.addmm
 
     def _recur(self, pre: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor, keys: torch.Tensor,
                w_zh: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
-               generator: torch.Generator | None = None, deferred: "_DeferredWeightGrad | None" = None):
+               generator: torch.Generator | None = None, product=torch.addmm):
         """The part of a training step that needs h_{t-1}: pre (B, 4H) is the embedding's
-        share of the LSTM gates with both biases, w_zh (D + H, 4H) the LSTM's z and h weights.
+        share of the LSTM gates with both biases, w_zh (D + H, 4H) the LSTM's z and h weights,
+        ``product`` the gates' pre + [z; h] w_zh (``_lstm_weights``).
         Returns h_t, c_t (B, H), z_t (B, D), the attention step and beta_t (B,)."""
         att = self.attention(keys, a, h, grid, sample=sample, generator=generator)
         beta = torch.sigmoid(self.f_beta(h))  # (B, 1)
         z = beta * att.context  # (B, D)
         zh = torch.cat([z, h], 1)  # (B, D + H)
-        # (B, 4H), nn.LSTMCell's order i, f, g, o
-        gates = torch.addmm(pre, zh, w_zh) if deferred is None else deferred(pre, zh)
+        gates = product(pre, zh, w_zh)  # (B, 4H), nn.LSTMCell's order i, f, g, o
         i, f, g, o = gates.chunk(4, 1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
@@ -263,136 +264,19 @@ class Decoder(nn.Module):
         h, c = self.init_state(a)
         steps = int(lengths.max()) - 1
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
-        logits, alphas, betas, logps, ents, heads = [], [], [], [], [], []
+        logits, heads, betas, logps, ents = [], [], [], [], []
         for t in range(steps):
             o = self.step(tokens[:, t], h, c, a, keys, ann.grid, sample=sample, generator=generator)
             h, c = o.h, o.c
             logits.append(o.logits)
-            alphas.append(o.alpha)
+            heads.append(o.alpha_heads)
             betas.append(o.beta)
             if o.sample_log_prob is not None:
                 logps.append(o.sample_log_prob)
                 ents.append(o.entropy)
-            if o.alpha_heads is not None:
-                heads.append(o.alpha_heads)
         return DecoderOutput(
-            torch.stack(logits, 1), torch.stack(alphas, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None,
-            torch.stack(heads, 1) if heads else None)
-
-
-class _DeferredWeightGrad:
-    """x_t @ W for every step t of a recurrence, with W's gradient sum_t x_t^T dy_t computed
-    once at the end of the backward as one product over all steps, (D + H, T B) x (T B, 4H),
-    rather than T products over B rows each added into a (D + H, 4H) buffer: at the paper's
-    sizes the T small products and their sums were a tenth of the training step.
-
-    The steps use W without gradient; each links itself to a scalar token made from W, whose
-    gradient arrives only after every step's backward has run (the engine counts the uses),
-    and that is when W's gradient is formed from what the steps left in ``store``."""
-
-    def __init__(self, w: torch.Tensor, rows: int):
-        """w (K, N); ``rows``: the steps' batch size."""
-        self.w = w.detach()
-        self.store: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.token = _CollectWeightGrad.apply(w, self.store)  # () zero, linked to W
-        self.packed = None
-        if _packing_ok(self.w):
-            try:
-                self.packed = _PackedWeight(self.w, rows)
-            except RuntimeError:  # oneDNN's private operators as this torch build has them
-                pass
-
-    def __call__(self, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """bias + x @ W: bias (B, N), x (B, K) -> (B, N)."""
-        return _StepProduct.apply(bias, x, self.w, self.token, self.store, self.packed)
-
-
-def _packing_ok(w: torch.Tensor) -> bool:
-    """May the recurrent product use oneDNN with the weight packed once (CPU, fp32)?"""
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-class _PackedWeight:
-    """W (K, N) laid out once for oneDNN's product, both ways round: x @ W for the steps'
-    forward and dy @ W^T for their backward.
-
-    At the paper's sizes each of the 2 T recurrent products is (32, 2560) x (2560, 2048):
-    the general product lays out the 21 MB weight again at every call, and runs at about
-    half the machine's peak; from the layout made once per training step it runs at about
-    the peak (measured on a 2-core CPU: 1.75 against 2.97 ms forward, 1.66 against 3.29
-    backward; packing both ways costs some 13 ms a step against some 60 saved). Rounding
-    differs from torch.mm's at the level of float32 sums."""
-
-    def __init__(self, w: torch.Tensor, rows: int):
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        self.forward = reorder(w.t().contiguous(), rows)  # as a linear layer's (N, K) weight
-        self.backward = reorder(w.contiguous(), rows)  # (K, N): dy @ W^T
-
-    @staticmethod
-    def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
-
-
-class _CollectWeightGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, store: list) -> torch.Tensor:
-        ctx.store = store
-        return w.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _token_grad: torch.Tensor):
-        xs, dys = zip(*ctx.store)
-        ctx.store.clear()
-        # (N, T B) x (T B, K), handed on transposed: (K, N) with N-major storage, the layout
-        # of the LSTM's weight matrices, so that _LSTMWeights writes their gradients in one pass
-        return (torch.cat(dys).t() @ torch.cat(xs)).t(), None
-
-
-class _LSTMWeights(torch.autograd.Function):
-    """The LSTM's weights as the teacher-forced step uses them: w_ih (4H, E + D), w_hh (4H, H)
-    -> the embedding's columns (4H, E) and [z; h]'s, transposed, (D + H, 4H). Its backward
-    writes each weight's gradient whole, once; autograd's slices and concatenation would
-    zero-fill two (4H, E + D) buffers, copy into them and add them (some 20 ms a step at
-    the paper's sizes on a CPU)."""
-
-    @staticmethod
-    def forward(ctx, w_ih: torch.Tensor, w_hh: torch.Tensor, e: int):
-        ctx.shapes = e, w_ih.shape, w_hh.shape
-        return w_ih[:, :e].contiguous(), torch.cat([w_ih[:, e:], w_hh], 1).t()
-
-    @staticmethod
-    def backward(ctx, d_e: torch.Tensor | None, d_zh: torch.Tensor | None):
-        e, ih, hh = ctx.shapes
-        ref = d_zh if d_zh is not None else d_e
-        if d_e is None:
-            d_e = ref.new_zeros(ih[0], e)
-        if d_zh is None:
-            d_zh = ref.new_zeros(ih[1] - e + hh[1], ih[0])
-        g = d_zh.t()  # (4H, D + H); contiguous as _CollectWeightGrad hands it on
-        split = ih[1] - e
-        return torch.cat([d_e, g[:, :split]], 1), g[:, split:], None
-
-
-class _StepProduct(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, bias, x, w, token, store, packed):
-        ctx.save_for_backward(x, w)
-        ctx.store, ctx.packed = store, packed
-        if packed is None:
-            return torch.addmm(bias, x, w)
-        return _PackedWeight.product(x, packed.forward).add_(bias)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        ctx.store.append((x, dy))
-        dx = None
-        if ctx.needs_input_grad[1]:
-            dx = dy @ w.t() if ctx.packed is None else _PackedWeight.product(dy, ctx.packed.backward)
-        return dy, dx, None, dy.new_zeros(()), None, None
+            torch.stack(logits, 1), torch.stack(heads, 1), torch.stack(betas, 1), mask,
+            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
 
 
 class CaptionModel(nn.Module):

@@ -22,9 +22,10 @@ in every head, or all heads would be the same.
 
 Hard attention draws one cell per head, independently: log p(s_t | a) is the sum of the
 heads' log-probabilities, and the entropy reported is the sum of the heads' entropies
-(the entropy of the joint draw). ``alpha`` is the mean of the heads' maps, which is what
-the doubly stochastic penalty, the overlays and the metrics read by default;
-``alpha_heads`` keeps each head's map.
+(the entropy of the joint draw). A step returns each head's map, ``alpha_heads``
+(B, h, L), as a single ``Attention`` returns its one (h = 1); ``alpha``, derived from them,
+is their mean, which is what the doubly stochastic penalty, the overlays and the metrics
+read by default.
 """
 
 from __future__ import annotations
@@ -91,13 +92,13 @@ class MultiHeadAttention(nn.Module):
                  for j, head in enumerate(self.heads)]
         values = [w_v(s.context) for w_v, s in zip(self.value_proj, steps)]  # h x (B*k, V)
         context = self.out_proj(torch.cat(values, -1))  # (B*k, h V) -> (B*k, D)
-        alpha_heads = torch.stack([s.alpha for s in steps], 1)  # (B*k, h, L)
+        alpha_heads = torch.cat([s.alpha_heads for s in steps], 1)  # h x (B*k, 1, L) -> (B*k, h, L)
         picked = torch.stack([s.sample for s in steps], 1) if steps[0].sample is not None else None  # (B*k, h)
         log_p = entropy = None
         if steps[0].sample_log_prob is not None:  # independent draws: log-probabilities and entropies add
             log_p = torch.stack([s.sample_log_prob for s in steps], 1).sum(1)  # (B*k,)
             entropy = torch.stack([s.entropy for s in steps], 1).sum(1)
-        return AttentionStep(context, alpha_heads.mean(1), picked, log_p, entropy, alpha_heads)
+        return AttentionStep(context, alpha_heads, picked, log_p, entropy)
 
 
 def build_attention(key_dim: int, query_dim: int, attn_dim: int, *, heads: int = 1,

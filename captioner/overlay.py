@@ -104,7 +104,7 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     panels: list[tuple[Image.Image, str] | None] = [(shown, "(image)")]
     lit = overlays(shown, result.alphas, smooth) if result.words else []
     if heads:
-        maps = result.head_alphas  # (T, h, H, W)
+        maps = result.alphas_heads  # (T, h, H, W)
         nh = maps.shape[1]
         per_head = overlays(shown, maps.reshape(-1, *maps.shape[2:]), smooth) if result.words else []  # T*h
         cols = 1 + nh

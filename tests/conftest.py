@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny COCO-format data set on disk, and its Karpathy split file."""
+"""Shared fixtures: a tiny COCO-format data set on disk, its Karpathy split file, and the
+kernels' switch set one way or the other."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+
+from captioner import kernels
 
 # split -> [(image_id, file_name, (width, height), rgb colour, captions)]. Image ids are
 # unique across splits, as in COCO. "zebra" appears only in a validation caption and
@@ -97,3 +100,20 @@ def photos(tmp_path: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(PHOTOS, tmp_path / "photos"))
+
+
+@pytest.fixture(params=[True, False], ids=["kernels", "plain"])
+def kernels_switch(request) -> bool:
+    """Runs a test with captioner.kernels' fast forms on, then with them off (the plain torch
+    forms); the switch is put back afterwards. The test gets the setting."""
+    before = kernels.set_enabled(request.param)
+    yield request.param
+    kernels.set_enabled(before)
+
+
+@pytest.fixture
+def kernels_on():
+    """For a test of a fast form itself: the kernels on, whatever the environment says."""
+    before = kernels.set_enabled(True)
+    yield
+    kernels.set_enabled(before)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from captioner import attention, kernels
 from captioner.attention import MODES, NORMALIZERS, SCORES, Attention, sparsemax
 from captioner.inference import Captioner, DecodeOptions
 from tiny import tiny_captioner, tiny_image
@@ -109,6 +110,22 @@ def test_query_is_projected_when_sizes_differ(score):
     same = make(score, key_dim=6, query_dim=6)
     assert not hasattr(same, "query_proj")
     assert [n for n, _ in same.named_parameters()] == (["log_temperature"] if score == "cosine" else [])
+
+
+def test_a_registered_score_is_chosen_by_its_name(monkeypatch):
+    """A score class added to the registry is built and called by name, like the built-in ones."""
+    monkeypatch.setattr(attention, "_SCORES", dict(attention._SCORES))
+
+    @attention.register_score("negative_dot")
+    class NegativeDot(attention.Dot):
+        def __call__(self, att, keys, a, hq):
+            return -super().__call__(att, keys, a, hq)
+
+    neg, dot = make("negative_dot"), make("dot")
+    assert type(neg.f_att) is NegativeDot and neg.f_att.name == "negative_dot"
+    neg.load_state_dict(dot.state_dict())  # the same layers, under the same names
+    a, h = inputs()
+    torch.testing.assert_close(neg.scores(neg.prepare(a), a, h), -dot.scores(dot.prepare(a), a, h))
 
 
 def test_scaled_dot_is_dot_over_sqrt_d():
@@ -263,7 +280,8 @@ def _untied(shape, seed, margin=1e-3):
 
 
 @pytest.mark.parametrize("dim", [-1, 0])
-def test_sparsemax_gradcheck(dim):
+def test_sparsemax_gradcheck(dim, kernels_switch):
+    """The kernels' closed-form Jacobian and autograd's through the projection alike."""
     z = _untied((5, 4), seed=7).requires_grad_()
     assert torch.autograd.gradcheck(lambda x: sparsemax(x, dim=dim), (z,))
     # several support sizes in one batch along the last axis, including a one-hot row
@@ -273,7 +291,7 @@ def test_sparsemax_gradcheck(dim):
     assert torch.autograd.gradcheck(lambda x: sparsemax(x.T, dim=0), (z2,))
 
 
-def test_sparsemax_gradient_is_zero_off_the_support_and_sums_to_zero():
+def test_sparsemax_gradient_is_zero_off_the_support_and_sums_to_zero(kernels_switch):
     z = torch.tensor([[2.0, 1.5, -1.0, 0.2, -3.0]], dtype=torch.float64, requires_grad=True)
     p = sparsemax(z)
     (p * torch.tensor([[1.0, -2.0, 5.0, 7.0, 3.0]], dtype=torch.float64)).sum().backward()
@@ -500,9 +518,8 @@ def test_variant_is_selected_by_the_config_and_survives_a_checkpoint(variant, tm
             assert x.words == y.words
             assert x.score == y.score
             assert torch.equal(x.alphas, y.alphas)
-            assert (x.alphas_heads is None) == (att.num_heads == 1)
-            if x.alphas_heads is not None:
-                assert torch.equal(x.alphas_heads, y.alphas_heads)
+            assert x.alphas_heads.shape[1] == att.num_heads  # one head: its map on a head axis
+            assert torch.equal(x.alphas_heads, y.alphas_heads)
             if x.words:
                 sums = x.alphas.flatten(1).sum(-1)
                 torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-5, rtol=0)
@@ -515,9 +532,7 @@ def test_model_refuses_an_unknown_score():
 
 @pytest.mark.parametrize("block_bytes", [1, 300, 1 << 30])
 @pytest.mark.parametrize("k", [1, 3])
-def test_blocked_additive_scores_equal_the_plain_expression(monkeypatch, block_bytes, k):
-    import captioner.attention as att_mod
-
+def test_blocked_additive_scores_equal_the_plain_expression(monkeypatch, block_bytes, k, kernels_switch):
     torch.manual_seed(0)
     att = Attention(6, 5, 4)
     a, h = torch.randn(7, 9, 6), torch.randn(7 * k, 5)  # k queries per image
@@ -525,12 +540,12 @@ def test_blocked_additive_scores_equal_the_plain_expression(monkeypatch, block_b
     with torch.no_grad():
         q = att.query_proj(h)
         plain = att.v(torch.tanh(keys.repeat_interleave(k, 0) + q.unsqueeze(1))).squeeze(-1)  # (7k, 9)
-        monkeypatch.setattr(att_mod, "BLOCK_BYTES", block_bytes)  # 1 image, 2 images (7 = 2+2+2+1), plain
-        blocked_used = att_mod._blocked_ok(keys, q.view(7, k, 4))
+        monkeypatch.setattr(kernels, "BLOCK_BYTES", block_bytes)  # 1 image, 2 images (7 = 2+2+2+1), plain
+        blocked_used = kernels.additive_ok(keys, q.view(7, k, 4))
         got = att.scores(keys, a, h)
-    assert blocked_used == (block_bytes < 7 * k * 9 * 4 * 4)
+    assert blocked_used == (kernels_switch and block_bytes < 7 * k * 9 * 4 * 4)
     torch.testing.assert_close(got, plain)
-    # With gradients on, the plain (differentiable) expression is used.
+    # With gradients on, the differentiable forms are used.
     e = att.scores(keys, a, h)
     assert e.requires_grad
 
@@ -573,8 +588,6 @@ def test_sampled_contexts_come_from_the_querys_own_image():
 def test_blocked_additive_score_gradient_equals_autograds(b, k, monkeypatch):
     """Training's cache-blocked additive score (recomputed in the backward) against the plain
     expression w^T tanh(keys + q) + b through autograd, blocks of one image and of all."""
-    import captioner.attention as attention
-
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(b, 7, 6, dtype=torch.float64, generator=g, requires_grad=True)
     q = torch.randn(b, k, 6, dtype=torch.float64, generator=g, requires_grad=True)
@@ -584,17 +597,28 @@ def test_blocked_additive_score_gradient_equals_autograds(b, k, monkeypatch):
     plain = torch.tanh(keys.unsqueeze(1) + q.unsqueeze(2)) @ w + bias
     ref = torch.autograd.grad(plain, (keys, q, w, bias), de)
     for block in (7 * 6 * k * 8, 1 << 20):  # one image a block, then all at once
-        monkeypatch.setattr(attention, "BLOCK_BYTES", block)
-        out = attention._AdditiveScore.apply(keys, q, w, bias)
+        monkeypatch.setattr(kernels, "BLOCK_BYTES", block)
+        out = kernels._AdditiveScore.apply(keys, q, w, bias)
         torch.testing.assert_close(out, plain)
         for got, want in zip(torch.autograd.grad(out, (keys, q, w, bias), de), ref):
             torch.testing.assert_close(got, want)
-    assert torch.autograd.gradcheck(attention._AdditiveScore.apply, (keys, q, w, bias))
+    assert torch.autograd.gradcheck(kernels._AdditiveScore.apply, (keys, q, w, bias))
 
 
-def test_training_scores_take_the_blocked_path_with_autograd():
-    """With gradients on (CPU), the module's additive scores go through the blocked function."""
-    att = Attention(6, 5, 4)
-    keys = att.prepare(torch.randn(2, 3, 6))
-    e = att.scores(keys, torch.randn(2, 3, 6), torch.randn(2, 5))
-    assert type(e.grad_fn.next_functions[0][0]).__name__ == "_AdditiveScoreBackward"  # under a reshape
+def test_training_scores_take_the_blocked_path_with_autograd(kernels_switch):
+    """With gradients on (CPU), the module's additive scores go through the blocked function,
+    or with the kernels off through autograd's plain expression, to the same values and
+    gradients."""
+    torch.manual_seed(0)
+    att = Attention(6, 5, 4).double()
+    a, h = torch.randn(2, 3, 6, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    keys = att.prepare(a)
+    e = att.scores(keys, a, h)
+    custom = type(e.grad_fn.next_functions[0][0]).__name__ == "_AdditiveScoreBackward"  # under a reshape
+    assert custom == kernels_switch
+    plain = att.v(torch.tanh(keys + att.query_proj(h).unsqueeze(1))).squeeze(-1)  # (2, 3)
+    torch.testing.assert_close(e, plain)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    for got, want in zip(torch.autograd.grad(e, list(att.parameters()), g, retain_graph=True),
+                         torch.autograd.grad(plain, list(att.parameters()), g)):
+        torch.testing.assert_close(got, want)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from captioner import model
+from captioner import kernels
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
 from train.losses import caption_log_likelihood
@@ -65,29 +65,30 @@ def _loss_and_grads(dec: Decoder, fn, sample: bool):
 
 @pytest.mark.parametrize("deferred", ["packed", "mm", "off"])
 @pytest.mark.parametrize("mode,sample", [("soft", False), ("hard", True), ("hard", False), ("mean", False)])
-def test_fast_forward_equals_the_step_by_step_form(mode, sample, deferred, monkeypatch):
+def test_fast_forward_equals_the_step_by_step_form(mode, sample, deferred, kernels_switch, monkeypatch):
     """With the LSTM weight's gradient formed once over all steps (the recurrent product from
-    oneDNN's packed weight, or torch.mm's) and with it step by step."""
-    if deferred == "packed" and not model._packing_ok(torch.zeros(1)):
+    oneDNN's packed weight, or torch.mm's) and with it step by step; with the kernels off,
+    the plain forms throughout."""
+    if deferred == "packed" and not kernels._packing_ok(torch.zeros(1)):
         pytest.skip("no oneDNN in this torch build")
-    monkeypatch.setattr(model, "DEFERRED_MIN_WEIGHT", 1 << 40 if deferred == "off" else 0)
+    monkeypatch.setattr(kernels, "DEFERRED_MIN_WEIGHT", 1 << 40 if deferred == "off" else 0)
     if deferred == "mm":
-        monkeypatch.setattr(model, "_packing_ok", lambda w: False)
-    made, real = [], model._DeferredWeightGrad
+        monkeypatch.setattr(kernels, "_packing_ok", lambda w: False)
+    made, real = [], kernels._DeferredWeightGrad
 
     def make(w, rows):
         made.append(real(w, rows))
         return made[-1]
 
-    monkeypatch.setattr(model, "_DeferredWeightGrad", make)
+    monkeypatch.setattr(kernels, "_DeferredWeightGrad", make)
     dec = _decoder(mode)
     ref, ref_loss, ref_grads = _loss_and_grads(dec, dec.forward_stepwise, sample)
     dec.dropout.calls = 0
     out, loss, grads = _loss_and_grads(dec, dec.forward, sample)
     assert dec.dropout.calls == 0  # the fast form drew its masks in one call, over (B, T, E)
-    # the LSTM's z and h weights, (D + H, 4H)
-    assert [m.w.shape for m in made] == ([] if deferred == "off" else [(D + 8, 4 * 8)])
-    assert [m.packed is not None for m in made] == ([True] if deferred == "packed" else [False] * len(made))
+    deferred_used = kernels_switch and deferred != "off"
+    assert [m.w.shape for m in made] == ([(D + 8, 4 * 8)] if deferred_used else [])  # the LSTM's [z; h] weights
+    assert [m.packed is not None for m in made] == [deferred == "packed"] * len(made)
     torch.testing.assert_close(loss, ref_loss)
     torch.testing.assert_close(out.alphas, ref.alphas)
     torch.testing.assert_close(out.betas, ref.betas)
@@ -102,19 +103,19 @@ def test_fast_forward_equals_the_step_by_step_form(mode, sample, deferred, monke
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_a_failed_packing_falls_back_to_torch_mm(monkeypatch):
+def test_a_failed_packing_falls_back_to_torch_mm(kernels_on, monkeypatch):
     """A torch build whose oneDNN operators refuse the weight: the step uses torch.mm, with
     the same loss and gradients as the step-by-step form."""
-    monkeypatch.setattr(model, "DEFERRED_MIN_WEIGHT", 0)
-    monkeypatch.setattr(model, "_packing_ok", lambda w: True)
+    monkeypatch.setattr(kernels, "DEFERRED_MIN_WEIGHT", 0)
+    monkeypatch.setattr(kernels, "_packing_ok", lambda w: True)
 
     class Refuses:
         def __init__(self, w, rows):
             raise RuntimeError("no such layout")
 
-    monkeypatch.setattr(model, "_PackedWeight", Refuses)
-    made, real = [], model._DeferredWeightGrad
-    monkeypatch.setattr(model, "_DeferredWeightGrad", lambda w, rows: made.append(real(w, rows)) or made[-1])
+    monkeypatch.setattr(kernels, "_PackedWeight", Refuses)
+    made, real = [], kernels._DeferredWeightGrad
+    monkeypatch.setattr(kernels, "_DeferredWeightGrad", lambda w, rows: made.append(real(w, rows)) or made[-1])
     dec = _decoder("soft")
     _, ref_loss, ref_grads = _loss_and_grads(dec, dec.forward_stepwise, False)
     _, loss, grads = _loss_and_grads(dec, dec.forward, False)
@@ -126,7 +127,7 @@ def test_a_failed_packing_falls_back_to_torch_mm(monkeypatch):
 
 def test_large_weights_take_the_deferred_gradient():
     """The paper's LSTM weight (2560 x 2048 elements) is over the size limit, the tiny one is not."""
-    assert (2048 + 512) * 4 * 512 >= model.DEFERRED_MIN_WEIGHT > (D + 8) * 4 * 8
+    assert (2048 + 512) * 4 * 512 >= kernels.DEFERRED_MIN_WEIGHT > (D + 8) * 4 * 8
 
 
 def test_dropout_masks_matter_to_the_comparison():

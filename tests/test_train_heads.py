@@ -23,8 +23,8 @@ def test_hard_attention_with_two_heads_and_a_learned_width_trains_and_captions(t
     # The width's output trained away from its start (zero weights, the same width everywhere).
     assert centre.weight[2].abs().sum() > 0
     r = cap.caption(tiny_image(0), DecodeOptions(max_len=6))
-    assert r.head_alphas.shape == (len(r.words), 2, *r.alphas.shape[1:])
-    assert torch.isfinite(r.head_alphas).all()
+    assert r.alphas_heads.shape == (len(r.words), 2, *r.alphas.shape[1:])
+    assert torch.isfinite(r.alphas_heads).all()
 
 
 def test_the_cosine_temperature_trains(tiny_coco, tmp_path):

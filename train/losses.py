@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from captioner import kernels
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel, DecoderOutput, attention_penalty
 
@@ -39,62 +40,11 @@ def caption_log_likelihood(out: DecoderOutput, targets: torch.Tensor) -> torch.T
 
 def token_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] along the last dimension: logits (..., V), targets (...)
-    -> (...). The same values and gradients as ``log_softmax(logits).gather(targets)``
-    without the (..., V) log-softmax: the forward keeps one log-sum-exp per row, and the
-    backward writes the logits' gradient softmax * g - onehot * g in one pass, a block of
-    rows at a time while the block is in cache (at COCO sizes the log-softmax and its
-    gradient are two 27 MB tensors a step)."""
-    v = logits.shape[-1]
-    return _TokenLogProb.apply(logits.reshape(-1, v), targets.reshape(-1)).view(targets.shape)
-
-
-ROW_BLOCK_BYTES = 1 << 20
-
-
-def _exp_shifted_blocks(x: torch.Tensor, shift: torch.Tensor, dest: torch.Tensor | None = None):
-    """exp(x - shift[:, None]) for x (N, V), a cache-sized block of rows at a time: yields
-    (i, j, the block of rows i..j), written into ``dest[i:j]`` when given, else into one
-    reused buffer, so that each block is shifted, exponentiated and used while in cache."""
-    n, v = x.shape
-    rows = max(1, ROW_BLOCK_BYTES // (v * x.element_size()))
-    buf = x.new_empty(min(rows, n), v) if dest is None else None
-    for i in range(0, n, rows):
-        j = min(i + rows, n)
-        blk = dest[i:j] if dest is not None else buf[: j - i]
-        torch.sub(x[i:j], shift[i:j].unsqueeze(1), out=blk)
-        yield i, j, blk.exp_()
-
-
-def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp(x, -1) for x (N, V) with no (N, V) temporary: torch's form writes
-    x - max to fresh memory (27 MB a step at COCO sizes)."""
-    if not x.is_cpu:
-        return torch.logsumexp(x, -1)
-    m = x.amax(1)  # (N,)
-    # a row of -inf only (every word masked): shift by 0, so that the result is -inf, not nan
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    out = x.new_empty(x.shape[0])
-    for i, j, e in _exp_shifted_blocks(x, m):
-        torch.sum(e, 1, out=out[i:j])
-    return out.log_().add_(m)
-
-
-class _TokenLogProb(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        lse = _logsumexp_rows(logits)  # (N,)
-        ctx.save_for_backward(logits, targets, lse)
-        return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        g = g.contiguous()
-        d = torch.empty_like(logits)  # (N, V)
-        for i, j, softmax in _exp_shifted_blocks(logits, lse, d):
-            softmax.mul_(g[i:j].neg().unsqueeze(1))  # -g softmax
-        d.scatter_add_(1, targets.unsqueeze(1), g.unsqueeze(1).to(d.dtype))  # + g at the target
-        return d, None
+    -> (...). With the kernels on (captioner.kernels, the one switch), the same values and
+    gradients without the (..., V) log-softmax: kernels.token_log_prob."""
+    if kernels.enabled():
+        return kernels.token_log_prob(logits, targets)
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -183,7 +133,7 @@ class HardAttentionObjective:
         reward = ll.detach() / words if self.cfg.reward == "word_mean" else ll.detach()  # (B,)
         alphas = out.alphas.float()  # (B, T, L)
         # Several heads draw independently: the entropy of the draw is the sum of theirs.
-        drawn = alphas if out.alphas_heads is None else out.alphas_heads.float()  # (B, T, L) or (B, T, h, L)
+        drawn = out.alphas_heads.float()  # (B, T, h, L)
         plogp = (drawn * torch.log(drawn.clamp_min(1e-12))).flatten(2).sum(-1)  # (B, T)
         entropy = (-plogp * mask).sum(1)  # (B,)
         extra = self.cfg.entropy * entropy  # (B,) what each caption adds to the surrogate

@@ -50,7 +50,7 @@ def head_pointing(cap: Captioner, folder: Path, images: int, batch_size: int = 3
     hits = mass = None
     words_scored = best = 0
     for idx, words, out, grid in forced_outputs(cap, records, batch_size):
-        heads = out.alphas_heads if out.alphas_heads is not None else out.alphas.unsqueeze(2)  # (B, T, h, L)
+        heads = out.alphas_heads  # (B, T, h, L), h = 1 for one head
         maps = torch.cat([out.alphas.unsqueeze(2), heads], dim=2)  # the mean first
         maps = maps.unflatten(3, grid).double().numpy()  # (B, T, 1 + h, H, W)
         if hits is None:

@@ -10,7 +10,7 @@ import hashlib
 import html
 import os
 import re
-from dataclasses import astuple, replace
+from dataclasses import replace
 from pathlib import Path
 
 import streamlit as st
@@ -308,8 +308,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     key = (digest, str(path), modified, options)
     shown = st.session_state.get("shown")
     if shown is None or shown.key != key or shown.name != name:
-        shared_key = (*key[:-1], astuple(options))  # DecodeOptions is not hashable
-        shown = shared = results_cache().get(shared_key)  # an example, or the same photo from another student
+        shown = shared = results_cache().get(key)  # an example, or the same photo from another student
         if shared is not None:
             shown = replace(shared, name=name, waited=0.0)
         else:
@@ -329,7 +328,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
                     return
                 finally:
                     waiting.empty()
-            results_cache().put(shared_key, replace(shown, waited=0.0))
+            results_cache().put(key, replace(shown, waited=0.0))
             run["model_cpu"] = shown.cpu
         st.session_state["shown"] = shown
     show_all(right, shown, captioner, label, options)

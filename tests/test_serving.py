@@ -199,6 +199,19 @@ def test_the_results_cache_keeps_the_most_recently_used():
     assert cache.get("c") is None and cache.get("b") == "B" and len(cache) == 3
 
 
+def test_decode_options_are_their_own_cache_key():
+    """Equal settings are one key for the results cache and the gate's batches: frozen, hashable."""
+    from dataclasses import FrozenInstanceError
+
+    from captioner.inference import DecodeOptions
+
+    a, b = DecodeOptions(beam_size=3, max_len=8), DecodeOptions(beam_size=3, max_len=8)
+    assert a == b and hash(a) == hash(b) and {("photo", a): 1}[("photo", b)] == 1
+    assert a != DecodeOptions(beam_size=3, max_len=8, hard_attention="argmax")
+    with pytest.raises(FrozenInstanceError):
+        a.beam_size = 5
+
+
 @pytest.mark.parametrize("size, grid", [((560, 420), (14, 14)), ((240, 180), (7, 7)), ((300, 500), (8, 6))])
 def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
     from captioner.overlay import _gaussian_blur

@@ -1,9 +1,9 @@
 """What the page shares between its users, and what it keeps of one captioned image.
 
-A classroom on one small machine: every session's caption goes through one ``Gate`` (as
-many captions at once as there are cores, one torch thread each, the others queued in
-order and captioned together, a few at a time, when their turn comes), and what a caption
-shows is drawn once, at the size the page shows it, and kept as encoded JPEG bytes, so that
+A classroom on one small machine: every session's caption goes through one ``Gate``
+(app/gate.py: as many captions at once as there are cores, one torch thread each, the
+others queued in order and captioned together, a few at a time, when their turn comes), and
+what a caption shows is drawn once, at the size the page shows it, and kept as encoded JPEG bytes, so that
 reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes bytes.
 The figure and the JSON are made when they are downloaded.
 """
@@ -18,9 +18,9 @@ import os
 import threading
 import time
 import warnings
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import streamlit as st
@@ -32,6 +32,7 @@ from captioner.images import DEFAULT_MAX_PIXELS, load_image
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
 
+from app.gate import Gate
 from app.result_view import attention_layers, data_uri, grid_html, picker_html, picture_defs, png, words_of
 
 LARGE_WIDTH = 560  # the picked word's view and the upload's preview
@@ -40,124 +41,6 @@ RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB 
 JPEG_QUALITY = 90
 AS_IS_SIDE = 800  # an upright RGB JPEG at most this long a side is shown as uploaded
 EXIF_ORIENTATION = 0x0112
-
-
-@dataclass(eq=False)
-class _Job:
-    """A place in the gate's line. ``key``: jobs with equal keys may run together (None: never)."""
-
-    key: object = None
-    item: object = None
-    event: threading.Event = field(default_factory=threading.Event)
-    asked: float = field(default_factory=time.perf_counter)  # when it joined the line
-    state: str = "queued"  # "lead": it was handed a slot; "done": it ran in another job's batch
-    out: "Batched | None" = None
-    error: BaseException | None = None
-
-
-@dataclass
-class Batched:
-    """What ``Gate.run`` gives one job: its result, and what it cost."""
-
-    result: object
-    waited: float  # seconds from asking until its batch started
-    seconds: float  # the batch's wall time
-    cpu: float  # this job's share of the batch's CPU time
-    size: int  # jobs in the batch
-
-
-class Gate:
-    """At most ``slots`` jobs at once; the others wait their turn, first come first served.
-
-    ``run`` batches: a job that gets a slot takes along up to ``batch`` - 1 of the jobs waiting
-    behind it that can run with it (an equal key: the same model and settings) and does them all
-    in one go. Captioning four images together costs a beam search about 10 ms an image on one
-    core against 22 ms one at a time, so when uploads queue up, the queue drains faster."""
-
-    def __init__(self, slots: int, threads: int = 1, batch: int = 1):
-        self.slots = max(1, int(slots))
-        self.threads = max(1, int(threads))  # torch threads per job
-        self.batch = max(1, int(batch))
-        self._lock = threading.Lock()
-        self._running = 0
-        self._queue: deque[_Job] = deque()
-
-    def _enter(self, job: _Job, on_wait: Callable[[int], None] | None) -> None:
-        """Return once ``job`` holds a slot ("lead") or has run in another's batch ("done")."""
-        with self._lock:
-            if self._running < self.slots and not self._queue:
-                self._running += 1
-                job.state = "lead"
-                return
-            ahead = self._running + len(self._queue)
-            self._queue.append(job)
-        try:
-            if on_wait is not None:
-                on_wait(ahead)
-            job.event.wait()  # set by the job that hands its slot over, or that ran this one
-        except BaseException:  # stopped while queued (Streamlit raises in the run it stops)
-            with self._lock:
-                if job in self._queue:
-                    self._queue.remove(job)
-                elif job.state == "lead":  # handed a slot meanwhile: pass it on
-                    self._release()
-                # else: taken into a batch; its result is dropped
-            raise
-
-    @contextmanager
-    def turn(self, on_wait: Callable[[int], None] | None = None) -> Iterator[float]:
-        """Hold a slot for the ``with`` block, which gets the seconds spent waiting for it.
-        ``on_wait(ahead)`` is called before waiting, with the number of jobs ahead (running included)."""
-        start = time.perf_counter()
-        self._enter(_Job(), on_wait)
-        try:
-            yield time.perf_counter() - start
-        finally:
-            with self._lock:
-                self._release()
-
-    def run(self, key: object, item: object, work: Callable[[list], list],
-            on_wait: Callable[[int], None] | None = None) -> Batched:
-        """``work([item, ...])`` -> one result per item, for this item and any waiting ones of an equal
-        ``key`` (up to ``batch`` in all); this item's result. An error in ``work`` reaches every job of
-        the batch."""
-        job = _Job(key, item)
-        self._enter(job, on_wait)
-        if job.state == "done":
-            if job.error is not None:
-                raise RuntimeError(str(job.error)) from job.error
-            return job.out
-        with self._lock:  # a slot held: take along the compatible jobs waiting behind
-            mates = [j for j in self._queue if j.key is not None and j.key == key][:self.batch - 1]
-            for mate in mates:
-                self._queue.remove(mate)
-        jobs = [job, *mates]
-        began, cpu0 = time.perf_counter(), time.thread_time()
-        try:
-            results = work([j.item for j in jobs])
-        except BaseException as e:
-            for mate in mates:
-                mate.error, mate.state = e, "done"
-                mate.event.set()
-            raise
-        finally:
-            with self._lock:
-                self._release()
-        seconds, cpu = time.perf_counter() - began, (time.thread_time() - cpu0) / len(jobs)
-        for mate, result in zip(mates, results[1:]):
-            mate.out = Batched(result, began - mate.asked, seconds, cpu, len(jobs))
-            mate.state = "done"
-            mate.event.set()
-        return Batched(results[0], began - job.asked, seconds, cpu, len(jobs))
-
-    def _release(self) -> None:
-        """Give a slot back; the caller holds the lock."""
-        if self._queue:
-            job = self._queue.popleft()  # the slot goes straight to the next in line
-            job.state = "lead"
-            job.event.set()
-        else:
-            self._running -= 1
 
 
 class ResultCache:
@@ -181,9 +64,6 @@ class ResultCache:
             self._items.move_to_end(key)
             while len(self._items) > self.max_entries:
                 self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 @contextmanager

@@ -425,27 +425,25 @@ def test_reruns_that_change_nothing_encode_no_image_again(app, monkeypatch):
 def test_a_caption_waits_its_turn_for_the_model_and_says_so(app):
     import threading
     import time
-    from contextlib import ExitStack
 
     from app.serving import caption_gate
 
     gate = caption_gate()  # the one the page's sessions share
-    held, release = threading.Event(), threading.Event()
+    held = threading.Semaphore(0)
 
-    def busy() -> None:  # other students' captions, holding every slot for a while
-        with ExitStack() as stack:
-            for _ in range(gate.slots):
-                stack.enter_context(gate.turn())
-            held.set()
-            release.wait(10)
-            time.sleep(0.3)
+    def busy(items):  # other students' captions, holding every slot for a while
+        held.release()
+        time.sleep(0.5)
+        return items
 
-    other = threading.Thread(target=busy)
-    other.start()
-    held.wait(10)
-    release.set()
+    others = [threading.Thread(target=gate.run, args=(None, i, busy)) for i in range(gate.slots)]
+    for other in others:
+        other.start()
+    for _ in others:
+        assert held.acquire(timeout=10)
     app.file_uploader[0].set_value(("queued.png", _png(seed=14), "image/png")).run()
-    other.join(10)
+    for other in others:
+        other.join(10)
     assert not app.exception and _word_panels(app)
     assert "waiting for the model" in _details(app)
 
@@ -468,16 +466,26 @@ def test_an_image_captioned_in_one_session_is_not_captioned_again_in_another(app
     assert calls == [1]
 
 
-def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app):
-    from app.serving import Shown, results_cache
+def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app, monkeypatch):
+    from app.serving import RESULTS_KEPT, Shown
 
-    for seed in range(100, 100 + results_cache().max_entries + 5):
+    seeds = range(100, 100 + RESULTS_KEPT + 5)
+    for seed in seeds:
         app.file_uploader[0].set_value((f"photo-{seed}.png", _png(seed=seed), "image/png")).run()
     assert not app.exception and f"photo-{seed}.png" in _details(app)
     state = app.session_state._state._state  # everything the session keeps
     kept = [k for k in state.filtered_state if isinstance(state[k], Shown)]
     assert kept == ["shown"]
-    assert len(results_cache()) == results_cache().max_entries
+    calls = []
+    caption = inference.Captioner.caption_images
+    monkeypatch.setattr(inference.Captioner, "caption_images",
+                        lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    app.pills[0].set_value(0).run()  # the first example: pushes out one more result
+    app.file_uploader[0].set_value(("again.png", _png(seed=seeds[-1]), "image/png")).run()
+    assert not app.exception and len(calls) <= 1  # the last photo: still shared (the example may be new)
+    calls.clear()
+    app.file_uploader[0].set_value(("again.png", _png(seed=seeds[0]), "image/png")).run()
+    assert not app.exception and calls == [1]  # the first photo: no longer kept, captioned again
 
 
 def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, monkeypatch):

@@ -1,20 +1,10 @@
 """A captioned image as two pieces of plain HTML: the word picker with the picked word's map over
 the image, and the grid of every word's map. No script and no rerun: the picker is a group of
 radio inputs, and CSS (``:checked ~``) shows the picked word's layer, so picking a word costs the
-server nothing and the browser one repaint; the pictures travel inside the HTML (data URIs),
-so a result costs no request either. Each picture travels once: it is a custom property of the
-page's root (``--name: url("data:...")``), defined by one element and drawn by the others as a
-background (the upload's preview defines the photo; the picker, the layers).
-
-A word's map is not drawn into a copy of the photo: it is a small RGBA layer laid over the one
-photo, composited by the browser. Laid over an image with ordinary alpha blending,
-
-    out = photo * (1 - a) + C * a,   a = 1 - lit(m),   C = TINT * warm(m) / a,
-
-a function of m alone: a layer is a map of 8-bit levels of m and a palette of 256 (C, a),
-
-it gives the overlay of ``captioner.overlay.overlays``: photo * lit(m) + TINT * warm(m), with
-lit(m) = (0.2 + 0.8 m)(1 - 0.35 m) and warm(m) = 0.35 m, m the map scaled to [0, 1].
+server nothing and the browser one repaint; the pictures (app/pictures.py) travel inside the
+HTML (data URIs), so a result costs no request either. Each picture travels once: it is a custom
+property of the page's root (``--name: url("data:...")``), defined by one element and drawn by
+the others as a background (the upload's preview defines the photo; the picker, the layers).
 
 Layers are keyed by (word, head); head None is the map a word's step used (the heads' mean
 when a model has several heads). With several heads a second radio group picks the head (the
@@ -23,62 +13,19 @@ mean first), and CSS shows the layer of the picked word and head, in the big vie
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from PIL import Image
 
-from captioner.overlay import TINT, upsample_alpha
-
-LAYER_CELL = 4  # layer pixels per map cell (maps blurred already): the browser's smooth upscaling does the rest
-Key = tuple[int, "int | None"]  # (word index, head; None: the map the step used)
+from app.pictures import Key, Picture
+from captioner.overlay import TINT
 
 
-def _palette() -> bytes:
-    """256 RGBA entries, level i for m = i / 255: a layer is a map of 8-bit levels, a palette PNG."""
-    m = np.arange(256) / 255.0
-    a = 1 - (0.2 + 0.8 * m) * (1 - 0.35 * m)  # in [0.48, 0.8]: never 0
-    colour = (0.35 * m / a)[:, None] * np.array(TINT)
-    return np.concatenate([colour, 255.0 * a[:, None]], 1).round().clip(0, 255).astype(np.uint8).tobytes()
-
-
-PALETTE = _palette()
-
-
-def layer_size(grid: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
-    """(width, height) of the layers for an image of ``size`` (width, height): the image's aspect,
-    about LAYER_CELL pixels per cell, never larger than the image."""
-    rows, cols = grid
-    w, h = size
-    scale = min(1.0, max(LAYER_CELL * cols / w, LAYER_CELL * rows / h))
-    return max(1, round(w * scale)), max(1, round(h * scale))
-
-
-def attention_layers(alphas: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    """(T, H, W) maps -> (T, h, w) uint8 levels of m, the image's aspect, all in one pass.
-    The layer's colours and opacities are PALETTE's entries for those levels."""
-    lw, lh = layer_size(tuple(alphas.shape[-2:]), size)
-    m = torch.from_numpy(upsample_alpha(alphas, (lw, lh)))  # (T, lh, lw), blurred as the overlays are
-    lo = m.amin(dim=(1, 2), keepdim=True)
-    m = (m - lo) / (m.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-8)  # each map in [0, 1]
-    return m.mul_(255.0).add_(0.5).clamp_(0, 255).to(torch.uint8).numpy()
-
-
-def png(levels: np.ndarray) -> bytes:
-    """(h, w) levels -> a palette PNG with PALETTE's colours and opacities (a few KB)."""
-    image = Image.fromarray(levels, "P")
-    image.putpalette(PALETTE, "RGBA")
-    buf = io.BytesIO()
-    image.save(buf, "PNG", compress_level=3)
-    return buf.getvalue()
-
-
-def data_uri(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+def photo_var(picture: Picture) -> str:
+    """The custom property that holds the upload's preview on the page (picture_defs): the page
+    defines it with the preview, and a result shown on the same JPEG draws it from there."""
+    return f"img-{picture.digest[:16]}"
 
 
 def picture_defs(pictures: dict[str, str]) -> str:

@@ -3,8 +3,9 @@
 A classroom on one small machine: every session's caption goes through one ``Gate``
 (app/gate.py: as many captions at once as there are cores, one torch thread each, the
 others queued in order and captioned together, a few at a time, when their turn comes), and
-what a caption shows is drawn once, at the size the page shows it, and kept as encoded JPEG bytes, so that
-reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes bytes.
+what a caption shows is drawn once (app/pictures.py), at the size the page shows it, and
+kept as encoded bytes, so that reruns (picking a word, reopening the page) encode nothing and
+Streamlit only hashes bytes.
 The figure and the JSON are made when they are downloaded.
 """
 
@@ -17,7 +18,6 @@ import json
 import os
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,19 +28,16 @@ import torch
 from PIL import Image
 
 from captioner.decoding import CaptionResult
-from captioner.images import DEFAULT_MAX_PIXELS, load_image
+from captioner.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
 
 from app.gate import Gate
-from app.result_view import attention_layers, data_uri, grid_html, picker_html, picture_defs, png, words_of
+from app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
+from app.result_view import grid_html, photo_var, picker_html, words_of
 
-LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 BATCH = 4  # captions made together at most, when uploads wait for the model
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
-JPEG_QUALITY = 90
-AS_IS_SIDE = 800  # an upright RGB JPEG at most this long a side is shown as uploaded
-EXIF_ORIENTATION = 0x0112
 
 
 class ResultCache:
@@ -138,73 +135,6 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def jpeg(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "JPEG", quality=JPEG_QUALITY)
-    return buf.getvalue()
-
-
-def fit_width(image: Image.Image, width: int) -> Image.Image:
-    """A copy at most ``width`` wide, same aspect. Overlays stay aligned: the whole image is kept."""
-    if image.width <= width:
-        return image.copy()
-    height = max(1, round(image.height * width / image.width))
-    return image.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=2.0)
-
-
-@dataclass
-class Picture:
-    """An upload as the page shows it before any caption: its digest, size and preview."""
-
-    digest: str
-    width: int
-    height: int
-    preview: bytes  # JPEG, at most AS_IS_SIDE a side: the upload itself, or a copy at most LARGE_WIDTH wide
-    as_is: bool = False  # the preview is the uploaded file itself
-
-    @property
-    def preview_uri(self) -> str:
-        return data_uri(self.preview, "image/jpeg")
-
-    @property
-    def photo_var(self) -> str:
-        """The custom property that holds the preview on the page (result_view.picture_defs):
-        the page defines it with the preview, and a result shown on the same JPEG draws it from there."""
-        return f"img-{self.digest[:16]}"
-
-    def photo_css(self) -> str:
-        return picture_defs({self.photo_var: self.preview_uri})
-
-    @classmethod
-    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image | None, Image.Image | None]:
-        """Raw bytes -> (picture, the decoded image, its preview), the last two None when the upload
-        itself serves as the preview; raises ImageLoadError with a message for the user.
-
-        A photo from a phone or a camera resized for the web (an RGB JPEG, upright, at most
-        AS_IS_SIDE a side) is shown as it came: the browser scales it, and the server neither
-        resizes nor encodes it again. It is still decoded whole, at 1/8 scale, so that a broken
-        file is refused here with its message."""
-        if _shown_as_is(data):
-            load_image(data, pixel_limit(), at_least=1)
-            with Image.open(io.BytesIO(data)) as im:
-                width, height = im.size
-            return cls(digest, width, height, data, as_is=True), None, None
-        image = load_image(data, pixel_limit(), at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
-        preview = fit_width(image, LARGE_WIDTH)
-        return cls(digest, image.width, image.height, jpeg(preview)), image, preview
-
-
-def _shown_as_is(data: bytes) -> bool:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # load_image refuses it, with a message
-        try:
-            with Image.open(io.BytesIO(data)) as im:
-                return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
-                        and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
-        except Exception:  # not an image Pillow reads: load_image says why
-            return False
-
-
 @dataclass
 class Shown:
     """One captioned image, as the page shows it; shared by every session that shows it."""
@@ -236,40 +166,21 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
 
     # Uploads waiting with the same model and settings are captioned together (Gate.run).
     done = gate.run((id(captioner), options), image, caption_all, on_wait)
-    result, waited = done.result, done.waited
-    seconds, cpu = decoding + done.seconds, cpu + done.cpu
+    result, seconds, cpu = done.result, decoding + done.seconds, cpu + done.cpu
     # Drawn outside the gate: the next caption need not wait for it.
-    whole = not captioner.preprocess.resize  # the model sees the whole image, no crop
-    if picture is not None and picture.as_is and whole:
-        seen_jpeg, seen_size = picture.preview, (picture.width, picture.height)  # the upload itself
-    else:
-        image, preview = decoded if decoded and decoded[0] is not None else (None, None)
-        if image is None:
-            image = load_image(data, pixel_limit(), at_least=LARGE_WIDTH)
-        cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
-        if cropped is image and preview is not None and picture is not None:
-            seen_jpeg, seen_size = picture.preview, preview.size  # encoded already
-        else:
-            seen = fit_width(cropped, LARGE_WIDTH)
-            seen_jpeg, seen_size = jpeg(seen), seen.size
+    seen, size = seen_by_model(captioner.preprocess, data, pixel_limit(), picture, decoded)
     picker = grid = ""
     if result.words:
         prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
-        layers = {(t, None): data_uri(png(layer), "image/png")
-                  for t, layer in enumerate(attention_layers(result.alphas, seen_size))}
-        heads = 1 if result.alphas_heads is None else result.alphas_heads.shape[1]
-        for j in range(heads if heads > 1 else 0):  # each head's maps, for the head picker
-            layers.update({(t, j): data_uri(png(layer), "image/png")
-                           for t, layer in enumerate(attention_layers(result.alphas_heads[:, j], seen_size))})
         words = words_of(result.words, result.betas)
-        aspect = seen_size[0] / seen_size[1]
-        if picture is not None and seen_jpeg is picture.preview:  # the page's preview defines the photo
-            photo, photo_uri = picture.photo_var, None
+        aspect, heads = size[0] / size[1], heads_of(result)
+        if picture is not None and seen is picture.preview:  # the page's preview defines the photo
+            photo, photo_uri = photo_var(picture), None
         else:
-            photo, photo_uri = f"{prefix}-photo", data_uri(seen_jpeg, "image/jpeg")
-        picker = picker_html(prefix, words, photo, layers, aspect, heads, photo_uri)
+            photo, photo_uri = f"{prefix}-photo", data_uri(seen, "image/jpeg")
+        picker = picker_html(prefix, words, photo, map_layers(result, size), aspect, heads, photo_uri)
         grid = grid_html(prefix, words, photo, aspect, tuple(result.alphas.shape[1:]), heads)
-    return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
+    return Shown(key, name, result, seconds, cpu, seen, picker, grid, waited=done.waited)
 
 
 def figure_png(shown: Shown, model: str) -> bytes:

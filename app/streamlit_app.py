@@ -16,8 +16,10 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png, forget_upload,
-                         logged_run, result_json, results_cache, settle_heap)
+from app.pictures import Picture
+from app.result_view import photo_var, picture_defs
+from app.serving import (Shown, caption_gate, caption_image, figure_png, forget_upload, logged_run, pixel_limit,
+                         result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError, ImageTooLargeError
@@ -228,11 +230,12 @@ def show_last(left, right, captioner: Captioner, label: str, options: DecodeOpti
 
 def show_preview(left, picture: Picture, name: str) -> None:
     # Inside the page, not a media file: one request less per upload. The photo is defined here once
-    # for the page (picture.photo_var): a result drawn on the same JPEG (the big view, the grid) draws
+    # for the page (photo_var): a result drawn on the same JPEG (the big view, the grid) draws
     # it from here rather than carrying it again, and the browser decodes it once.
-    left.html(Html(f'<style>{picture.photo_css()}</style><figure style="margin: 0">'
+    photo = photo_var(picture)
+    left.html(Html(f'<style>{picture_defs({photo: picture.preview_uri})}</style><figure style="margin: 0">'
               f'<div role="img" aria-label="the image" style="aspect-ratio: {picture.width} / {picture.height}; '
-              f'background: var(--{picture.photo_var}) center / 100% 100% no-repeat; border-radius: 0.5rem"></div>'
+              f'background: var(--{photo}) center / 100% 100% no-repeat; border-radius: 0.5rem"></div>'
               f'<figcaption style="text-align: center; font-size: 0.875rem; opacity: 0.6; margin-top: 0.3rem">'
               f'{html.escape(name)} ({picture.width}×{picture.height})</figcaption></figure>'))
 
@@ -297,7 +300,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     picture, decoded = st.session_state.get("picture"), None  # one per session: the last upload's
     if picture is None or picture.digest != digest:
         try:
-            picture, image, preview = Picture.decode(digest, data)
+            picture, image, preview = Picture.decode(digest, data, pixel_limit())
             decoded = (image, preview)  # the caption below draws on them, without decoding again
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_unreadable(e)}. Try another file.")

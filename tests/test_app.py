@@ -193,7 +193,9 @@ def test_every_picture_travels_once_per_page(app):
     assert sorted(names.values()) == sorted(uris)
     drawn = set(re.findall(r'var\(--([\w-]+)\)', page))
     assert drawn == set(names)  # each drawn by its name, none missing
-    assert page.count(f"var(--{app.session_state['picture'].photo_var})") == 3  # preview, big view, grid
+    from app.result_view import photo_var
+
+    assert page.count(f"var(--{photo_var(app.session_state['picture'])})") == 3  # preview, big view, grid
     assert "Writing a caption" not in page  # the note shown while the model works is gone with the caption
 
 

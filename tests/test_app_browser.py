@@ -354,7 +354,8 @@ def test_picking_a_word_shows_its_map_and_asks_nothing_of_the_server(page, serve
 def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser):
     """A model with several heads: the result's HTML (as the page shows it) has a head picker,
     the mean first; the big view and the grid show the layer of the picked word and head."""
-    from app.result_view import Word, data_uri, grid_html, picker_html, png
+    from app.pictures import data_uri, png
+    from app.result_view import Word, grid_html, picker_html
 
     heads, n = 2, 3
     words = [Word(f"w{t}", f"note {t}", f"panel {t}") for t in range(n)]

@@ -270,7 +270,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
     (out = photo (1 - a) + colour a): that must be the overlay the figure and the CLI draw."""
     import io
 
-    from app.result_view import attention_layers, layer_size, png
+    from app.pictures import attention_layers, layer_size, png
 
     alphas = torch.softmax(torch.randn(3, grid[0] * grid[1], generator=torch.Generator().manual_seed(2)), 1)
     alphas = alphas.view(3, *grid)
@@ -290,7 +290,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
 
 def test_the_pictures_of_a_result_are_small():
     """A result travels inside the page: one photo and one small layer per word."""
-    from app.result_view import attention_layers, png
+    from app.pictures import attention_layers, png
 
     alphas = torch.softmax(torch.randn(20, 196, generator=torch.Generator().manual_seed(3)), 1).view(20, 14, 14)
     layers = attention_layers(alphas, (560, 420))
@@ -304,7 +304,7 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     import io
 
     from app.gate import Gate
-    from app.result_view import attention_layers, data_uri, png
+    from app.pictures import attention_layers, data_uri, png
     from app.serving import caption_image
     from captioner.inference import DecodeOptions
     from tiny import tiny_captioner

@@ -82,14 +82,22 @@ def logged_run() -> Iterator[dict]:
 
 
 def forget_upload(upload) -> None:
-    """Drop an uploaded file from Streamlit's store once the page has read it. The uploader is
-    then replaced by a fresh one, and the browser never deletes a file it no longer shows: it
-    would stay in the server's memory until the session ends, one file per upload."""
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
+    """Drop an uploaded file from Streamlit's store once the page has read it.
 
-    ctx = get_script_run_ctx()
-    if ctx is not None:
-        ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
+    Why: the page takes the file and replaces the uploader by a fresh one, and the browser never
+    deletes a file it no longer shows, so without this every upload would stay in the server's
+    memory until its session ends. Streamlit has no public call for it: this is the one place
+    that uses its private runtime (the script run's context and its uploaded-file manager). If a
+    Streamlit release moves them, this does nothing and the page still works, each session then
+    holding its uploads until it ends; tests/test_app.py checks that the store is left empty."""
+    try:
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        ctx = get_script_run_ctx()
+        if ctx is not None:
+            ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
+    except (ImportError, AttributeError):
+        pass
 
 
 def cores() -> int:

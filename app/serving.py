@@ -1,12 +1,11 @@
-"""What the page shares between its users, and what it keeps of one captioned image.
+"""What the page's sessions share, and how one upload is captioned and kept.
 
-A classroom on one small machine: every session's caption goes through one ``Gate``
-(app/gate.py: as many captions at once as there are cores, one torch thread each, the
-others queued in order and captioned together, a few at a time, when their turn comes), and
-what a caption shows is drawn once (app/pictures.py), at the size the page shows it, and
-kept as encoded bytes, so that reruns (picking a word, reopening the page) encode nothing and
-Streamlit only hashes bytes.
-The figure and the JSON are made when they are downloaded.
+The server's settings (workers, batch, pixel limit) come from the environment that `captioner
+app` sets; the process has one ``Gate`` (app/gate.py) for the model and one cache of captioned
+images, shared between sessions. A caption is drawn once, at the size the page shows it
+(app/pictures.py), into one element of markup (app/page.py), and kept with its pictures, so
+that reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes
+bytes. The figure and the JSON are made when they are downloaded.
 """
 
 from __future__ import annotations
@@ -27,14 +26,13 @@ import streamlit as st
 import torch
 from PIL import Image
 
+from app import page
+from app.gate import Gate
+from app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
 from captioner.decoding import CaptionResult
 from captioner.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
-
-from app.gate import Gate
-from app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
-from app.result_view import grid_html, photo_var, picker_html, words_of
 
 BATCH = 4  # captions made together at most, when uploads wait for the model
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
@@ -147,14 +145,13 @@ def settle_heap() -> None:
 class Shown:
     """One captioned image, as the page shows it; shared by every session that shows it."""
 
-    key: tuple
+    key: tuple  # (digest, weights, their mtime, DecodeOptions): what the caption depends on
     name: str
     result: CaptionResult
     seconds: float  # the model's own time: decoding, and its batch's captioning
     cpu: float  # the model's own CPU time: decoding, and its share of its batch's
     seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
-    picker: str  # HTML: the word picker and the picked word's map (result_view.picker_html)
-    grid: str  # HTML: every word's map (result_view.grid_html)
+    view: str  # HTML: the word picker, the picked word's map and the grid (page.result_html); "" without words
     waited: float = 0.0  # seconds this session waited for the model
 
 
@@ -177,18 +174,16 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     result, seconds, cpu = done.result, decoding + done.seconds, cpu + done.cpu
     # Drawn outside the gate: the next caption need not wait for it.
     seen, size = seen_by_model(captioner.preprocess, data, pixel_limit(), picture, decoded)
-    picker = grid = ""
+    view = ""
     if result.words:
-        prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
-        words = words_of(result.words, result.betas)
-        aspect, heads = size[0] / size[1], heads_of(result)
         if picture is not None and seen is picture.preview:  # the page's preview defines the photo
-            photo, photo_uri = photo_var(picture), None
+            photo = f"var(--{page.photo_var(picture)})"
         else:
-            photo, photo_uri = f"{prefix}-photo", data_uri(seen, "image/jpeg")
-        picker = picker_html(prefix, words, photo, map_layers(result, size), aspect, heads, photo_uri)
-        grid = grid_html(prefix, words, photo, aspect, tuple(result.alphas.shape[1:]), heads)
-    return Shown(key, name, result, seconds, cpu, seen, picker, grid, waited=done.waited)
+            photo = f"url({data_uri(seen, 'image/jpeg')})"
+        prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page
+        view = page.result_html(prefix, page.words_of(result.words, result.betas), map_layers(result, size), photo,
+                                size[0] / size[1], tuple(result.alphas.shape[1:]), heads_of(result))
+    return Shown(key, name, result, seconds, cpu, seen, view, waited=done.waited)
 
 
 def figure_png(shown: Shown, model: str) -> bytes:

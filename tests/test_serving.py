@@ -203,7 +203,7 @@ def test_captions_made_together_are_each_image_s_own():
         r = shown[i].result
         assert r.words == own.words and r.score == pytest.approx(own.score, abs=1e-5)
         assert torch.allclose(r.alphas, own.alphas, atol=1e-5) and torch.allclose(r.betas, own.betas, atol=1e-5)
-        assert shown[i].picker and shown[i].cpu > 0
+        assert shown[i].view and shown[i].cpu > 0
 
 
 def test_the_results_cache_keeps_the_most_recently_used():
@@ -319,10 +319,10 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     for j in (0, 1):
         levels = attention_layers(r.alphas_heads[:, j], size)
         for t in range(len(r.words)):
-            assert data_uri(png(levels[t]), "image/png") in shown.picker  # head j's own map
+            assert f"--l{t}h{j}: url({data_uri(png(levels[t]), 'image/png')})" in shown.view  # head j's own map
     assert not torch.allclose(r.alphas_heads[:, 0], r.alphas_heads[:, 1])  # two different maps to show
-    assert 'name="r' in shown.picker and shown.picker.count('-head" id=') == 3  # mean, 1, 2
-    # Made without the page's preview: the result defines its photo itself, and both views draw it.
-    photo = re.search(r'--([\w-]+): url\("data:image/jpeg;base64,', shown.picker).group(1)
-    assert f"var(--{photo})" in shown.picker and f"var(--{photo})" in shown.grid
-    assert data_uri(shown.seen, "image/jpeg") in shown.picker and "data:" not in shown.grid
+    assert shown.view.count('class="head-group"') == 3  # mean, 1, 2
+    assert re.findall(r'<div class="heads"><span>Head</span>(?:<label[^>]*>(\w+)</label>)', shown.view)[0] == "mean"
+    # Made without the page's preview: the result defines its photo itself, once.
+    assert shown.view.count(f"--photo: url({data_uri(shown.seen, 'image/jpeg')})") == 1
+    assert "var(--img-" not in shown.view

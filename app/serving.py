@@ -1,11 +1,11 @@
-"""What the page shares between its users, and what it keeps of one captioned image.
+"""What the page's sessions share, and how one upload is captioned and kept.
 
-A classroom on one small machine: every session's caption goes through one ``Gate`` (as
-many captions at once as there are cores, one torch thread each, the others queued in
-order and captioned together, a few at a time, when their turn comes), and what a caption
-shows is drawn once, at the size the page shows it, and kept as encoded JPEG bytes, so that
-reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes bytes.
-The figure and the JSON are made when they are downloaded.
+The server's settings (workers, batch, pixel limit) come from the environment that `captioner
+app` sets; the process has one ``Gate`` (app/gate.py) for the model and one cache of captioned
+images, shared between sessions. A caption is drawn once, at the size the page shows it
+(app/pictures.py), into one element of markup (app/page.py), and kept with its pictures, so
+that reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes
+bytes. The figure and the JSON are made when they are downloaded.
 """
 
 from __future__ import annotations
@@ -17,147 +17,25 @@ import json
 import os
 import threading
 import time
-import warnings
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import streamlit as st
 import torch
 from PIL import Image
 
+from app import page
+from app.gate import Gate
+from app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
 from captioner.decoding import CaptionResult
-from captioner.images import DEFAULT_MAX_PIXELS, load_image
+from captioner.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
 
-from app.result_view import attention_layers, data_uri, grid_html, picker_html, picture_defs, png, words_of
-
-LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 BATCH = 4  # captions made together at most, when uploads wait for the model
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)
-JPEG_QUALITY = 90
-AS_IS_SIDE = 800  # an upright RGB JPEG at most this long a side is shown as uploaded
-EXIF_ORIENTATION = 0x0112
-
-
-@dataclass(eq=False)
-class _Job:
-    """A place in the gate's line. ``key``: jobs with equal keys may run together (None: never)."""
-
-    key: object = None
-    item: object = None
-    event: threading.Event = field(default_factory=threading.Event)
-    asked: float = field(default_factory=time.perf_counter)  # when it joined the line
-    state: str = "queued"  # "lead": it was handed a slot; "done": it ran in another job's batch
-    out: "Batched | None" = None
-    error: BaseException | None = None
-
-
-@dataclass
-class Batched:
-    """What ``Gate.run`` gives one job: its result, and what it cost."""
-
-    result: object
-    waited: float  # seconds from asking until its batch started
-    seconds: float  # the batch's wall time
-    cpu: float  # this job's share of the batch's CPU time
-    size: int  # jobs in the batch
-
-
-class Gate:
-    """At most ``slots`` jobs at once; the others wait their turn, first come first served.
-
-    ``run`` batches: a job that gets a slot takes along up to ``batch`` - 1 of the jobs waiting
-    behind it that can run with it (an equal key: the same model and settings) and does them all
-    in one go. Captioning four images together costs a beam search about 10 ms an image on one
-    core against 22 ms one at a time, so when uploads queue up, the queue drains faster."""
-
-    def __init__(self, slots: int, threads: int = 1, batch: int = 1):
-        self.slots = max(1, int(slots))
-        self.threads = max(1, int(threads))  # torch threads per job
-        self.batch = max(1, int(batch))
-        self._lock = threading.Lock()
-        self._running = 0
-        self._queue: deque[_Job] = deque()
-
-    def _enter(self, job: _Job, on_wait: Callable[[int], None] | None) -> None:
-        """Return once ``job`` holds a slot ("lead") or has run in another's batch ("done")."""
-        with self._lock:
-            if self._running < self.slots and not self._queue:
-                self._running += 1
-                job.state = "lead"
-                return
-            ahead = self._running + len(self._queue)
-            self._queue.append(job)
-        try:
-            if on_wait is not None:
-                on_wait(ahead)
-            job.event.wait()  # set by the job that hands its slot over, or that ran this one
-        except BaseException:  # stopped while queued (Streamlit raises in the run it stops)
-            with self._lock:
-                if job in self._queue:
-                    self._queue.remove(job)
-                elif job.state == "lead":  # handed a slot meanwhile: pass it on
-                    self._release()
-                # else: taken into a batch; its result is dropped
-            raise
-
-    @contextmanager
-    def turn(self, on_wait: Callable[[int], None] | None = None) -> Iterator[float]:
-        """Hold a slot for the ``with`` block, which gets the seconds spent waiting for it.
-        ``on_wait(ahead)`` is called before waiting, with the number of jobs ahead (running included)."""
-        start = time.perf_counter()
-        self._enter(_Job(), on_wait)
-        try:
-            yield time.perf_counter() - start
-        finally:
-            with self._lock:
-                self._release()
-
-    def run(self, key: object, item: object, work: Callable[[list], list],
-            on_wait: Callable[[int], None] | None = None) -> Batched:
-        """``work([item, ...])`` -> one result per item, for this item and any waiting ones of an equal
-        ``key`` (up to ``batch`` in all); this item's result. An error in ``work`` reaches every job of
-        the batch."""
-        job = _Job(key, item)
-        self._enter(job, on_wait)
-        if job.state == "done":
-            if job.error is not None:
-                raise RuntimeError(str(job.error)) from job.error
-            return job.out
-        with self._lock:  # a slot held: take along the compatible jobs waiting behind
-            mates = [j for j in self._queue if j.key is not None and j.key == key][:self.batch - 1]
-            for mate in mates:
-                self._queue.remove(mate)
-        jobs = [job, *mates]
-        began, cpu0 = time.perf_counter(), time.thread_time()
-        try:
-            results = work([j.item for j in jobs])
-        except BaseException as e:
-            for mate in mates:
-                mate.error, mate.state = e, "done"
-                mate.event.set()
-            raise
-        finally:
-            with self._lock:
-                self._release()
-        seconds, cpu = time.perf_counter() - began, (time.thread_time() - cpu0) / len(jobs)
-        for mate, result in zip(mates, results[1:]):
-            mate.out = Batched(result, began - mate.asked, seconds, cpu, len(jobs))
-            mate.state = "done"
-            mate.event.set()
-        return Batched(results[0], began - job.asked, seconds, cpu, len(jobs))
-
-    def _release(self) -> None:
-        """Give a slot back; the caller holds the lock."""
-        if self._queue:
-            job = self._queue.popleft()  # the slot goes straight to the next in line
-            job.state = "lead"
-            job.event.set()
-        else:
-            self._running -= 1
 
 
 class ResultCache:
@@ -182,9 +60,6 @@ class ResultCache:
             while len(self._items) > self.max_entries:
                 self._items.popitem(last=False)
 
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 @contextmanager
 def logged_run() -> Iterator[dict]:
@@ -205,14 +80,22 @@ def logged_run() -> Iterator[dict]:
 
 
 def forget_upload(upload) -> None:
-    """Drop an uploaded file from Streamlit's store once the page has read it. The uploader is
-    then replaced by a fresh one, and the browser never deletes a file it no longer shows: it
-    would stay in the server's memory until the session ends, one file per upload."""
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
+    """Drop an uploaded file from Streamlit's store once the page has read it.
 
-    ctx = get_script_run_ctx()
-    if ctx is not None:
-        ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
+    Why: the page takes the file and replaces the uploader by a fresh one, and the browser never
+    deletes a file it no longer shows, so without this every upload would stay in the server's
+    memory until its session ends. Streamlit has no public call for it: this is the one place
+    that uses its private runtime (the script run's context and its uploaded-file manager). If a
+    Streamlit release moves them, this does nothing and the page still works, each session then
+    holding its uploads until it ends; tests/test_app.py checks that the store is left empty."""
+    try:
+        from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+        ctx = get_script_run_ctx()
+        if ctx is not None:
+            ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
+    except (ImportError, AttributeError):
+        pass
 
 
 def cores() -> int:
@@ -258,85 +141,17 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def jpeg(image: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "JPEG", quality=JPEG_QUALITY)
-    return buf.getvalue()
-
-
-def fit_width(image: Image.Image, width: int) -> Image.Image:
-    """A copy at most ``width`` wide, same aspect. Overlays stay aligned: the whole image is kept."""
-    if image.width <= width:
-        return image.copy()
-    height = max(1, round(image.height * width / image.width))
-    return image.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=2.0)
-
-
-@dataclass
-class Picture:
-    """An upload as the page shows it before any caption: its digest, size and preview."""
-
-    digest: str
-    width: int
-    height: int
-    preview: bytes  # JPEG, at most AS_IS_SIDE a side: the upload itself, or a copy at most LARGE_WIDTH wide
-    as_is: bool = False  # the preview is the uploaded file itself
-
-    @property
-    def preview_uri(self) -> str:
-        return data_uri(self.preview, "image/jpeg")
-
-    @property
-    def photo_var(self) -> str:
-        """The custom property that holds the preview on the page (result_view.picture_defs):
-        the page defines it with the preview, and a result shown on the same JPEG draws it from there."""
-        return f"img-{self.digest[:16]}"
-
-    def photo_css(self) -> str:
-        return picture_defs({self.photo_var: self.preview_uri})
-
-    @classmethod
-    def decode(cls, digest: str, data: bytes) -> tuple["Picture", Image.Image | None, Image.Image | None]:
-        """Raw bytes -> (picture, the decoded image, its preview), the last two None when the upload
-        itself serves as the preview; raises ImageLoadError with a message for the user.
-
-        A photo from a phone or a camera resized for the web (an RGB JPEG, upright, at most
-        AS_IS_SIDE a side) is shown as it came: the browser scales it, and the server neither
-        resizes nor encodes it again. It is still decoded whole, at 1/8 scale, so that a broken
-        file is refused here with its message."""
-        if _shown_as_is(data):
-            load_image(data, pixel_limit(), at_least=1)
-            with Image.open(io.BytesIO(data)) as im:
-                width, height = im.size
-            return cls(digest, width, height, data, as_is=True), None, None
-        image = load_image(data, pixel_limit(), at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
-        preview = fit_width(image, LARGE_WIDTH)
-        return cls(digest, image.width, image.height, jpeg(preview)), image, preview
-
-
-def _shown_as_is(data: bytes) -> bool:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # load_image refuses it, with a message
-        try:
-            with Image.open(io.BytesIO(data)) as im:
-                return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
-                        and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
-        except Exception:  # not an image Pillow reads: load_image says why
-            return False
-
-
 @dataclass
 class Shown:
     """One captioned image, as the page shows it; shared by every session that shows it."""
 
-    key: tuple
+    key: tuple  # (digest, weights, their mtime, DecodeOptions): what the caption depends on
     name: str
     result: CaptionResult
     seconds: float  # the model's own time: decoding, and its batch's captioning
     cpu: float  # the model's own CPU time: decoding, and its share of its batch's
     seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
-    picker: str  # HTML: the word picker and the picked word's map (result_view.picker_html)
-    grid: str  # HTML: every word's map (result_view.grid_html)
+    view: str  # HTML: the word picker, the picked word's map and the grid (page.result_html); "" without words
     waited: float = 0.0  # seconds this session waited for the model
 
 
@@ -356,40 +171,19 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
 
     # Uploads waiting with the same model and settings are captioned together (Gate.run).
     done = gate.run((id(captioner), options), image, caption_all, on_wait)
-    result, waited = done.result, done.waited
-    seconds, cpu = decoding + done.seconds, cpu + done.cpu
+    result, seconds, cpu = done.result, decoding + done.seconds, cpu + done.cpu
     # Drawn outside the gate: the next caption need not wait for it.
-    whole = not captioner.preprocess.resize  # the model sees the whole image, no crop
-    if picture is not None and picture.as_is and whole:
-        seen_jpeg, seen_size = picture.preview, (picture.width, picture.height)  # the upload itself
-    else:
-        image, preview = decoded if decoded and decoded[0] is not None else (None, None)
-        if image is None:
-            image = load_image(data, pixel_limit(), at_least=LARGE_WIDTH)
-        cropped = captioner.preprocess.seen(image)  # the part the model saw: all of it without a crop
-        if cropped is image and preview is not None and picture is not None:
-            seen_jpeg, seen_size = picture.preview, preview.size  # encoded already
-        else:
-            seen = fit_width(cropped, LARGE_WIDTH)
-            seen_jpeg, seen_size = jpeg(seen), seen.size
-    picker = grid = ""
+    seen, size = seen_by_model(captioner.preprocess, data, pixel_limit(), picture, decoded)
+    view = ""
     if result.words:
-        prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page, a CSS name
-        layers = {(t, None): data_uri(png(layer), "image/png")
-                  for t, layer in enumerate(attention_layers(result.alphas, seen_size))}
-        heads = 1 if result.alphas_heads is None else result.alphas_heads.shape[1]
-        for j in range(heads if heads > 1 else 0):  # each head's maps, for the head picker
-            layers.update({(t, j): data_uri(png(layer), "image/png")
-                           for t, layer in enumerate(attention_layers(result.alphas_heads[:, j], seen_size))})
-        words = words_of(result.words, result.betas)
-        aspect = seen_size[0] / seen_size[1]
-        if picture is not None and seen_jpeg is picture.preview:  # the page's preview defines the photo
-            photo, photo_uri = picture.photo_var, None
+        if picture is not None and seen is picture.preview:  # the page's preview defines the photo
+            photo = f"var(--{page.photo_var(picture)})"
         else:
-            photo, photo_uri = f"{prefix}-photo", data_uri(seen_jpeg, "image/jpeg")
-        picker = picker_html(prefix, words, photo, layers, aspect, heads, photo_uri)
-        grid = grid_html(prefix, words, photo, aspect, tuple(result.alphas.shape[1:]), heads)
-    return Shown(key, name, result, seconds, cpu, seen_jpeg, picker, grid, waited=waited)
+            photo = f"url({data_uri(seen, 'image/jpeg')})"
+        prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page
+        view = page.result_html(prefix, page.words_of(result.words, result.betas), map_layers(result, size), photo,
+                                size[0] / size[1], tuple(result.alphas.shape[1:]), heads_of(result))
+    return Shown(key, name, result, seconds, cpu, seen, view, waited=done.waited)
 
 
 def figure_png(shown: Shown, model: str) -> bytes:

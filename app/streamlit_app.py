@@ -7,17 +7,18 @@ loading, captioning and the overlays all come from the ``captioner`` library.
 from __future__ import annotations
 
 import hashlib
-import html
 import os
 import re
-from dataclasses import astuple, replace
+from dataclasses import replace
 from pathlib import Path
 
 import streamlit as st
 import torch
 
-from app.serving import (Picture, Shown, caption_gate, caption_image, figure_png, forget_upload,
-                         logged_run, result_json, results_cache, settle_heap)
+from app import page
+from app.pictures import Picture
+from app.serving import (Shown, caption_gate, caption_image, figure_png, forget_upload, logged_run, pixel_limit,
+                         result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError, ImageTooLargeError
@@ -26,10 +27,6 @@ from captioner.inference import Captioner, DecodeOptions
 EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
-# Shown while the model writes: the browser reveals it after half a second, so a quick caption (most
-# are) never flashes it, and the server starts no timer for it (st.spinner starts a thread per caption).
-WRITING = ('<style>@keyframes captioner-appear { to { opacity: 0.7; } }</style>'
-           '<p style="opacity: 0; animation: captioner-appear 0s 0.5s forwards; margin: 0">Writing a caption…</p>')
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
 HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
               "sample": "a random draw"}
@@ -46,6 +43,9 @@ class Html:
 
     def _repr_html_(self) -> str:
         return self.body
+
+
+STYLE = Html(page.STYLE)
 
 
 def available_models() -> dict[str, str]:
@@ -201,11 +201,9 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     if not result.words:
         st.info("The model ended the caption before its first word, so there is no attention to show.")
         return
-    st.html(Html(shown.picker))  # the picker, the big view and its pictures: one element, no request, no rerun
-
-
-def show_grid(shown: Shown, model_label: str) -> None:
-    st.html(Html(shown.grid))  # every word's map: one element; a panel clicked picks its word
+    # The picker, the big view and the grid with their pictures: one element, no request, no rerun;
+    # a panel clicked picks its word.
+    st.html(Html(shown.view))
     stem = Path(shown.name).stem
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
@@ -228,21 +226,15 @@ def show_last(left, right, captioner: Captioner, label: str, options: DecodeOpti
 
 def show_preview(left, picture: Picture, name: str) -> None:
     # Inside the page, not a media file: one request less per upload. The photo is defined here once
-    # for the page (picture.photo_var): a result drawn on the same JPEG (the big view, the grid) draws
+    # for the page (page.photo_var): a result drawn on the same JPEG (the big view, the grid) draws
     # it from here rather than carrying it again, and the browser decodes it once.
-    left.html(Html(f'<style>{picture.photo_css()}</style><figure style="margin: 0">'
-              f'<div role="img" aria-label="the image" style="aspect-ratio: {picture.width} / {picture.height}; '
-              f'background: var(--{picture.photo_var}) center / 100% 100% no-repeat; border-radius: 0.5rem"></div>'
-              f'<figcaption style="text-align: center; font-size: 0.875rem; opacity: 0.6; margin-top: 0.3rem">'
-              f'{html.escape(name)} ({picture.width}×{picture.height})</figcaption></figure>'))
+    left.html(Html(page.preview_html(picture, name)))
 
 
 def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
     with right:
         show_result(shown, label, options, captioner.model.config.attention == "hard",
                     shapes_notice(captioner, label))
-    if shown.result.words:
-        show_grid(shown, label)
 
 
 def main() -> None:
@@ -272,6 +264,9 @@ def main() -> None:
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)
     model_card(captioner)
+    # The stylesheet of the preview and the result: style only, so it takes no place on the page; sent
+    # with the page, it stays while the fragment below reruns.
+    st.html(STYLE)
     image_and_result(captioner, label, options, path, modified)
 
 
@@ -297,7 +292,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     picture, decoded = st.session_state.get("picture"), None  # one per session: the last upload's
     if picture is None or picture.digest != digest:
         try:
-            picture, image, preview = Picture.decode(digest, data)
+            picture, image, preview = Picture.decode(digest, data, pixel_limit())
             decoded = (image, preview)  # the caption below draws on them, without decoding again
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_unreadable(e)}. Try another file.")
@@ -308,14 +303,13 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     key = (digest, str(path), modified, options)
     shown = st.session_state.get("shown")
     if shown is None or shown.key != key or shown.name != name:
-        shared_key = (*key[:-1], astuple(options))  # DecodeOptions is not hashable
-        shown = shared = results_cache().get(shared_key)  # an example, or the same photo from another student
+        shown = shared = results_cache().get(key)  # an example, or the same photo from another student
         if shared is not None:
             shown = replace(shared, name=name, waited=0.0)
         else:
             with right:
                 waiting = st.empty()
-                waiting.html(Html(WRITING))
+                waiting.html(Html(page.WRITING))
 
                 def queued(ahead: int) -> None:
                     waiting.info(f"Waiting for the model: {ahead} {'caption' if ahead == 1 else 'captions'} "
@@ -329,7 +323,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
                     return
                 finally:
                     waiting.empty()
-            results_cache().put(shared_key, replace(shown, waited=0.0))
+            results_cache().put(key, replace(shown, waited=0.0))
             run["model_cpu"] = shown.cpu
         st.session_state["shown"] = shown
     show_all(right, shown, captioner, label, options)

@@ -53,8 +53,11 @@ AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bf
 INFERENCE_PRECISIONS = tuple(AUTOCAST_DTYPES)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeOptions:
+    """How to decode a caption. Frozen: equal options are one key, for a cache or for a batch of
+    images that can be captioned together."""
+
     beam_size: int = 3
     max_len: int = 20
     length_penalty: float = 0.0

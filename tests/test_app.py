@@ -79,8 +79,7 @@ def _page_html(at: AppTest) -> str:
 
 def _word_panels(at: AppTest) -> list[str]:
     """The grid's panel labels, "word · β 0.52", one per word."""
-    return [html.unescape(m) for m in re.findall(r'<label class="cell c\d+"[^>]*>.*?<span>(.*?)</span>',
-                                                  _page_html(at))]
+    return [html.unescape(m) for m in re.findall(r'<label class="cell"[^>]*>.*?<span>(.*?)</span>', _page_html(at))]
 
 
 def _data_images(fragment: str) -> list[Image.Image]:
@@ -159,46 +158,56 @@ def test_hard_attention_models_offer_the_inference_mode(app, weights_dir, tmp_pa
 
 def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
     """Picking a word is left to the browser (tests/test_app_browser.py clicks it): the page holds
-    one radio input per word, the first checked, and one map layer per word over the one photo."""
+    one radio input per word, the first checked, each in one block with everything it shows (its
+    pill, the big view with its map layer over the one photo, its note, its panel), and the
+    stylesheet shows the block whose input is checked."""
+    from app import page
+
     app.file_uploader[0].set_value(("generated.png", _png(seed=3, size=(96, 64)), "image/png")).run()
     words = _shown_caption(app).split()
-    picker = app.session_state["shown"].picker
-    assert picker in _page_html(app) and "<script" not in _page_html(app)
-    inputs = re.findall(r'<input type="radio" name="(\w+)-word" id="\1-w(\d+)" value="\d+"( checked)?>', picker)
-    assert [int(t) for _, t, _ in inputs] == list(range(len(words)))
-    assert [bool(c) for _, _, c in inputs] == [True] + [False] * (len(words) - 1)
-    notes = [html.unescape(n) for n in re.findall(r'<p class="n\d+">(.*?)</p>', picker)]
-    assert notes == [f"“{w}”: word {t + 1} of {len(words)}, β = {float(b):.2f}"
-                     for t, (w, b) in enumerate(zip(words, app.session_state["shown"].result.betas))]
-    layers = _data_images(picker)
-    (photo,) = _data_images(_page_html(app).replace(picker, ""))  # the preview's, drawn by the big view
+    view = app.session_state["shown"].view
+    assert view in _page_html(app) and "<script" not in _page_html(app)
+    blocks = re.findall(r'<div class="word">(.*?)</label></div>', view)
+    assert len(blocks) == len(words)
+    betas = app.session_state["shown"].result.betas
+    for t, (block, w, b) in enumerate(zip(blocks, words, betas)):
+        (me, checked), = re.findall(r'<input type="radio" name="\w+" id="([\w-]+)"( checked)?>', block)
+        assert bool(checked) == (t == 0)  # the first word picked
+        assert re.findall(r'<label class="(?:pill|cell)" for="([\w-]+)">', block) == [me, me]  # its pill and panel
+        layers = re.findall(r'style="--layer: var\(--([\w-]+)\)"', block)
+        assert layers == [f"l{t}hm"] * 2  # its own map, in the big view and on the panel
+        (note,) = re.findall(r'<p class="note">(.*?)</p>', block)
+        assert html.unescape(note) == f"“{w}”: word {t + 1} of {len(words)}, β = {float(b):.2f}"
+    layers = _data_images(view)
+    (photo,) = _data_images(_page_html(app).replace(view, ""))  # the preview's, drawn by the big view
     assert photo.format == "JPEG" and photo.size == (96, 64)  # the photo once, at the size it was uploaded
     assert len(layers) == len(words) and all(m.mode == "P" and m.size[0] <= 96 for m in layers)
     assert layers[0].convert("RGBA").tobytes() != layers[-1].convert("RGBA").tobytes()  # each its own map
-    # The stylesheet shows word t's layer and note exactly when input t is checked.
-    prefix = inputs[0][0]
-    for t in range(len(words)):
-        shown = picker.split("{ display: block; }")[0].rsplit("}", 1)[1]  # the selectors of the rule that shows
-        assert f"#{prefix}-w{t}:checked ~ .big .l{t}," in shown and f"#{prefix}-w{t}:checked ~ .notes .n{t}" in shown
+    # What is shown follows the checked input alone: no rule names a word, the stylesheet is the same for all.
+    assert ".word:has(> input:checked) > :is(.view, .note) { display: block; }" in page.STYLE
+    assert "<style" not in view
 
 
 def test_every_picture_travels_once_per_page(app):
     """The photo and every word's layer are in the page once: the preview defines the photo, the
-    picker the layers, and the big view and the grid draw them by name (CSS custom properties)."""
+    result the layers, and the big view and the grid draw them by name (CSS custom properties)."""
+    from app import page
+
     app.file_uploader[0].set_value(("generated.png", _png(seed=3, size=(96, 64)), "image/png")).run()
-    page = _page_html(app)
-    uris = re.findall(r'data:image/(?:png|jpeg);base64,[A-Za-z0-9+/=]+', page)
+    html_page = _page_html(app)
+    uris = re.findall(r'data:image/(?:png|jpeg);base64,[A-Za-z0-9+/=]+', html_page)
     assert len(uris) == len(set(uris)) == 1 + len(_word_panels(app))  # the photo, one layer per word
-    names = dict(re.findall(r'--([\w-]+): url\("(data:[^"]+)"\)', page))  # every picture is named, once
+    names = dict(re.findall(r'--([\w-]+): url\((data:[^)]+)\)', html_page))  # every picture is named, once
     assert sorted(names.values()) == sorted(uris)
-    drawn = set(re.findall(r'var\(--([\w-]+)\)', page))
-    assert drawn == set(names)  # each drawn by its name, none missing
-    assert page.count(f"var(--{app.session_state['picture'].photo_var})") == 3  # preview, big view, grid
-    assert "Writing a caption" not in page  # the note shown while the model works is gone with the caption
+    drawn = re.findall(r'var\(--([\w-]+)\)', html_page.replace(page.STYLE, ""))
+    assert set(drawn) == set(names)  # each drawn by its name, none missing
+    photo = page.photo_var(app.session_state["picture"])
+    assert drawn.count(photo) == 2  # by the preview and by the result, which draws it in every view
+    assert "Writing a caption" not in html_page  # the note shown while the model works is gone with the caption
 
 
 def test_repeated_words_get_labels_the_picker_can_tell_apart():
-    from app.result_view import word_labels
+    from app.page import word_labels
 
     assert word_labels(["a", "star", "and", "a", "star", "a"]) == ["a", "star", "and", "a (2)", "star (2)", "a (3)"]
 
@@ -425,27 +434,25 @@ def test_reruns_that_change_nothing_encode_no_image_again(app, monkeypatch):
 def test_a_caption_waits_its_turn_for_the_model_and_says_so(app):
     import threading
     import time
-    from contextlib import ExitStack
 
     from app.serving import caption_gate
 
     gate = caption_gate()  # the one the page's sessions share
-    held, release = threading.Event(), threading.Event()
+    held = threading.Semaphore(0)
 
-    def busy() -> None:  # other students' captions, holding every slot for a while
-        with ExitStack() as stack:
-            for _ in range(gate.slots):
-                stack.enter_context(gate.turn())
-            held.set()
-            release.wait(10)
-            time.sleep(0.3)
+    def busy(items):  # other students' captions, holding every slot for a while
+        held.release()
+        time.sleep(0.5)
+        return items
 
-    other = threading.Thread(target=busy)
-    other.start()
-    held.wait(10)
-    release.set()
+    others = [threading.Thread(target=gate.run, args=(None, i, busy)) for i in range(gate.slots)]
+    for other in others:
+        other.start()
+    for _ in others:
+        assert held.acquire(timeout=10)
     app.file_uploader[0].set_value(("queued.png", _png(seed=14), "image/png")).run()
-    other.join(10)
+    for other in others:
+        other.join(10)
     assert not app.exception and _word_panels(app)
     assert "waiting for the model" in _details(app)
 
@@ -468,16 +475,26 @@ def test_an_image_captioned_in_one_session_is_not_captioned_again_in_another(app
     assert calls == [1]
 
 
-def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app):
-    from app.serving import Shown, results_cache
+def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app, monkeypatch):
+    from app.serving import RESULTS_KEPT, Shown
 
-    for seed in range(100, 100 + results_cache().max_entries + 5):
+    seeds = range(100, 100 + RESULTS_KEPT + 5)
+    for seed in seeds:
         app.file_uploader[0].set_value((f"photo-{seed}.png", _png(seed=seed), "image/png")).run()
     assert not app.exception and f"photo-{seed}.png" in _details(app)
     state = app.session_state._state._state  # everything the session keeps
     kept = [k for k in state.filtered_state if isinstance(state[k], Shown)]
     assert kept == ["shown"]
-    assert len(results_cache()) == results_cache().max_entries
+    calls = []
+    caption = inference.Captioner.caption_images
+    monkeypatch.setattr(inference.Captioner, "caption_images",
+                        lambda self, *a, **k: calls.append(1) or caption(self, *a, **k))
+    app.pills[0].set_value(0).run()  # the first example: pushes out one more result
+    app.file_uploader[0].set_value(("again.png", _png(seed=seeds[-1]), "image/png")).run()
+    assert not app.exception and len(calls) <= 1  # the last photo: still shared (the example may be new)
+    calls.clear()
+    app.file_uploader[0].set_value(("again.png", _png(seed=seeds[0]), "image/png")).run()
+    assert not app.exception and calls == [1]  # the first photo: no longer kept, captioned again
 
 
 def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, monkeypatch):
@@ -524,11 +541,12 @@ def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empt
 
 
 def _big_view_photo(at: AppTest) -> bytes:
-    """The photo the big view draws: the picture named in its rule, wherever the page defines it."""
-    page = _page_html(at)
-    name = re.search(r'\.big \{[^}]*background: var\(--([\w-]+)\)', at.session_state["shown"].picker).group(1)
-    found = re.search(rf'--{name}: url\("data:image/jpeg;base64,([A-Za-z0-9+/=]+)"\)', page)
-    return base64.b64decode(found.group(1))
+    """The photo the big view draws: the picture the result names, wherever the page defines it."""
+    photo = re.search(r'--photo: ([^;"]+)', at.session_state["shown"].view).group(1)
+    found = re.fullmatch(r"var\(--([\w-]+)\)", photo)
+    if found is not None:  # the page's definition
+        photo = re.search(rf'--{found.group(1)}: (url\([^)]+\))', _page_html(at)).group(1)
+    return base64.b64decode(re.fullmatch(r"url\(data:image/jpeg;base64,([A-Za-z0-9+/=]+)\)", photo).group(1))
 
 
 def _jpeg(seed: int, size=(96, 64), **save) -> bytes:
@@ -560,7 +578,8 @@ def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
 
 
 def test_a_one_head_result_has_no_head_picker():
-    from app.result_view import Word, picker_html
+    from app.page import Word, result_html
 
-    html = picker_html("r1", [Word("a", "n", "p")], "photo", {(0, None): "data:,x"}, 1.0)
-    assert "heads" not in html and 'name="r1-head"' not in html and html.count('class="layer ') == 1
+    html = result_html("r1", [Word("a", "n", "p")], {(0, None): "data:,x"}, "url(data:,y)", 1.0, (2, 2))
+    assert 'class="heads"' not in html and html.count('class="head-group"') == 1
+    assert html.count('type="radio"') == 1 and html.count("var(--l0hm)") == 2  # the big view and the panel

@@ -314,12 +314,21 @@ def test_each_upload_is_one_script_run(page, served, tmp_path):
     uploads = [r for r in requests if r.startswith("PUT ") and "/_stcore/upload_file/" in r]
     to_server = [r for r in requests if "/static/" not in r]  # the page's own code, loaded once
     assert len(uploads) == 3 and to_server == uploads  # the file itself, nothing else: the pictures are in the page
+    stylesheets = page.evaluate(
+        "() => [...document.querySelectorAll('style')].filter(s => s.textContent.includes('.captioner-result')).length")
+    assert stylesheets == 1  # the page's stylesheet stays while uploads rerun the fragment, and only once
 
 
-def _shown_layers(page) -> list[int]:
-    """Which words' map layers the big view shows (CSS display), by word index."""
-    return page.locator(".big .layer").evaluate_all(
-        "els => els.flatMap((e, t) => getComputedStyle(e).display === 'none' ? [] : [t])")
+def _shown_views(page) -> list[int]:
+    """Which words' big views the page shows, by word index (a one-head model: one view per word)."""
+    return page.locator(".big").evaluate_all("els => els.flatMap((e, t) => e.checkVisibility() ? [t] : [])")
+
+
+def _drawn(page, selector: str) -> list[list[str]]:
+    """The pictures each visible element of ``selector`` draws, top first (its CSS background images)."""
+    return page.locator(selector).evaluate_all(
+        "els => els.filter(e => e.checkVisibility())"
+        ".map(e => getComputedStyle(e).backgroundImage.split(', ').map(u => u.slice(5, -2)))")
 
 
 def test_picking_a_word_shows_its_map_and_asks_nothing_of_the_server(page, served, tmp_path):
@@ -330,31 +339,35 @@ def test_picking_a_word_shows_its_map_and_asks_nothing_of_the_server(page, serve
     _wait_idle(page)
     words = page.locator(".st-key-caption h2").inner_text().split()
     assert len(words) >= 2
-    note = page.locator(".notes p").filter(visible=True)
-    assert _shown_layers(page) == [0] and note.inner_text().startswith(f"“{words[0]}”: word 1 of")
+    note = page.locator(".note").filter(visible=True)
+    assert _shown_views(page) == [0] and note.inner_text().startswith(f"“{words[0]}”: word 1 of")
     requests: list[str] = []
     page.on("request", lambda request: requests.append(request.url))
     runs = len(_runs(served))
 
     last = len(words) - 1
-    page.locator(".words label").nth(last).click()
-    assert _shown_layers(page) == [last]
+    page.locator(".word > .pill").nth(last).click()
+    assert _shown_views(page) == [last]
     assert note.inner_text().startswith(f"“{words[last]}”: word {last + 1} of {len(words)}, β = ")
-    box = page.locator(".big").bounding_box()  # the layer covers the photo (the view's background) exactly
-    layer = page.locator(".big .layer").nth(last).bounding_box()
-    assert layer == box and box["width"] > 100
-    photo = page.locator(".big").evaluate("e => getComputedStyle(e).backgroundImage")
-    assert photo.startswith('url("data:image/jpeg;base64,')  # drawn from the preview's definition
+    view = page.locator(".big").filter(visible=True)
+    assert view.bounding_box()["width"] > 100
+    # The layer covers the photo exactly: both are the view's backgrounds, stretched to it.
+    assert view.evaluate("e => getComputedStyle(e).backgroundSize") == "100% 100%, 100% 100%"
+    ((layer, photo),) = _drawn(page, ".big")
+    assert layer.startswith("data:image/png;base64,")
+    assert photo.startswith("data:image/jpeg;base64,")  # drawn from the preview's definition
     page.locator("label.cell").nth(0).click()  # a panel of the grid picks its word too
-    assert _shown_layers(page) == [0]
+    assert _shown_views(page) == [0]
     page.wait_for_timeout(500)
     assert requests == [] and len(_runs(served)) == runs
 
 
 def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser):
-    """A model with several heads: the result's HTML (as the page shows it) has a head picker,
-    the mean first; the big view and the grid show the layer of the picked word and head."""
-    from app.result_view import Word, data_uri, grid_html, picker_html, png
+    """A model with several heads: the result's HTML (as the page shows it, with the page's
+    stylesheet) has a head picker, the mean first; the big view and the grid show the layer of
+    the picked word and head."""
+    from app.page import STYLE, Word, result_html
+    from app.pictures import data_uri, png
 
     heads, n = 2, 3
     words = [Word(f"w{t}", f"note {t}", f"panel {t}") for t in range(n)]
@@ -366,29 +379,28 @@ def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser)
     photo = data_uri(png(np.zeros((4, 4), np.uint8)), "image/png")
     page = browser.new_page()
     try:
-        page.set_content(picker_html("r1", words, "photo", layers, 1.0, heads, photo)
-                         + grid_html("r1", words, "photo", 1.0, (2, 2), heads))
-
-        def shown(selector: str) -> list[str]:  # the pictures the visible elements draw
-            return page.locator(selector).evaluate_all(
-                "els => els.filter(e => getComputedStyle(e).display !== 'none')"
-                ".map(e => getComputedStyle(e).backgroundImage.slice(5, -2))")
+        page.set_content(STYLE + result_html("r1", words, layers, f"url({photo})", 1.0, (2, 2), heads))
 
         def expect(t, j):
-            assert shown(".big .layer") == [layers[(t, j)]]
-            panels = shown(".r1g label.cell .layer")  # every word's panel, the picked head's layer
-            assert panels == [layers[(s, j)] for s in range(n)]
+            assert _drawn(page, ".big") == [[layers[(t, j)], photo]]
+            panels = _drawn(page, "label.cell .pic")  # every word's panel, the picked head's layer
+            assert panels == [[layers[(s, j)], photo] for s in range(n)]
+            assert page.locator(".note").filter(visible=True).all_inner_texts() == [f"note {t}"]
 
-        assert page.locator(".heads label").all_inner_texts() == ["mean", "1", "2"]
+        head_labels = page.locator(".heads label").filter(visible=True)
+        word_pills = page.locator(".word > .pill").filter(visible=True)
+        assert head_labels.all_inner_texts() == ["mean", "1", "2"]
+        assert word_pills.all_inner_texts() == ["w0", "w1", "w2"]
         expect(0, None)
-        page.locator(".heads label").nth(2).click()  # head 2
+        head_labels.nth(2).click()  # head 2
         expect(0, 1)
-        page.locator(".words:not(.heads) label").nth(2).click()  # the third word, head 2 kept
+        word_pills.nth(2).click()  # the third word, head 2 kept
         expect(2, 1)
-        page.locator(".heads label").nth(1).click()
+        head_labels.nth(1).click()
         expect(2, 0)
-        page.locator(".heads label").nth(0).click()  # back to the mean
-        expect(2, None)
+        page.locator("label.cell").filter(visible=True).nth(1).click()  # a panel: its word, the head kept
+        expect(1, 0)
+        head_labels.nth(0).click()  # back to the mean
+        expect(1, None)
     finally:
         page.close()
-

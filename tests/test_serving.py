@@ -25,16 +25,29 @@ def _one_overlay(image: Image.Image, alpha: torch.Tensor) -> np.ndarray:
 
 
 
-def _next_job_gets_a_turn(gate: Gate) -> bool:
+def _next_job_gets_a_turn(gate) -> bool:
     """Whether a job started now on another thread gets its turn within 5 s."""
     done = threading.Event()
-
-    def next_job() -> None:
-        with gate.turn():
-            done.set()
-
-    threading.Thread(target=next_job, daemon=True).start()
+    threading.Thread(target=gate.run, args=(None, 0, lambda items: done.set() or items), daemon=True).start()
     return done.wait(5)
+
+
+def _hold(gate, slots: int = 1) -> threading.Event:
+    """Start ``slots`` jobs that each hold a slot of ``gate`` until the returned event is set;
+    return once they all hold one."""
+    release, held = threading.Event(), threading.Semaphore(0)
+
+    def work(items):
+        held.release()
+        release.wait(10)
+        return items
+
+    for i in range(slots):
+        threading.Thread(target=gate.run, args=(None, i, work), daemon=True).start()
+    for _ in range(slots):
+        assert held.acquire(timeout=5)
+    return release
+
 
 def test_overlays_in_one_go_equal_one_at_a_time():
     image = tiny_image(3, (90, 60))
@@ -49,22 +62,24 @@ def test_overlays_in_one_go_equal_one_at_a_time():
 
 
 def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
-    from app.serving import Gate
+    from app.gate import Gate
 
     gate = Gate(slots=2)
-    running, most, order, told = [0], [0], [], {}
+    running, most, order, told, waited = [0], [0], [], {}, {}
     lock = threading.Lock()
 
+    def work(items):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            order.extend(items)
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return items
+
     def job(i: int) -> None:
-        with gate.turn(on_wait=lambda ahead: told.__setitem__(i, ahead)) as waited:
-            with lock:
-                running[0] += 1
-                most[0] = max(most[0], running[0])
-                order.append(i)
-            time.sleep(0.05)
-            with lock:
-                running[0] -= 1
-        assert waited >= 0
+        waited[i] = gate.run(None, i, work, on_wait=lambda ahead: told.__setitem__(i, ahead)).waited
 
     threads = []
     for i in range(6):
@@ -76,38 +91,40 @@ def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
     assert most[0] == 2 and sorted(order) == list(range(6))
     assert order[2:] == [2, 3, 4, 5]  # first come, first served
     assert told.keys() == {2, 3, 4, 5} and told[2] == 2 and told[5] == 5  # jobs ahead, running included
+    assert all(w >= 0 for w in waited.values()) and waited[5] > waited[0]
 
 
 def test_a_job_that_fails_gives_its_turn_back():
-    from app.serving import Gate
+    from app.gate import Gate
 
     gate = Gate(slots=1)
+
+    def work(items):
+        raise RuntimeError("out of memory")
+
     with pytest.raises(RuntimeError):
-        with gate.turn():
-            raise RuntimeError("out of memory")
+        gate.run(None, 0, work)
     assert _next_job_gets_a_turn(gate)
 
 
 def _queue_behind(gate, jobs: list[tuple[object, int]], work, out: dict) -> list[threading.Thread]:
-    """Start gate.run(key, item, work) for each (key, item) in order, each on its own thread; they
-    queue (the caller holds the gate's only slot). ``out[item]``: what each got, or its error."""
-    threads = []
+    """Start gate.run(key, item, work) for each (key, item) in order, each on its own thread, each
+    once the one before is in line (the gate's slots are held). ``out[item]``: what each got, or its error."""
+    threads, queued = [], threading.Semaphore(0)
     for key, item in jobs:
         def job(key=key, item=item):
             try:
-                out[item] = gate.run(key, item, work)
+                out[item] = gate.run(key, item, work, on_wait=lambda ahead: queued.release())
             except Exception as e:
                 out[item] = e
         threads.append(threading.Thread(target=job))
         threads[-1].start()
-        deadline = time.monotonic() + 5
-        while len(gate._queue) < len(threads) and time.monotonic() < deadline:
-            time.sleep(0.001)  # in line before the next one comes
+        assert queued.acquire(timeout=5)  # in line before the next one comes
     return threads
 
 
 def test_jobs_waiting_with_the_same_key_run_together_in_order():
-    from app.serving import Gate
+    from app.gate import Gate
 
     gate = Gate(slots=1, batch=3)
     calls, out = [], {}
@@ -116,20 +133,20 @@ def test_jobs_waiting_with_the_same_key_run_together_in_order():
         calls.append(list(items))
         return [10 * i for i in items]
 
-    with gate.turn():  # the slot is busy: everything below queues
-        threads = _queue_behind(gate, [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("a", 6)], work, out)
+    release = _hold(gate)  # the slot is busy: everything below queues
+    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("a", 6)], work, out)
+    release.set()
     for t in threads:
         t.join(10)
     # The first in line takes along the next two "a"s; "b" runs alone; the "a"s left after it together.
     assert calls == [[1, 2, 4], [3], [5, 6]]
     assert {i: o.result for i, o in out.items()} == {i: 10 * i for i in range(1, 7)}  # each its own result
-    assert [out[i].size for i in range(1, 7)] == [3, 3, 1, 3, 2, 2]
     assert all(o.waited >= 0 and o.cpu >= 0 for o in out.values())
     assert _next_job_gets_a_turn(gate)
 
 
 def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back():
-    from app.serving import Gate
+    from app.gate import Gate
 
     gate = Gate(slots=1, batch=4)
     out = {}
@@ -137,8 +154,9 @@ def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back
     def work(items):
         raise RuntimeError("out of memory")
 
-    with gate.turn():
-        threads = _queue_behind(gate, [("a", 1), ("a", 2), ("a", 3)], work, out)
+    release = _hold(gate)
+    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("a", 3)], work, out)
+    release.set()
     for t in threads:
         t.join(10)
     assert all(isinstance(out[i], RuntimeError) and "out of memory" in str(out[i]) for i in (1, 2, 3))
@@ -149,7 +167,8 @@ def test_captions_made_together_are_each_image_s_own():
     """Four uploads queued behind a busy model are captioned in one batch, each as it is alone."""
     import io
 
-    from app.serving import Gate, caption_image
+    from app.gate import Gate
+    from app.serving import caption_image
     from captioner.inference import DecodeOptions
     from tiny import tiny_captioner
 
@@ -161,22 +180,22 @@ def test_captions_made_together_are_each_image_s_own():
         tiny_image(20 + seed, (64, 48)).save(buf, "PNG")
         uploads.append(buf.getvalue())
     alone = [cap.caption(cap.preprocess.load(data), options) for data in uploads]
-    gate, shown = Gate(slots=1, batch=4), {}
+    gate, shown, queued = Gate(slots=1, batch=4), {}, threading.Semaphore(0)
     sizes = []
     original = cap.caption_images
     cap.caption_images = lambda images, opt: sizes.append(len(images)) or original(images, opt)
 
     def upload(i):
-        shown[i] = caption_image(cap, gate, ("k", i), f"{i}.png", uploads[i], options)
+        shown[i] = caption_image(cap, gate, ("k", i), f"{i}.png", uploads[i], options,
+                                 on_wait=lambda ahead: queued.release())
 
-    with gate.turn():
-        threads = []
-        for i in range(4):
-            threads.append(threading.Thread(target=upload, args=(i,)))
-            threads[-1].start()
-            deadline = time.monotonic() + 10
-            while len(gate._queue) <= i and time.monotonic() < deadline:
-                time.sleep(0.001)
+    release = _hold(gate)
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=upload, args=(i,)))
+        threads[-1].start()
+        assert queued.acquire(timeout=10)  # in line before the next one comes
+    release.set()
     for t in threads:
         t.join(30)
     assert sizes == [4]  # one batch
@@ -184,7 +203,7 @@ def test_captions_made_together_are_each_image_s_own():
         r = shown[i].result
         assert r.words == own.words and r.score == pytest.approx(own.score, abs=1e-5)
         assert torch.allclose(r.alphas, own.alphas, atol=1e-5) and torch.allclose(r.betas, own.betas, atol=1e-5)
-        assert shown[i].picker and shown[i].cpu > 0
+        assert shown[i].view and shown[i].cpu > 0
 
 
 def test_the_results_cache_keeps_the_most_recently_used():
@@ -193,10 +212,24 @@ def test_the_results_cache_keeps_the_most_recently_used():
     cache = ResultCache(max_entries=3)
     for k in "abcd":
         cache.put(k, k.upper())
-    assert len(cache) == 3 and cache.get("a") is None
+    assert cache.get("a") is None
     assert cache.get("b") == "B"  # now the freshest
     cache.put("e", "E")
-    assert cache.get("c") is None and cache.get("b") == "B" and len(cache) == 3
+    assert cache.get("c") is None
+    assert [cache.get(k) for k in "dbe"] == ["D", "B", "E"]  # three kept
+
+
+def test_decode_options_are_their_own_cache_key():
+    """Equal settings are one key for the results cache and the gate's batches: frozen, hashable."""
+    from dataclasses import FrozenInstanceError
+
+    from captioner.inference import DecodeOptions
+
+    a, b = DecodeOptions(beam_size=3, max_len=8), DecodeOptions(beam_size=3, max_len=8)
+    assert a == b and hash(a) == hash(b) and {("photo", a): 1}[("photo", b)] == 1
+    assert a != DecodeOptions(beam_size=3, max_len=8, hard_attention="argmax")
+    with pytest.raises(FrozenInstanceError):
+        a.beam_size = 5
 
 
 @pytest.mark.parametrize("size, grid", [((560, 420), (14, 14)), ((240, 180), (7, 7)), ((300, 500), (8, 6))])
@@ -217,19 +250,17 @@ def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
 def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
     """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
     waiting message itself may raise. The queued job's place must not be lost with it."""
-    from app.serving import Gate
+    from app.gate import Gate
 
     gate = Gate(slots=1)
-    first = gate.turn()
-    first.__enter__()
+    release = _hold(gate)
 
     def stopped(ahead: int) -> None:
         raise KeyboardInterrupt("the page was closed")
 
     with pytest.raises(KeyboardInterrupt):
-        with gate.turn(on_wait=stopped):
-            pass
-    first.__exit__(None, None, None)
+        gate.run(None, 1, lambda items: items, on_wait=stopped)
+    release.set()
     assert _next_job_gets_a_turn(gate)
 
 
@@ -239,7 +270,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
     (out = photo (1 - a) + colour a): that must be the overlay the figure and the CLI draw."""
     import io
 
-    from app.result_view import attention_layers, layer_size, png
+    from app.pictures import attention_layers, layer_size, png
 
     alphas = torch.softmax(torch.randn(3, grid[0] * grid[1], generator=torch.Generator().manual_seed(2)), 1)
     alphas = alphas.view(3, *grid)
@@ -259,7 +290,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
 
 def test_the_pictures_of_a_result_are_small():
     """A result travels inside the page: one photo and one small layer per word."""
-    from app.result_view import attention_layers, png
+    from app.pictures import attention_layers, png
 
     alphas = torch.softmax(torch.randn(20, 196, generator=torch.Generator().manual_seed(3)), 1).view(20, 14, 14)
     layers = attention_layers(alphas, (560, 420))
@@ -272,8 +303,9 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     each head's layer drawn from that head's own maps, and the picker offers the heads."""
     import io
 
-    from app.result_view import attention_layers, data_uri, png
-    from app.serving import Gate, caption_image
+    from app.gate import Gate
+    from app.pictures import attention_layers, data_uri, png
+    from app.serving import caption_image
     from captioner.inference import DecodeOptions
     from tiny import tiny_captioner
 
@@ -287,10 +319,10 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     for j in (0, 1):
         levels = attention_layers(r.alphas_heads[:, j], size)
         for t in range(len(r.words)):
-            assert data_uri(png(levels[t]), "image/png") in shown.picker  # head j's own map
+            assert f"--l{t}h{j}: url({data_uri(png(levels[t]), 'image/png')})" in shown.view  # head j's own map
     assert not torch.allclose(r.alphas_heads[:, 0], r.alphas_heads[:, 1])  # two different maps to show
-    assert 'name="r' in shown.picker and shown.picker.count('-head" id=') == 3  # mean, 1, 2
-    # Made without the page's preview: the result defines its photo itself, and both views draw it.
-    photo = re.search(r'--([\w-]+): url\("data:image/jpeg;base64,', shown.picker).group(1)
-    assert f"var(--{photo})" in shown.picker and f"var(--{photo})" in shown.grid
-    assert data_uri(shown.seen, "image/jpeg") in shown.picker and "data:" not in shown.grid
+    assert shown.view.count('class="head-group"') == 3  # mean, 1, 2
+    assert re.findall(r'<div class="heads"><span>Head</span>(?:<label[^>]*>(\w+)</label>)', shown.view)[0] == "mean"
+    # Made without the page's preview: the result defines its photo itself, once.
+    assert shown.view.count(f"--photo: url({data_uri(shown.seen, 'image/jpeg')})") == 1
+    assert "var(--img-" not in shown.view

@@ -165,7 +165,7 @@ def png(levels: np.ndarray) -> bytes:
 
 def heads_of(result: CaptionResult) -> int:
     """The number of attention heads whose maps a result carries (1: only the map each step used)."""
-    return 1 if result.alphas_heads is None else result.alphas_heads.shape[1]
+    return result.alphas_heads.shape[1]
 
 
 def map_layers(result: CaptionResult, size: tuple[int, int]) -> dict[Key, str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from app.pictures import Key, Picture
+from captioner.app.pictures import Key, Picture
 from captioner.overlay import TINT
 
 STYLE = (f"<style>:root {{ --captioner-tint: rgb{TINT}; }}\n"

@@ -26,9 +26,9 @@ import streamlit as st
 import torch
 from PIL import Image
 
-from app import page
-from app.gate import Gate
-from app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
+from captioner.app import page
+from captioner.app.gate import Gate
+from captioner.app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
 from captioner.decoding import CaptionResult
 from captioner.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions

@@ -15,9 +15,9 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from app import page
-from app.pictures import Picture
-from app.serving import (Shown, caption_gate, caption_image, figure_png, forget_upload, logged_run, pixel_limit,
+from captioner.app import page
+from captioner.app.pictures import Picture
+from captioner.app.serving import (Shown, caption_gate, caption_image, figure_png, forget_upload, logged_run, pixel_limit,
                          result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError

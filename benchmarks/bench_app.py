@@ -76,7 +76,7 @@ def free_port() -> int:
 
 
 def start_server(page: Path, workdir: Path, workers: int | None) -> tuple[subprocess.Popen, str, Path]:
-    from app.cli import server_env, streamlit_command
+    from captioner.app.cli import server_env, streamlit_command
 
     port = free_port()
     cmd = streamlit_command(port, "127.0.0.1")

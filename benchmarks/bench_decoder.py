@@ -93,7 +93,7 @@ def _model_options(items: list[str]) -> dict:
 def demo(args) -> None:
     from captioner.model import CaptionModel
 
-    from train.losses import caption_log_likelihood
+    from captioner.train.losses import caption_log_likelihood
 
     torch.manual_seed(0)
     model = CaptionModel(ModelConfig(vocab_size=30, encoder="small8", image_size=(128, 128), embed_dim=128,

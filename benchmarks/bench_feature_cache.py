@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from captioner.data.shapes import generate_dataset
-from train.config import load_config
-from train.loop import train
+from captioner.train.config import load_config
+from captioner.train.loop import train
 
 
 def run(data: Path, out: Path, encoder: str, image_size: int, steps: int, cache: bool) -> tuple[float, int]:

@@ -25,8 +25,8 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig, attention_penalty
 from captioner.images import Preprocess
 from captioner.vocab import SPECIALS, Vocabulary
-from train.losses import caption_log_likelihood
-from train.precision import MixedPrecision
+from captioner.train.losses import caption_log_likelihood
+from captioner.train.precision import MixedPrecision
 
 STEPS = 20
 

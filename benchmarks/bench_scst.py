@@ -28,9 +28,9 @@ from captioner.data.shapes import generate_dataset
 from captioner.decoding import greedy
 from captioner.encoders import Annotations
 from captioner.inference import Captioner
-from train.config import ScstConfig
-from train.losses import soft_loss
-from train.scst import ScstObjective, _dropout_off, sample_captions, sample_log_probs
+from captioner.train.config import ScstConfig
+from captioner.train.losses import soft_loss
+from captioner.train.scst import ScstObjective, _dropout_off, sample_captions, sample_log_probs
 
 
 def _sync(device: torch.device) -> None:

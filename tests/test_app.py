@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from app.serving import figure_png, result_json
+from captioner.app.serving import figure_png, result_json
 from captioner import inference
 from captioner.cli import build_parser, main
 from tiny import tiny_captioner, tiny_image
@@ -161,7 +161,7 @@ def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
     one radio input per word, the first checked, each in one block with everything it shows (its
     pill, the big view with its map layer over the one photo, its note, its panel), and the
     stylesheet shows the block whose input is checked."""
-    from app import page
+    from captioner.app import page
 
     app.file_uploader[0].set_value(("generated.png", _png(seed=3, size=(96, 64)), "image/png")).run()
     words = _shown_caption(app).split()
@@ -191,7 +191,7 @@ def test_the_word_picker_is_in_the_page_one_radio_and_one_map_per_word(app):
 def test_every_picture_travels_once_per_page(app):
     """The photo and every word's layer are in the page once: the preview defines the photo, the
     result the layers, and the big view and the grid draw them by name (CSS custom properties)."""
-    from app import page
+    from captioner.app import page
 
     app.file_uploader[0].set_value(("generated.png", _png(seed=3, size=(96, 64)), "image/png")).run()
     html_page = _page_html(app)
@@ -207,13 +207,13 @@ def test_every_picture_travels_once_per_page(app):
 
 
 def test_repeated_words_get_labels_the_picker_can_tell_apart():
-    from app.page import word_labels
+    from captioner.app.page import word_labels
 
     assert word_labels(["a", "star", "and", "a", "star", "a"]) == ["a", "star", "and", "a (2)", "star (2)", "a (3)"]
 
 
 def test_models_offered_are_installed_bundled_ones_and_the_weights_folder(tmp_path, monkeypatch):
-    from app.streamlit_app import available_models
+    from captioner.app.streamlit_app import available_models
 
     bundled = tmp_path / "bundled"
     bundled.mkdir()
@@ -256,11 +256,11 @@ def test_the_apps_pixel_limit_can_be_raised_above_pillows_own(weights_dir, monke
 
 
 def test_app_command_passes_its_pixel_limit_to_the_page(monkeypatch):
-    import app.cli
+    import captioner.app.cli
 
     calls = []
-    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append(env))
-    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append(env) or 0)
+    monkeypatch.setattr(captioner.app.cli.os, "execve", lambda path, cmd, env: calls.append(env))
+    monkeypatch.setattr(captioner.app.cli.subprocess, "call", lambda cmd, env: calls.append(env) or 0)
     args = build_parser().parse_args(["app", "--max-pixels", "300000000"])
     assert args.func(args) == 0
     assert calls[0]["CAPTIONER_APP_MAX_PIXELS"] == "300000000"
@@ -287,13 +287,13 @@ def test_an_unusable_checkpoint_shows_an_error(tmp_path, monkeypatch):
 
 
 def test_app_command_starts_streamlit_on_the_page(monkeypatch):
-    import app.cli
+    import captioner.app.cli
 
     calls = []
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     # os.execve would make this process the server
-    monkeypatch.setattr(app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))
-    monkeypatch.setattr(app.cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(captioner.app.cli.os, "execve", lambda path, cmd, env: calls.append((cmd, env)))
+    monkeypatch.setattr(captioner.app.cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
     args = build_parser().parse_args(["app", "--port", "8765", "--address", "0.0.0.0", "--workers", "3",
                                       "--batch", "2"])
     assert args.func(args) == 0
@@ -379,7 +379,7 @@ def test_the_model_card_never_shows_the_trainers_paths(weights_dir, tmp_path, mo
 
 
 def test_a_model_trained_for_one_step_says_step_not_steps():
-    from app.streamlit_app import model_details
+    from captioner.app.streamlit_app import model_details
 
     cap = tiny_captioner(seed=SEED)
     cap.meta["step"] = 1
@@ -409,7 +409,7 @@ class _Encodes:
 
 def test_an_upload_makes_no_figure_until_it_is_downloaded(app, monkeypatch):
     data = _png(seed=12)  # an image no other test uploads: results are shared between sessions
-    from app import serving
+    from captioner.app import serving
 
     figures = []
     draw = serving.attention_figure
@@ -435,7 +435,7 @@ def test_a_caption_waits_its_turn_for_the_model_and_says_so(app):
     import threading
     import time
 
-    from app.serving import caption_gate
+    from captioner.app.serving import caption_gate
 
     gate = caption_gate()  # the one the page's sessions share
     held = threading.Semaphore(0)
@@ -476,7 +476,7 @@ def test_an_image_captioned_in_one_session_is_not_captioned_again_in_another(app
 
 
 def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app, monkeypatch):
-    from app.serving import RESULTS_KEPT, Shown
+    from captioner.app.serving import RESULTS_KEPT, Shown
 
     seeds = range(100, 100 + RESULTS_KEPT + 5)
     for seed in seeds:
@@ -578,7 +578,7 @@ def test_a_truncated_or_turned_jpeg_is_not_shown_as_uploaded(app):
 
 
 def test_a_one_head_result_has_no_head_picker():
-    from app.page import Word, result_html
+    from captioner.app.page import Word, result_html
 
     html = result_html("r1", [Word("a", "n", "p")], {(0, None): "data:,x"}, "url(data:,y)", 1.0, (2, 2))
     assert 'class="heads"' not in html and html.count('class="head-group"') == 1

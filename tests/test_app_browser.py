@@ -71,7 +71,7 @@ def weights_dir(tmp_path_factory) -> Path:
 def served(weights_dir, tmp_path_factory):
     """(address, server process): the page served as `captioner app` serves it, on a free local port;
     always stopped afterwards."""
-    from app.cli import server_env, streamlit_command
+    from captioner.app.cli import server_env, streamlit_command
 
     workdir = tmp_path_factory.mktemp("server")
     log = workdir / "streamlit.log"
@@ -366,8 +366,8 @@ def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser)
     """A model with several heads: the result's HTML (as the page shows it, with the page's
     stylesheet) has a head picker, the mean first; the big view and the grid show the layer of
     the picked word and head."""
-    from app.page import STYLE, Word, result_html
-    from app.pictures import data_uri, png
+    from captioner.app.page import STYLE, Word, result_html
+    from captioner.app.pictures import data_uri, png
 
     heads, n = 2, 3
     words = [Word(f"w{t}", f"note {t}", f"panel {t}") for t in range(n)]

@@ -15,7 +15,7 @@ import torch
 from benchmarks.attention import cli, plan, runner, scoring, store
 from benchmarks.attention import stats as cs
 from benchmarks.attention import table as ct
-from train.checkpoints import last_step, last_step_model
+from captioner.train.checkpoints import last_step, last_step_model
 
 
 # ----------------------------------------------------------------------------- BLEU
@@ -217,12 +217,12 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     assert list(out.iterdir()) and not (out / "results").exists()  # one results file, no tree
 
     stamps = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("results*")}
-    import train.loop
+    import captioner.train.loop
 
     def no_training(*a, **k):
         raise AssertionError("a finished (row, seed) was trained again")
 
-    monkeypatch.setattr(train.loop, "train", no_training)
+    monkeypatch.setattr(captioner.train.loop, "train", no_training)
     assert cli.main(_args(tmp_path, rows)) == 0  # nor timed again: timing.json has both
     assert stamps == {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("results*")}
 
@@ -234,10 +234,10 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
 
 
 def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch):
-    import train.loop
-    from train.config import load_config
+    import captioner.train.loop
+    from captioner.train.config import load_config
 
-    run_training = train.loop.train
+    run_training = captioner.train.loop.train
 
     rows_file = _rows_file(tmp_path)
     the_plan = plan.load_plan(rows_file)
@@ -251,7 +251,7 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     assert last_step(run_dir) == 2
     tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
     calls = []
-    monkeypatch.setattr(train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
+    monkeypatch.setattr(captioner.train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
     out = tmp_path / "out" / "tiny-3steps"
     assert runner.run_job([additive], 0, recipe, "tiny", steps, tests, store.Results(out),
                           tmp_path / "runs" / "tiny-3steps", 3) == 0
@@ -353,12 +353,12 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
     assert scored_here.keys() == scored_there.keys()
     assert all(torch.equal(scored_here[k], scored_there[k]) for k in scored_here)  # the weight average, as there
 
-    import train.loop
+    import captioner.train.loop
 
     def no_training(*a, **k):
         raise AssertionError("a packed run was trained again")
 
-    monkeypatch.setattr(train.loop, "train", no_training)
+    monkeypatch.setattr(captioner.train.loop, "train", no_training)
     assert cli.main([*gpu_box, *here, "--skip-timing"]) == 0
     rec = _record(store.Results(out), "additive", 0)
     assert rec["steps"] == 3 and rec["trained_on"] == "cpu" and sorted(rec["tests"]) == ["test7001", "test7002",
@@ -388,8 +388,8 @@ def test_unpack_refuses_anything_but_a_pack_of_runs_and_writes_nothing(tmp_path,
 
 
 def test_a_device_trains_in_fp32_and_a_run_is_never_resumed_on_another_device(tmp_path):
-    import train.loop
-    from train.config import load_config
+    import captioner.train.loop
+    from captioner.train.config import load_config
 
     rows_file = _rows_file(tmp_path)
     the_plan = plan.load_plan(rows_file)
@@ -402,7 +402,7 @@ def test_a_device_trains_in_fp32_and_a_run_is_never_resumed_on_another_device(tm
                                                               and s != "optim.precision=fp32"]
     run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
     stopped = plan.training_sets(recipe, steps, additive, 0)
-    train.loop.train(load_config(plan.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+    captioner.train.loop.train(load_config(plan.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
                      run_dir, progress=False)
     with pytest.raises(RuntimeError, match="started with optim.device=auto, not cuda:0"):
         runner.run_job([additive], 0, recipe, "tiny", steps, None, store.Results(tmp_path / "out"),

@@ -12,7 +12,7 @@ import torch
 from captioner.checkpoint import load_checkpoint
 from test_train import tiny_config
 from tiny import tiny_captioner, tiny_image
-from train.config import to_toml
+from captioner.train.config import to_toml
 
 CAPTIONER = [sys.executable, "-m", "captioner.cli"]
 

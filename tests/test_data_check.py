@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from captioner.cli import main as captioner_main
-from train.data_cli import main as data_main
+from captioner.train.data_cli import main as data_main
 
 
 def coco_config(tmp_path: Path, photos: Path, **extra: object) -> Path:
@@ -110,7 +110,7 @@ PAPER_CONFIGS = sorted(p for p in (Path(__file__).parent.parent / "train" / "con
 
 @pytest.mark.parametrize("path", PAPER_CONFIGS, ids=[p.stem for p in PAPER_CONFIGS])
 def test_paper_configs_use_the_papers_encoder_and_say_where_they_depart(path):
-    from train.config import load_config
+    from captioner.train.config import load_config
 
     cfg = load_config(path)
     m = cfg.model

@@ -12,7 +12,7 @@ from captioner.checkpoint import load_checkpoint
 from captioner.model import CaptionModel, ModelConfig
 from test_train import tiny_config
 from tiny import tiny_captioner, tiny_image
-from train.config import to_toml
+from captioner.train.config import to_toml
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 

@@ -8,7 +8,7 @@ import torch
 from captioner.checkpoint import load_checkpoint
 from test_distributed import TORCHRUN, _run
 from test_train import tiny_config
-from train.config import to_toml
+from captioner.train.config import to_toml
 
 
 @pytest.mark.slow

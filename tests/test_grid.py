@@ -148,7 +148,7 @@ def test_grid_fields_are_checked_with_clear_errors():
 
 
 def test_train_config_takes_the_grid_fields_and_refuses_bad_ones(tmp_path):
-    from train.config import apply_overrides, load_config
+    from captioner.train.config import apply_overrides, load_config
 
     cfg = load_config(None, ["model.grid_layers=2", "model.grid_heads=4", "model.rel_pos_clip=3"])
     assert (cfg.model.grid_layers, cfg.model.grid_heads, cfg.model.rel_pos_clip) == (2, 4, 3)
@@ -271,7 +271,7 @@ def test_tiny_model_with_a_grid_layer_trains_and_the_bias_table_learns():
 
 
 def test_training_on_cached_features_trains_the_grid_layers(tiny_coco, tmp_path):
-    from train.loop import train
+    from captioner.train.loop import train
     from tests.test_train import _nll_log, tiny_config as train_config
 
     run = tmp_path / "run"

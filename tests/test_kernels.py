@@ -12,8 +12,8 @@ from tiny import tiny_captioner, tiny_image, token_batch
 
 from captioner import kernels
 from captioner.decoding import beam_search
-from train.config import HardConfig
-from train.losses import HardAttentionObjective, soft_loss
+from captioner.train.config import HardConfig
+from captioner.train.losses import HardAttentionObjective, soft_loss
 
 CAPTIONS = ["a red circle and a blue square", "a small green star"]
 VARIANTS = {

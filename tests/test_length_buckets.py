@@ -4,7 +4,7 @@ caption once per epoch, the same batches for the same (seed, epoch), and exact r
 import torch
 
 from captioner.checkpoint import load_checkpoint
-from train.loop import _epoch_batches, train
+from captioner.train.loop import _epoch_batches, train
 from test_train import tiny_config
 
 
@@ -58,7 +58,7 @@ def test_length_buckets_change_the_batches_training_sees(tiny_coco, tmp_path, mo
     """The switch reaches the loop. Batches cut from one sorted run span disjoint ranges of
     lengths, so within an epoch their spreads (longest - shortest) add up to at most the
     spread of all the lengths seen; random batches each span most of it."""
-    import train.loop as loop
+    import captioner.train.loop as loop
 
     seen, real = [], loop.soft_loss
 

@@ -100,8 +100,8 @@ def test_hard_attention_learns_where_to_look_only_through_the_score_function():
     """With sampled contexts (the expected context off), z_t = beta_t a_{s_t} does not depend
     on alpha: the attention's own parameters get gradient only from the REINFORCE term
     lambda_r (r - b) d log p(s|a). With it every parameter learns; without it they get none."""
-    from train.config import HardConfig
-    from train.losses import HardAttentionObjective
+    from captioner.train.config import HardConfig
+    from captioner.train.losses import HardAttentionObjective
 
     model = _model(attention="hard").train()
     tokens, lengths = token_batch(tiny_vocab(), CAPTIONS)

@@ -8,8 +8,8 @@ from captioner.encoders import Annotations
 from captioner.grounding import parse_mentions
 from captioner.inference import Captioner
 from captioner.model import Decoder, ModelConfig
-from train.loop import train
-from train.precision import MixedPrecision
+from captioner.train.loop import train
+from captioner.train.precision import MixedPrecision
 
 from test_train import tiny_config
 from tiny import tiny_captioner

@@ -19,8 +19,8 @@ from torch import nn
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel, ModelConfig
 from tiny import tiny_captioner, token_batch
-from train.config import HardConfig
-from train.losses import HardAttentionObjective, caption_log_likelihood
+from captioner.train.config import HardConfig
+from captioner.train.losses import HardAttentionObjective, caption_log_likelihood
 
 CAPTION = "red circle"
 

@@ -25,9 +25,9 @@ from pretrained import fake_torch_home, forbid_downloads
 from test_distributed import TORCHRUN, _run
 from test_train import tiny_config as tiny_train_config
 from tiny import tiny_config, tiny_image, tiny_vocab
-from train.config import ScstConfig, load_config, to_toml
-from train.loop import train
-from train.scst import ScstObjective, sample_captions, sample_log_probs
+from captioner.train.config import ScstConfig, load_config, to_toml
+from captioner.train.loop import train
+from captioner.train.scst import ScstObjective, sample_captions, sample_log_probs
 
 # A corpus of six images' references: words in every image ("a"), in one image only, and
 # repeated; punctuation and capitals that the tokenizer must remove.

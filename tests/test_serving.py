@@ -62,7 +62,7 @@ def test_overlays_in_one_go_equal_one_at_a_time():
 
 
 def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
-    from app.gate import Gate
+    from captioner.app.gate import Gate
 
     gate = Gate(slots=2)
     running, most, order, told, waited = [0], [0], [], {}, {}
@@ -95,7 +95,7 @@ def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
 
 
 def test_a_job_that_fails_gives_its_turn_back():
-    from app.gate import Gate
+    from captioner.app.gate import Gate
 
     gate = Gate(slots=1)
 
@@ -124,7 +124,7 @@ def _queue_behind(gate, jobs: list[tuple[object, int]], work, out: dict) -> list
 
 
 def test_jobs_waiting_with_the_same_key_run_together_in_order():
-    from app.gate import Gate
+    from captioner.app.gate import Gate
 
     gate = Gate(slots=1, batch=3)
     calls, out = [], {}
@@ -146,7 +146,7 @@ def test_jobs_waiting_with_the_same_key_run_together_in_order():
 
 
 def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back():
-    from app.gate import Gate
+    from captioner.app.gate import Gate
 
     gate = Gate(slots=1, batch=4)
     out = {}
@@ -167,8 +167,8 @@ def test_captions_made_together_are_each_image_s_own():
     """Four uploads queued behind a busy model are captioned in one batch, each as it is alone."""
     import io
 
-    from app.gate import Gate
-    from app.serving import caption_image
+    from captioner.app.gate import Gate
+    from captioner.app.serving import caption_image
     from captioner.inference import DecodeOptions
     from tiny import tiny_captioner
 
@@ -207,7 +207,7 @@ def test_captions_made_together_are_each_image_s_own():
 
 
 def test_the_results_cache_keeps_the_most_recently_used():
-    from app.serving import ResultCache
+    from captioner.app.serving import ResultCache
 
     cache = ResultCache(max_entries=3)
     for k in "abcd":
@@ -250,7 +250,7 @@ def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
 def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
     """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
     waiting message itself may raise. The queued job's place must not be lost with it."""
-    from app.gate import Gate
+    from captioner.app.gate import Gate
 
     gate = Gate(slots=1)
     release = _hold(gate)
@@ -270,7 +270,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
     (out = photo (1 - a) + colour a): that must be the overlay the figure and the CLI draw."""
     import io
 
-    from app.pictures import attention_layers, layer_size, png
+    from captioner.app.pictures import attention_layers, layer_size, png
 
     alphas = torch.softmax(torch.randn(3, grid[0] * grid[1], generator=torch.Generator().manual_seed(2)), 1)
     alphas = alphas.view(3, *grid)
@@ -290,7 +290,7 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
 
 def test_the_pictures_of_a_result_are_small():
     """A result travels inside the page: one photo and one small layer per word."""
-    from app.pictures import attention_layers, png
+    from captioner.app.pictures import attention_layers, png
 
     alphas = torch.softmax(torch.randn(20, 196, generator=torch.Generator().manual_seed(3)), 1).view(20, 14, 14)
     layers = attention_layers(alphas, (560, 420))
@@ -303,9 +303,9 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     each head's layer drawn from that head's own maps, and the picker offers the heads."""
     import io
 
-    from app.gate import Gate
-    from app.pictures import attention_layers, data_uri, png
-    from app.serving import caption_image
+    from captioner.app.gate import Gate
+    from captioner.app.pictures import attention_layers, data_uri, png
+    from captioner.app.serving import caption_image
     from captioner.inference import DecodeOptions
     from tiny import tiny_captioner
 

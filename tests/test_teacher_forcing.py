@@ -8,7 +8,7 @@ from torch import nn
 from captioner import kernels
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
-from train.losses import caption_log_likelihood
+from captioner.train.losses import caption_log_likelihood
 
 B, L, D, T = 4, 6, 9, 7
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from captioner import kernels
 from captioner.model import DecoderOutput
-from train.losses import caption_log_likelihood, token_log_prob
+from captioner.train.losses import caption_log_likelihood, token_log_prob
 
 
 def _reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ import torch
 from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
 from captioner.model import CaptionModel, ModelConfig
-from train.averaging import WeightAverage
-from train.config import HardConfig, TrainConfig, apply_overrides, load_config, to_toml
-from train.loop import train, validation_value
+from captioner.train.averaging import WeightAverage
+from captioner.train.config import HardConfig, TrainConfig, apply_overrides, load_config, to_toml
+from captioner.train.loop import train, validation_value
 
 CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*.toml"))
 
@@ -253,8 +253,8 @@ def test_configs_of_older_runs_with_amp_still_load(tmp_path):
 def test_adam_and_sgd_step_as_one_fused_kernel_with_the_plain_form_s_updates(name):
     """build_optimizer's fused Adam/SGD against torch's for-each-parameter form: the same
     weights after a few steps (the fused kernel is the speed, not a different rule)."""
-    from train.config import OptimConfig
-    from train.loop import build_optimizer
+    from captioner.train.config import OptimConfig
+    from captioner.train.loop import build_optimizer
 
     o = OptimConfig(optimizer=name, weight_decay=1e-4)
     torch.manual_seed(0)

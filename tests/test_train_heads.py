@@ -8,7 +8,7 @@ import torch
 from captioner.inference import Captioner, DecodeOptions
 from test_train import tiny_config
 from tiny import tiny_image
-from train.loop import train
+from captioner.train.loop import train
 
 
 def test_hard_attention_with_two_heads_and_a_learned_width_trains_and_captions(tiny_coco, tmp_path):

@@ -8,8 +8,8 @@ from captioner.cli import main
 from captioner.data.shapes import generate_dataset
 from captioner.inference import Captioner
 from test_train import tiny_config
-from train.datainfo import training_data_name
-from train.loop import train
+from captioner.train.datainfo import training_data_name
+from captioner.train.loop import train
 
 
 def _frames(err: str) -> list[str]:

@@ -21,8 +21,8 @@ from captioner.cli import main as captioner_main
 from captioner.data.coco import load_split
 from test_data_check import coco_config
 from test_train import tiny_config
-from train.config import DataConfig, to_toml
-from train.data_cli import main as data_main
+from captioner.train.config import DataConfig, to_toml
+from captioner.train.data_cli import main as data_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "train" / "configs"
@@ -141,9 +141,9 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_last_checkpoint_stays_int
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(tiny_config(tiny_coco, **{"optim.max_steps": 12, "optim.save_every": 2,
                                                           "val.every_epochs": 0})))
-    import train.loop
+    import captioner.train.loop
 
-    real_fdopen, real_save, saved = os.fdopen, train.loop.atomic_save, []
+    real_fdopen, real_save, saved = os.fdopen, captioner.train.loop.atomic_save, []
 
     class FullDisk:
         """A file on a disk that fills up half-way through the write."""
@@ -175,7 +175,7 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_last_checkpoint_stays_int
         saved.append(obj["train_state"]["step"])
 
     monkeypatch.setattr(os, "fdopen", fdopen)
-    monkeypatch.setattr(train.loop, "atomic_save", atomic_save)
+    monkeypatch.setattr(captioner.train.loop, "atomic_save", atomic_save)
     run = tmp_path / "run"
     code = captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"])
     err = capsys.readouterr().err
@@ -201,15 +201,15 @@ def test_a_feature_cache_that_does_not_fit_on_the_disk_is_one_line(tmp_path, pho
 
 
 def test_the_data_summary_comes_before_the_feature_cache_is_built(tmp_path, photos, capsys, monkeypatch):
-    import train.features
+    import captioner.train.features
 
-    real = train.features.build_cache
+    real = captioner.train.features.build_cache
 
     def build_cache(*args, **kwargs):
         print("<building the feature cache>", file=sys.stderr)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train.features, "build_cache", build_cache)
+    monkeypatch.setattr(captioner.train.features, "build_cache", build_cache)
     config = coco_config(tmp_path, photos, **_cached())
     assert captioner_main(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "--quiet"]) == 0
     err = capsys.readouterr().err

@@ -129,7 +129,7 @@ class HardConfig:
     moving-average baseline of the same, weighted 0.1, entropy bonus 0.002, as in the
     authors' code (capgen.py), each averaged over the captions of the minibatch like the
     NLL (the paper's eq. 12), so that the weights mean the same at any batch size; see
-    ``train.losses.HardAttentionObjective``. ``reduction = "sum"`` is capgen's form, which
+    ``captioner.train.losses.HardAttentionObjective``. ``reduction = "sum"`` is capgen's form, which
     adds the two terms over the captions (their weight grows with the batch size)."""
 
     reward: str = "word_mean"  # word_mean: mean over the caption's words of log p | caption: their sum
@@ -145,7 +145,7 @@ class HardConfig:
 
 @dataclass
 class ScstConfig:
-    """Self-critical sequence training (Rennie et al. 2017; ``train.scst``): when enabled,
+    """Self-critical sequence training (Rennie et al. 2017; ``captioner.train.scst``): when enabled,
     every training step samples captions and follows their CIDEr-D against a baseline
     instead of the cross-entropy (or hard attention's REINFORCE) objective. Start it from a
     cross-entropy checkpoint (``model.init_from``) at a learning rate well below

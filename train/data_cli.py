@@ -8,7 +8,7 @@ images are missing or unreadable, 2 when the annotations or split file themselve
 missing (a one-line error saying where to get them).
 
 Registered into the ``captioner`` command through the ``captioner.commands`` entry point;
-also runs as ``python -m train.data_cli check --config FILE``.
+also runs as ``python -m captioner.train.data_cli check --config FILE``.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
-    from train.checkpoints import load_weights
+    from captioner.train.checkpoints import load_weights
 
     if not (args.data / "instances_test.json").is_file():
         raise UsageError(f"{args.data} has no instances_test.json: make one with captioner shapes --train 0 "

@@ -105,7 +105,7 @@ def training_sets(recipe: dict, steps: int, row: Row, seed: int, device: str | N
 
 def training_config(recipe: dict, steps: int, row: Row, seed: int, device: str | None = None):
     """The TrainConfig of one (row, seed) training."""
-    from train.config import load_config
+    from captioner.train.config import load_config
 
     return load_config(ROOT / recipe["config"], training_sets(recipe, steps, row, seed, device))
 
@@ -124,7 +124,7 @@ def check_rows(rows: list[Row], recipe: dict, steps: int) -> None:
     """Every row's overrides must name fields this code has, and its model the parameters
     it needs: else one error naming each such row and field, before anything trains."""
     from captioner.model import CaptionModel
-    from train.config import model_config
+    from captioner.train.config import model_config
 
     problems = []
     for row in rows:

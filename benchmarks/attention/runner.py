@@ -34,8 +34,8 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     import torch
 
     from captioner.checkpoint import load_checkpoint
-    from train.checkpoints import last_step, model_at_last_step, run_device
-    from train.loop import train
+    from captioner.train.checkpoints import last_step, model_at_last_step, run_device
+    from captioner.train.loop import train
 
     pending = [r for r in rows if results is None or not results.done(r.name, seed)]
     if not pending:
@@ -85,7 +85,7 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     returns the failures."""
     from tqdm import tqdm
 
-    from train.checkpoints import last_step
+    from captioner.train.checkpoints import last_step
 
     by_key = by_training(rows)
     for key in by_key:  # records a job handed over before this process could add them

@@ -22,8 +22,8 @@ def time_trainings(rows: list[Row], recipe: dict, out: Path, steps: int, rounds:
     on another occasion keep their figures (each says when it was taken)."""
     import torch
 
-    from train.config import load_config
-    from train.loop import train
+    from captioner.train.config import load_config
+    from captioner.train.loop import train
 
     measured = max(warmup, steps // warmup * warmup)
     keys = {k: r[0] for k, r in by_training(rows).items()}

@@ -1,5 +1,5 @@
 """Trained on one machine, scored on another: finished runs packed as slim checkpoints
-(train.checkpoints.slim_checkpoint) with their logs into tar files, and unpacked into the
+(captioner.train.checkpoints.slim_checkpoint) with their logs into tar files, and unpacked into the
 runs folder of the machine that scores them.
 """
 
@@ -28,7 +28,7 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
     import torch
 
     from captioner.checkpoint import load_checkpoint
-    from train.checkpoints import slim_checkpoint
+    from captioner.train.checkpoints import slim_checkpoint
 
     dest.mkdir(parents=True, exist_ok=True)
     start = len(list(dest.glob("runs-*.tar")))
@@ -71,7 +71,7 @@ def unpack_runs(files: list[Path], runs: Path, steps: int) -> list[str]:
     import tarfile
 
     from captioner.checkpoint import CheckpointError
-    from train.checkpoints import last_step
+    from captioner.train.checkpoints import last_step
 
     found: list[str] = []
     for file in files:

@@ -54,6 +54,17 @@ def load_config_text(text):
     return TrainConfig.from_dict(tomllib.loads(text))
 
 
+def test_every_shipped_config_resolves_to_the_values_recorded_for_it():
+    """The shipped configs' every resolved value, types included (5 is not 5.0), as
+    tests/fixtures/build_resolved_configs.py recorded them: a config rewritten (as a delta on
+    another, say) trains what it trained before."""
+    recorded = json.loads((Path(__file__).parent / "fixtures" / "resolved_configs.json").read_text())
+    assert sorted(recorded) == sorted(p.stem for p in CONFIGS)
+    for path in CONFIGS:
+        got = load_config(path).to_dict()
+        assert json.dumps(got, sort_keys=True) == json.dumps(recorded[path.stem], sort_keys=True), path.stem
+
+
 def test_reinforce_defaults_are_the_authors_settings_averaged_per_caption():
     """capgen.py: the per-word mean cost against a baseline of the same, /10., entropy 0.002,
     b <- 0.9 b + 0.1 cost, the 0.5 coin; the known gradients averaged over the captions like

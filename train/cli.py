@@ -37,7 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .config import TrainConfig, apply_overrides, load_config
     from .data_cli import require_data
-    from .loop import RunWriteError, StartupError, new_run_dir, outcome_line, train
+    from .loop import RunWriteError, new_run_dir, outcome_line, train
+    from .startup import StartupError
 
     if args.resume is None and args.config is None:
         raise UsageError("give --config FILE for a new run, or --resume RUN_DIR")

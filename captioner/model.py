@@ -17,6 +17,7 @@ H hidden size, V vocabulary size.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,12 @@ class ModelConfig:
     hidden_dim: int = 512
     attention_dim: int = 512
     dropout: float = 0.5
-    attention: str = "soft"  # soft | hard | mean
-    score: str = "additive"
-    normalizer: str = "softmax"
+    attention: Literal["soft", "hard", "mean"] = "soft"
+    score: Literal["additive", "concat", "dot", "scaled_dot", "general", "cosine"] = "additive"
+    normalizer: Literal["softmax", "sparsemax"] = "softmax"
     local_window: float = 0.0
-    local_width: str = "fixed"  # fixed (local_window) | learned (predicted per step, starts at local_window)
+    # fixed: local_window; learned: predicted per step, starting at local_window
+    local_width: Literal["fixed", "learned"] = "fixed"
     heads: int = 1  # decoder attention heads; values of D/h each, concatenated and projected back to D
     # Self-attention over the grid cells before the decoder (grid.py): blocks (0: none),
     # heads, clip of the relative offsets, block width (0: min(D, 512)), feed-forward (0: 2x width).

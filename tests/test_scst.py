@@ -19,13 +19,13 @@ from captioner.cider import CiderD, cider_d
 from captioner.encoders import Annotations
 from captioner.images import Preprocess
 from captioner.metrics import _prepare
-from captioner.model import CaptionModel, ModelConfig
+from captioner.model import CaptionModel
 from captioner.vocab import tokenize
 from pretrained import fake_torch_home, forbid_downloads
 from test_distributed import TORCHRUN, _run
 from test_train import tiny_config as tiny_train_config
 from tiny import tiny_config, tiny_image, tiny_vocab
-from captioner.train.config import ScstConfig, load_config, to_toml
+from captioner.train.config import ScstConfig, load_config, model_config, to_toml
 from captioner.train.loop import train
 from captioner.train.scst import ScstObjective, sample_captions, sample_log_probs
 
@@ -292,9 +292,7 @@ def test_shapes_scst_starts_from_demo_soft_on_its_data():
     cfg, soft = load_config(CONFIGS / "shapes-scst.toml"), load_config(CONFIGS / "shapes-soft.toml")
     assert cfg.scst.enabled and cfg.optim.lr == 5e-5
     source = load_checkpoint(Path(__file__).resolve().parents[1] / cfg.model.init_from)
-    shape = {k: v for k, v in vars(cfg.model).items() if k not in ("init_from", "encoder_from", "resize")}
-    model = CaptionModel(ModelConfig.from_dict({**shape, "vocab_size": len(source["vocab"]),
-                                                "image_size": (cfg.model.image_size,) * 2}))
+    model = CaptionModel(model_config(cfg.model, len(source["vocab"])))
     model.load_state_dict(source["state_dict"])  # strict: every weight fits
     for key in ("dir", "train_split", "shapes_train", "shapes_seed", "shapes_image_size", "min_count",
                 "max_vocab", "max_caption_len"):

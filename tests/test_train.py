@@ -1,9 +1,7 @@
-"""Training on the tiny COCO-format fixture: the loss falls, resume is exact, configs load."""
+"""Training on the tiny COCO-format fixture: the loss falls, resume is exact."""
 
 import dataclasses
 import json
-import tomllib
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +10,8 @@ from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
 from captioner.model import CaptionModel, ModelConfig
 from captioner.train.averaging import WeightAverage
-from captioner.train.config import HardConfig, TrainConfig, apply_overrides, load_config, to_toml
+from captioner.train.config import HardConfig, load_config
 from captioner.train.loop import train, validation_value
-
-CONFIGS = sorted((Path(__file__).parent.parent / "train" / "configs").glob("*.toml"))
-
 
 def tiny_config(data_dir, **sets):
     base = [
@@ -31,27 +26,6 @@ def tiny_config(data_dir, **sets):
 
 def _nll_log(run_dir):
     return [r["nll"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "nll" in r]
-
-
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_every_shipped_config_loads_with_the_values_it_states(path):
-    cfg = load_config(path)
-    assert cfg.name == path.stem
-    assert cfg.model.attention in ("soft", "hard", "mean")
-    raw = tomllib.loads(path.read_text())
-    for section, values in raw.items():
-        if isinstance(values, dict):
-            for key, value in values.items():
-                got = getattr(getattr(cfg, section), key)
-                assert got == value and type(got) is type(value) or isinstance(value, int) and got == float(value), \
-                    f"{section}.{key}: {got!r} from {value!r}"
-    assert load_config_text(to_toml(cfg)) == cfg  # what a run writes reads back the same
-    if cfg.model.attention == "hard":  # the hard configs say which REINFORCE they use
-        assert set(raw["hard"]) == {f.name for f in dataclasses.fields(HardConfig)}
-
-
-def load_config_text(text):
-    return TrainConfig.from_dict(tomllib.loads(text))
 
 
 def test_reinforce_defaults_are_the_authors_settings_averaged_per_caption():
@@ -88,28 +62,6 @@ def test_the_encoder_starts_from_a_checkpoint_and_the_decoder_fresh(tiny_coco, t
     bad = tiny_config(tiny_coco, **{"model.encoder": "small8", "model.encoder_from": str(first / "last.pt")})
     with pytest.raises(ValueError, match="encoder_from"):
         train(bad, tmp_path / "bad", progress=False)
-
-
-def test_a_config_file_with_an_unknown_key_or_a_wrong_type_is_refused(tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_text('name = "x"\n[hard]\nlambda = 0.1\n')
-    with pytest.raises(ValueError, match="unknown config key hard.lambda"):
-        load_config(bad)
-    bad.write_text('name = "x"\n[optim]\ncache_images = true\n')
-    with pytest.raises(ValueError, match="unknown config key optim.cache_images"):
-        load_config(bad)
-    bad.write_text('name = "x"\n[data]\ncache_images = "sometimes"\n')
-    with pytest.raises(ValueError, match="must be true or false"):
-        load_config(bad)
-
-
-def test_overrides_are_typed_and_checked(tmp_path):
-    cfg = tiny_config(tmp_path, **{"optim.epochs": 3})
-    assert cfg.optim.epochs == 3 and isinstance(cfg.optim.lr, float)
-    with pytest.raises(ValueError, match="unknown config key"):
-        apply_overrides(cfg, ["optim.epoch=3"])
-    with pytest.raises(ValueError, match="must be a int"):
-        apply_overrides(cfg, ["optim.epochs=many"])
 
 
 def test_fixture_trains_and_the_loss_falls(tiny_coco, tmp_path):
@@ -239,14 +191,6 @@ def test_a_figure_with_nothing_to_score_counts_as_zero():
     figures = {"object_accuracy": 0.0, "pointing_accuracy": None, "CIDEr": 0.2}
     assert validation_value("pointing_accuracy", figures) == 0.0
     assert validation_value("min:CIDEr,pointing_accuracy", figures) == 0.0
-
-
-def test_configs_of_older_runs_with_amp_still_load(tmp_path):
-    saved = tiny_config(tmp_path).to_dict()
-    del saved["optim"]["precision"]
-    for amp, precision in ((True, "auto"), (False, "fp32")):
-        saved["optim"]["amp"] = amp
-        assert TrainConfig.from_dict(saved).optim.precision == precision
 
 
 @pytest.mark.parametrize("name", ["adam", "sgd"])

@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "config or data, or a run folder that cannot be written, said in one line before anything "
                     "is written; 130 interrupted (saved).")
     p.add_argument("--config", type=Path, default=None,
-                   help="TOML config, e.g. train/configs/shapes-soft.toml (not needed with --resume)")
+                   help="TOML config, e.g. train/configs/shapes-soft.toml (not needed with --resume); one that "
+                        "names a base (base = \"FILE\", relative to its folder) states only what differs from it")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set optim.epochs=5 (repeatable)")
     p.add_argument("--run-dir", type=Path, default=None,
@@ -36,7 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .config import TrainConfig, apply_overrides, load_config
     from .data_cli import require_data
-    from .loop import RunWriteError, StartupError, new_run_dir, outcome_line, train
+    from .loop import RunWriteError, new_run_dir, outcome_line, train
+    from .startup import StartupError
 
     if args.resume is None and args.config is None:
         raise UsageError("give --config FILE for a new run, or --resume RUN_DIR")

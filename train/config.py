@@ -1,12 +1,28 @@
-"""Training configuration: a TOML file, overridable with ``--set section.key=value``."""
+"""Training configuration: a TOML file, overridable with ``--set section.key=value``.
+
+A config may start from another and state only what differs: ``base = "shapes-soft.toml"``
+(a path relative to the config's own folder) takes every value of that config, ``name``
+included; the file's sections then merge into the base's key by key, and a base may have a
+base of its own.
+
+Every value is checked against its field's annotation as it is read: a bool, an int, a
+float, a string, or one of a ``Literal``'s choices. The [model] section is ``captioner``'s
+``ModelConfig`` (its fields, annotations and defaults) less what a run sets itself, plus
+the keys that say how a run starts; ``model_config`` makes the one from the other.
+"""
 
 from __future__ import annotations
 
 import ast
 import os
 import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
+from functools import cache
 from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
+
+from captioner.encoders import encoder_names
+from captioner.model import ModelConfig
 
 
 @dataclass
@@ -51,12 +67,17 @@ class DataConfig:
         return max(0, min(self.workers, max(1, cores // ranks_here)))
 
 
+# ModelConfig's fields that a run sets itself: the vocabulary's size, and the annotation size
+# its encoder gives.
+SET_BY_THE_RUN = ("vocab_size", "annotation_dim")
+
+
 @dataclass
-class ModelSection:
-    encoder: str = "small"
-    encoder_pretrained: bool = False
-    fine_tune_blocks: int = 0
-    freeze_encoder: bool = False  # no encoder weight trains (needed by the feature cache for "small")
+class ModelStart:
+    """The [model] keys of training alone, beside ModelConfig's: where the weights start, and
+    how the images are read. Training's images are square: ``image_size`` is one side (it
+    takes the place of ModelConfig's (height, width))."""
+
     init_from: str = ""  # start from this checkpoint's weights (same architecture), e.g. hard from soft
     # Start the encoder alone from this checkpoint (a bundled model's name or a path), the
     # decoder fresh: with freeze_encoder, the paper's set-up of a decoder over fixed features.
@@ -65,21 +86,25 @@ class ModelSection:
     # 0: the whole image resized to image_size (no crop). N: torchvision's ImageNet recipe,
     # the shorter side resized to N then the centre image_size cropped (the paper: 256 -> 224).
     resize: int = 0
-    embed_dim: int = 512
-    hidden_dim: int = 512
-    attention_dim: int = 512
-    dropout: float = 0.5
-    attention: str = "soft"  # soft | hard | mean
-    score: str = "additive"
-    normalizer: str = "softmax"
-    local_window: float = 0.0
-    local_width: str = "fixed"  # fixed | learned (predicted per step, starting at local_window)
-    heads: int = 1  # decoder attention heads
-    grid_layers: int = 0  # blocks of self-attention over the grid cells (0: none)
-    grid_heads: int = 8
-    rel_pos_clip: int = 4  # row and column offsets clipped to +-this for the position bias
-    grid_dim: int = 0  # width inside the blocks (0: min(annotation size, 512))
-    grid_ff: int = 0  # feed-forward size (0: twice the width)
+
+
+def _model_section() -> type:
+    """The [model] section's dataclass: ModelConfig's fields in their order, with their
+    annotations and defaults, less SET_BY_THE_RUN and with ModelStart's in place of those of
+    the same name; then ModelStart's others."""
+    start = {f.name: f for f in fields(ModelStart)}
+    shape = [start.pop(f.name, f) for f in fields(ModelConfig) if f.name not in SET_BY_THE_RUN]
+    kinds = {**get_type_hints(ModelConfig), **get_type_hints(ModelStart)}
+    return make_dataclass("ModelSection", [(f.name, kinds[f.name], _default(f)) for f in [*shape, *start.values()]],
+                          namespace={"__module__": __name__, "__doc__": "The [model] section: ModelConfig's fields "
+                                     "but those a run sets itself, and ModelStart's."})
+
+
+def _default(f: Field) -> Field:
+    return field(default=f.default) if f.default is not MISSING else field(default_factory=f.default_factory)
+
+
+ModelSection = _model_section()
 
 
 @dataclass
@@ -88,7 +113,8 @@ class OptimConfig:
     max_steps: int = 0  # 0: no limit
     max_minutes: float = 0.0  # 0: no limit; stop (and save) after this much training time
     batch_size: int = 64  # the global batch: under torchrun each rank takes its share
-    optimizer: str = "adam"  # adam | rmsprop (centred, momentum 0.9, as the authors' code) | sgd (momentum 0.9)
+    # rmsprop: centred, momentum 0.9, as the authors' code; sgd: momentum 0.9
+    optimizer: Literal["adam", "rmsprop", "sgd"] = "adam"
     lr: float = 4e-4  # decoder
     encoder_lr: float = 1e-4  # encoder parameters that train (fine-tuning, or a from-scratch encoder)
     weight_decay: float = 0.0
@@ -100,7 +126,8 @@ class OptimConfig:
     ema: float = 0.0
     doubly_stochastic: float = 1.0  # lambda of sum_i (1 - sum_t alpha_ti)^2
     seed: int = 0
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16 (with a gradient scaler)
+    # auto: bf16 on CUDA, fp32 on CPU; fp16 with a gradient scaler (train/precision.py)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # torch.compile the decoder's per-word step with this backend: "" (off), "inductor"
     # (fused kernels; pays off on CUDA), or e.g. "aot_eager" (traces without generating code).
     compile: str = ""
@@ -132,13 +159,14 @@ class HardConfig:
     ``captioner.train.losses.HardAttentionObjective``. ``reduction = "sum"`` is capgen's form, which
     adds the two terms over the captions (their weight grows with the batch size)."""
 
-    reward: str = "word_mean"  # word_mean: mean over the caption's words of log p | caption: their sum
+    # word_mean: the mean over the caption's words of log p; caption: their sum
+    reward: Literal["word_mean", "caption"] = "word_mean"
     lambda_r: float = 0.1  # weight of the score-function term (the authors' "/10.")
     entropy: float = 0.002  # lambda_e, entropy bonus on every minibatch
     # How the score-function and entropy terms add over the B captions of a minibatch:
     # "mean" (1/B, like the NLL; the paper's estimator) or "sum" (capgen's: no 1/B beside a
     # mean NLL, so their weight is x B and changes with the batch size).
-    reduction: str = "mean"
+    reduction: Literal["mean", "sum"] = "mean"
     baseline_decay: float = 0.9  # b <- decay * b + (1 - decay) * mean over the minibatch of the reward
     expected_context_prob: float = 0.5  # per minibatch, use the expected (soft) context instead of a sample
 
@@ -155,7 +183,7 @@ class ScstConfig:
     enabled: bool = False
     samples: int = 5  # k captions drawn per image
     # loo: the mean reward of the image's other k - 1 samples | greedy: the greedy caption's reward (Rennie's)
-    baseline: str = "loo"
+    baseline: Literal["loo", "greedy"] = "loo"
     max_len: int = 20  # words per sampled caption (<end> not counted); longer samples are cut off
 
 
@@ -177,7 +205,7 @@ class TrainConfig:
         cfg = cls()
         for key, value in d.items():
             if key == "name":
-                cfg.name = str(value)
+                cfg.name = checked("name", str, value)
                 continue
             section = getattr(cfg, key, None)
             if section is None or not isinstance(value, dict):
@@ -189,33 +217,86 @@ class TrainConfig:
         return cfg
 
 
-def _set_field(section, section_name: str, key: str, value) -> None:
-    types = {f.name: f.type for f in fields(section)}
-    if key not in types:
-        raise ValueError(f"unknown config key {section_name}.{key}; known: {', '.join(sorted(types))}")
-    current = getattr(section, key)
-    if isinstance(current, bool):
+@cache
+def _kinds(section_type: type) -> dict[str, object]:
+    """A section's field name -> its annotation, resolved."""
+    return get_type_hints(section_type)
+
+
+def _set_field(section, section_name: str, key: str, value, text: str | None = None) -> None:
+    """Set ``section.key`` to ``value`` as its annotation wants it. ``text``: the value as
+    written after --set, taken whole for a string field (``--set model.init_from=123``)."""
+    kinds = _kinds(type(section))
+    if key not in kinds:
+        raise ValueError(f"unknown config key {section_name}.{key}; known: {', '.join(sorted(kinds))}")
+    kind = kinds[key]
+    if text is not None and not isinstance(value, str) and (kind is str or get_origin(kind) is Literal):
+        value = text
+    setattr(section, key, checked(f"{section_name}.{key}", kind, value))
+
+
+def checked(where: str, kind, value):
+    """``value`` as the annotation ``kind`` wants it (an int is a float too, true/false/1/0 a
+    bool), or a one-line ValueError naming ``where``, the value and what is allowed."""
+    if get_origin(kind) is Literal:
+        choices = get_args(kind)
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+        return value
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if isinstance(value, int) and value in (0, 1):  # bool is an int
+            return bool(value)
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if kind is str:
         if isinstance(value, str):
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{section_name}.{key} must be true or false, got {value!r}")
-            value = value.lower() in ("true", "1")
-        value = bool(value)
-    elif isinstance(current, (int, float)) and not isinstance(current, bool):
-        try:
-            value = type(current)(value)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{section_name}.{key} must be a {type(current).__name__}, got {value!r}") from e
-    else:
-        value = str(value)
-    setattr(section, key, value)
+            return value
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    raise TypeError(f"{where}: no check for values of type {kind!r}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
-    data: dict = {}
-    if path is not None:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    return apply_overrides(TrainConfig.from_dict(data), overrides)
+    return apply_overrides(TrainConfig.from_dict(read_config(path) if path is not None else {}), overrides)
+
+
+def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """The TOML file at ``path`` as a dict, merged over its base's when it names one."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ValueError(f"{path}: base must be a string, the path of another config, got {base!r}")
+    chain = (*_chain, path.resolve())
+    target = path.parent / base
+    if target.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain[chain.index(target.resolve()):], target.resolve()))
+        raise ValueError(f"config bases run in a circle: {cycle}")
+    if not target.is_file():
+        raise ValueError(f"{path}: base {base!r} is not a file ({target})")
+    return _merged(read_config(target, chain), data)
+
+
+def _merged(base: dict, delta: dict) -> dict:
+    """``base`` with ``delta``'s values over it; tables merge key by key."""
+    out = dict(base)
+    for key, value in delta.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
@@ -232,32 +313,28 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
             value = ast.literal_eval(raw)
         except (ValueError, SyntaxError):
             value = raw
-        _set_field(section, section_name, key, value)
+        _set_field(section, section_name, key, value, text=raw)
     check_model_section(cfg.model)
     check_scst_section(cfg.scst)
     return cfg
 
 
-# Fields of [model] that say how a run starts or reads its images, not the model's shape.
-TRAINING_ONLY_MODEL_FIELDS = ("init_from", "encoder_from", "resize")
-
-
-def model_config(m: ModelSection, vocab_size: int):
-    """The ``captioner`` ModelConfig a training config's [model] section describes: one
-    conversion for the training loop, the start-up check and the benchmarks."""
-    from captioner.model import ModelConfig
-
-    shape = {k: v for k, v in asdict(m).items() if k not in TRAINING_ONLY_MODEL_FIELDS}
-    return ModelConfig.from_dict({**shape, "vocab_size": vocab_size, "image_size": (m.image_size, m.image_size)})
+def model_config(m: ModelSection, vocab_size: int) -> ModelConfig:
+    """The ``captioner`` ModelConfig a training config's [model] section describes: the one
+    conversion, for the training loop, the start-up check and the benchmarks."""
+    shape = {f.name: getattr(m, f.name) for f in fields(ModelConfig) if f.name not in SET_BY_THE_RUN}
+    return ModelConfig(**{**shape, "vocab_size": vocab_size, "image_size": (m.image_size, m.image_size)})
 
 
 def check_model_section(m: ModelSection) -> None:
     """Refuse (ValueError, one line) at start-up a model section that ModelConfig refuses,
     rather than with a traceback once data and encoder are loaded."""
+    if m.encoder not in encoder_names():
+        raise ValueError(f"model.encoder must be one of {', '.join(encoder_names())}, got {m.encoder!r}")
     model_config(m, vocab_size=1)
 
 
-SCST_BASELINES = ("loo", "greedy")
+SCST_BASELINES = get_args(get_type_hints(ScstConfig)["baseline"])
 
 
 def check_scst_section(s: ScstConfig) -> None:

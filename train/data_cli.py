@@ -20,7 +20,6 @@ from pathlib import Path
 from captioner.data.coco import (
     ImageRecord,
     SplitNotFoundError,
-    TrainingCaptions,
     build_vocab,
     load_split,
     load_splits,
@@ -29,6 +28,7 @@ from captioner.data.coco import (
 )
 
 from .config import TrainConfig, load_config
+from .datainfo import summary_lines
 
 MAX_LISTED = 50  # unusable files printed one per line; the rest are counted
 
@@ -54,39 +54,6 @@ def require_data(cfg: TrainConfig) -> None:
     d = cfg.data
     for split, records in load_splits(d.dir, [d.train_split, d.val_split], d.split_file).items():
         require_images(records, split)
-
-
-def summary_lines(cfg: TrainConfig, splits: dict[str, list[ImageRecord]], vocab_size: int,
-                  kept: TrainingCaptions, unreadable: dict[str, int] | None = None) -> list[str]:
-    """What a run trains and validates on, a line per item: shared by `data check` and training.
-    ``kept``: the training captions, with those left out for having over ``data.max_caption_len``
-    words or none at all; ``unreadable``: split -> images left out as unreadable."""
-    d = cfg.data
-    source = f" (split file {d.split_file})" if d.split_file else ""
-    lines = [f"data: {d.dir}{source}"]
-    for name, records in splits.items():
-        counts = [len(r.captions) for r in records]
-        n = sum(counts)
-        line = (f"{name}: {_count(len(records), 'image')}, {n:,} captions, {n / max(1, len(records)):.1f} per image "
-                f"(min {min(counts, default=0)}, max {max(counts, default=0)})")
-        left_out = []
-        if name == d.train_split and kept.too_long:
-            left_out.append(f"{kept.too_long:,} training captions over {d.max_caption_len} words")
-        empty = sum(r.empty_captions for r in records) + (kept.empty if name == d.train_split else 0)
-        if empty:
-            left_out.append(_count(empty, "empty caption"))
-        if left_out:
-            line += f"; {' and '.join(left_out)} left out"
-        if unreadable and unreadable.get(name):
-            line += f"; {_count(unreadable[name], 'unreadable image')} left out"
-        lines.append(line)
-    limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
-    lines.append(f"vocabulary: {vocab_size:,} words (min_count {d.min_count}{limit}, with 4 special tokens)")
-    return lines
-
-
-def _count(n: int, thing: str) -> str:
-    return f"{n:,} {thing}{'s' if n != 1 else ''}"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -128,7 +95,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     d = cfg.data
     kept = training_captions(splits[d.train_split], d.max_caption_len)
     vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
-    for line in summary_lines(cfg, splits, len(vocab), kept):
+    for line in summary_lines(d, splits, len(vocab), kept):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})
     preprocess = Preprocess(size=(cfg.model.image_size,) * 2, resize=cfg.model.resize)

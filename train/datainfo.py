@@ -1,4 +1,5 @@
-"""The training data's name, in words, for the checkpoint's metadata and the app's model card."""
+"""The training data in words: its name, for the checkpoint's metadata and the app's model card,
+and the summary of what a run trains on, for `data check` and training's start-up."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+from captioner.data.coco import ImageRecord, TrainingCaptions
 from captioner.inference import SYNTHETIC_SHAPES
 
 from .config import DataConfig
@@ -61,3 +63,35 @@ def training_data_name(d: DataConfig) -> str:
         return KARPATHY_DATASETS.get(dataset.lower(), f"{dataset or d.split_file.stem}, Karpathy split")
     name = re.sub(r"\s+dataset\b", "", description, flags=re.I).strip() or folder.resolve().name
     return f"{name}, split {d.train_split}"
+
+
+def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab_size: int,
+                  kept: TrainingCaptions, unreadable: dict[str, int] | None = None) -> list[str]:
+    """What a run trains and validates on, a line per item: shared by `data check` and training.
+    ``kept``: the training captions, with those left out for having over ``data.max_caption_len``
+    words or none at all; ``unreadable``: split -> images left out as unreadable."""
+    source = f" (split file {d.split_file})" if d.split_file else ""
+    lines = [f"data: {d.dir}{source}"]
+    for name, records in splits.items():
+        counts = [len(r.captions) for r in records]
+        n = sum(counts)
+        line = (f"{name}: {_count(len(records), 'image')}, {n:,} captions, {n / max(1, len(records)):.1f} per image "
+                f"(min {min(counts, default=0)}, max {max(counts, default=0)})")
+        left_out = []
+        if name == d.train_split and kept.too_long:
+            left_out.append(f"{kept.too_long:,} training captions over {d.max_caption_len} words")
+        empty = sum(r.empty_captions for r in records) + (kept.empty if name == d.train_split else 0)
+        if empty:
+            left_out.append(_count(empty, "empty caption"))
+        if left_out:
+            line += f"; {' and '.join(left_out)} left out"
+        if unreadable and unreadable.get(name):
+            line += f"; {_count(unreadable[name], 'unreadable image')} left out"
+        lines.append(line)
+    limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
+    lines.append(f"vocabulary: {vocab_size:,} words (min_count {d.min_count}{limit}, with 4 special tokens)")
+    return lines
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n:,} {thing}{'s' if n != 1 else ''}"

@@ -4,6 +4,11 @@ A run folder holds ``config.toml`` (the resolved config), ``metrics.jsonl`` (one
 object per log line and per validation), ``last.pt`` (model + everything needed to
 continue: optimiser, scheduler, RNG, position in the epoch) and ``best.pt`` (the model
 with the best validation score, from real decoding).
+
+A run in its parts, in the order ``train`` takes them: ``build_run`` (data, model, optimiser,
+objectives: a ``Run``), ``restore`` (resuming: a ``TrainState`` and the saved states put
+back), ``open_run`` (the run folder, the training set), then ``run_epochs``: ``run_epoch``
+after ``run_epoch``, with ``validate`` (best.pt) and ``save`` (last.pt) at each epoch's end.
 """
 
 from __future__ import annotations
@@ -11,41 +16,34 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.checkpoint import CheckpointError, atomic_save, load_checkpoint
-from captioner.data.coco import (CaptionDataset, TrainingCaptions, build_vocab, collate_captions, load_splits,
-                                  training_captions)
+from captioner.checkpoint import atomic_save, load_checkpoint
+from captioner.data.coco import CaptionDataset, ImageRecord, TrainingCaptions, collate_captions, training_captions
 from captioner.distributed import DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
-from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
-from captioner.inference import Captioner, DecodeOptions, resolve_weights
-from captioner.model import CaptionModel, ModelConfig
-from captioner.vocab import Vocabulary
+from captioner.images import Preprocess
+from captioner.inference import Captioner, DecodeOptions
+from captioner.model import CaptionModel
 
 from .averaging import WeightAverage
-from .config import TrainConfig, model_config, to_toml
-from .datainfo import training_data_name
+from .config import TrainConfig, to_toml
+from .datainfo import summary_lines, training_data_name
 from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
 from .scst import ScstObjective
-
-
-class StartupError(ValueError):
-    """Training cannot start: the data, the config or the run folder need the user. Raised
-    before anything is written, or after what was written is taken back; one line."""
+from .startup import StartupError, build_model, on_main, prepare_data, readable_splits, take_back
 
 
 class RunWriteError(Exception):
@@ -125,16 +123,6 @@ class _BarLoss:
         bar.set_postfix_str(text, refresh=False)
 
 
-def _prepare_data(cfg: TrainConfig) -> None:
-    d = cfg.data
-    if d.generate_shapes and not (Path(d.dir) / f"captions_{d.train_split}.json").is_file():
-        from captioner.data.shapes import generate_dataset
-
-        print(f"generating the shapes dataset in {d.dir}", file=sys.stderr)
-        generate_dataset(Path(d.dir), {d.train_split: d.shapes_train, d.val_split: d.shapes_val},
-                         seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True)
-
-
 def _rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -176,6 +164,113 @@ def new_run_dir(cfg: TrainConfig, root: Path = Path("runs")) -> Path:
     return path
 
 
+@dataclass
+class TrainState:
+    """Where a run is: saved with every last.pt (``train_state``, beside the optimiser's, the
+    scheduler's and the random states) and restored from it, so that --resume goes on exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of this epoch done
+    best: float | None = None  # the best validation figure so far
+    bad_vals: int = 0  # validations since it last improved
+    train_seconds: float = 0.0  # training time, checkpoints and validations left out
+
+
+@dataclass
+class Run:
+    """What a run trains with: made by ``build_run``; ``open_run`` adds the training set and the
+    run folder's files."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    ctx: DistContext
+    progress: bool
+    preprocess: Preprocess
+    splits: dict[str, list[ImageRecord]]  # the training and validation splits, readable images only
+    left_out: dict[str, int]  # split -> images left out as unreadable
+    kept: TrainingCaptions
+    model: CaptionModel
+    captioner: Captioner
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.StepLR
+    precision: MixedPrecision
+    hard: HardAttentionObjective | None  # REINFORCE for hard attention (not under SCST)
+    scst: ScstObjective | None  # self-critical training, in place of the other objectives
+    average: WeightAverage | None
+    meta: dict  # what every checkpoint of the run says about it
+    net: torch.nn.Module | None = None  # the model, under DistributedDataParallel with several ranks
+    dataset: Dataset | None = None
+    grid: tuple[int, int] | None = None  # the annotations' grid, when they come from the feature cache
+    files: RunFiles | None = None
+
+    @property
+    def train_records(self) -> list[ImageRecord]:
+        return self.splits[self.cfg.data.train_split]
+
+    @property
+    def val_records(self) -> list[ImageRecord]:
+        return self.splits[self.cfg.data.val_split]
+
+
+class RunFiles:
+    """The run folder's writes: metrics.jsonl (rank 0 only), last.pt and best.pt.
+
+    A write that fails on rank 0 (a full disk) is kept here and raised on every rank at the
+    next step they take together (``stop_on_failure``), so that no rank waits for the others
+    forever."""
+
+    def __init__(self, run_dir: Path, ctx: DistContext, saved_step: int | None) -> None:
+        self.run_dir, self.ctx = run_dir, ctx
+        self.log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
+        self.failure: str | None = None
+        self.saved_step = saved_step  # the step of the last checkpoint written whole
+
+    def guarded(self, path: Path, work) -> None:
+        if self.failure is not None:
+            return
+        try:
+            work()
+        except OSError as e:
+            self.failure = f"cannot write {path}: {e.strerror or e}"
+
+    def stop_on_failure(self) -> None:
+        """Every rank calls this together; all raise RunWriteError when rank 0 could not write."""
+        message = self.ctx.broadcast(self.failure)
+        if message is not None:
+            last = self.run_dir / "last.pt"
+            intact = (f"the last checkpoint, {last} (step {self.saved_step}), is intact: make room and continue "
+                      f"with --resume {self.run_dir}" if self.saved_step is not None
+                      else "no checkpoint was written yet: make room and start again")
+            raise RunWriteError(f"{message}; {intact}")
+
+    def write(self, record: dict) -> None:
+        """One line of metrics.jsonl."""
+        def append() -> None:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
+        if self.log is not None:
+            self.guarded(self.run_dir / "metrics.jsonl", append)
+
+    def save_last(self, checkpoint: dict, step: int) -> None:
+        def save() -> None:
+            atomic_save(checkpoint, self.run_dir / "last.pt")
+            self.saved_step = step
+
+        self.guarded(self.run_dir / "last.pt", save)
+
+    def save_best(self, checkpoint: dict) -> None:
+        self.guarded(self.run_dir / "best.pt", lambda: atomic_save(checkpoint, self.run_dir / "best.pt"))
+
+    def close(self) -> None:
+        if self.log is not None:
+            try:
+                self.log.close()
+            except OSError:  # what it still held could not be written either: already reported
+                pass
+
+
 def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progress: bool = True) -> TrainOutcome:
     """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly.
 
@@ -201,49 +296,37 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
 
 
 def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool) -> TrainOutcome:
-    d, m, o = cfg.data, cfg.model, cfg.optim
-    device = ctx.device
+    run = build_run(cfg, run_dir, ckpt, ctx, progress)
+    state = TrainState()
+    if ckpt is not None:
+        state = restore(run, ckpt)
+        done = _finished(cfg, state)
+        if done is not None:  # resuming must not take one more step (nor rewrite the run)
+            if ctx.is_main:
+                print(f"{run_dir} already finished ({_reason_text(done, cfg, state.step, state.epoch)}): "
+                      "nothing to train; raise optim.max_steps, optim.max_minutes or optim.epochs with --set "
+                      "to go on", file=sys.stderr)
+            return TrainOutcome(run_dir, state.step, state.epoch, done, state.best, state.train_seconds)
+    open_run(run, resumed_at=state.step if ckpt is not None else None)
+    reason = run_epochs(run, state)
+    return TrainOutcome(run_dir, state.step, state.epoch, reason, state.best, state.train_seconds)
+
+
+def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool) -> Run:
+    """The data, the model (fresh, from ``model.init_from`` / ``encoder_from``, or the checkpoint's
+    when resuming), the optimiser and the objectives; nothing written yet."""
+    d, o = cfg.data, cfg.optim
     if o.threads > 0:
         torch.set_num_threads(o.threads)
     torch.manual_seed(o.seed)  # the same initial weights on every rank
     random.seed(o.seed)
     if ctx.is_main:
-        _prepare_data(cfg)
+        prepare_data(cfg)
     ctx.barrier()
 
-    karpathy = d.split_file
-    splits = load_splits(d.dir, [d.train_split, d.val_split], karpathy)
-    preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                            resize=m.resize)
-    # Every image decoded once now, the way training decodes it: a damaged one stops the run
-    # here, each named, rather than with a traceback an hour in (or is left out, on request).
-    unreadable = _unreadable_images(splits, preprocess, d, ctx, progress)
-    if unreadable and not d.skip_unreadable:
-        raise StartupError(_unreadable_message(unreadable))
-    left_out = {name: sum(r.path in unreadable for r in records) for name, records in splits.items()}
-    train_records, val_records = ([r for r in splits[name] if r.path not in unreadable]
-                                  for name in (d.train_split, d.val_split))
-    if not train_records or not val_records:
-        raise StartupError("no readable images left in split "
-                           f"{d.train_split if not train_records else d.val_split!r}")
-    kept = training_captions(train_records, d.max_caption_len)
-    if ckpt is not None:
-        vocab = Vocabulary(list(ckpt["vocab"]))
-    else:
-        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
-    if ckpt is not None:
-        model_cfg = ModelConfig.from_dict(ckpt["model_config"])
-        model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
-    else:
-        # init_from is where to start, resize belongs to the preprocessing: the rest is the model's shape.
-        model_cfg = model_config(m, len(vocab))
-    model = CaptionModel(model_cfg).to(device)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["state_dict"])
-    elif m.init_from:
-        _init_from(model, vocab, Path(m.init_from))
-    if ckpt is None and m.encoder_from:
-        _encoder_from(model, m.encoder_from)
+    preprocess, splits, left_out = readable_splits(cfg, ctx, progress)
+    kept = training_captions(splits[d.train_split], d.max_caption_len)
+    model, vocab = build_model(cfg, splits[d.train_split], kept, ckpt, ctx.device)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
 
@@ -254,368 +337,307 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
     optimizer = build_optimizer(groups, o)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
     # Self-critical training replaces the objective; the references are the training split's.
-    scst = (ScstObjective(cfg.scst, vocab, [r.captions for r in train_records], seed=o.seed, rank=ctx.rank,
-                          device=device) if cfg.scst.enabled else None)
+    scst = (ScstObjective(cfg.scst, vocab, [r.captions for r in splits[d.train_split]], seed=o.seed,
+                          rank=ctx.rank, device=ctx.device) if cfg.scst.enabled else None)
     hard = (HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx)
-            if model_cfg.attention == "hard" and scst is None else None)
+            if model.config.attention == "hard" and scst is None else None)
     average = WeightAverage(model, o.ema) if o.ema else None
+    meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
+            "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
+    return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, splits=splits,
+               left_out=left_out, kept=kept, model=model, captioner=Captioner(model, vocab, preprocess),
+               optimizer=optimizer, scheduler=scheduler, precision=MixedPrecision(o.precision, ctx.device),
+               hard=hard, scst=scst, average=average, meta=meta)
 
-    state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "best": None, "bad_vals": 0, "train_seconds": 0.0}
-    if ckpt is not None:
-        ts = ckpt["train_state"]
-        optimizer.load_state_dict(ts["optimizer"])
-        scheduler.load_state_dict(ts["scheduler"])
-        state.update({k: ts[k] for k in state})
-        if hard is not None:
-            hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
-        if scst is not None and "scst" in ts:  # else its samples start from here
-            scst.load_state_dict(ts["scst"][ctx.rank])
-        if average is not None and "weight_average" in ts:  # else the average starts from here
-            average.load_state_dict(ts["weight_average"])
-        rngs = ts.get("rng_per_rank") or [ts["rng"]]
-        if len(rngs) != ctx.world:
-            raise StartupError(f"the run was saved with {len(rngs)} processes; resume it with as many")
-        _set_rng_state(rngs[ctx.rank])
-        done = _finished(cfg, state)
-        if done is not None:  # resuming must not take one more step (nor rewrite the run)
-            if ctx.is_main:
-                print(f"{run_dir} already finished ({_reason_text(done, cfg, state['step'], state['epoch'])}): "
-                      "nothing to train; raise optim.max_steps, optim.max_minutes or optim.epochs with --set "
-                      "to go on", file=sys.stderr)
-            return TrainOutcome(run_dir, state["step"], state["epoch"], done, state["best"], state["train_seconds"])
 
-    # The run folder: made (or, resuming, rewritten) only now that everything above is known good.
-    created = ckpt is None and not run_dir.exists()
+def restore(run: Run, ckpt: dict) -> TrainState:
+    """Put the optimiser, the scheduler, the objectives' and the random states back as
+    ``ckpt`` (a last.pt) holds them; the run's position."""
+    ts, ctx = ckpt["train_state"], run.ctx
+    run.optimizer.load_state_dict(ts["optimizer"])
+    run.scheduler.load_state_dict(ts["scheduler"])
+    state = TrainState(**{f.name: ts[f.name] for f in fields(TrainState)})
+    if run.hard is not None:
+        run.hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
+    if run.scst is not None and "scst" in ts:  # else its samples start from here
+        run.scst.load_state_dict(ts["scst"][ctx.rank])
+    if run.average is not None and "weight_average" in ts:  # else the average starts from here
+        run.average.load_state_dict(ts["weight_average"])
+    run.precision.load_state_dict(ts.get("grad_scaler"))
+    rngs = ts.get("rng_per_rank") or [ts["rng"]]
+    if len(rngs) != ctx.world:
+        raise StartupError(f"the run was saved with {len(rngs)} processes; resume it with as many")
+    _set_rng_state(rngs[ctx.rank])
+    return state
 
-    def open_run() -> None:
+
+def open_run(run: Run, resumed_at: int | None) -> None:
+    """Write the run folder's config.toml (made, or resuming rewritten, only now that everything
+    above is known good), say what the run trains on, and make the training set (with the feature
+    cache, building it if need be). A new run's folder is taken back if this fails.
+    ``resumed_at``: the step of the checkpoint resumed from, None for a new run."""
+    cfg, ctx, run_dir = run.cfg, run.ctx, run.run_dir
+    created = resumed_at is None and not run_dir.exists()
+
+    def write_config() -> None:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(to_toml(cfg))
         except OSError as e:
             if created:
-                _take_back(run_dir)
+                take_back(run_dir)
             raise StartupError(f"cannot write the run folder {run_dir}: {e.strerror or e}") from e
 
-    _on_main(ctx, open_run)
+    on_main(ctx, write_config)
     try:
         if ctx.is_main:  # what it trains on, before the hours a feature cache may take
-            _print_summary(cfg, {d.train_split: train_records, d.val_split: val_records}, vocab, kept, left_out,
-                           model, device, run_dir)
-        grid = None
-        if d.feature_cache:
-            from .features import CachedCaptionDataset, CacheSpaceError, build_cache
-
-            cache_dir = Path(d.feature_cache_dir or run_dir)
-            try:
-                cache = build_cache(model, train_records, preprocess, cache_dir, ctx, workers=d.loader_workers(),
-                                    progress=progress)
-            except CacheSpaceError as e:
-                raise RunWriteError(str(e)) from e
-            except OSError as e:
-                raise RunWriteError(f"cannot write the feature cache in {cache_dir}: {e.strerror or e}") from e
-            dataset = CachedCaptionDataset(train_records, vocab, cache, d.max_caption_len, captions=kept)
-            grid = cache.grid
-        else:
-            dataset = CaptionDataset(train_records, vocab, preprocess, max_len=d.max_caption_len,
-                                     cache_images=d.cache_images, captions=kept)
+            _print_summary(run)
+        run.dataset, run.grid = _training_set(run)
     except BaseException:
         if created and ctx.is_main:
-            _take_back(run_dir)
+            take_back(run_dir)
         raise
-    net = model
+    run.net = run.model
     if ctx.active:
         from torch.nn.parallel import DistributedDataParallel
 
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    captioner = Captioner(model, vocab, preprocess)
-    meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
-            "attention": model_cfg.attention, **({"weight_average": o.ema} if average is not None else {})}
-    log = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if ctx.is_main else None
-    precision = MixedPrecision(o.precision, device)
-    if ckpt is not None:
-        precision.load_state_dict(ckpt["train_state"].get("grad_scaler"))
-    if o.compile:
-        model.decoder.compile_step(backend=o.compile)
+        device = ctx.device
+        run.net = DistributedDataParallel(run.model, device_ids=[device.index] if device.type == "cuda" else None)
+    run.files = RunFiles(run_dir, ctx, resumed_at)
+    if cfg.optim.compile:
+        run.model.decoder.compile_step(backend=cfg.optim.compile)
 
-    # A write that fails on rank 0 (a full disk) is kept here and raised on every rank at the
-    # next step they take together, so that no rank waits for the others forever.
-    failure: list[str] = []
-    saved = {"step": state["step"] if ckpt is not None else None}  # the last checkpoint written whole
 
-    def guarded(path: Path, work) -> None:
-        if failure:
-            return
-        try:
-            work()
-        except OSError as e:
-            failure.append(f"cannot write {path}: {e.strerror or e}")
+def _training_set(run: Run) -> tuple[Dataset, tuple[int, int] | None]:
+    """The training captions with their images, or with their annotations from the feature
+    cache (and then the annotations' grid)."""
+    d, vocab = run.cfg.data, run.captioner.vocab
+    if not d.feature_cache:
+        return CaptionDataset(run.train_records, vocab, run.preprocess, max_len=d.max_caption_len,
+                              cache_images=d.cache_images, captions=run.kept), None
+    from .features import CachedCaptionDataset, CacheSpaceError, build_cache
 
-    def stop_on_failure() -> None:
-        """Every rank calls this together; all raise RunWriteError when rank 0 could not write."""
-        message = ctx.broadcast(failure[0] if failure else None)
-        if message is not None:
-            intact = (f"the last checkpoint, {run_dir / 'last.pt'} (step {saved['step']}), is intact: make room "
-                      f"and continue with --resume {run_dir}" if saved["step"] is not None
-                      else "no checkpoint was written yet: make room and start again")
-            raise RunWriteError(f"{message}; {intact}")
+    cache_dir = Path(d.feature_cache_dir or run.run_dir)
+    try:
+        cache = build_cache(run.model, run.train_records, run.preprocess, cache_dir, run.ctx,
+                            workers=d.loader_workers(), progress=run.progress)
+    except CacheSpaceError as e:
+        raise RunWriteError(str(e)) from e
+    except OSError as e:
+        raise RunWriteError(f"cannot write the feature cache in {cache_dir}: {e.strerror or e}") from e
+    return CachedCaptionDataset(run.train_records, vocab, cache, d.max_caption_len, captions=run.kept), cache.grid
 
-    def save_last() -> None:
-        rngs = ctx.gather(_rng_state())
-        samplers = ctx.gather(scst.state_dict()) if scst is not None else None
-        if ctx.is_main:
-            train_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                           "rng": rngs[0], "rng_per_rank": rngs, "config": cfg.to_dict(),
-                           "grad_scaler": precision.state_dict()}
-            if hard is not None:
-                train_state["baseline"] = hard.baseline
-                train_state["hard"] = hard.state_dict()  # the baseline and the expected-context coin
-            if scst is not None:
-                train_state["scst"] = samplers  # each rank's sampling generator
-            if average is not None:
-                train_state["weight_average"] = average.state_dict()
 
-            def save() -> None:
-                atomic_save(captioner.checkpoint(meta={**meta, "step": state["step"]}, train_state=train_state),
-                            run_dir / "last.pt")
-                saved["step"] = state["step"]
-
-            guarded(run_dir / "last.pt", save)
-        stop_on_failure()
-
-    def write(record: dict) -> None:
-        def append() -> None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-
-        if log is not None:
-            guarded(run_dir / "metrics.jsonl", append)
-
-    def save_best(checkpoint: dict) -> None:
-        guarded(run_dir / "best.pt", lambda: atomic_save(checkpoint, run_dir / "best.pt"))
-
-    def validate() -> bool:
-        """Real decoding on the validation split (rank 0); saves best.pt; True when early stopping says stop."""
-        stop_early = False
-        if ctx.is_main:
-            with average.applied(model) if average is not None else nullcontext():
-                stop_early = _validate(cfg, captioner, val_records, karpathy, state, meta, save_best, write)
-        stop_early = ctx.broadcast(stop_early)
-        stop_on_failure()
-        return stop_early
-
+def run_epochs(run: Run, state: TrainState) -> str:
+    """Train epoch after epoch from ``state`` until the last epoch or a limit, validating and
+    saving at each epoch's end; the reason it stopped (see TrainOutcome)."""
+    o, v = run.cfg.optim, run.cfg.val
     reason = "finished"
-    model.train()
+    run.model.train()
     bar_loss = _BarLoss(o.max_minutes)
-    with _StopFlag(announce=ctx.is_main) as stop:
+    with _StopFlag(announce=run.ctx.is_main) as stop:
         try:
-            while state["epoch"] < o.epochs:
-                batches = _epoch_batches(len(dataset), o.batch_size, o.seed, state["epoch"],
-                                         [len(ids) for _, ids in dataset.items] if d.length_buckets else None)
-                # This rank's share of every global batch (a final batch smaller than the world is dropped).
-                todo = [b for b in batches[state["batch_in_epoch"]:] if len(b) >= ctx.world]
-                mine = [b[ctx.rank::ctx.world] for b in todo]
-                loader = DataLoader(dataset, batch_sampler=mine, collate_fn=collate_captions,
-                                    num_workers=d.loader_workers(), pin_memory=device.type == "cuda",
-                                    # Its own generator: creating a loader must not draw from the
-                                    # global RNG, or a resumed run would drift from the original.
-                                    generator=torch.Generator().manual_seed(o.seed + state["epoch"]))
-                # Epochs counted from 1, as the validation lines count them ("epoch 1 step ...: val").
-                bar = tqdm(total=len(batches), initial=state["batch_in_epoch"],
-                           desc=f"epoch {state['epoch'] + 1}/{o.epochs}", unit="batch", file=sys.stderr,
-                           disable=not (progress and ctx.is_main), leave=False)
-                tick = time.perf_counter()
-                for batch, global_batch in zip(loader, todo):
-                    batch = batch.to(device, non_blocking=True)
-                    inputs = Annotations(batch.images, grid) if grid is not None else batch.images
-                    with precision.autocast():
-                        if scst is not None:
-                            parts: LossParts = scst(net, inputs, batch.image_indices)
-                        elif hard is not None:
-                            parts = hard(net, inputs, batch.tokens, batch.lengths, len(global_batch))
-                        else:
-                            parts = soft_loss(net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
-                    # DDP averages gradients over ranks; weighting each rank's mean by its share
-                    # makes that the mean over the global batch even when shares differ.
-                    share = len(batch.tokens) * ctx.world / len(global_batch)
-                    optimizer.zero_grad(set_to_none=True)
-                    precision.backward(parts.loss * share)
-                    precision.step(optimizer, model.parameters(), o.grad_clip)
-                    if average is not None:
-                        average.update(model)
-                    now = time.perf_counter()
-                    state["train_seconds"] += now - tick
-                    tick = now
-                    state["step"] += 1
-                    state["batch_in_epoch"] += 1
-                    if not bar.disable:
-                        bar_loss.show(bar, parts.nll, state["train_seconds"])
-                    bar.update(1)
-                    if state["step"] % o.log_every == 0:
-                        nll = ctx.mean(parts.nll)
-                        write({"step": state["step"], "epoch": state["epoch"], "nll": round(nll, 4),
-                               "penalty": round(ctx.mean(parts.penalty), 4), "lr": optimizer.param_groups[0]["lr"],
-                               "train_seconds": round(state["train_seconds"], 1),
-                               **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
-                               **({"reward": round(ctx.mean(parts.reward), 4)} if scst is not None else {}),
-                               **({"grad_scale": precision.scaler.get_scale()} if precision.scaler else {})})
-                        stop_on_failure()
-                    if o.max_steps and state["step"] >= o.max_steps:
-                        reason = "max_steps"
-                    elif o.max_minutes and ctx.any(state["train_seconds"] >= 60 * o.max_minutes):
-                        reason = "time_budget"
-                    elif ctx.any(stop.signal is not None):
-                        reason = "interrupted"
-                    if reason != "finished":
-                        break
-                    if o.save_every and state["step"] % o.save_every == 0:
-                        save_last()
-                        tick = time.perf_counter()  # saving is not training time
-                if not bar.disable:
-                    bar.refresh()  # the epoch's last loss is seen even when steps outpace the bar
-                bar.close()
-                if reason != "finished":
+            while state.epoch < o.epochs:
+                stopped = run_epoch(run, state, stop, bar_loss)
+                if stopped is not None:
+                    reason = stopped
                     break
-                state["epoch"] += 1
-                state["batch_in_epoch"] = 0
-                scheduler.step()
-                early = cfg.val.every_epochs > 0 and state["epoch"] % cfg.val.every_epochs == 0 and validate()
-                save_last()
+                state.epoch += 1
+                state.batch_in_epoch = 0
+                run.scheduler.step()
+                early = v.every_epochs > 0 and state.epoch % v.every_epochs == 0 and validate(run, state)
+                save(run, state)
                 if early:
                     reason = "early_stop"
                     break
-            if state["best"] is None and reason != "interrupted":
-                validate()  # a run that ends before its first validation still leaves a best.pt
-            save_last()
+            if state.best is None and reason != "interrupted":
+                validate(run, state)  # a run that ends before its first validation still leaves a best.pt
+            save(run, state)
         finally:
-            if log is not None:
-                try:
-                    log.close()
-                except OSError:  # what it still held could not be written either: already reported
-                    pass
-    return TrainOutcome(run_dir, state["step"], state["epoch"], reason, state["best"], state["train_seconds"])
+            run.files.close()
+    return reason
 
 
-def _print_summary(cfg: TrainConfig, splits: dict, vocab: Vocabulary, kept: TrainingCaptions,
-                   unreadable: dict[str, int], model: CaptionModel, device: torch.device, run_dir: Path) -> None:
+def run_epoch(run: Run, state: TrainState, stop: _StopFlag, bar_loss: _BarLoss) -> str | None:
+    """The rest of the epoch ``state`` is in, step by step, saving every ``optim.save_every``
+    steps; the reason the run stops within it (a limit, a signal), or None at its end."""
+    cfg, ctx, o = run.cfg, run.ctx, run.cfg.optim
+    lengths = [len(ids) for _, ids in run.dataset.items] if cfg.data.length_buckets else None
+    batches = _epoch_batches(len(run.dataset), o.batch_size, o.seed, state.epoch, lengths)
+    # This rank's share of every global batch (a final batch smaller than the world is dropped).
+    todo = [b for b in batches[state.batch_in_epoch:] if len(b) >= ctx.world]
+    mine = [b[ctx.rank::ctx.world] for b in todo]
+    loader = DataLoader(run.dataset, batch_sampler=mine, collate_fn=collate_captions,
+                        num_workers=cfg.data.loader_workers(), pin_memory=ctx.device.type == "cuda",
+                        # Its own generator: creating a loader must not draw from the
+                        # global RNG, or a resumed run would drift from the original.
+                        generator=torch.Generator().manual_seed(o.seed + state.epoch))
+    # Epochs counted from 1, as the validation lines count them ("epoch 1 step ...: val").
+    bar = tqdm(total=len(batches), initial=state.batch_in_epoch, desc=f"epoch {state.epoch + 1}/{o.epochs}",
+               unit="batch", file=sys.stderr, disable=not (run.progress and ctx.is_main), leave=False)
+    reason = None
+    tick = time.perf_counter()
+    for batch, global_batch in zip(loader, todo):
+        parts = _train_step(run, batch, len(global_batch))
+        now = time.perf_counter()
+        state.train_seconds += now - tick
+        tick = now
+        state.step += 1
+        state.batch_in_epoch += 1
+        if not bar.disable:
+            bar_loss.show(bar, parts.nll, state.train_seconds)
+        bar.update(1)
+        if state.step % o.log_every == 0:
+            _log_step(run, state, parts)
+        reason = _stop_reason(run, state, stop)
+        if reason is not None:
+            break
+        if o.save_every and state.step % o.save_every == 0:
+            save(run, state)
+            tick = time.perf_counter()  # saving is not training time
+    if not bar.disable:
+        bar.refresh()  # the epoch's last loss is seen even when steps outpace the bar
+    bar.close()
+    return reason
+
+
+def _train_step(run: Run, batch, global_size: int) -> LossParts:
+    """One optimiser step on this rank's share of a global batch of ``global_size`` captions."""
+    o, ctx, precision = run.cfg.optim, run.ctx, run.precision
+    batch = batch.to(ctx.device, non_blocking=True)
+    inputs = Annotations(batch.images, run.grid) if run.grid is not None else batch.images
+    with precision.autocast():
+        if run.scst is not None:
+            parts: LossParts = run.scst(run.net, inputs, batch.image_indices)
+        elif run.hard is not None:
+            parts = run.hard(run.net, inputs, batch.tokens, batch.lengths, global_size)
+        else:
+            parts = soft_loss(run.net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
+    # DDP averages gradients over ranks; weighting each rank's mean by its share
+    # makes that the mean over the global batch even when shares differ.
+    share = len(batch.tokens) * ctx.world / global_size
+    run.optimizer.zero_grad(set_to_none=True)
+    precision.backward(parts.loss * share)
+    precision.step(run.optimizer, run.model.parameters(), o.grad_clip)
+    if run.average is not None:
+        run.average.update(run.model)
+    return parts
+
+
+def _log_step(run: Run, state: TrainState, parts: LossParts) -> None:
+    """A training line of metrics.jsonl, its figures averaged over the ranks (all ranks call this)."""
+    ctx, hard, scst, scaler = run.ctx, run.hard, run.scst, run.precision.scaler
+    nll = ctx.mean(parts.nll)
+    run.files.write({"step": state.step, "epoch": state.epoch, "nll": round(nll, 4),
+                     "penalty": round(ctx.mean(parts.penalty), 4), "lr": run.optimizer.param_groups[0]["lr"],
+                     "train_seconds": round(state.train_seconds, 1),
+                     **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
+                     **({"reward": round(ctx.mean(parts.reward), 4)} if scst is not None else {}),
+                     **({"grad_scale": scaler.get_scale()} if scaler else {})})
+    run.files.stop_on_failure()
+
+
+def _stop_reason(run: Run, state: TrainState, stop: _StopFlag) -> str | None:
+    """Why the run stops after this step, or None; the same answer on every rank."""
+    o, ctx = run.cfg.optim, run.ctx
+    if o.max_steps and state.step >= o.max_steps:
+        return "max_steps"
+    if o.max_minutes and ctx.any(state.train_seconds >= 60 * o.max_minutes):
+        return "time_budget"
+    if ctx.any(stop.signal is not None):
+        return "interrupted"
+    return None
+
+
+def save(run: Run, state: TrainState) -> None:
+    """last.pt: the model and everything needed to go on exactly (all ranks call this: each
+    rank's random state and SCST sampler are gathered to rank 0, which writes)."""
+    ctx = run.ctx
+    rngs = ctx.gather(_rng_state())
+    samplers = ctx.gather(run.scst.state_dict()) if run.scst is not None else None
+    if ctx.is_main:
+        train_state = {**asdict(state), "optimizer": run.optimizer.state_dict(),
+                       "scheduler": run.scheduler.state_dict(), "rng": rngs[0], "rng_per_rank": rngs,
+                       "config": run.cfg.to_dict(), "grad_scaler": run.precision.state_dict()}
+        if run.hard is not None:
+            train_state["baseline"] = run.hard.baseline
+            train_state["hard"] = run.hard.state_dict()  # the baseline and the expected-context coin
+        if run.scst is not None:
+            train_state["scst"] = samplers  # each rank's sampling generator
+        if run.average is not None:
+            train_state["weight_average"] = run.average.state_dict()
+        checkpoint = run.captioner.checkpoint(meta={**run.meta, "step": state.step}, train_state=train_state)
+        run.files.save_last(checkpoint, state.step)
+    run.files.stop_on_failure()
+
+
+def validate(run: Run, state: TrainState) -> bool:
+    """Real decoding on the validation split (rank 0, with the averaged weights when
+    ``optim.ema``); saves best.pt when the figure improves. True when early stopping says stop."""
+    stop_early = False
+    if run.ctx.is_main:
+        with run.average.applied(run.model) if run.average is not None else nullcontext():
+            stop_early = _validate_here(run, state)
+    stop_early = run.ctx.broadcast(stop_early)
+    run.files.stop_on_failure()
+    return stop_early
+
+
+def _validate_here(run: Run, state: TrainState) -> bool:
+    """``validate``'s work on rank 0: decode, score, say it, keep the best."""
+    cfg, model = run.cfg, run.model
+    model.eval()
+    report = evaluate(run.captioner, cfg.data.dir, cfg.data.val_split, karpathy=cfg.data.split_file,
+                      records=run.val_records, options=DecodeOptions(beam_size=cfg.val.beam_size,
+                                                                     max_len=cfg.val.max_len),
+                      limit=cfg.val.limit or None, meteor=False, progress=False)
+    model.train()
+    value = validation_value(cfg.val.metric, {**report.metrics, **(report.grounding or {})})
+    previous = state.best
+    improved = previous is None or value > previous
+    if improved:
+        state.best, state.bad_vals = value, 0
+        run.files.save_best(run.captioner.checkpoint(meta={**run.meta, "step": state.step, "epoch": state.epoch,
+                                                           f"val_{cfg.val.metric}": value,
+                                                           "train_seconds": round(state.train_seconds, 1)}))
+        verdict = ("first validation" if previous is None else f"up from {figure(previous)}") + ": saved as best.pt"
+    else:
+        state.bad_vals += 1
+        verdict = f"best so far {figure(previous)}"
+    run.files.write({"step": state.step, "epoch": state.epoch, "val": report.metrics,
+                     "grounding": report.grounding, "improved": improved})
+    print(f"epoch {state.epoch} step {state.step}: val {cfg.val.metric} {figure(value)} ({verdict})",
+          file=sys.stderr)
+    return cfg.val.patience > 0 and state.bad_vals >= cfg.val.patience
+
+
+def _print_summary(run: Run) -> None:
     """The start-up summary on stderr: what the run trains on, with what, where it writes."""
-    from .data_cli import summary_lines
-
-    m = model.config
+    model, m = run.model, run.model.config
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     threads = torch.get_num_threads()
-    lines = summary_lines(cfg, splits, len(vocab), kept, unreadable) + [
+    lines = summary_lines(run.cfg.data, run.splits, len(run.captioner.vocab), run.kept, run.left_out) + [
         f"model: {m.attention} attention, {m.encoder} encoder"
         f"{' (ImageNet weights)' if m.encoder_pretrained else ''}, {total:,} parameters ({trainable:,} trained)",
-        f"device: {device}, {threads} thread{'s' if threads != 1 else ''}",
-        f"run folder: {run_dir}",
+        f"device: {run.ctx.device}, {threads} thread{'s' if threads != 1 else ''}",
+        f"run folder: {run.run_dir}",
     ]
     print("\n".join(lines), file=sys.stderr)
 
 
-def _unreadable_images(splits: dict[str, list], preprocess: Preprocess, d, ctx: DistContext,
-                       progress: bool) -> dict[Path, str]:
-    """Path -> why, for every image of ``splits`` that does not decode; each rank checks its share."""
-    from captioner.data.check import unreadable_images
-
-    paths = sorted({r.path for records in splits.values() for r in records})
-    mine = unreadable_images(paths[ctx.rank::ctx.world], preprocess, workers=d.loader_workers(),
-                             progress=progress and ctx.is_main)
-    shares = ctx.gather(mine)
-    return ctx.broadcast({path: why for share in shares for path, why in share.items()} if ctx.is_main else None)
-
-
-LISTED = 10  # unreadable images named in the one-line error; `data check` lists them all
-
-
-def _unreadable_message(unreadable: dict[Path, str]) -> str:
-    named = "; ".join(f"{path} ({why})" for path, why in list(unreadable.items())[:LISTED])
-    more = f"; and {len(unreadable) - LISTED:,} more" if len(unreadable) > LISTED else ""
-    one = len(unreadable) == 1
-    return (f"{len(unreadable):,} image{'' if one else 's'} cannot be read: {named}{more}. Replace or remove "
-            f"{'it' if one else 'them'} (`captioner data check --config FILE` lists every one), or train without "
-            f"{'it' if one else 'them'}: --set data.skip_unreadable=true")
-
-
-def _on_main(ctx: DistContext, work) -> None:
-    """``work()`` on rank 0; a StartupError there is raised on every rank, which would otherwise
-    wait for rank 0 at their next step together."""
-    error = None
-    if ctx.is_main:
-        try:
-            work()
-        except StartupError as e:
-            error = str(e)
-    error = ctx.broadcast(error)
-    if error is not None:
-        raise StartupError(error)
-
-
-def _take_back(run_dir: Path) -> None:
-    """Undo a new run's start-up: what it wrote goes (the folder too, when that leaves it empty),
-    but a complete feature cache stays, for the next attempt to use."""
-    keep = set()
-    for meta in run_dir.glob("features-*.json"):
-        try:
-            complete = json.loads(meta.read_text()).get("complete")
-        except (OSError, ValueError):
-            complete = False
-        if complete:
-            keep |= {meta, meta.with_suffix(".f16")}
-    for path in run_dir.iterdir() if run_dir.is_dir() else ():
-        if path not in keep:
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    try:
-        run_dir.rmdir()
-    except OSError:  # not empty (a cache kept), or gone already
-        pass
-
-
-def _finished(cfg: TrainConfig, state: dict) -> str | None:
+def _finished(cfg: TrainConfig, state: TrainState) -> str | None:
     """Why a run in this state has nothing left to train under ``cfg``, or None."""
     o, v = cfg.optim, cfg.val
-    if o.max_steps and state["step"] >= o.max_steps:
+    if o.max_steps and state.step >= o.max_steps:
         return "max_steps"
-    if o.max_minutes and state["train_seconds"] >= 60 * o.max_minutes:
+    if o.max_minutes and state.train_seconds >= 60 * o.max_minutes:
         return "time_budget"
-    if state["epoch"] >= o.epochs:
+    if state.epoch >= o.epochs:
         return "finished"
-    if v.patience > 0 and state["bad_vals"] >= v.patience:
+    if v.patience > 0 and state.bad_vals >= v.patience:
         return "early_stop"
     return None
-
-
-def _init_from(model: CaptionModel, vocab: Vocabulary, path: Path) -> None:
-    """Copy another checkpoint's weights: same sizes and the same vocabulary required
-    (the attention mode may differ: soft and hard attention share every parameter)."""
-    try:
-        src = load_checkpoint(path)
-    except CheckpointError as e:
-        raise StartupError(f"model.init_from: {e}") from e
-    if list(src["vocab"]) != vocab.words:
-        raise StartupError(f"{path} has a different vocabulary; it cannot initialise this run")
-    try:
-        model.load_state_dict(src["state_dict"])
-    except RuntimeError as e:
-        raise StartupError(f"{path} does not fit this model: {e}") from e
-
-
-def _encoder_from(model: CaptionModel, name: str) -> None:
-    """Copy only the encoder's weights of another checkpoint (a bundled model's name or a
-    path); the decoder keeps its fresh initialisation. The encoders must be the same."""
-    try:
-        src = load_checkpoint(resolve_weights(name))
-    except CheckpointError as e:
-        raise StartupError(f"model.encoder_from: {e}") from e
-    theirs = src["model_config"].get("encoder")
-    if theirs != model.config.encoder:
-        raise StartupError(f"model.encoder_from: {name} has the encoder {theirs!r}, this model "
-                           f"{model.config.encoder!r}")
-    weights = {k.removeprefix("encoder."): v for k, v in src["state_dict"].items() if k.startswith("encoder.")}
-    try:
-        model.encoder.load_state_dict(weights)
-    except RuntimeError as e:
-        raise StartupError(f"model.encoder_from: {name}'s encoder does not fit this model: {e}") from e
 
 
 def figure(value: float) -> str:
@@ -653,33 +675,6 @@ def validation_value(metric: str, figures: dict) -> float:
         raise ValueError(f"validation metric {metric!r}: {', '.join(missing)} not among {sorted(figures)}")
     # None: nothing to score (no word named an object, say): the worst figure, not a crash.
     return min(0.0 if figures[n] is None else float(figures[n]) for n in names)
-
-
-def _validate(cfg: TrainConfig, captioner: Captioner, val_records, karpathy, state: dict, meta: dict,
-              save_best, write) -> bool:
-    model = captioner.model
-    model.eval()
-    report = evaluate(captioner, cfg.data.dir, cfg.data.val_split, karpathy=karpathy, records=val_records,
-                      options=DecodeOptions(beam_size=cfg.val.beam_size, max_len=cfg.val.max_len),
-                      limit=cfg.val.limit or None, meteor=False, progress=False)
-    model.train()
-    value = validation_value(cfg.val.metric, {**report.metrics, **(report.grounding or {})})
-    previous = state["best"]
-    improved = previous is None or value > previous
-    if improved:
-        state["best"], state["bad_vals"] = value, 0
-        save_best(captioner.checkpoint(meta={**meta, "step": state["step"], "epoch": state["epoch"],
-                                             f"val_{cfg.val.metric}": value,
-                                             "train_seconds": round(state["train_seconds"], 1)}))
-        verdict = ("first validation" if previous is None else f"up from {figure(previous)}") + ": saved as best.pt"
-    else:
-        state["bad_vals"] += 1
-        verdict = f"best so far {figure(previous)}"
-    write({"step": state["step"], "epoch": state["epoch"], "val": report.metrics,
-           "grounding": report.grounding, "improved": improved})
-    print(f"epoch {state['epoch']} step {state['step']}: val {cfg.val.metric} {figure(value)} ({verdict})",
-          file=sys.stderr)
-    return cfg.val.patience > 0 and state["bad_vals"] >= cfg.val.patience
 
 
 def build_optimizer(groups: list[dict], o) -> torch.optim.Optimizer:

@@ -323,6 +323,26 @@ def test_table_alone_takes_the_bootstrap_seed_and_refuses_a_negative_one(tmp_pat
     assert e.value.code == 2 and "--bootstrap-seed" in capsys.readouterr().err
 
 
+def test_table_against_another_reference_is_written_beside_the_main_table(tmp_path):
+    rows = _rows_file(tmp_path)
+    out = tmp_path / "out" / "tiny-3steps"
+    rng = np.random.default_rng(2)
+    for row, p in (("additive", 0.6), ("concat", 0.3)):
+        for seed in range(3):
+            _write_result(out, row, seed, rng.binomial(3, p, 400).astype(float))
+    base = ["table", "--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"), "--resamples", "200"]
+    assert cli.main(base) == 0
+    main_table = (out / "table.md").read_text()
+    assert cli.main([*base, "--reference", "concat"]) == 0
+    assert (out / "table.md").read_text() == main_table  # untouched
+    summary = json.loads((out / "table-vs-concat.json").read_text())
+    assert summary["reference"] == "concat" and list(summary["vs_reference"]) == ["additive"]
+    assert summary["vs_reference"]["additive"]["pointing"]["lo"] > 0  # additive points better than concat here
+    with pytest.raises(SystemExit) as e:  # a reference outside the rows compared
+        cli.main([*base, "--rows", "additive", "--reference", "concat"])
+    assert e.value.code == 2
+
+
 # ------------------------------------------------- trained on one machine, scored on another
 
 def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from . import heads, widths
@@ -166,10 +167,16 @@ def cmd_run_one(args) -> int:
 def _write_table(plan: Plan, rows: list[Row], folder: Path, steps: int, args) -> int:
     from .table import table_for
 
+    stem = "table"
+    if args.reference:  # a table of its own, e.g. a set-up whose reference is not the study's
+        if args.reference not in [r.name for r in rows]:
+            raise UsageError(f"--reference {args.reference} is not among the rows compared (--rows)")
+        plan = replace(plan, reference=args.reference, twins=())
+        stem = f"table-vs-{args.reference}"
     text, summary = table_for(plan, rows, folder, args.recipe, steps, args)
     print(text)
-    (folder / "table.md").write_text(text + "\n")
-    (folder / "table.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (folder / f"{stem}.md").write_text(text + "\n")
+    (folder / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
@@ -313,6 +320,9 @@ def _table_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--check-ranking", metavar="SHORT_RECIPE", default=None,
                    help="compare SHORT_RECIPE's ranking with --recipe's on the variants both have results for "
                         "(Spearman, Kendall tau-b, the same top variant); writes ranking-vs-SHORT_RECIPE.md")
+    p.add_argument("--reference", metavar="ROW", default=None,
+                   help="compare the rows with ROW instead of the rows file's reference (no A/A floor unless ROW "
+                        "is the first of its pair); writes table-vs-ROW.md and .json, leaving table.md as it is")
     p.set_defaults(func=cmd_table)
 
 

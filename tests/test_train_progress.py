@@ -83,3 +83,11 @@ def test_shapes_prints_a_readable_summary(tmp_path, capsys):
     assert re.search(r"split +images +captions +shapes", err)
     assert re.search(r"train +3 +15 +\d+ +captions_train.json", err) and re.search(r"val +2 +10 +\d+ ", err)
     assert not re.search(r"^ +test ", err, re.M)  # a split of size 0 is not written
+
+
+def test_self_critical_training_shows_the_samples_reward_not_their_nll(tiny_coco, tmp_path, capsys):
+    cfg = tiny_config(tiny_coco, **{"scst.enabled": True, "scst.samples": 3, "scst.max_len": 6, "optim.max_steps": 3,
+                                    "optim.log_every": 1000, "val.every_epochs": 0})
+    train(cfg, tmp_path / "run", progress=True)
+    frames = _frames(capsys.readouterr().err)
+    assert any(re.search(r"reward=\d+\.\d\d", f) for f in frames) and not any("nll=" in f for f in frames)

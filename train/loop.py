@@ -100,7 +100,9 @@ class _StopFlag:
 
 class _BarLoss:
     """The progress bar's loss, fresh every step (a moving average of this rank's losses,
-    written into the bar at most once a second), and the time left of ``optim.max_minutes``."""
+    written into the bar at most once a second), and the time left of ``optim.max_minutes``.
+    Self-critical training shows its samples' mean reward instead: what it climbs (the
+    samples' NLL it would show falls as sampling sharpens, whatever the captions' quality)."""
 
     def __init__(self, max_minutes: float) -> None:
         self.max_minutes = max_minutes
@@ -108,13 +110,14 @@ class _BarLoss:
         self.shown_at = float("-inf")
         self.bar: tqdm | None = None
 
-    def show(self, bar: tqdm, nll: float, train_seconds: float) -> None:
-        self.average = nll if self.average is None else 0.9 * self.average + 0.1 * nll
+    def show(self, bar: tqdm, parts: LossParts, train_seconds: float) -> None:
+        label, value = ("nll", parts.nll) if parts.reward is None else ("reward", parts.reward)
+        self.average = value if self.average is None else 0.9 * self.average + 0.1 * value
         now = time.monotonic()
         if now - self.shown_at < 1.0 and bar is self.bar:  # a new epoch's bar gets it at once
             return
         self.shown_at, self.bar = now, bar
-        text = f"nll={self.average:.2f}"
+        text = f"{label}={self.average:.2f}"
         if self.max_minutes:
             left = max(0, round(60 * self.max_minutes - train_seconds))
             clock = f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}" if left >= 3600 \
@@ -485,7 +488,7 @@ def run_epoch(run: Run, state: TrainState, stop: _StopFlag, bar_loss: _BarLoss) 
         state.step += 1
         state.batch_in_epoch += 1
         if not bar.disable:
-            bar_loss.show(bar, parts.nll, state.train_seconds)
+            bar_loss.show(bar, parts, state.train_seconds)
         bar.update(1)
         if state.step % o.log_every == 0:
             _log_step(run, state, parts)

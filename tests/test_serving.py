@@ -67,13 +67,14 @@ def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
     gate = Gate(slots=2)
     running, most, order, told, waited = [0], [0], [], {}, {}
     lock = threading.Lock()
+    release = threading.Event()  # the running jobs hold their slots until every job has arrived
 
     def work(items):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
             order.extend(items)
-        time.sleep(0.05)
+        release.wait(10)
         with lock:
             running[0] -= 1
         return items
@@ -85,12 +86,15 @@ def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
     for i in range(6):
         threads.append(threading.Thread(target=job, args=(i,)))
         threads[-1].start()
-        time.sleep(0.005)  # arrive in order
+        deadline = time.monotonic() + 10
+        while not (i in order if i < 2 else i in told) and time.monotonic() < deadline:
+            time.sleep(0.001)  # arrive in order: each job is running or waiting before the next comes
+    release.set()
     for t in threads:
         t.join(10)
     assert most[0] == 2 and sorted(order) == list(range(6))
     assert order[2:] == [2, 3, 4, 5]  # first come, first served
-    assert told.keys() == {2, 3, 4, 5} and told[2] == 2 and told[5] == 5  # jobs ahead, running included
+    assert told == {2: 2, 3: 3, 4: 4, 5: 5}  # jobs ahead, running included
     assert all(w >= 0 for w in waited.values()) and waited[5] > waited[0]
 
 

@@ -67,14 +67,15 @@ def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
     gate = Gate(slots=2)
     running, most, order, told, waited = [0], [0], [], {}, {}
     lock = threading.Lock()
-    release = threading.Event()  # the running jobs hold their slots until every job has arrived
+    done = {i: threading.Event() for i in range(6)}  # each job holds its slot until told to finish
 
     def work(items):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
             order.extend(items)
-        release.wait(10)
+        for i in items:
+            done[i].wait(10)
         with lock:
             running[0] -= 1
         return items
@@ -82,19 +83,26 @@ def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
     def job(i: int) -> None:
         waited[i] = gate.run(None, i, work, on_wait=lambda ahead: told.__setitem__(i, ahead)).waited
 
+    def until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     threads = []
     for i in range(6):
         threads.append(threading.Thread(target=job, args=(i,)))
         threads[-1].start()
-        deadline = time.monotonic() + 10
-        while not (i in order if i < 2 else i in told) and time.monotonic() < deadline:
-            time.sleep(0.001)  # arrive in order: each job is running or waiting before the next comes
-    release.set()
+        until(lambda: i in order if i < 2 else i in told)  # arrive in order: running or waiting first
+    assert told == {2: 2, 3: 3, 4: 4, 5: 5}  # jobs ahead, running included
+    for i in range(4):  # each finished job lets in the first in line, and only it
+        done[i].set()
+        until(lambda: i + 2 in order)
+        assert order == list(range(i + 3))
+    done[4].set()
+    done[5].set()
     for t in threads:
         t.join(10)
-    assert most[0] == 2 and sorted(order) == list(range(6))
-    assert order[2:] == [2, 3, 4, 5]  # first come, first served
-    assert told == {2: 2, 3: 3, 4: 4, 5: 5}  # jobs ahead, running included
+    assert most[0] == 2 and order == list(range(6))
     assert all(w >= 0 for w in waited.values()) and waited[5] > waited[0]
 
 

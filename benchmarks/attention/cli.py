@@ -168,7 +168,7 @@ def _write_table(plan: Plan, rows: list[Row], folder: Path, steps: int, args) ->
     from .table import table_for
 
     stem = "table"
-    if args.reference:  # a table of its own, e.g. a set-up whose reference is not the study's
+    if getattr(args, "reference", None):  # a table of its own (table --reference), e.g. a set-up whose reference is not the study's
         if args.reference not in [r.name for r in rows]:
             raise UsageError(f"--reference {args.reference} is not among the rows compared (--rows)")
         plan = replace(plan, reference=args.reference, twins=())

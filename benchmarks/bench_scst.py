@@ -6,10 +6,12 @@ and the teacher-forced log-probabilities with their backward.
     python benchmarks/bench_scst.py --device cuda --rounds 20
 
 The model reads cached annotations (the encoder frozen, as in train/configs/shapes-scst.toml),
-so a step is the decoder's. Rounds interleave the three steps (cross-entropy, SCST with the
+so a step is the decoder's; the batch is built as training builds it (one caption of each
+of 32 generated images). Rounds interleave the three steps (cross-entropy, SCST with the
 leave-one-out baseline, SCST with the greedy baseline), so the ratios are measured side by
-side; the figures are medians over the rounds. The parts are timed in a separate pass
-that runs the objective's phases one by one.
+side; the figures are medians over the rounds. The parts are timed inside those same SCST
+steps: each of the objective's phases is wrapped in a timer while it runs, and the rest of
+the step (the backward and the optimizer) is what remains.
 """
 
 from __future__ import annotations
@@ -18,19 +20,22 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from captioner.data.coco import load_split
+import captioner.train.scst as scst
+from captioner.data.coco import CaptionDataset, collate_captions, load_split
 from captioner.data.shapes import generate_dataset
-from captioner.decoding import greedy
 from captioner.encoders import Annotations
 from captioner.inference import Captioner
 from captioner.train.config import ScstConfig
 from captioner.train.losses import soft_loss
-from captioner.train.scst import ScstObjective, _dropout_off, sample_captions, sample_log_probs
+
+PARTS = {"sample_captions": "draw k samples", "rewards": "CIDEr-D rewards", "greedy": "greedy caption",
+         "sample_log_probs": "log p of the samples (forward)"}
 
 
 def _sync(device: torch.device) -> None:
@@ -44,6 +49,25 @@ def _timed(fn, device: torch.device) -> float:
     fn()
     _sync(device)
     return time.perf_counter() - start
+
+
+def _time_parts(device: torch.device, spent: dict[str, float]) -> None:
+    """Wrap the objective's phases (the functions ScstObjective.__call__ calls) in timers
+    that add their seconds to ``spent``; the objective itself runs unchanged."""
+    def wrap(owner, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*a, **k):
+            _sync(device)
+            start = time.perf_counter()
+            out = inner(*a, **k)
+            _sync(device)
+            spent[name] += time.perf_counter() - start
+            return out
+        setattr(owner, name, timed)
+    for name in ("sample_captions", "greedy", "sample_log_probs"):
+        wrap(scst, name)
+    wrap(scst.ScstObjective, "rewards")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,80 +89,58 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         generate_dataset(Path(tmp), {"train": args.batch_size}, seed=11, image_size=128)
         records = load_split(tmp, "train")
-        images = torch.stack([cap.preprocess(cap.preprocess.load(r.path)) for r in records]).to(device)
+        data = CaptionDataset(records, cap.vocab, cap.preprocess, max_len=args.max_len)
+        first = {}  # one caption of each image
+        for j, (i, _) in enumerate(data.items):
+            first.setdefault(i, j)
+        batch = collate_captions([data[j] for j in first.values()]).to(device)
     with torch.no_grad():
-        ann = model.encode(images)
+        ann = model.encode(batch.images)
     ann = Annotations(ann.vectors.detach(), ann.grid)
-    index = torch.arange(len(records))
-    refs = [r.captions for r in records]
-    captions = [r.captions[0] for r in records]
-    tokens = torch.zeros(len(captions), args.max_len + 2, dtype=torch.long)
-    lengths = torch.zeros(len(captions), dtype=torch.long)
-    for i, c in enumerate(captions):
-        ids = cap.vocab.encode(c)[: args.max_len + 2]
-        tokens[i, : len(ids)] = torch.tensor(ids)
-        lengths[i] = len(ids)
-    tokens, lengths = tokens[:, : int(lengths.max())].to(device), lengths.to(device)
     params = [p for p in model.decoder.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=1e-9)  # a real update's cost, a negligible change
     base = ScstConfig(enabled=True, samples=args.samples, max_len=args.max_len)
-    objectives = {b: ScstObjective(replace(base, baseline=b), cap.vocab, refs, device=device)
-                  for b in ("loo", "greedy")}
+    objectives = {b: scst.ScstObjective(replace(base, baseline=b), cap.vocab, [r.captions for r in records],
+                                        device=device) for b in ("loo", "greedy")}
 
-    def xe_step() -> None:
-        opt.zero_grad(set_to_none=True)
-        soft_loss(model, ann, tokens, lengths, 0.0).loss.backward()
-        opt.step()
-
-    def scst_step(baseline: str):
-        def step() -> None:
+    def step(loss_of):
+        def run() -> None:
             opt.zero_grad(set_to_none=True)
-            objectives[baseline](model, ann, index).loss.backward()
+            loss_of().backward()
             opt.step()
-        return step
+        return run
 
-    steps = {"cross-entropy": xe_step, "SCST, loo baseline": scst_step("loo"),
-             "SCST, greedy baseline": scst_step("greedy")}
+    steps = {"cross-entropy": step(lambda: soft_loss(model, ann, batch.tokens, batch.lengths, 0.0).loss),
+             "SCST, loo baseline": step(lambda: objectives["loo"](model, ann, batch.image_indices).loss),
+             "SCST, greedy baseline": step(lambda: objectives["greedy"](model, ann, batch.image_indices).loss)}
     for fn in steps.values():
         fn()  # warm-up
+    spent: dict[str, float] = defaultdict(float)
+    _time_parts(device, spent)
     times = {name: [] for name in steps}
+    parts = {name: [] for name in PARTS}
     for _ in range(args.rounds):
         for name, fn in steps.items():
+            spent.clear()
             times[name].append(_timed(fn, device))
+            if name == "SCST, loo baseline":
+                for part in PARTS:
+                    parts[part].append(spent[part])
 
-    # The parts, phase by phase, as ScstObjective runs them.
-    loo = objectives["loo"]
-    parts = {"draw k samples": [], "CIDEr-D rewards": [], "greedy caption": [], "log p + backward": []}
-    for _ in range(args.rounds):
-        with _dropout_off(model), torch.no_grad():
-            held = {}
-            parts["draw k samples"].append(_timed(lambda: held.update(s=sample_captions(
-                model.decoder, ann, cap.vocab, k=args.samples, max_len=args.max_len, generator=loo.generator)), device))
-            rows = [i for i in index.tolist() for _ in range(args.samples)]
-            parts["CIDEr-D rewards"].append(_timed(lambda: loo.rewards(held["s"].words, rows), device))
-            parts["greedy caption"].append(_timed(lambda: greedy(
-                model.decoder, ann, start=cap.vocab.start, end=cap.vocab.end, pad=cap.vocab.pad,
-                max_len=args.max_len), device))
-
-        def forward_backward() -> None:
-            with _dropout_off(model):
-                log_p, _ = sample_log_probs(model, ann, held["s"], cap.vocab)
-            log_p.mean().backward()
-        parts["log p + backward"].append(_timed(forward_backward, device))
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
-    print(f"{name}; torch {torch.__version__}; {args.weights}: decoder over cached annotations, batch "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
+    print(f"{where}; torch {torch.__version__}; {args.weights}: decoder over cached annotations, batch "
           f"{args.batch_size}, k {args.samples}, max_len {args.max_len}; medians of {args.rounds} rounds")
     xe = statistics.median(times["cross-entropy"])
     print("| step | seconds | x cross-entropy |\n|---|---|---|")
     for n, t in times.items():
-        m = statistics.median(t)
-        print(f"| {n} | {m:.4f} | {m / xe:.2f} |")
-    step = statistics.median(times["SCST, loo baseline"])
-    print("\n| part of an SCST step | seconds | share of the loo step |\n|---|---|---|")
-    for n, t in parts.items():
-        m = statistics.median(t)
-        print(f"| {n} | {m:.4f} | {m / step:.0%} |")
+        print(f"| {n} | {statistics.median(t):.4f} | {statistics.median(t) / xe:.2f} |")
+    loo = times["SCST, loo baseline"]
+    rest = [total - sum(parts[p][r] for p in PARTS) for r, total in enumerate(loo)]
+    print("\n| part of an SCST step (loo) | seconds | share |\n|---|---|---|")
+    for name, values in [*((PARTS[p], parts[p]) for p in PARTS if p != "greedy"), ("backward and optimizer", rest)]:
+        print(f"| {name} | {statistics.median(values):.4f} | {statistics.median(values) / statistics.median(loo):.0%} |")
+    greedy_part = [t - loo_t for t, loo_t in zip(times["SCST, greedy baseline"], loo)]
+    print(f"\nthe greedy baseline's extra caption and rewards: {statistics.median(greedy_part):+.4f} s a step")
 
 
 if __name__ == "__main__":

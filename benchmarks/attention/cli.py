@@ -164,15 +164,18 @@ def cmd_run_one(args) -> int:
                    args.beam_size, device=args.device)
 
 
-def _write_table(plan: Plan, rows: list[Row], folder: Path, steps: int, args) -> int:
+def _write_table(plan: Plan, rows: list[Row], folder: Path, steps: int, args, reference: str | None = None) -> int:
+    """Write the table (table.md, table.json); against ``reference`` instead of the rows
+    file's (a set-up whose reference is not the study's), a table of its own
+    (table-vs-REFERENCE.md, .json) beside it."""
     from .table import table_for
 
     stem = "table"
-    if getattr(args, "reference", None):  # a table of its own (table --reference), e.g. a set-up whose reference is not the study's
-        if args.reference not in [r.name for r in rows]:
-            raise UsageError(f"--reference {args.reference} is not among the rows compared (--rows)")
-        plan = replace(plan, reference=args.reference, twins=())
-        stem = f"table-vs-{args.reference}"
+    if reference:
+        if reference not in [r.name for r in rows]:
+            raise UsageError(f"--reference {reference} is not among the rows compared (--rows)")
+        plan = replace(plan, reference=reference, twins=())
+        stem = f"table-vs-{reference}"
     text, summary = table_for(plan, rows, folder, args.recipe, steps, args)
     print(text)
     (folder / f"{stem}.md").write_text(text + "\n")
@@ -187,7 +190,7 @@ def cmd_table(args) -> int:
     _test_seeds(args)
     folder = _under(args.out, args, steps)
     if not args.check_ranking:
-        return _write_table(plan, rows, folder, steps, args)
+        return _write_table(plan, rows, folder, steps, args, args.reference)
     _, short_steps = recipe_of(plan, args.check_ranking, None)
     _, short = table_for(plan, rows, args.out / f"{args.check_ranking}-{short_steps}steps", args.check_ranking,
                          short_steps, args)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +43,12 @@ from torch import nn
 
 from . import kernels
 
-NORMALIZERS = ("softmax", "sparsemax")
-MODES = ("soft", "hard", "mean")
-LOCAL_WIDTHS = ("fixed", "learned")
+# The choices, once: ModelConfig's fields are annotated with these (a training config is
+# checked against them), and the attention checks its arguments against their values.
+Normalizer = Literal["softmax", "sparsemax"]
+Mode = Literal["soft", "hard", "mean"]
+LocalWidth = Literal["fixed", "learned"]
+NORMALIZERS, MODES, LOCAL_WIDTHS = get_args(Normalizer), get_args(Mode), get_args(LocalWidth)
 # A learned half-width never goes below this many cells: the window's log, -d^2 / (2 sigma^2),
 # stays finite (and its gradient too) however far the centre network pushes the width down.
 MIN_HALF_WIDTH = 0.1

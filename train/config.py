@@ -150,6 +150,10 @@ class ValConfig:
     patience: int = 5  # early stopping: validations without improvement; 0 = never stop early
 
 
+Reward = Literal["word_mean", "caption"]  # hard.reward: the names train.losses knows
+Reduction = Literal["mean", "sum"]  # hard.reduction
+
+
 @dataclass
 class HardConfig:
     """REINFORCE for hard attention: reward = per-word mean log p(y|s,a) against a
@@ -160,13 +164,13 @@ class HardConfig:
     adds the two terms over the captions (their weight grows with the batch size)."""
 
     # word_mean: the mean over the caption's words of log p; caption: their sum
-    reward: Literal["word_mean", "caption"] = "word_mean"
+    reward: Reward = "word_mean"
     lambda_r: float = 0.1  # weight of the score-function term (the authors' "/10.")
     entropy: float = 0.002  # lambda_e, entropy bonus on every minibatch
     # How the score-function and entropy terms add over the B captions of a minibatch:
     # "mean" (1/B, like the NLL; the paper's estimator) or "sum" (capgen's: no 1/B beside a
     # mean NLL, so their weight is x B and changes with the batch size).
-    reduction: Literal["mean", "sum"] = "mean"
+    reduction: Reduction = "mean"
     baseline_decay: float = 0.9  # b <- decay * b + (1 - decay) * mean over the minibatch of the reward
     expected_context_prob: float = 0.5  # per minibatch, use the expected (soft) context instead of a sample
 

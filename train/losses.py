@@ -7,6 +7,7 @@ Legend: B captions in the batch, T steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
@@ -14,10 +15,9 @@ from captioner import kernels
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel, DecoderOutput, attention_penalty
 
-from .config import HardConfig
+from .config import HardConfig, Reduction, Reward
 
-REWARDS = ("word_mean", "caption")
-REDUCTIONS = ("sum", "mean")
+REWARDS, REDUCTIONS = get_args(Reward), get_args(Reduction)
 
 
 @dataclass

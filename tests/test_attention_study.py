@@ -101,6 +101,22 @@ def test_bootstrap_difference_is_paired_over_the_same_images():
     assert d["lo"] > 0.4
 
 
+def test_several_seeds_against_a_reference_widen_the_interval_by_their_spread():
+    rng = np.random.default_rng(2)
+    ref = {"obj": (rng.random(400) < 0.5).astype(float)}
+    good, bad = {"obj": np.ones(400)}, {"obj": np.zeros(400)}
+    one = scoring.difference([good], ref, resamples=400)["object_accuracy"]
+    # One run: every resample keeps it, the interval is over the images alone and narrow.
+    assert one["lo"] > 0.4
+    two = scoring.difference([good, bad], ref, resamples=400)["object_accuracy"]
+    # Two seeds that disagree: pooled they match the reference, and a resample that draws
+    # the good seed twice (or the bad one) moves the difference by +-0.5.
+    assert two["diff"] == pytest.approx(0.5 - ref["obj"].mean())
+    assert two["lo"] < -0.4 and two["hi"] > 0.4
+    agree = scoring.difference([good, good], ref, resamples=400)["object_accuracy"]
+    assert agree["lo"] > 0.4  # seeds that agree add nothing to the width
+
+
 # -------------------------------------------------------------------------- ranking
 
 def test_rank_correlations():
@@ -449,12 +465,18 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
     runs = tmp_path / "runs" / "tiny-3steps" / "additive"
     a, b = str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt")
     tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
-    same = scoring.score_only(a, tests, 1, against=a, resamples=50)
+    same = scoring.score_only([a], tests, 1, against=a, resamples=50)
     assert all(d is None or (d["diff"] == 0 and d["lo"] == 0 == d["hi"]) for d in same.values())
-    other = scoring.score_only(b, tests, 1, against=a, resamples=50)
+    other = scoring.score_only([b], tests, 1, against=a, resamples=50)
     assert other["entropy"]["diff"] != 0 and other["entropy"]["lo"] < other["entropy"]["hi"]
     out = capsys.readouterr().out
     assert f"{b} - {a}, 9 images" in out and "| entropy |" in out
+    assert cli.main(["score", a, b, "--against", a, "--test-root", str(tmp_path / "tests"),
+                     "--test-images", "3", "--beam-size", "1", "--resamples", "50"]) == 0
+    out = capsys.readouterr().out
+    # Both checkpoints have a row of their own, and the difference pools them as seeds.
+    assert "all test sets, each checkpoint" in out and f"| {a} |" in out and f"| {b} |" in out
+    assert f"2 seeds pooled - {a}, 9 images, 95% interval over the seeds and the images" in out
     with pytest.raises(SystemExit) as e:  # --against belongs to score
         cli.main(["train", "--against", a])
     assert e.value.code == 2

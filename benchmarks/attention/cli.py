@@ -35,6 +35,7 @@ last.pt.
   python -m benchmarks.attention timing                 # training steps/s alone (an idle machine)
   python -m benchmarks.attention score demo-soft        # the scoring alone, on any checkpoint
   python -m benchmarks.attention score CANDIDATE.pt --against demo-soft --test-seeds 9001,9002,9003
+  python -m benchmarks.attention score runs/a/best.pt runs/b/best.pt runs/c/best.pt --against demo-soft
 
 Trained on a GPU machine, scored on another (one without the evaluation's packages, say):
 
@@ -302,13 +303,15 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 def _score_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("score", parents=[_options("tests", "bootstrap")],
-                       help="the comparison's scoring of one checkpoint, or of two and their difference",
-                       description="Score one checkpoint (a file, or demo-soft / demo-hard) on the three test sets "
-                                   "and print its figures: the comparison's scoring, on a model trained elsewhere. "
-                                   "With --against, score that one too and print the difference with a paired "
-                                   "bootstrap interval over the test images (two fixed models: no seed part).")
-    p.add_argument("weights", metavar="WEIGHTS", help="a checkpoint file or a bundled model's name")
-    p.add_argument("--against", metavar="WEIGHTS", default=None,
+                       help="the comparison's scoring of checkpoints, and their difference from another",
+                       description="Score checkpoints (files, or demo-soft / demo-hard) on the three test sets and "
+                                   "print their figures: the comparison's scoring, on models trained elsewhere. "
+                                   "Several checkpoints are the seeds of one recipe. With --against, score that one "
+                                   "too and print the seeds pooled minus it, with a bootstrap interval paired over "
+                                   "the test images and, for several seeds, drawn over the seeds too.")
+    p.add_argument("weights", metavar="WEIGHTS", nargs="+",
+                   help="checkpoint files or bundled models' names (several: the seeds of one recipe)")
+    p.add_argument("--against", metavar="REFERENCE", default=None,
                    help="score this checkpoint too, and print WEIGHTS' minus its figures (e.g. a candidate demo "
                         "against the shipped one)")
     p.set_defaults(func=cmd_score)

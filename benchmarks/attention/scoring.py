@@ -98,36 +98,55 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
     return out
 
 
-def score_only(weights: str, test_sets: dict[str, Path], beam_size: int, against: str | None = None,
+def difference(variant: list[dict], reference: dict, resamples: int = 2000, seed: int = 0) -> dict:
+    """Per figure, the variant's seeds pooled minus the reference, with a 95% bootstrap
+    interval: paired over the test images (both sides see the same draws) and, with more
+    than one seed, over the variant's seeds too (each resample draws them with
+    replacement), so that the interval says what another training of the recipe would
+    give, not only these runs. The reference is one fixed model: no seed part."""
+    n = len(next(iter(reference.values())))
+    seeds = cs.seed_weights(len(variant), resamples, seed, "variant") if len(variant) > 1 else None
+    return cs.paired_difference(variant, reference, cs.bootstrap_weights(n, resamples, seed), variant_seeds=seeds)
+
+
+def _print_figures(title: str, rows: dict[str, dict]) -> None:
+    print(f"\n{title}:\n")
+    print("| | " + " | ".join(FIGURE_NAMES) + " | words scored (reference / own) |")
+    print("|---" * (len(FIGURE_NAMES) + 2) + "|")
+    for name, stats in rows.items():
+        f = cs.figures(stats)
+        cells = ["n/a" if f.get(n) is None else f"{f[n]:.3f}" for n in FIGURE_NAMES]
+        words = f"{int(sum(stats.get('pt_n', []))):,} / {int(sum(stats.get('gen_n', []))):,}"
+        print(f"| {name} | " + " | ".join(cells) + f" | {words} |")
+
+
+def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, against: str | None = None,
                resamples: int = 2000, seed: int = 0) -> dict:
-    """The comparison's figures of one checkpoint on each test set, printed; with ``against``,
-    that checkpoint's too and the difference weights - against, all test sets together, with
-    a 95% bootstrap interval over the test images (paired: the same images for both; two
-    fixed models, so no seed part). Returns the differences (empty without ``against``)."""
+    """The comparison's figures of each checkpoint on each test set and on all together,
+    printed. Several checkpoints are the seeds of one recipe; with ``against``, that
+    checkpoint is scored too and ``difference`` (the seeds pooled minus it, all test sets
+    together) is printed. Returns the differences (empty without ``against``)."""
     from captioner.checkpoint import CheckpointError
     from captioner.inference import Captioner
 
     scored = {}
-    for w in [weights] + ([against] if against else []):
+    for w in list(weights) + ([against] if against else []):
         try:
             cap = Captioner.load(w)
         except CheckpointError as e:
             raise UsageError(str(e)) from e
         tests = evaluate_checkpoint(cap, {}, test_sets, beam_size, progress=True)
-        print(f"\n{w}:\n")
-        print("| test set | " + " | ".join(FIGURE_NAMES) + " | words scored (reference / own) |")
-        print("|---" * (len(FIGURE_NAMES) + 2) + "|")
-        for name, t in tests.items():
-            f = t["figures"]
-            cells = ["n/a" if f.get(n) is None else f"{f[n]:.3f}" for n in FIGURE_NAMES]
-            words = f"{sum(t['stats'].get('pt_n', [])):,} / {sum(t['stats'].get('gen_n', [])):,}"
-            print(f"| {name} | " + " | ".join(cells) + f" | {words} |")
         scored[w] = cs.concat([tests[n]["stats"] for n in sorted(tests)])
+        _print_figures(w, {**{n: t["stats"] for n, t in tests.items()}, "all": scored[w]})
+    if len(weights) > 1:
+        _print_figures("all test sets, each checkpoint", {w: scored[w] for w in weights})
     if not against:
         return {}
-    n = len(next(iter(scored[weights].values())))
-    diff = cs.paired_difference(scored[weights], scored[against], cs.bootstrap_weights(n, resamples, seed))
-    print(f"\n{weights} - {against}, {n:,} images, 95% interval over the images ({resamples:,} resamples):\n")
+    diff = difference([scored[w] for w in weights], scored[against], resamples, seed)
+    n = len(next(iter(scored[against].values())))
+    over = "the seeds and the images" if len(weights) > 1 else "the images"
+    label = weights[0] if len(weights) == 1 else f"{len(weights)} seeds pooled"
+    print(f"\n{label} - {against}, {n:,} images, 95% interval over {over} ({resamples:,} resamples):\n")
     print("| figure | difference | interval |\n|---|---|---|")
     for name in FIGURE_NAMES:
         d = diff.get(name)

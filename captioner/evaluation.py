@@ -133,6 +133,8 @@ def format_table(report: EvalReport) -> str:
             ("pointing game, shape words", fmt("pointing_accuracy_shape")),
             ("pointing game, colour words", fmt("pointing_accuracy_color")),
             ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),
+            ("alpha mass on cells touching the box", fmt("alpha_mass_touch")),
+            ("map entropy on those words (nats)", fmt("alpha_entropy_named")),
             ("scored words", str(g.get("n_words"))),
         ]
     if report.attention and report.attention["entropy"] is not None:

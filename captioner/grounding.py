@@ -11,8 +11,9 @@ Two questions, both answerable only because the shapes images come with exact ob
   a misnamed object are counted apart: they are naming errors, not direction errors.
 * Pointing game: when the model emits a word that names an object uniquely present in
   the image (its shape word or its colour word), does the argmax of that step's attention
-  map fall inside the object's box? We also report the attention mass inside the box,
-  and the chance level of both (what a uniformly random cell / a uniform map scores).
+  map fall inside the object's box? We also report the attention mass inside the box
+  (strictly, and on the cells that touch it), the chance level of both (what a uniformly
+  random cell / a uniform map scores), and the entropy of the maps on those words.
 
 The attention grid covers the whole image (images are resized, never cropped), so cell
 (r, c) of an H x W grid covers x in [c*W_img/W, (c+1)*W_img/W) and y likewise; a cell is
@@ -83,6 +84,8 @@ class PointingRecord:
     chance: float  # fraction of cells whose centre lies inside the box
     hit_touch: bool = False  # the argmax cell's own area overlaps the box (the lenient reading)
     chance_touch: float = 0.0  # fraction of cells whose area overlaps the box
+    mass_touch: float = 0.0  # attention mass on cells whose area overlaps the box
+    entropy: float = 0.0  # of this step's map, nats: how sharply the model looks when it names
 
 
 # ------------------------------------------------------------------------- mentions
@@ -336,10 +339,12 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
         inside = _cell_centres_inside(owners[0].bbox, grid, image_size)
         touching = _cells_touching(owners[0].bbox, grid, image_size)
         r, c = np.unravel_index(int(np.argmax(maps[t])), grid)
+        positive = maps[t][maps[t] > 0]
         records.append(PointingRecord(
             step=t, word=word, kind=kind, hit=bool(inside[r, c]),
             mass=float(maps[t][inside].sum()), chance=float(inside.mean()),
             hit_touch=bool(touching[r, c]), chance_touch=float(touching.mean()),
+            mass_touch=float(maps[t][touching].sum()), entropy=float(-(positive * np.log(positive)).sum()),
         ))
     return records
 
@@ -394,6 +399,9 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
         "alpha_mass_in_box": _mean([r.mass for r in records]),
         # A uniform map puts exactly the in-box cell fraction of its mass in the box.
         "alpha_mass_chance": chance,
+        "alpha_mass_touch": _mean([r.mass_touch for r in records]),
+        # How sharp the maps are where it matters: on the words that name an object.
+        "alpha_entropy_named": _mean([r.entropy for r in records]),
         "n_words": len(records),
         "n_words_shape": len(by_kind["shape"]),
         "n_words_color": len(by_kind["color"]),

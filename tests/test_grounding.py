@@ -192,3 +192,20 @@ def test_pointing_touch_counts_a_cell_straddling_the_edge() -> None:
     summary = summarize_grounding([rec], [object_accuracy(["red", "circle"], [obj])])
     assert summary["pointing_accuracy_touch"] == pytest.approx(0.5)
     assert summary["pointing_chance_touch"] == pytest.approx(0.25)
+
+
+def test_mass_on_touching_cells_and_entropy_of_the_maps_on_the_named_words() -> None:
+    # As above: the box x 10-30, y 10-30 holds cell (1, 1)'s centre and overlaps (0..1, 0..1).
+    obj = ShapeObject("circle", "red", "small", (10.0, 10.0, 20.0, 20.0))
+    maps = np.zeros((3, 4, 4))
+    maps[0, 0, 0], maps[0, 1, 1] = 0.6, 0.4  # on the object's edge and on its centre cell
+    maps[1, 2, 3] = 1.0  # elsewhere, and sure of it
+    maps[2] = 1 / 16  # "a": not a named word, its flat map is not scored
+    rec = pointing_game(["red", "circle", "a"], maps, [obj], (64, 64))
+    assert [r.mass for r in rec] == pytest.approx([0.4, 0.0])
+    assert [r.mass_touch for r in rec] == pytest.approx([1.0, 0.0])
+    h = -(0.6 * np.log(0.6) + 0.4 * np.log(0.4))
+    assert [r.entropy for r in rec] == pytest.approx([h, 0.0])
+    summary = summarize_grounding([rec], [object_accuracy(["red", "circle"], [obj])])
+    assert summary["alpha_mass_touch"] == pytest.approx(0.5)
+    assert summary["alpha_entropy_named"] == pytest.approx(h / 2)

@@ -2,6 +2,7 @@
 a user's own checkpoint says what it was trained on."""
 
 import pytest
+import torch
 
 from captioner import inference
 from captioner.cli import build_parser, main
@@ -76,3 +77,15 @@ def test_help_says_what_the_demo_models_know(capsys):
     assert "works out of the box" not in parser.format_help()
     caption_help = parser._subparsers._group_actions[0].choices["caption"].format_help()
     assert "synthetic shapes" in " ".join(caption_help.split())
+
+
+def test_demo_hard_looks_through_demo_softs_frozen_encoder():
+    """demo-hard is trained as train/configs/shapes-hard.toml says: a hard-attention decoder
+    over demo-soft's encoder, frozen (as the paper's over fixed VGG features). Its encoder's
+    every weight is demo-soft's; its decoder's are its own."""
+    soft = Captioner.load(inference.resolve_weights("demo-soft")).model.state_dict()
+    hard = Captioner.load(inference.resolve_weights("demo-hard")).model.state_dict()
+    assert soft.keys() == hard.keys()
+    encoder = [k for k in soft if k.startswith("encoder.")]
+    assert encoder and all(torch.equal(soft[k], hard[k]) for k in encoder)
+    assert not all(torch.equal(soft[k], hard[k]) for k in soft if k not in encoder)

@@ -278,7 +278,7 @@ def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> d
 
 # ------------------------------------------------------------------- pointing game
 
-def _cell_centres_inside(bbox: Sequence[float], grid: tuple[int, int],
+def cells_inside(bbox: Sequence[float], grid: tuple[int, int],
                          image_size: tuple[int, int]) -> np.ndarray:
     """(H, W) bool: which grid cells have their centre inside the box."""
     h, w = grid
@@ -336,7 +336,7 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
             continue
         if len(owners) != 1:  # absent, or ambiguous which object the word points to
             continue
-        inside = _cell_centres_inside(owners[0].bbox, grid, image_size)
+        inside = cells_inside(owners[0].bbox, grid, image_size)
         touching = _cells_touching(owners[0].bbox, grid, image_size)
         r, c = np.unravel_index(int(np.argmax(maps[t])), grid)
         positive = maps[t][maps[t] > 0]

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import heads, widths
+from . import heads, misses, widths
 from .plan import (DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of,
                    select_rows)
 
@@ -280,7 +280,7 @@ def cmd_compact(args) -> int:
 
 # ------------------------------------------------------------------------------ parser
 
-COMMANDS = ("train", "score", "table", "timing", "pack", "unpack", "heads", "widths", "compact")
+COMMANDS = ("train", "score", "table", "timing", "pack", "unpack", "heads", "widths", "misses", "compact")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -389,7 +389,7 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for add in (_train_parser, _score_parser, _table_parser, _timing_parser, _pack_parser, _unpack_parser,
-                heads.register, widths.register, _compact_parser, _run_one_parser):
+                heads.register, widths.register, misses.register, _compact_parser, _run_one_parser):
         add(sub)
     return ap
 

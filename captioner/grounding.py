@@ -278,8 +278,7 @@ def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> d
 
 # ------------------------------------------------------------------- pointing game
 
-def cells_inside(bbox: Sequence[float], grid: tuple[int, int],
-                         image_size: tuple[int, int]) -> np.ndarray:
+def cells_inside(bbox: Sequence[float], grid: tuple[int, int], image_size: tuple[int, int]) -> np.ndarray:
     """(H, W) bool: which grid cells have their centre inside the box."""
     h, w = grid
     img_w, img_h = image_size

@@ -25,7 +25,7 @@ from captioner.forced import forced_outputs
 from captioner.grounding import load_shape_objects, pointing_game
 from captioner.inference import Captioner
 
-from .plan import UsageError
+from .scoring import check_test_set, test_set_arguments
 
 
 @dataclass
@@ -70,20 +70,14 @@ def head_pointing(cap: Captioner, folder: Path, images: int, batch_size: int = 3
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("heads", help="pointing and mass in box of each head's map and of their mean",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("weights", nargs="+", help="checkpoint files or run folders")
-    p.add_argument("--data", type=Path, required=True, help="a shapes test set (captioner shapes ... --test N)")
-    p.add_argument("--images", type=int, default=1000, help="its first N test images")
+    test_set_arguments(p)
     p.set_defaults(func=cmd_heads)
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
     from captioner.train.checkpoints import load_weights
 
-    if not (args.data / "instances_test.json").is_file():
-        raise UsageError(f"{args.data} has no instances_test.json: make one with captioner shapes --train 0 "
-                         "--val 0 --test N")
-    if args.images < 1:
-        raise UsageError("--images must be >= 1")
+    check_test_set(args.data, args.images)
     print("| weights | map | strict pointing | mass in box |\n|---|---|---|---|")
     for w in args.weights:
         r = head_pointing(load_weights(w), args.data, args.images)

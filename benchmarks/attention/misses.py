@@ -27,7 +27,7 @@ import torch
 
 from captioner.grounding import ShapeObject, cells_inside, load_shape_objects, parse_mentions, pointing_game
 
-from .plan import UsageError
+from .scoring import check_test_set, test_set_arguments
 
 PLACES = ("hit", "edge", "previous", "next", "other", "background")
 
@@ -92,20 +92,14 @@ def places_of(cap, folder: Path, images: int) -> list[str]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("misses", help="where the maps of words that miss their object look",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("weights", nargs="+", help="checkpoint files or run folders")
-    p.add_argument("--data", type=Path, required=True, help="a shapes test set (captioner shapes ... --test N)")
-    p.add_argument("--images", type=int, default=1000, help="its first N test images")
+    test_set_arguments(p)
     p.set_defaults(func=cmd_misses)
 
 
 def cmd_misses(args: argparse.Namespace) -> int:
     from captioner.train.checkpoints import load_weights
 
-    if not (args.data / "instances_test.json").is_file():
-        raise UsageError(f"{args.data} has no instances_test.json: make one with captioner shapes --train 0 "
-                         "--val 0 --test N")
-    if args.images < 1:
-        raise UsageError("--images must be >= 1")
+    check_test_set(args.data, args.images)
     print("| weights | " + " | ".join(PLACES) + " | words |\n" + "|---" * (len(PLACES) + 2) + "|")
     for w in args.weights:
         places = places_of(load_weights(w), args.data, args.images)

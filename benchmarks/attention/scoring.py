@@ -32,6 +32,22 @@ def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, P
     return sets
 
 
+def test_set_arguments(p) -> None:
+    """The arguments of a subcommand that reads checkpoints' maps on one shapes test set."""
+    p.add_argument("weights", nargs="+", help="checkpoint files or run folders")
+    p.add_argument("--data", type=Path, required=True, help="a shapes test set (captioner shapes ... --test N)")
+    p.add_argument("--images", type=int, default=1000, help="its first N test images")
+
+
+def check_test_set(folder: Path, images: int) -> None:
+    """Refuse, in one line, a folder that is not a shapes test set or a count below 1."""
+    if not (folder / "instances_test.json").is_file():
+        raise UsageError(f"{folder} has no instances_test.json: make one with captioner shapes --train 0 "
+                         "--val 0 --test N")
+    if images < 1:
+        raise UsageError("--images must be >= 1")
+
+
 def image_stats(records, results, forced, objects: dict, with_pointing: bool) -> dict[str, list]:
     """Per-image columns (see stats.py) for one test set."""
     from pycocoevalcap.cider.cider import Cider

@@ -23,27 +23,38 @@ def _run(args, **kw):
     return res
 
 
-@pytest.mark.slow
-def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, tmp_path):
-    # Dropout off (each rank draws its own masks); a frozen encoder read through the feature
-    # cache (batch-norm statistics would otherwise be per rank); SGD, because Adam divides
-    # by the gradient's own size and so turns rounding noise in near-zero gradients (the
-    # score's bias, which softmax ignores) into full-size steps.
-    cfg = tiny_config(tiny_coco, **{"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0,
-                                    "optim.optimizer": "sgd", "optim.lr": 0.05,
-                                    "model.freeze_encoder": True, "data.feature_cache": True,
-                                    "val.every_epochs": 0, "optim.save_every": 0})
+# What lets two ranks train exactly as one process over the same global batch: dropout off
+# (each rank draws its own masks); a frozen encoder read through the feature cache
+# (batch-norm statistics would otherwise be per rank); SGD, because Adam divides by the
+# gradient's own size and so turns rounding noise in near-zero gradients (the score's bias,
+# which softmax ignores) into full-size steps.
+SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0, "optim.optimizer": "sgd",
+               "optim.lr": 0.05, "model.freeze_encoder": True, "data.feature_cache": True,
+               "val.every_epochs": 0, "optim.save_every": 0}
+
+
+def one_and_two_ranks(tiny_coco, tmp_path, **sets):
+    """Train the tiny config (SAME_AS_ONE and ``sets``) in one process (run folder
+    tmp_path/single) and on two ranks (tmp_path/multi); check that they end with the same
+    weights; return the config and the two last checkpoints."""
+    cfg = tiny_config(tiny_coco, **{**SAME_AS_ONE, **sets})
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
     single, multi = tmp_path / "single", tmp_path / "multi"
     _run([sys.executable, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(single),
           "--quiet"])
     _run([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"])
-
     a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
     assert b["train_state"]["step"] == 6 and len(b["train_state"]["rng_per_rank"]) == 2
     for k, v in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5)
+    return cfg, a, b
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, tmp_path):
+    cfg, a, _ = one_and_two_ranks(tiny_coco, tmp_path)
+    multi = tmp_path / "multi"
     torch.manual_seed(cfg.optim.seed)  # the weights both runs started from
     start = CaptionModel(ModelConfig.from_dict(a["model_config"])).state_dict()
     assert not torch.allclose(start["decoder.L_o.weight"], a["state_dict"]["decoder.L_o.weight"])  # they trained

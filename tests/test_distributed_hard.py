@@ -2,13 +2,11 @@
 expected-context coin are saved and restored, so a resumed two-rank run matches the
 uninterrupted one exactly."""
 
-import sys
-
 import pytest
 import torch
 
 from captioner.checkpoint import load_checkpoint
-from test_distributed import TORCHRUN, _run
+from test_distributed import TORCHRUN, _run, one_and_two_ranks
 from test_train import tiny_config
 from captioner.train.config import to_toml
 
@@ -43,21 +41,7 @@ def test_two_ranks_train_hard_attention_like_one_process_over_the_global_batch(t
     always shows it) keeps the ranks' own draws of attention cells out of the comparison;
     the weighting of the sampled terms across shares is tests/test_reinforce.py's (near a
     fresh model's flat maps the entropy bonus moves the weights by under 1e-4, too little
-    to tell apart here). Set up as the soft two-rank test (no dropout, a cached frozen
-    encoder, SGD)."""
-    cfg = tiny_config(tiny_coco, **{"model.attention": "hard", "hard.expected_context_prob": 1.0,
-                                    "hard.entropy": 0.05,
-                                    "optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0,
-                                    "optim.optimizer": "sgd", "optim.lr": 0.05,
-                                    "model.freeze_encoder": True, "data.feature_cache": True,
-                                    "val.every_epochs": 0, "optim.save_every": 0})
-    path = tmp_path / "cfg.toml"
-    path.write_text(to_toml(cfg))
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    _run([sys.executable, "-m", "captioner.cli", "train", "--config", str(path), "--run-dir", str(single), "--quiet"])
-    _run([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(path), "--run-dir", str(multi), "--quiet"])
-    a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
-    assert b["train_state"]["step"] == 6 and len(b["train_state"]["rng_per_rank"]) == 2
-    for k, v in a["state_dict"].items():
-        torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5)
+    to tell apart here). Set up as the soft two-rank test (SAME_AS_ONE)."""
+    _, a, b = one_and_two_ranks(tiny_coco, tmp_path, **{"model.attention": "hard", "hard.entropy": 0.05,
+                                                         "hard.expected_context_prob": 1.0})
     assert b["train_state"]["baseline"] == pytest.approx(a["train_state"]["baseline"], rel=1e-5)

@@ -220,3 +220,16 @@ def test_adam_and_sgd_step_as_one_fused_kernel_with_the_plain_form_s_updates(nam
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q)
     assert (a.weight - before).abs().max() > 1e-3  # the steps moved the weights
+
+
+def test_a_run_stopped_by_its_step_limit_validates_its_final_weights(tiny_coco, tmp_path):
+    """Validation each epoch and a step limit within an epoch (14 captions, batches of 4: four
+    steps an epoch, the limit at step 6): the final weights are validated too, so best.pt is
+    chosen among every epoch's end and the last step, not the ends alone."""
+    run = tmp_path / "run"
+    outcome = train(tiny_config(tiny_coco, **{"optim.max_steps": 6, "val.every_epochs": 1, "optim.save_every": 0}),
+                    run, progress=False)
+    log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert outcome.reason == "max_steps" and outcome.step == 6
+    assert [(r["epoch"], r["step"]) for r in log if "val" in r] == [(1, 4), (1, 6)]
+    assert load_checkpoint(run / "last.pt")["train_state"]["validated_at"] == 6

@@ -177,6 +177,7 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of this epoch done
     best: float | None = None  # the best validation figure so far
     bad_vals: int = 0  # validations since it last improved
+    validated_at: int = -1  # the step of the last validation (-1: none yet)
     train_seconds: float = 0.0  # training time, checkpoints and validations left out
 
 
@@ -359,7 +360,8 @@ def restore(run: Run, ckpt: dict) -> TrainState:
     ts, ctx = ckpt["train_state"], run.ctx
     run.optimizer.load_state_dict(ts["optimizer"])
     run.scheduler.load_state_dict(ts["scheduler"])
-    state = TrainState(**{f.name: ts[f.name] for f in fields(TrainState)})
+    # A field a checkpoint lacks (saved before the field existed) keeps its default.
+    state = TrainState(**{f.name: ts[f.name] for f in fields(TrainState) if f.name in ts})
     if run.hard is not None:
         run.hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
     if run.scst is not None and "scst" in ts:  # else its samples start from here
@@ -453,8 +455,11 @@ def run_epochs(run: Run, state: TrainState) -> str:
                 if early:
                     reason = "early_stop"
                     break
-            if state.best is None and reason != "interrupted":
-                validate(run, state)  # a run that ends before its first validation still leaves a best.pt
+            # A run that ends before its first validation still leaves a best.pt, and one that stops
+            # between validations (a step or time limit) has its final weights validated too.
+            final_unseen = v.every_epochs > 0 and state.validated_at != state.step
+            if reason != "interrupted" and (state.best is None or final_unseen):
+                validate(run, state)
             save(run, state)
         finally:
             run.files.close()
@@ -577,7 +582,7 @@ def save(run: Run, state: TrainState) -> None:
 def validate(run: Run, state: TrainState) -> bool:
     """Real decoding on the validation split (rank 0, with the averaged weights when
     ``optim.ema``); saves best.pt when the figure improves. True when early stopping says stop."""
-    stop_early = False
+    stop_early, state.validated_at = False, state.step  # on every rank: each decides the same
     if run.ctx.is_main:
         with run.average.applied(run.model) if run.average is not None else nullcontext():
             stop_early = _validate_here(run, state)

@@ -284,6 +284,63 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last["state_dict"][key])
 
 
+
+CHOSEN_ROWS = '''[[rows]]
+name = "chosen-last"
+train = "chosen"
+sets = []
+validate = true
+[[rows]]
+name = "chosen-best"
+train = "chosen"
+sets = []
+validate = true
+checkpoint = "best"
+'''
+
+
+def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last_step(tmp_path, monkeypatch):
+    """Two rows of one training validated every epoch (the tiny recipe: ten steps an epoch,
+    here twelve steps): one scores last.pt's weights, the other best.pt, chosen on validation
+    among the epoch's end and the last step; each record says which."""
+    from captioner.checkpoint import load_checkpoint
+
+    rows = _rows_file(tmp_path, CHOSEN_ROWS)
+    scored = {}
+    real = runner.evaluate_checkpoint
+
+    def spy(cap, decode, test_sets, beam_size, progress=False):
+        scored[len(scored)] = {k: v.clone() for k, v in cap.model.state_dict().items()}
+        return real(cap, decode, test_sets, beam_size, progress)
+
+    monkeypatch.setattr(runner, "evaluate_checkpoint", spy)
+    assert cli.main(_args(tmp_path, rows, "--rows", "chosen-last,chosen-best", "--seeds", "0", "--steps", "12", "--skip-timing")) == 0
+    run_dir = tmp_path / "runs" / "tiny-12steps" / "chosen" / "seed0"
+    log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "val" in r] == [10, 12]
+    best = load_checkpoint(run_dir / "best.pt")
+    results = store.Results(tmp_path / "out" / "tiny-12steps")
+    last_rec, best_rec = _record(results, "chosen-last", 0), _record(results, "chosen-best", 0)
+    assert last_rec["checkpoint"].startswith("last.pt at step 12")
+    assert best_rec["checkpoint"].startswith(f"best.pt at step {best['meta']['step']}")
+    assert best_rec["validation"]["step"] == best["meta"]["step"] and last_rec["validation"]["step"] == 12
+    average = load_checkpoint(run_dir / "last.pt")["train_state"]["weight_average"]["tensors"]
+    assert all(torch.equal(scored[0][k], average[k]) for k in average)  # rows in the file's order
+    assert all(torch.equal(scored[1][k], best["state_dict"][k]) for k in best["state_dict"])
+
+
+@pytest.mark.parametrize("extra,says", [
+    ('[[rows]]\nname = "b"\nsets = []\ncheckpoint = "best"\n', "b: checkpoint = \"best\" needs validate = true"),
+    ('[[rows]]\nname = "b"\nsets = []\ncheckpoint = "first"\n', "b: checkpoint must be \"last\" or \"best\""),
+    ('[[rows]]\nname = "x"\ntrain = "t"\nsets = []\nvalidate = true\n'
+     '[[rows]]\nname = "y"\ntrain = "t"\nsets = []\n', "x, y share the training t"),
+], ids=["best-unvalidated", "unknown-checkpoint", "shared-training-differs"])
+def test_a_rows_file_whose_checkpoint_choice_cannot_work_is_refused(tmp_path, capsys, extra, says):
+    with pytest.raises(SystemExit) as e:
+        plan.load_plan(_rows_file(tmp_path, extra))
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def _made_up(seed: int, hits: np.ndarray, device: str | None = None) -> dict:
     """A finished (row, seed)'s summary, and its per-image columns of one test set."""
     n = len(hits)

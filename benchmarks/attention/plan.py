@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: configs are named 
 DEFAULT_ROWS = Path(__file__).resolve().parent / "rows.toml"
 PROG = "python -m benchmarks.attention"
 # Held by every training of the comparison: a fixed step count, no validation on the way
-# (the loop still validates once at the end; that figure is kept in the result record).
+# (the loop still validates once at the end; that figure is kept in the result record), unless
+# a row validates to choose its checkpoint (Row.validate); never an early stop.
 FIXED = ["optim.epochs=100000", "optim.max_minutes=0", "val.every_epochs=0", "val.patience=0", "optim.threads=1"]
 
 
@@ -38,6 +39,8 @@ class Row:
     train: str = ""  # the training it uses (rows sharing one are decoded differently)
     decode: dict = field(default_factory=dict, hash=False)
     requires_param: str = ""
+    validate: bool = False  # validate every epoch (the config's val.metric keeps best.pt)
+    checkpoint: str = "last"  # scored: "last" (last.pt, its weight average) or "best" (best.pt)
 
     @property
     def train_key(self) -> str:
@@ -57,11 +60,31 @@ def load_plan(path: Path) -> Plan:
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
         rows = [Row(r["name"], tuple(r.get("sets", ())), r.get("train", ""), dict(r.get("decode", {})),
-                    r.get("requires_param", "")) for r in data["rows"]]
-        return Plan(rows, data["reference"], tuple(data["aa_pair"]), dict(data["recipes"]),
-                    tuple(data.get("reference_twins", ())))
+                    r.get("requires_param", ""), bool(r.get("validate", False)), r.get("checkpoint", "last"))
+                for r in data["rows"]]
+        the_plan = Plan(rows, data["reference"], tuple(data["aa_pair"]), dict(data["recipes"]),
+                        tuple(data.get("reference_twins", ())))
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as e:
         raise UsageError(f"cannot read the rows file {path}: {e}") from e
+    check_checkpoint_choice(rows, path)
+    return the_plan
+
+
+def check_checkpoint_choice(rows: list[Row], path: Path) -> None:
+    """A row scores best.pt only when its training validates, and rows sharing a training ask
+    for the same training: else an error naming the rows, before anything trains."""
+    problems = []
+    for r in rows:
+        if r.checkpoint not in ("last", "best"):
+            problems.append(f'{r.name}: checkpoint must be "last" or "best", not {r.checkpoint!r}')
+        elif r.checkpoint == "best" and not r.validate:
+            problems.append(f'{r.name}: checkpoint = "best" needs validate = true (no validation, no best.pt)')
+    for key, group in by_training(rows).items():
+        if len({(r.sets, r.validate) for r in group}) > 1:
+            problems.append(f"{', '.join(r.name for r in group)} share the training {key} but differ in "
+                            "sets or validate")
+    if problems:
+        raise UsageError(f"rows file {path}: {'; '.join(problems)}")
 
 
 def select_rows(plan: Plan, names: str | None) -> list[Row]:
@@ -99,7 +122,10 @@ def device_sets(device: str | None) -> list[str]:
 
 
 def training_sets(recipe: dict, steps: int, row: Row, seed: int, device: str | None = None) -> list[str]:
-    return [*recipe.get("sets", ()), *row.sets, *FIXED, *device_sets(device), f"optim.max_steps={steps}",
+    """The overrides of one (row, seed) training; a row that validates does so every epoch
+    and at its last step (best.pt kept on the config's val.metric), never stopping early."""
+    validation = ["val.every_epochs=1"] if row.validate else []
+    return [*recipe.get("sets", ()), *row.sets, *FIXED, *validation, *device_sets(device), f"optim.max_steps={steps}",
             f"optim.seed={seed}"]
 
 

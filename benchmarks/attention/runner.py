@@ -34,6 +34,7 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     import torch
 
     from captioner.checkpoint import load_checkpoint
+    from captioner.inference import Captioner
     from captioner.train.checkpoints import last_step, model_at_last_step, run_device
     from captioner.train.loop import train
 
@@ -59,18 +60,25 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     if test_sets is None:
         return 0
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = next((r for r in reversed(log) if "val" in r), None)  # the one validation, at the end
+    vals = [r for r in log if "val" in r]
     last = load_checkpoint(run_dir / "last.pt")
     state = last["train_state"]
-    cap = model_at_last_step(last)
     records = []
     for row in pending:
+        if row.checkpoint == "best":
+            best = load_checkpoint(run_dir / "best.pt")
+            chosen = best["meta"]["step"]
+            cap, val = Captioner.from_checkpoint(best), next(r for r in reversed(vals) if r["step"] == chosen)
+            metric = state["config"]["val"]["metric"]
+            which = f"best.pt at step {chosen} of {steps}, chosen on validation {metric}"
+        else:
+            cap, val = model_at_last_step(last), vals[-1] if vals else None  # the validation at the end
+            which = f"last.pt at step {steps}, its weight average if any"
         tests = evaluate_checkpoint(cap, row.decode, test_sets, beam_size, progress)
         for t in tests.values():
             t["stats"] = compact_columns(t["stats"])  # about 100 bytes an image as text
         records.append({"row": row.name, "seed": seed, "recipe": recipe_name, "steps": steps, "sets": list(row.sets),
-                        "decode": row.decode, "checkpoint": f"last.pt at step {steps}, its weight average if any",
-                        "train_seconds": round(state["train_seconds"], 1),
+                        "decode": row.decode, "checkpoint": which, "train_seconds": round(state["train_seconds"], 1),
                         "trained_on": state["config"]["optim"]["device"], "validation": val, "tests": tests})
     if results is None:
         write_handoff(run_dir, records)

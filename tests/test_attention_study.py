@@ -659,3 +659,32 @@ def test_compact_converts_a_results_tree_and_its_table_is_the_trees(tmp_path, ca
     monkeypatch.setattr(store.Results, "add", lambda self, records: add(self, records[1:]))
     assert cli.main(["compact", *command]) == 1
     assert "differs" in capsys.readouterr().err and not results.path.exists()
+
+
+def test_goal_reads_every_seed_against_the_floors_and_names_the_closest_row(tmp_path, capsys):
+    """A mean over seeds may pass where one seed fails: goal says which seed misses what."""
+    rows = _rows_file(tmp_path)
+    out = tmp_path / "out" / "tiny-3steps"
+    n = 50
+    for row, seed, hits in (("additive", 0, 3.0), ("additive", 1, 3.0), ("concat", 0, 3.0), ("concat", 1, 2.0)):
+        stats = {"pt_hit": [hits] * n, "pt_n": [3.0] * n, "pt_mass": [hits * 0.9] * n, "obj": [float(hits == 3)] * n,
+                 "rel_true": [1.0] * n, "rel_named": [1.0] * n}
+        store.Results(out).add([{"row": row, "seed": seed, "steps": 3,
+                                 "tests": {"test7001": {"image_ids": list(range(n)), "stats": stats}}}])
+    base = ["goal", "--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out")]
+    assert cli.main(base) == 0
+    text = capsys.readouterr().out
+    assert "- additive (2 seeds): every seed meets the goal" in text
+    assert ("- concat (2 seeds): misses 3 of 8: seed 1: object_accuracy 0.000; seed 1: pointing 0.667; "
+            "seed 1: mass_in_box 0.600") in text
+    assert "| concat | 1 | **0.000** | **0.667** | **0.600** | 1.000 |" in text
+    assert "- pointing: additive, worst seed 1.000" in text
+    # A raised floor fails the seeds below it; a figure no record has counts as missed.
+    assert cli.main([*base, "--rows", "additive", "--floor", "mass_in_box=0.95", "--floor", "BLEU-4=0.5"]) == 0
+    text = capsys.readouterr().out
+    assert ("misses 4 of 10: seed 0: mass_in_box 0.900; seed 0: BLEU-4 n/a; seed 1: mass_in_box 0.900; "
+            "seed 1: BLEU-4 n/a") in text
+    for bad in ("pointing", "speed=1", "pointing=high"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*base, "--floor", bad])
+        assert e.value.code == 2 and "--floor" in capsys.readouterr().err

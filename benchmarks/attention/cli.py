@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import heads, misses, widths
+from . import goal, heads, misses, widths
 from .plan import (DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of,
                    select_rows)
 
@@ -23,7 +23,8 @@ Welch's interval of the seed means) and an A/A noise floor. See docs/attention-c
 Rows and recipes are data (benchmarks/attention/rows.toml): a row is `--set` overrides of the
 recipe's config (demo-soft's). Each (training, seed) runs to a fixed step count with no
 validation on the way; the model scored is the one at that last step (the moving average of
-the weights, as the recipe keeps one), the same rule for every variant. Each finished
+the weights, as the recipe keeps one), the same rule for every variant, unless a row says
+otherwise (validate = true: validation every epoch; checkpoint = "best": the one it chose). Each finished
 (row, seed) adds a record with its per-image statistics to OUT/<recipe>-<steps>steps/
 results.jsonl.gz; a rerun skips what is finished and resumes a stopped training from its
 last.pt.
@@ -31,6 +32,7 @@ last.pt.
   python -m benchmarks.attention train                  # the full table (long: see the docs)
   python -m benchmarks.attention train --recipe quarter --rows mean,additive,concat,dot,sparsemax
   python -m benchmarks.attention table                  # the table again, from the results alone
+  python -m benchmarks.attention goal --rows frozen-soft  # does every seed reach the demo's floors?
   python -m benchmarks.attention table --check-ranking quarter --rows mean,additive,concat,dot,sparsemax
   python -m benchmarks.attention timing                 # training steps/s alone (an idle machine)
   python -m benchmarks.attention score demo-soft        # the scoring alone, on any checkpoint
@@ -280,7 +282,7 @@ def cmd_compact(args) -> int:
 
 # ------------------------------------------------------------------------------ parser
 
-COMMANDS = ("train", "score", "table", "timing", "pack", "unpack", "heads", "widths", "misses", "compact")
+COMMANDS = ("train", "score", "table", "goal", "timing", "pack", "unpack", "heads", "widths", "misses", "compact")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -388,8 +390,11 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
-    for add in (_train_parser, _score_parser, _table_parser, _timing_parser, _pack_parser, _unpack_parser,
-                heads.register, widths.register, misses.register, _compact_parser, _run_one_parser):
+    for add in (_train_parser, _score_parser, _table_parser):
+        add(sub)
+    goal.register(sub, [_options("plan", "out")])
+    for add in (_timing_parser, _pack_parser, _unpack_parser, heads.register, widths.register, misses.register,
+                _compact_parser, _run_one_parser):
         add(sub)
     return ap
 

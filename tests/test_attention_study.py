@@ -462,6 +462,30 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
     assert e.value.code == 2 and "already in" in capsys.readouterr().err
 
 
+
+def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_elsewhere(tmp_path):
+    """A "best" row trained on one machine is scored on another from the best.pt chosen there."""
+    from captioner.checkpoint import load_checkpoint
+
+    rows = _rows_file(tmp_path, CHOSEN_ROWS)
+    there = _args(tmp_path, rows, "--rows", "chosen-last,chosen-best", "--seeds", "0", "--steps", "12")
+    assert cli.main([*there, "--train-only"]) == 0
+    run_dir = tmp_path / "runs" / "tiny-12steps" / "chosen" / "seed0"
+    packs = tmp_path / "packs"
+    assert cli.main(["pack", str(packs), "--rows-file", str(rows), "--recipe", "tiny", "--steps", "12", "--rows",
+                     "chosen-best", "--seeds", "0", "--runs", str(tmp_path / "runs")]) == 0
+    here = ["--runs", str(tmp_path / "here")]
+    assert cli.main(["unpack", "--rows-file", str(rows), "--recipe", "tiny", "--steps", "12", *here,
+                     *map(str, packs.glob("*.tar"))]) == 0
+    unpacked = tmp_path / "here" / "tiny-12steps" / "chosen" / "seed0" / "best.pt"
+    chosen = load_checkpoint(run_dir / "best.pt")
+    assert torch.equal(load_checkpoint(unpacked)["state_dict"]["decoder.L_o.weight"],
+                       chosen["state_dict"]["decoder.L_o.weight"])
+    assert cli.main([*there, *here, "--skip-timing"]) == 0
+    rec = _record(store.Results(tmp_path / "out" / "tiny-12steps"), "chosen-best", 0)
+    assert rec["checkpoint"].startswith(f"best.pt at step {chosen['meta']['step']} of 12")
+
+
 def test_unpack_refuses_anything_but_a_pack_of_runs_and_writes_nothing(tmp_path, capsys):
     import io
     import tarfile

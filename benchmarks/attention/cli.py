@@ -348,7 +348,7 @@ def _pack_parser(sub: argparse._SubParsersAction) -> None:
                        help="finished trainings as slim checkpoints in tar files, to score on another machine",
                        description="Pack the finished trainings of --rows and --seeds not packed before, as slim "
                                    "checkpoints (the weights scored, the step, the config and the log; no optimizer "
-                                   "state) in DIR/runs-NNN.tar files.")
+                                   "state; best.pt too where the training validated) in DIR/runs-NNN.tar files.")
     p.add_argument("dest", metavar="DIR", type=Path, help="where the tar files go")
     p.add_argument("--max-mb", type=float, default=15.0, help="the largest tar file written, in MiB")
     p.add_argument("--max-files", type=_at_least(0), default=0,

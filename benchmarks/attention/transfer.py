@@ -13,7 +13,7 @@ from .plan import UsageError
 from .store import atomic_write
 
 PACKED = "packed"  # a marker in a run folder: packed once already
-_MEMBER = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*)/seed([0-9]+)/(last\.pt|metrics\.jsonl|config\.toml)$")
+_MEMBER = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]*)/seed([0-9]+)/(last\.pt|best\.pt|metrics\.jsonl|config\.toml)$")
 
 
 def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: Path, limit_bytes: int,
@@ -45,6 +45,8 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
         torch.save(slim_checkpoint(ckpt), buf)
         members = {"last.pt": buf.getvalue(), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes(),
                    "config.toml": (run_dir / "config.toml").read_bytes()}
+        if ckpt["train_state"]["config"]["val"]["every_epochs"] > 0:  # a row may score the checkpoint chosen
+            members["best.pt"] = (run_dir / "best.pt").read_bytes()  # weights and metadata alone: already slim
         need = sum(len(v) + 1024 for v in members.values())
         if tar is None or (size and size + need > limit_bytes):
             if max_files and len(files) == max_files:
@@ -66,7 +68,7 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
 
 
 def unpack_runs(files: list[Path], runs: Path, steps: int) -> list[str]:
-    """Packed runs into ``runs``: only the three files a packed run has, each a plain file under
+    """Packed runs into ``runs``: only the files a packed run has, each a plain file under
     <training>/seed<S>/, and never over a run already there. Returns the runs unpacked."""
     import tarfile
 
@@ -84,7 +86,7 @@ def unpack_runs(files: list[Path], runs: Path, steps: int) -> list[str]:
             bad = [m.name for m in members if not (m.isfile() and _MEMBER.match(m.name))]
             if bad:
                 raise UsageError(f"{file}: not a pack of runs ({', '.join(bad[:3])} is no <training>/seed<S>/"
-                                 "last.pt, metrics.jsonl or config.toml)")
+                                 "last.pt, best.pt, metrics.jsonl or config.toml)")
             folders = sorted({m.name.rsplit("/", 1)[0] for m in members})
             taken = [f for f in folders if (runs / f / "last.pt").exists()]
             if taken:

@@ -324,6 +324,8 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
     assert last_rec["checkpoint"].startswith("last.pt at step 12")
     assert best_rec["checkpoint"].startswith(f"best.pt at step {best['meta']['step']}")
     assert best_rec["validation"]["step"] == best["meta"]["step"] and last_rec["validation"]["step"] == 12
+    header = (tmp_path / "out" / "tiny-12steps" / "table.md").read_text().splitlines()[0]
+    assert "the weights at the last step (chosen-best: the checkpoint chosen on validation)" in header
     average = load_checkpoint(run_dir / "last.pt")["train_state"]["weight_average"]["tensors"]
     assert all(torch.equal(scored[0][k], average[k]) for k in average)  # rows in the file's order
     assert all(torch.equal(scored[1][k], best["state_dict"][k]) for k in best["state_dict"])

@@ -305,7 +305,10 @@ def table_of(plan: Plan, rows: list[Row], found: dict[str, dict[int, dict]], rec
     for r in rows:
         if r.name in summary["rows"]:
             summary["rows"][r.name]["train_key"] = r.train_key
-    header = (f"Recipe `{recipe_name}`: {steps:,} training steps, the weights at the last step; "
+    chosen = [r.name for r in rows if r.checkpoint == "best" and r.name in summary["rows"]]
+    weights = "the weights at the last step" + (
+        f" ({', '.join(chosen)}: the checkpoint chosen on validation)" if chosen else "")
+    header = (f"Recipe `{recipe_name}`: {steps:,} training steps, {weights}; "
               f"{summary['n_images']:,} test images (test sets of seeds {args.test_seeds}), beam {args.beam_size}; "
               "mean ± sd over seeds.")
     devices = trained_where(found)

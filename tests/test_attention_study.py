@@ -565,6 +565,22 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
     assert e.value.code == 2
 
 
+
+def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path, monkeypatch):
+    """A run folder is scored at its last.pt's weight average, the weights the table scores."""
+    rows = _rows_file(tmp_path)
+    assert cli.main([*_args(tmp_path, rows, "--rows", "additive", "--seeds", "0"), "--train-only"]) == 0
+    run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
+    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    seen = []
+    real = scoring.evaluate_checkpoint
+    monkeypatch.setattr(scoring, "evaluate_checkpoint",
+                        lambda cap, *a, **k: seen.append(cap.model.state_dict()) or real(cap, *a, **k))
+    scoring.score_only([str(run_dir)], tests, 1)
+    scored = last_step_model(run_dir).model.state_dict()
+    assert all(torch.equal(seen[0][k], scored[k]) for k in scored)
+
+
 def test_a_row_whose_device_this_machine_lacks_is_left_out_not_failed(tmp_path, monkeypatch, capsys):
     rows = _rows_file(tmp_path, '''[[rows]]
 name = "additive-cuda"

@@ -38,6 +38,7 @@ last.pt.
   python -m benchmarks.attention score demo-soft        # the scoring alone, on any checkpoint
   python -m benchmarks.attention score CANDIDATE.pt --against demo-soft --test-seeds 9001,9002,9003
   python -m benchmarks.attention score runs/a/best.pt runs/b/best.pt runs/c/best.pt --against demo-soft
+  python -m benchmarks.attention score runs/a runs/b runs/c --against demo-soft   # run folders
 
 Trained on a GPU machine, scored on another (one without the evaluation's packages, say):
 
@@ -312,7 +313,8 @@ def _score_parser(sub: argparse._SubParsersAction) -> None:
                                    "too and print the seeds pooled minus it, with a bootstrap interval paired over "
                                    "the test images and, for several seeds, drawn over the seeds too.")
     p.add_argument("weights", metavar="WEIGHTS", nargs="+",
-                   help="checkpoint files or bundled models' names (several: the seeds of one recipe)")
+                   help="checkpoint files, run folders (their last.pt's weight average, as the table scores "
+                        "them) or bundled models' names (several: the seeds of one recipe)")
     p.add_argument("--against", metavar="REFERENCE", default=None,
                    help="score this checkpoint too, and print WEIGHTS' minus its figures (e.g. a candidate demo "
                         "against the shipped one)")

@@ -143,12 +143,12 @@ def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, a
     checkpoint is scored too and ``difference`` (the seeds pooled minus it, all test sets
     together) is printed. Returns the differences (empty without ``against``)."""
     from captioner.checkpoint import CheckpointError
-    from captioner.inference import Captioner
+    from captioner.train.checkpoints import load_weights
 
     scored = {}
     for w in list(weights) + ([against] if against else []):
         try:
-            cap = Captioner.load(w)
+            cap = load_weights(w)  # a run folder: its last.pt's weight average, as the table scores it
         except CheckpointError as e:
             raise UsageError(str(e)) from e
         tests = evaluate_checkpoint(cap, {}, test_sets, beam_size, progress=True)

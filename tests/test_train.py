@@ -233,3 +233,18 @@ def test_a_run_stopped_by_its_step_limit_validates_its_final_weights(tiny_coco, 
     assert outcome.reason == "max_steps" and outcome.step == 6
     assert [(r["epoch"], r["step"]) for r in log if "val" in r] == [(1, 4), (1, 6)]
     assert load_checkpoint(run / "last.pt")["train_state"]["validated_at"] == 6
+
+
+def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
+    """A run validated every epoch ends with the weights (and their average) of the same run
+    never validated: validation draws no random numbers and restores the training weights,
+    so a checkpoint chosen on validation and the last step come from one training."""
+    sets = {"optim.max_steps": 9, "optim.save_every": 0, "optim.ema": 0.9, "optim.seed": 3}
+    train(tiny_config(tiny_coco, **sets, **{"val.every_epochs": 0}), tmp_path / "plain", progress=False)
+    train(tiny_config(tiny_coco, **sets, **{"val.every_epochs": 1}), tmp_path / "validated", progress=False)
+    a, b = (load_checkpoint(tmp_path / name / "last.pt") for name in ("plain", "validated"))
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    wa, wb = (c["train_state"]["weight_average"]["tensors"] for c in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    log = [json.loads(line) for line in (tmp_path / "validated" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "val" in r] == [4, 8, 9]

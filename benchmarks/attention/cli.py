@@ -210,6 +210,19 @@ def cmd_table(args) -> int:
     return 0
 
 
+def cmd_goal(args) -> int:
+    from .store import Results
+
+    _, rows, _, steps = _plan(args)
+    floors = goal.parse_floors(args.floor)
+    folder = _under(args.out, args, steps)
+    found = Results(folder).found([r.name for r in rows])
+    if not found:
+        raise UsageError(f"no results for {', '.join(r.name for r in rows)} in {folder}")
+    print(goal.markdown(goal.per_seed(found), floors))
+    return 0
+
+
 def cmd_timing(args) -> int:
     from .timing import time_trainings
 
@@ -336,6 +349,16 @@ def _table_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_table)
 
 
+def _goal_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("goal", parents=[_options("plan", "out")],
+                       help="each seed of the rows against floors on every figure",
+                       description=goal.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--floor", action="append", metavar="FIGURE=VALUE",
+                   help=f"a floor to reach (repeatable): one of {', '.join(goal.FIGURES)}; default "
+                        + ", ".join(f"{k}={v:g}" for k, v in goal.DEFAULT_FLOORS.items()))
+    p.set_defaults(func=cmd_goal)
+
+
 def _timing_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("timing", parents=[_options("plan", "out", "device", "timing")],
                        help="training steps/s alone, one thread (on an idle machine)",
@@ -392,11 +415,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
-    for add in (_train_parser, _score_parser, _table_parser):
-        add(sub)
-    goal.register(sub, [_options("plan", "out")])
-    for add in (_timing_parser, _pack_parser, _unpack_parser, heads.register, widths.register, misses.register,
-                _compact_parser, _run_one_parser):
+    for add in (_train_parser, _score_parser, _table_parser, _goal_parser, _timing_parser, _pack_parser,
+                _unpack_parser, heads.register, widths.register, misses.register, _compact_parser, _run_one_parser):
         add(sub)
     return ap
 

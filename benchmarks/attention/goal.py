@@ -11,14 +11,12 @@ so the verdict is per seed: a row meets the goal when its every seed reaches eve
 
 from __future__ import annotations
 
-import argparse
-
 from . import stats as cs
 from .plan import UsageError
 
 # The floors of a demo whose every seed names and points (docs/attention-comparison.md).
 DEFAULT_FLOORS = {"object_accuracy": 0.97, "pointing": 0.90, "mass_in_box": 0.80, "relation_accuracy": 0.90}
-FIGURES = ("object_accuracy", "relation_accuracy", "pointing", "mass_in_box", "BLEU-4")
+FIGURES = tuple(f for f in cs.FIGURES if f != "entropy")  # those where higher is better
 
 
 def parse_floors(items: list[str] | None) -> dict[str, float]:
@@ -79,25 +77,3 @@ def markdown(figs: dict[str, dict[int, dict]], floors: dict[str, float]) -> str:
     lines += ["", "Closest on each figure (the row whose worst seed is highest):", ""]
     lines += [f"- {k}: {row}, worst seed {v:.3f}" for k, (row, v) in closest(figs, floors).items()]
     return "\n".join(lines)
-
-
-def register(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("goal", parents=parents, help="each seed of the rows against floors on every figure",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--floor", action="append", metavar="FIGURE=VALUE",
-                   help=f"a floor to reach (repeatable): one of {', '.join(FIGURES)}; default "
-                        + ", ".join(f"{k}={v:g}" for k, v in DEFAULT_FLOORS.items()))
-    p.set_defaults(func=cmd_goal)
-
-
-def cmd_goal(args: argparse.Namespace) -> int:
-    from .cli import _plan, _under
-    from .store import Results
-
-    _, rows, _, steps = _plan(args)
-    floors = parse_floors(args.floor)
-    found = Results(_under(args.out, args, steps)).found([r.name for r in rows])
-    if not found:
-        raise UsageError(f"no results for {', '.join(r.name for r in rows)} in {_under(args.out, args, steps)}")
-    print(markdown(per_seed(found), floors))
-    return 0

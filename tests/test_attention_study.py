@@ -302,8 +302,9 @@ checkpoint = "best"
 def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last_step(tmp_path, monkeypatch):
     """Two rows of one training validated every epoch (the tiny recipe: ten steps an epoch,
     here twelve steps): one scores last.pt's weights, the other best.pt, chosen on validation
-    among the epoch's end and the last step; each record says which."""
-    from captioner.checkpoint import load_checkpoint
+    among the epoch's end and the last step; each record says which. best.pt is made to hold
+    step 10 and weights of its own, so that scoring the last step for it would show."""
+    from captioner.checkpoint import atomic_save, load_checkpoint
 
     rows = _rows_file(tmp_path, CHOSEN_ROWS)
     scored = {}
@@ -314,16 +315,21 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
         return real(cap, decode, test_sets, beam_size, progress)
 
     monkeypatch.setattr(runner, "evaluate_checkpoint", spy)
-    assert cli.main(_args(tmp_path, rows, "--rows", "chosen-last,chosen-best", "--seeds", "0", "--steps", "12", "--skip-timing")) == 0
+    args = _args(tmp_path, rows, "--rows", "chosen-last,chosen-best", "--seeds", "0", "--steps", "12", "--skip-timing")
+    assert cli.main([*args, "--train-only"]) == 0
     run_dir = tmp_path / "runs" / "tiny-12steps" / "chosen" / "seed0"
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "val" in r] == [10, 12]
     best = load_checkpoint(run_dir / "best.pt")
+    best["meta"]["step"] = 10
+    best["state_dict"]["decoder.L_o.weight"] = best["state_dict"]["decoder.L_o.weight"] + 1.0
+    atomic_save(best, run_dir / "best.pt")
+    assert cli.main(args) == 0
     results = store.Results(tmp_path / "out" / "tiny-12steps")
     last_rec, best_rec = _record(results, "chosen-last", 0), _record(results, "chosen-best", 0)
     assert last_rec["checkpoint"].startswith("last.pt at step 12")
-    assert best_rec["checkpoint"].startswith(f"best.pt at step {best['meta']['step']}")
-    assert best_rec["validation"]["step"] == best["meta"]["step"] and last_rec["validation"]["step"] == 12
+    assert best_rec["checkpoint"].startswith("best.pt at step 10 of 12")
+    assert best_rec["validation"]["step"] == 10 and last_rec["validation"]["step"] == 12
     header = (tmp_path / "out" / "tiny-12steps" / "table.md").read_text().splitlines()[0]
     assert "the weights at the last step (chosen-best: the checkpoint chosen on validation)" in header
     average = load_checkpoint(run_dir / "last.pt")["train_state"]["weight_average"]["tensors"]

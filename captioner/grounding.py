@@ -242,12 +242,12 @@ def parse_relations(words: Sequence[str]) -> list[Relation]:
     return relations
 
 
-def _centre(o: ShapeObject) -> tuple[float, float]:
+def centre(o: ShapeObject) -> tuple[float, float]:
     x, y, w, h = o.bbox
     return x + w / 2, y + h / 2
 
 
-def _named_pairs(rel: Relation, objects: Sequence[ShapeObject]):
+def named_pairs(rel: Relation, objects: Sequence[ShapeObject]):
     """(o1, o2): two distinct objects named by the relation's first and second mentions
     (colour and shape; size too where the caption gives one)."""
     for i, o1 in enumerate(objects):
@@ -257,10 +257,10 @@ def _named_pairs(rel: Relation, objects: Sequence[ShapeObject]):
                     yield o1, o2
 
 
-def _stands(rel: Relation, o1: ShapeObject, o2: ShapeObject) -> bool:
+def stands(rel: Relation, o1: ShapeObject, o2: ShapeObject) -> bool:
     """``above`` is the smaller centre y, ``left_of`` the smaller centre x."""
     axis = 1 if rel.relation == "above" else 0
-    return _centre(o1)[axis] < _centre(o2)[axis]
+    return centre(o1)[axis] < centre(o2)[axis]
 
 
 def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, int]:
@@ -270,9 +270,9 @@ def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> d
     relations = parse_relations(words)
     named = true = 0
     for rel in relations:
-        pairs = list(_named_pairs(rel, objects))
+        pairs = list(named_pairs(rel, objects))
         named += bool(pairs)
-        true += any(_stands(rel, o1, o2) for o1, o2 in pairs)
+        true += any(stands(rel, o1, o2) for o1, o2 in pairs)
     return {"n_relations": len(relations), "n_relations_named": named, "relations_true": true}
 
 

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import goal, heads, misses, widths
+from . import goal, heads, misses, relations, widths
 from .plan import (DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of,
                    select_rows)
 
@@ -296,7 +296,8 @@ def cmd_compact(args) -> int:
 
 # ------------------------------------------------------------------------------ parser
 
-COMMANDS = ("train", "score", "table", "goal", "timing", "pack", "unpack", "heads", "widths", "misses", "compact")
+COMMANDS = ("train", "score", "table", "goal", "timing", "pack", "unpack", "heads", "widths", "misses", "relation",
+            "compact")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -416,7 +417,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for add in (_train_parser, _score_parser, _table_parser, _goal_parser, _timing_parser, _pack_parser,
-                _unpack_parser, heads.register, widths.register, misses.register, _compact_parser, _run_one_parser):
+                _unpack_parser, heads.register, widths.register, misses.register, relations.register, _compact_parser,
+                _run_one_parser):
         add(sub)
     return ap
 

@@ -1,0 +1,110 @@
+"""Why a model states a spatial relation wrong: each relation its captions state between two
+rightly named objects (the relation direction accuracy's, captioner/grounding.py), decoded as
+the comparison decodes (beam 3), is told by one outcome:
+
+    right             it stands (the first object's centre above / left of the second's)
+    tie               wrong, but the two centres are within --tie-px on the relation's axis
+                      (one 8-px cell by default): a near tie the eye would call either way
+    other-axis order  wrong, and the objects are named in the order of the other axis: "X
+                      above Y" with X left of Y, "X left of Y" with X above Y. A decoder that
+                      names objects left to right and then picks "above" shows here.
+    other             wrong otherwise
+
+Relations whose objects are misnamed are left out (they are naming errors). The counts per
+relation kind ("above" covers "below" too, "left_of" covers "right of" and "from left to
+right") show which kind a seed gets wrong.
+
+    python -m benchmarks.attention relation runs/a runs/b --data data/shapes-test7001-1000
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from captioner.grounding import ShapeObject, centre, load_shape_objects, named_pairs, parse_relations, stands
+
+from .scoring import check_test_set, test_set_arguments
+
+OUTCOMES = ("right", "tie", "other-axis order", "other")
+KINDS = ("above", "left_of")
+
+
+def outcomes(words: Sequence[str], objects: Sequence[ShapeObject], tie_px: float = 8.0) -> list[tuple[str, str]]:
+    """(kind, outcome) of each relation the caption states between two objects of the image."""
+    out = []
+    for rel in parse_relations(words):
+        pairs = list(named_pairs(rel, objects))
+        if not pairs:
+            continue
+        if any(stands(rel, a, b) for a, b in pairs):
+            out.append((rel.relation, "right"))
+            continue
+        a, b = pairs[0]
+        if rel.second.shape_index < rel.first.shape_index:  # "below", "right of": b is named first
+            a, b = b, a
+        (ax, ay), (bx, by) = centre(a), centre(b)  # a: the object named first in the caption
+        along, across = (by - ay, bx - ax) if rel.relation == "above" else (bx - ax, by - ay)
+        if abs(along) < tie_px:
+            out.append((rel.relation, "tie"))
+        elif across > 0:  # the one named first is left of (above) the other: the other axis's order
+            out.append((rel.relation, "other-axis order"))
+        else:
+            out.append((rel.relation, "other"))
+    return out
+
+
+def tally(found: Sequence[tuple[str, str]]) -> dict[str, int]:
+    """Counts: each kind, each kind's right ones, and each outcome over both kinds."""
+    counts: Counter[str] = Counter()
+    for kind, outcome in found:
+        counts[kind] += 1
+        counts[outcome] += 1
+        if outcome == "right":
+            counts[f"{kind} right"] += 1
+    return dict(counts)
+
+
+@torch.inference_mode()
+def outcomes_of(cap, folder: Path, images: int, beam_size: int, tie_px: float) -> list[tuple[str, str]]:
+    from captioner.data.coco import load_split
+    from captioner.evaluation import decode_records
+    from captioner.inference import DecodeOptions
+
+    records = load_split(folder, "test")[:images]
+    objects = load_shape_objects(folder / "instances_test.json")
+    results = decode_records(cap, records, DecodeOptions(beam_size=beam_size, max_len=20))
+    out = []
+    for rec, res in zip(records, results):
+        out += outcomes(res.words, objects[rec.image_id].objects, tie_px)
+    return out
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("relation", help="why the relations a model states are wrong",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    test_set_arguments(p)
+    p.add_argument("--beam-size", type=int, default=3, help="beam of the decoding (the comparison's: 3)")
+    p.add_argument("--tie-px", type=float, default=8.0,
+                   help="centres closer than this on the relation's axis make a wrong relation a tie")
+    p.set_defaults(func=cmd_relations)
+
+
+def cmd_relations(args: argparse.Namespace) -> int:
+    from captioner.train.checkpoints import load_weights
+
+    check_test_set(args.data, args.images)
+    print("| weights | stated | accuracy | above: right / stated | left_of: right / stated | "
+          + " | ".join(o for o in OUTCOMES[1:]) + " |\n" + "|---" * (5 + len(OUTCOMES) - 1) + "|")
+    for w in args.weights:
+        c = tally(outcomes_of(load_weights(w), args.data, args.images, args.beam_size, args.tie_px))
+        stated = c.get("above", 0) + c.get("left_of", 0)
+        accuracy = f"{c.get('right', 0) / stated:.3f}" if stated else "n/a"
+        kinds = " | ".join(f"{c.get(f'{k} right', 0)} / {c.get(k, 0)}" for k in KINDS)
+        print(f"| {w} | {stated} | {accuracy} | {kinds} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOMES[1:])
+              + " |")
+    return 0

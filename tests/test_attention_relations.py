@@ -1,0 +1,69 @@
+"""Why a model states a relation wrong (benchmarks/attention/relations.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.attention import cli, relations, scoring
+from captioner.grounding import ShapeObject
+from tiny import tiny_captioner
+
+# 128 x 128 px. The red circle is up and to the left of the blue square; the green star sits
+# level with the circle (centres 4 px apart in y, far apart in x).
+RED_CIRCLE = ShapeObject("circle", "red", "small", (10.0, 10.0, 20.0, 20.0))  # centre (20, 20)
+BLUE_SQUARE = ShapeObject("square", "blue", "small", (70.0, 80.0, 20.0, 20.0))  # centre (80, 90)
+GREEN_STAR = ShapeObject("star", "green", "small", (90.0, 14.0, 20.0, 20.0))  # centre (100, 24)
+OBJECTS = [RED_CIRCLE, BLUE_SQUARE, GREEN_STAR]
+
+
+def outcomes(caption: str) -> list[tuple[str, str]]:
+    return relations.outcomes(caption.split(), OBJECTS)
+
+
+def test_a_relation_that_stands_is_right_on_either_axis():
+    assert outcomes("a red circle above a blue square") == [("above", "right")]
+    assert outcomes("a blue square to the right of a red circle") == [("left_of", "right")]
+
+
+def test_a_wrong_relation_whose_order_follows_the_other_axis_is_told_apart():
+    # The square is below and right of the circle: naming them left to right and joining
+    # them with "below" would be right; "above" keeps the left-to-right order and is wrong.
+    assert outcomes("a red circle below a blue square") == [("above", "other-axis order")]
+    # Listed top to bottom but said to run right to left: wrong, in the vertical order.
+    assert outcomes("a red circle to the right of a blue square") == [("left_of", "other-axis order")]
+
+
+def test_a_wrong_relation_on_centres_closer_than_the_tie_is_a_tie():
+    # The star is 4 px lower than the circle: "the star above the circle" is wrong by 4 px.
+    assert outcomes("a green star above a red circle") == [("above", "tie")]
+    assert relations.outcomes("a green star above a red circle".split(), OBJECTS, tie_px=2.0) == [
+        ("above", "other")]
+
+
+def test_relations_on_misnamed_objects_are_left_out():
+    assert outcomes("a red square above a blue circle") == []
+    assert outcomes("a red circle and a blue square") == []
+
+
+def test_the_table_counts_each_kind_and_each_outcome():
+    counts = relations.tally([("above", "right"), ("above", "other-axis order"), ("left_of", "right"),
+                              ("left_of", "tie"), ("above", "other")])
+    assert counts == {"above": 3, "above right": 1, "left_of": 2, "left_of right": 1, "right": 2,
+                      "other-axis order": 1, "tie": 1, "other": 1}
+
+
+def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
+    weights = tmp_path / "tiny.pt"
+    tiny_captioner(seed=3).save(weights)
+    scoring.ensure_test_sets([7001], 3, tmp_path / "tests")
+    assert cli.main(["relation", str(weights), str(weights), "--data",
+                     str(tmp_path / "tests" / "shapes-test7001-3"), "--images", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(f"| {weights} |")]
+    assert len(rows) == 2 and rows[0] == rows[1]  # the same model twice: the same figures
+    assert "| weights | stated |" in out
+
+
+def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        cli.main(["relation", str(tmp_path / "x.pt"), "--data", str(tmp_path)])

@@ -10,6 +10,9 @@ H hidden size, V vocabulary size.
                   (multihead.py); alpha_t is the mean of the h maps (h = 1: the map)
     beta_t = sigmoid(f_beta(h_{t-1}))                     a scalar per step
     z_t = beta_t * sum_i alpha_ti a_i                     (hard: beta_t * a_{s_t})
+                  with coords: a_i is [a_i; x_i; y_i], its cell's centre in [-1, 1]
+                  appended, so z_t carries beta_t * sum_i alpha_ti (x_i, y_i), where
+                  the map looks
     h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
     p(y_t) = softmax(L_o(dropout(E y_{t-1} + L_h h_t + L_z z_t)))
 """
@@ -57,6 +60,10 @@ class ModelConfig:
     rel_pos_clip: int = 4
     grid_dim: int = 0
     grid_ff: int = 0
+    # Append each cell's centre (x, y in [-1, 1]) to its annotation, after the grid layers:
+    # the context then says where the map looks, which features that carry position only
+    # weakly (a conv trunk) do not; the decoder's D becomes the encoder's + 2.
+    coords: bool = False
 
     def __post_init__(self):
         check_grid_fields(dim=self.annotation_dim, layers=self.grid_layers, heads=self.grid_heads,
@@ -112,10 +119,22 @@ class DecoderOutput:
         return self.alphas_heads.mean(2)
 
 
+def cell_centres(grid: tuple[int, int], device=None, dtype=None) -> torch.Tensor:
+    """(1, H*W, 2): each cell's centre (x, y), the image spanning [-1, 1] on both axes, in
+    the annotations' row-major order (x grows to the right, y downwards)."""
+    rows, cols = grid
+    y = (torch.arange(rows, device=device, dtype=dtype) + 0.5) * (2 / rows) - 1
+    x = (torch.arange(cols, device=device, dtype=dtype) + 0.5) * (2 / cols) - 1
+    yy, xx = torch.meshgrid(y, x, indexing="ij")
+    return torch.stack([xx, yy], dim=-1).reshape(1, rows * cols, 2)
+
+
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         d, e, h, v = cfg.annotation_dim, cfg.embed_dim, cfg.hidden_dim, cfg.vocab_size
+        grid_d, self.coords = d, cfg.coords
+        d += 2 if cfg.coords else 0  # what the decoder attends over (annotate)
         self.attention = build_attention(d, h, cfg.attention_dim, heads=cfg.heads, score=cfg.score,
                                          normalizer=cfg.normalizer, mode=cfg.attention,
                                          local_window=cfg.local_window, local_width=cfg.local_width)
@@ -130,7 +149,7 @@ class Decoder(nn.Module):
         self.L_o = nn.Linear(e, v)
         # None when off, so that the model and its state_dict are those of a decoder without it.
         self.grid_attention = GridSelfAttention(
-            d, layers=cfg.grid_layers, heads=cfg.grid_heads, rel_pos_clip=cfg.rel_pos_clip, width=cfg.grid_dim,
+            grid_d, layers=cfg.grid_layers, heads=cfg.grid_heads, rel_pos_clip=cfg.rel_pos_clip, width=cfg.grid_dim,
             ff=cfg.grid_ff) if cfg.grid_layers > 0 else None
         self._compiled_step = None
         self._compiled_recur = None
@@ -154,10 +173,15 @@ class Decoder(nn.Module):
     def annotate(self, ann: Annotations) -> Annotations:
         """The annotations the decoder attends over, once per image: the encoder's (or the
         feature cache's), after self-attention over the grid when ``grid_layers`` > 0.
-        Every entry point (teacher forcing, greedy, beam search) starts here."""
-        if self.grid_attention is None:
-            return ann
-        return Annotations(self.grid_attention(ann.vectors, ann.grid), ann.grid)
+        Every entry point (teacher forcing, greedy, beam search) starts here. With
+        ``coords``, each cell's centre is appended (cell_centres)."""
+        if self.grid_attention is not None:
+            ann = Annotations(self.grid_attention(ann.vectors, ann.grid), ann.grid)
+        if self.coords:
+            a = ann.vectors
+            xy = cell_centres(ann.grid, a.device, a.dtype).expand(a.shape[0], -1, -1)
+            ann = Annotations(torch.cat([a, xy], dim=2), ann.grid)
+        return ann
 
     def init_state(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = a.mean(dim=1)  # (B, D)

@@ -64,6 +64,19 @@ def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
     assert "| weights | stated |" in out
 
 
+def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch):
+    weights = tmp_path / "tiny.pt"
+    tiny_captioner(seed=3).save(weights)
+    sets = scoring.ensure_test_sets([7001, 7002], 2, tmp_path / "tests")
+    found = {sets["test7001"]: [("above", "right"), ("left_of", "tie")],
+             sets["test7002"]: [("above", "other-axis order")]}
+    monkeypatch.setattr(relations, "outcomes_of", lambda cap, folder, *a: found[folder])
+    assert cli.main(["relation", str(weights), "--data", str(sets["test7001"]), "--data", str(sets["test7002"]),
+                     "--images", "2"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {weights} |")][0]
+    assert [c.strip() for c in row.strip("|").split("|")[1:]] == ["3", "0.333", "1 / 2", "0 / 1", "1", "1", "0"]
+
+
 def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         cli.main(["relation", str(tmp_path / "x.pt"), "--data", str(tmp_path)])

@@ -14,7 +14,8 @@ Relations whose objects are misnamed are left out (they are naming errors). The 
 relation kind ("above" covers "below" too, "left_of" covers "right of" and "from left to
 right") show which kind a seed gets wrong.
 
-    python -m benchmarks.attention relation runs/a runs/b --data data/shapes-test7001-1000
+    python -m benchmarks.attention relation demo-soft runs/a --data data/shapes-test7001-1000 \
+        --data data/shapes-test7002-1000
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from captioner.grounding import ShapeObject, centre, load_shape_objects, named_pairs, parse_relations, stands
 
-from .scoring import check_test_set, test_set_arguments
+from .scoring import check_test_set
 
 OUTCOMES = ("right", "tie", "other-axis order", "other")
 KINDS = ("above", "left_of")
@@ -87,7 +88,10 @@ def outcomes_of(cap, folder: Path, images: int, beam_size: int, tie_px: float) -
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("relation", help="why the relations a model states are wrong",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    test_set_arguments(p)
+    p.add_argument("weights", nargs="+", help="checkpoint files, run folders or bundled models' names")
+    p.add_argument("--data", type=Path, action="append", required=True,
+                   help="a shapes test set (captioner shapes ... --test N); repeat it to count over several")
+    p.add_argument("--images", type=int, default=1000, help="the first N test images of each")
     p.add_argument("--beam-size", type=int, default=3, help="beam of the decoding (the comparison's: 3)")
     p.add_argument("--tie-px", type=float, default=8.0,
                    help="centres closer than this on the relation's axis make a wrong relation a tie")
@@ -97,11 +101,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_relations(args: argparse.Namespace) -> int:
     from captioner.train.checkpoints import load_weights
 
-    check_test_set(args.data, args.images)
+    for folder in args.data:
+        check_test_set(folder, args.images)
     print("| weights | stated | accuracy | above: right / stated | left_of: right / stated | "
           + " | ".join(o for o in OUTCOMES[1:]) + " |\n" + "|---" * (5 + len(OUTCOMES) - 1) + "|")
     for w in args.weights:
-        c = tally(outcomes_of(load_weights(w), args.data, args.images, args.beam_size, args.tie_px))
+        cap = load_weights(w)
+        c = tally([o for folder in args.data for o in outcomes_of(cap, folder, args.images, args.beam_size,
+                                                                   args.tie_px)])
         stated = c.get("above", 0) + c.get("left_of", 0)
         accuracy = f"{c.get('right', 0) / stated:.3f}" if stated else "n/a"
         kinds = " | ".join(f"{c.get(f'{k} right', 0)} / {c.get(k, 0)}" for k in KINDS)

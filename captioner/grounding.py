@@ -243,6 +243,7 @@ def parse_relations(words: Sequence[str]) -> list[Relation]:
 
 
 def centre(o: ShapeObject) -> tuple[float, float]:
+    """The centre (x, y) of the object's box, in pixels (y grows downwards)."""
     x, y, w, h = o.bbox
     return x + w / 2, y + h / 2
 

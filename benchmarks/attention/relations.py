@@ -14,6 +14,14 @@ Relations whose objects are misnamed are left out (they are naming errors). The 
 relation kind ("above" covers "below" too, "left_of" covers "right of" and "from left to
 right") show which kind a seed gets wrong.
 
+A second table asks whether the model knows the direction when the objects come in the
+reference's order: every reference caption that states a relation ("X above Y", "Y below
+X", "X to the left of Y" ...; they are true by construction) is fed to the model up to
+its direction word, and the choice is right when the model scores that word above its
+opposite ("above" against "below", "left" against "right"). Near 1: the model knows up
+from down and its decoded captions go wrong in the order it names the objects; near 0.5:
+it does not know.
+
     python -m benchmarks.attention relation demo-soft runs/a --data data/shapes-test7001-1000 \
         --data data/shapes-test7002-1000
 """
@@ -33,6 +41,7 @@ from .scoring import check_test_set
 
 OUTCOMES = ("right", "tie", "other-axis order", "other")
 KINDS = ("above", "left_of")
+OPPOSITE = {"above": "below", "below": "above", "left": "right", "right": "left"}
 
 
 def outcomes(words: Sequence[str], objects: Sequence[ShapeObject], tie_px: float = 8.0) -> list[tuple[str, str]]:
@@ -85,6 +94,42 @@ def outcomes_of(cap, folder: Path, images: int, beam_size: int, tie_px: float) -
     return out
 
 
+def direction_words(words: Sequence[str]) -> list[tuple[int, str]]:
+    """(index, kind) of each word that sets a stated relation's direction: "above" and
+    "below" (kind above), "left" and "right" followed by "of" (kind left_of); the "left" and
+    "right" of "from left to right" set none."""
+    out = []
+    for k, w in enumerate(words):
+        if w in ("above", "below"):
+            out.append((k, "above"))
+        elif w in ("left", "right") and words[k + 1:k + 2] == ["of"]:
+            out.append((k, "left_of"))
+    return out
+
+
+@torch.inference_mode()
+def forced_choices(cap, records) -> list[tuple[str, bool]]:
+    """(kind, right) for every direction word of every reference caption of ``records``: is
+    the reference's word scored above its opposite, the caption fed up to it?"""
+    from captioner.data.coco import ImageDataset
+    from captioner.vocab import tokenize
+
+    data, v = ImageDataset(records, cap.preprocess), cap.vocab
+    cap.model.eval()
+    out = []
+    for i, rec in enumerate(records):
+        stating = [(w, found) for w in map(tokenize, rec.captions) if (found := direction_words(w))]
+        if not stating:
+            continue
+        ann = cap.model.encode(data[i][0][None])
+        for words, found in stating:
+            ids = torch.tensor([v.encode(words)])
+            logits = cap.model(ann, ids, torch.tensor([ids.shape[1]])).logits[0]  # row k predicts words[k]
+            out += [(kind, bool(logits[k, v.index(words[k])] > logits[k, v.index(OPPOSITE[words[k]])]))
+                    for k, kind in found]
+    return out
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("relation", help="why the relations a model states are wrong",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,8 +144,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_relations(args: argparse.Namespace) -> int:
+    from captioner.data.coco import load_split
     from captioner.train.checkpoints import load_weights
 
+    forced = []
     for folder in args.data:
         check_test_set(folder, args.images)
     print("| weights | stated | accuracy | above: right / stated | left_of: right / stated | "
@@ -114,4 +161,11 @@ def cmd_relations(args: argparse.Namespace) -> int:
         kinds = " | ".join(f"{c.get(f'{k} right', 0)} / {c.get(k, 0)}" for k in KINDS)
         print(f"| {w} | {stated} | {accuracy} | {kinds} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOMES[1:])
               + " |")
+        forced.append((w, [f for folder in args.data
+                           for f in forced_choices(cap, load_split(folder, "test")[:args.images])]))
+    print("\nThe reference captions fed up to their direction word: the reference's word scored above its opposite\n")
+    print("| weights | above/below: right / captions | left/right: right / captions |\n|---|---|---|")
+    for w, found in forced:
+        cells = [f"{sum(r for k, r in found if k == kind)} / {sum(k == kind for k, _ in found)}" for kind in KINDS]
+        print(f"| {w} | " + " | ".join(cells) + " |")
     return 0

@@ -266,6 +266,9 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--test", type=_non_negative, default=500, help="test images (default 500)")
     p.add_argument("--seed", type=_integer, default=0, help="random seed (default 0)")
     p.add_argument("--image-size", type=_positive, default=128, help="image side in pixels (default 128)")
+    p.add_argument("--top-to-bottom", action="store_true",
+                   help="also caption images of 2-3 objects \"from top to bottom: ...\" (same images; "
+                        "off by default, as the test sets are made)")
     p.set_defaults(func=cmd_shapes)
 
 
@@ -278,7 +281,8 @@ def cmd_shapes(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} is a file, not a folder")
     try:
-        summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True)
+        summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True,
+                                   top_to_bottom=args.top_to_bottom)
     except ValueError as e:  # e.g. an image size too small to draw shapes in
         raise UsageError(str(e)) from e
     except OSError as e:

@@ -219,13 +219,15 @@ def parse_relations(words: Sequence[str]) -> list[Relation]:
 
     Between two consecutive mentions, "above"/"below" and "left"/"right" (as in "to the
     left of", "on the left of", "to the right of") relate them; a caption opening with
-    "from left to right" puts each listed object left of the next.
+    "from left to right" puts each listed object left of the next, one opening with "from
+    top to bottom" each above the next.
     """
     mentions = parse_mentions(words)
     if not mentions:
         return []
     head = set(words[:_start(mentions[0])])
     ordered = {"from", "left", "right"} <= head
+    downward = {"from", "top", "bottom"} <= head
     relations = []
     for a, b in zip(mentions, mentions[1:]):
         between = set(words[a.shape_index + 1:_start(b)])
@@ -239,6 +241,8 @@ def parse_relations(words: Sequence[str]) -> list[Relation]:
             relations.append(Relation(b, "left_of", a))
         elif ordered:
             relations.append(Relation(a, "left_of", b))
+        elif downward:
+            relations.append(Relation(a, "above", b))
     return relations
 
 

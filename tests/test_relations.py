@@ -3,6 +3,7 @@ boxes, over the relations whose two objects are named right."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -40,6 +41,8 @@ OBJECTS = [RED_CIRCLE, BLUE_SQUARE, RED_STAR]
     ("from left to right: a red circle, a blue square and a red star", 2, 2, 2),
     ("from left to right: a red star and a red circle", 1, 1, 0),
     ("from left to right: a red circle, a red star and a blue square", 2, 2, 1),
+    ("from top to bottom: a red star, a red circle and a blue square", 2, 2, 2),
+    ("from top to bottom: a blue square and a red circle", 1, 1, 0),
     ("a green circle above a blue square", 1, 0, 0),  # names no object: not true
     ("a large red circle above a blue square", 1, 0, 0),  # the circle is small
     ("a small red circle above a large blue square", 1, 1, 1),
@@ -119,3 +122,25 @@ def test_generated_reference_captions_state_only_true_relations(tmp_path: Path) 
                 for i, im in objects.items()}
     flipped = [relation_accuracy(tokenize(c["caption"]), mirrored[c["image_id"]]) for c in captions]
     assert sum(r["relations_true"] for r in flipped) == 0
+
+
+def test_generated_top_to_bottom_captions_state_true_vertical_order(tmp_path: Path) -> None:
+    """With the option the generator adds "from top to bottom" captions, each naming the
+    objects highest first (every relation they state stands); without it, the same images
+    and captions as ever."""
+    plain, extra = tmp_path / "plain", tmp_path / "extra"
+    generate_split(plain, "val", 60, seed=3, image_size=64)
+    generate_split(extra, "val", 60, seed=3, image_size=64, top_to_bottom=True)
+    assert (plain / "instances_val.json").read_bytes() == (extra / "instances_val.json").read_bytes()
+    assert (plain / "images/val/val_000007.png").read_bytes() == (extra / "images/val/val_000007.png").read_bytes()
+    objects = load_shape_objects(extra / "instances_val.json")
+    downward = [c for c in json.loads((extra / "captions_val.json").read_text())["annotations"]
+                if c["caption"].startswith("from top to bottom: ")]
+    assert len(downward) >= 10
+    scored = [relation_accuracy(tokenize(c["caption"]), objects[c["image_id"]].objects) for c in downward]
+    assert all(r["n_relations"] == len(objects[c["image_id"]].objects) - 1 for r, c in zip(scored, downward))
+    assert sum(r["relations_true"] for r in scored) == sum(r["n_relations"] for r in scored)
+    # Off, the captions are byte for byte those made before the option existed (the
+    # comparison's test sets are made this way and must not change).
+    digest = hashlib.sha256((plain / "captions_val.json").read_bytes()).hexdigest()
+    assert digest == "60ad94594af4dddacfa1a6b69b68c53884f7cb72211ee6bce6bb20634460e5f2"

@@ -296,3 +296,17 @@ def test_checking_the_images_draws_nothing_from_the_global_random_state(tiny_coc
     before = torch.get_rng_state()
     assert unreadable_images(paths, Preprocess(size=(16, 16)), workers=0, progress=False) == {}
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_generated_shapes_follow_the_top_to_bottom_option(tmp_path: Path) -> None:
+    """``data.shapes_top_to_bottom`` reaches the generator when training makes its data."""
+    from captioner.train.config import load_config
+    from captioner.train.startup import prepare_data
+
+    for on in (False, True):
+        out = tmp_path / f"shapes-{on}"
+        cfg = load_config(None, [f"data.dir={out}", "data.generate_shapes=true", "data.shapes_train=40",
+                                 "data.shapes_val=2", "data.shapes_image_size=48",
+                                 f"data.shapes_top_to_bottom={str(on).lower()}"])
+        prepare_data(cfg)
+        assert ("from top to bottom" in (out / "captions_train.json").read_text()) == on

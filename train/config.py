@@ -53,6 +53,9 @@ class DataConfig:
     shapes_val: int = 200
     shapes_seed: int = 1
     shapes_image_size: int = 128
+    # Shapes only: add a "from top to bottom: ..." caption to the templates of images with two
+    # or three objects (the test sets' generator leaves it out; docs/attention-comparison.md).
+    shapes_top_to_bottom: bool = False
 
     @property
     def split_file(self) -> Path | None:

@@ -176,7 +176,8 @@ def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
         from captioner.data.shapes import generate_dataset
 
         generate_dataset(Path(d.dir), {d.train_split: d.shapes_train, d.val_split: d.shapes_val},
-                         seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True)
+                         seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True,
+                         top_to_bottom=d.shapes_top_to_bottom)
 
 
 def child_env(**more: str) -> dict[str, str]:

@@ -225,12 +225,21 @@ def _relation_templates(a: _Object, b: _Object) -> list[Callable[[Callable[[_Obj
     ]
 
 
-def _captions(rng: np.random.Generator, objects: list[_Object], n: int = 5) -> list[str]:
+def _top_to_bottom(p: list[str]) -> str:
+    return "from top to bottom: " + _join(p)
+
+
+def _captions(rng: np.random.Generator, objects: list[_Object], n: int = 5,
+              top_to_bottom: bool = False) -> list[str]:
     ordered = sorted(objects, key=lambda o: o.centre[0])
     pool: list[Callable[[bool], str]] = []
     extra = _SINGLE_TEMPLATES if len(ordered) == 1 else _MULTI_TEMPLATES
     for t in _LIST_TEMPLATES + extra:
         pool.append(lambda ws, t=t: t([_phrase(o, ws) for o in ordered]))
+    if top_to_bottom and len(ordered) > 1:
+        # The vertical twin of "from left to right": the objects named highest first.
+        downward = sorted(objects, key=lambda o: o.centre[1])
+        pool.append(lambda ws: _top_to_bottom([_phrase(o, ws) for o in downward]))
     if len(ordered) == 2:
         for r in _relation_templates(*ordered):
             pool.append(lambda ws, r=r: r(lambda o: _phrase(o, ws)))
@@ -251,8 +260,10 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
-                   image_size: int = 128, progress: bool = False) -> dict:
-    """Write one split; returns {"images", "objects", "captions"} counts."""
+                   image_size: int = 128, progress: bool = False, top_to_bottom: bool = False) -> dict:
+    """Write one split; returns {"images", "objects", "captions"} counts. ``top_to_bottom``
+    adds a "from top to bottom: ..." caption to the templates an image with two or three
+    objects draws its five from (the images stay the same; off, the captions do too)."""
     out_dir = Path(out_dir)
     image_dir = out_dir / "images" / split
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -269,7 +280,7 @@ def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
         image.save(out_dir / "images" / file_name, format="PNG")
         image_id = i + 1  # COCO ids start at 1; 0 is easy to mistake for "missing"
         images.append({"id": image_id, "file_name": file_name, "width": image_size, "height": image_size})
-        for text in _captions(rng, objects):
+        for text in _captions(rng, objects, top_to_bottom=top_to_bottom):
             captions.append({"id": len(captions) + 1, "image_id": image_id, "caption": text})
         for obj in objects:
             x, y, w, h = obj.bbox
@@ -288,7 +299,7 @@ def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
 
 
 def generate_dataset(out_dir: Path, counts: dict[str, int], seed: int = 0,
-                     image_size: int = 128, progress: bool = False) -> dict:
+                     image_size: int = 128, progress: bool = False, top_to_bottom: bool = False) -> dict:
     """Generate every split in ``counts`` (e.g. {"train": 3000, "val": 200, "test": 500}).
 
     Returns a summary: {"out_dir", "seed", "image_size", "splits": {split: counts}}.
@@ -302,6 +313,6 @@ def generate_dataset(out_dir: Path, counts: dict[str, int], seed: int = 0,
             raise ValueError(f"count for split {split!r} must be a non-negative int, got {count!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    splits = {split: generate_split(out_dir, split, count, seed, image_size, progress)
+    splits = {split: generate_split(out_dir, split, count, seed, image_size, progress, top_to_bottom)
               for split, count in counts.items()}
     return {"out_dir": str(out_dir), "seed": seed, "image_size": image_size, "splits": splits}

@@ -572,6 +572,29 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
 
 
 
+def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys):
+    """A second confirmation on fresh data splits the error rate between the tries: --level
+    0.975 gives the wider interval of the same resamples and names its level."""
+    rows = _rows_file(tmp_path)
+    assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
+    runs = tmp_path / "runs" / "tiny-3steps" / "additive"
+    a, b = str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt")
+    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    at95 = scoring.score_only([b], tests, 1, against=a, resamples=200)
+    at975 = scoring.score_only([b], tests, 1, against=a, resamples=200, level=0.975)
+    e95, e975 = at95["entropy"], at975["entropy"]
+    assert e975["diff"] == e95["diff"]
+    assert e975["lo"] < e95["lo"] and e975["hi"] > e95["hi"]
+    capsys.readouterr()
+    assert cli.main(["score", b, "--against", a, "--test-root", str(tmp_path / "tests"), "--test-images", "3",
+                     "--beam-size", "1", "--resamples", "50", "--level", "0.975"]) == 0
+    assert "97.5% interval over the images" in capsys.readouterr().out
+    for bad in ("1", "0", "0.4x"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["score", a, "--level", bad])
+        assert e.value.code == 2
+
+
 def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path, monkeypatch):
     """A run folder is scored at its last.pt's weight average, the weights the table scores."""
     rows = _rows_file(tmp_path)

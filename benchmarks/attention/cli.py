@@ -63,6 +63,16 @@ def _at_least(low: int):
     return parse
 
 
+def _level(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.5 <= value < 1:
+        raise argparse.ArgumentTypeError("must be at least 0.5 and below 1")
+    return value
+
+
 def _seeds(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",")]
@@ -237,7 +247,8 @@ def cmd_score(args) -> int:
     from .scoring import ensure_test_sets, score_only
 
     test_sets = ensure_test_sets(_test_seeds(args), args.test_images, args.test_root)
-    score_only(args.weights, test_sets, args.beam_size, args.against, args.resamples, args.bootstrap_seed)
+    score_only(args.weights, test_sets, args.beam_size, args.against, args.resamples, args.bootstrap_seed,
+               args.level)
     return 0
 
 
@@ -332,6 +343,9 @@ def _score_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--against", metavar="REFERENCE", default=None,
                    help="score this checkpoint too, and print WEIGHTS' minus its figures (e.g. a candidate demo "
                         "against the shipped one)")
+    p.add_argument("--level", type=_level, default=0.95,
+                   help="confidence level of the --against interval (default 0.95); e.g. 0.975 for each of two "
+                        "confirmations on fresh data, so that together they keep a 5%% error rate")
     p.set_defaults(func=cmd_score)
 
 

@@ -114,15 +114,17 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
     return out
 
 
-def difference(variant: list[dict], reference: dict, resamples: int = 2000, seed: int = 0) -> dict:
-    """Per figure, the variant's seeds pooled minus the reference, with a 95% bootstrap
-    interval: paired over the test images (both sides see the same draws) and, with more
+def difference(variant: list[dict], reference: dict, resamples: int = 2000, seed: int = 0,
+               level: float = 0.95) -> dict:
+    """Per figure, the variant's seeds pooled minus the reference, with a bootstrap
+    interval at ``level`` (95% by default): paired over the test images (both sides see the same draws) and, with more
     than one seed, over the variant's seeds too (each resample draws them with
     replacement), so that the interval says what another training of the recipe would
     give, not only these runs. The reference is one fixed model: no seed part."""
     n = len(next(iter(reference.values())))
     seeds = cs.seed_weights(len(variant), resamples, seed, "variant") if len(variant) > 1 else None
-    return cs.paired_difference(variant, reference, cs.bootstrap_weights(n, resamples, seed), variant_seeds=seeds)
+    return cs.paired_difference(variant, reference, cs.bootstrap_weights(n, resamples, seed), variant_seeds=seeds,
+                                level=level)
 
 
 def _print_figures(title: str, rows: dict[str, dict]) -> None:
@@ -137,11 +139,12 @@ def _print_figures(title: str, rows: dict[str, dict]) -> None:
 
 
 def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, against: str | None = None,
-               resamples: int = 2000, seed: int = 0) -> dict:
+               resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
     """The comparison's figures of each checkpoint on each test set and on all together,
     printed. Several checkpoints are the seeds of one recipe; with ``against``, that
     checkpoint is scored too and ``difference`` (the seeds pooled minus it, all test sets
-    together) is printed. Returns the differences (empty without ``against``)."""
+    together) is printed, its interval at ``level``. Returns the differences (empty without
+    ``against``)."""
     from captioner.checkpoint import CheckpointError
     from captioner.train.checkpoints import load_weights
 
@@ -158,11 +161,11 @@ def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, a
         _print_figures("all test sets, each checkpoint", {w: scored[w] for w in weights})
     if not against:
         return {}
-    diff = difference([scored[w] for w in weights], scored[against], resamples, seed)
+    diff = difference([scored[w] for w in weights], scored[against], resamples, seed, level)
     n = len(next(iter(scored[against].values())))
     over = "the seeds and the images" if len(weights) > 1 else "the images"
     label = weights[0] if len(weights) == 1 else f"{len(weights)} seeds pooled"
-    print(f"\n{label} - {against}, {n:,} images, 95% interval over {over} ({resamples:,} resamples):\n")
+    print(f"\n{label} - {against}, {n:,} images, {100 * level:g}% interval over {over} ({resamples:,} resamples):\n")
     print("| figure | difference | interval |\n|---|---|---|")
     for name in FIGURE_NAMES:
         d = diff.get(name)

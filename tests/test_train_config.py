@@ -62,6 +62,7 @@ def test_the_variants_state_only_what_differs_from_their_base():
     assert {name: raw.get("base") for name, raw in variants.items() if "base" in raw} == {
         "shapes-mean": "shapes-soft.toml", "shapes-hard": "shapes-soft.toml",
         "shapes-hard-scratch": "shapes-soft.toml", "shapes-scst": "shapes-soft.toml",
+        "shapes-soft-frozen": "shapes-soft.toml",
         "coco-vgg19-hard": "coco-vgg19-soft.toml", "coco-vgg19-scst": "coco-vgg19-soft.toml",
         "flickr8k-vgg19-soft": "coco-vgg19-soft.toml"}
     for name, raw in variants.items():
@@ -234,3 +235,22 @@ def test_a_missing_or_malformed_base_is_one_line(tmp_path, capsys):
     (tmp_path / "x.toml").write_text('base = "nowhere.toml"\n')
     assert captioner_main(["train", "--config", str(tmp_path / "x.toml")]) == 2
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_shapes_soft_frozen_trains_what_the_comparison_found_robust():
+    """train/configs/shapes-soft-frozen.toml is the comparison's frozen-sparsemax-8k-coords-ttb
+    row (benchmarks/attention/rows.toml, recipe "full"), the recipe whose every seed named,
+    pointed and related: every resolved value the same but the run's name, its seed and its
+    thread count, which choose a run, not the recipe."""
+    from benchmarks.attention.plan import DEFAULT_ROWS, load_plan, training_config
+
+    plan = load_plan(DEFAULT_ROWS)
+    row = next(r for r in plan.rows if r.name == "frozen-sparsemax-8k-coords-ttb")
+    recipe = plan.recipes["full"]
+    studied = training_config(recipe, int(recipe["steps"]), row, seed=0).to_dict()
+    ours = load_config(CONFIGS[0].parent / "shapes-soft-frozen.toml").to_dict()
+    for got in (studied, ours):
+        got.pop("name")
+        got["optim"].pop("seed")
+        got["optim"].pop("threads")
+    assert ours == studied

@@ -249,6 +249,23 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     assert (out / "table.md").read_text() == table
 
 
+def test_training_one_more_row_keeps_the_rows_already_in_the_table(tmp_path):
+    """train --rows B after A's seeds are in the results: the table it writes still holds A
+    (every row of the file with results), as `table` alone would write it."""
+    rows = _rows_file(tmp_path)
+    assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--skip-timing"]) == 0
+    out = tmp_path / "out" / "tiny-3steps"
+    assert "| additive | 2 |" in (out / "table.md").read_text()
+    assert cli.main([*_args(tmp_path, rows, "--rows", "concat"), "--skip-timing"]) == 0
+    table = (out / "table.md").read_text()
+    assert "| additive | 2 |" in table and "| concat | 2 |" in table
+    assert set(json.loads((out / "table.json").read_text())["rows"]) == {"additive", "concat"}
+    (out / "table.md").unlink()
+    assert cli.main(["table", "--rows-file", str(rows), "--recipe", "tiny", "--out", str(tmp_path / "out"),
+                     "--resamples", "50"]) == 0
+    assert (out / "table.md").read_text() == table
+
+
 def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch):
     import captioner.train.loop
     from captioner.train.config import load_config

@@ -162,7 +162,15 @@ def cmd_train(args) -> int:
         return 0
     if not args.skip_timing and any(r.train_key not in timed(folder) for r in rows):
         time_trainings(rows, recipe, folder, args.timing_steps, args.timing_rounds)
-    return _write_table(plan, rows, folder, steps, args)
+    return _write_table(plan, _tabled(plan, rows, Results(folder)), folder, steps, args)
+
+
+def _tabled(plan: Plan, trained: list[Row], results) -> list[Row]:
+    """The rows train's table holds: every row of the file with results, not only those just
+    trained, so that training one more row leaves the others in table.md (as `table` writes
+    it); in the file's order."""
+    recorded = {r["row"] for r in results.records()}
+    return [r for r in plan.rows if r in trained or r.name in recorded]
 
 
 def cmd_run_one(args) -> int:
@@ -317,7 +325,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                        help="train and score every missing (row, seed), time the trainings, write the table",
                        description="Train every (row, seed) the results lack, JOBS at a time (one thread each), "
                                    "score each on the three test sets, measure steps/s of the trainings not yet "
-                                   "timed, and write the table (table.md, table.json) beside the results. A rerun "
+                                   "timed, and write the table (table.md, table.json) beside the results: every row "
+                                   "of the rows file with results, the ones trained before too. A rerun "
                                    "skips what is finished and resumes a stopped training from its last.pt; Ctrl-C "
                                    "makes every running training save and stop.")
     p.add_argument("--jobs", type=_at_least(0), default=2, help="trainings at once, one thread each (0: in this "

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from . import goal, heads, misses, relations, widths
+from . import goal, heads, misses, naming, relations, widths
 from .plan import (DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of,
                    select_rows)
 
@@ -316,7 +316,7 @@ def cmd_compact(args) -> int:
 # ------------------------------------------------------------------------------ parser
 
 COMMANDS = ("train", "score", "table", "goal", "timing", "pack", "unpack", "heads", "widths", "misses", "relation",
-            "compact")
+            "naming", "compact")
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -440,7 +440,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for add in (_train_parser, _score_parser, _table_parser, _goal_parser, _timing_parser, _pack_parser,
-                _unpack_parser, heads.register, widths.register, misses.register, relations.register, _compact_parser,
+                _unpack_parser, heads.register, widths.register, misses.register, relations.register, naming.register,
+                _compact_parser,
                 _run_one_parser):
         add(sub)
     return ap

@@ -565,12 +565,17 @@ def test_the_table_says_which_device_trained_each_seed(tmp_path):
     assert ct._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
 
 
-def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys):
+def _two_checkpoints_and_test_sets(tmp_path: Path) -> tuple[str, str, dict]:
+    """Two seeds of the tiny recipe's additive row (their last.pt) and three 3-image test sets."""
     rows = _rows_file(tmp_path)
     assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
     runs = tmp_path / "runs" / "tiny-3steps" / "additive"
-    a, b = str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt")
     tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    return str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt"), tests
+
+
+def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys):
+    a, b, tests = _two_checkpoints_and_test_sets(tmp_path)
     same = scoring.score_only([a], tests, 1, against=a, resamples=50)
     assert all(d is None or (d["diff"] == 0 and d["lo"] == 0 == d["hi"]) for d in same.values())
     other = scoring.score_only([b], tests, 1, against=a, resamples=50)
@@ -592,11 +597,7 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
 def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys):
     """A second confirmation on fresh data splits the error rate between the tries: --level
     0.975 gives the wider interval of the same resamples and names its level."""
-    rows = _rows_file(tmp_path)
-    assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
-    runs = tmp_path / "runs" / "tiny-3steps" / "additive"
-    a, b = str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt")
-    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    a, b, tests = _two_checkpoints_and_test_sets(tmp_path)
     at95 = scoring.score_only([b], tests, 1, against=a, resamples=200)
     at975 = scoring.score_only([b], tests, 1, against=a, resamples=200, level=0.975)
     e95, e975 = at95["entropy"], at975["entropy"]

@@ -28,7 +28,7 @@ import torch
 
 from captioner.grounding import ShapeObject, load_shape_objects, object_accuracy, parse_mentions
 
-from .scoring import check_test_set
+from .scoring import check_test_set, decoded_sets_arguments
 
 KINDS = ("count", "repeated shape", "other shape", "colour", "colour and shape", "pairing")
 
@@ -66,11 +66,7 @@ def kinds_of(cap, folder: Path, images: int, beam_size: int) -> list[str | None]
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("naming", help="what kinds of naming errors a model makes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("weights", nargs="+", help="checkpoint files, run folders or bundled models' names")
-    p.add_argument("--data", type=Path, action="append", required=True,
-                   help="a shapes test set (captioner shapes ... --test N); repeat it to count over several")
-    p.add_argument("--images", type=int, default=1000, help="the first N test images of each")
-    p.add_argument("--beam-size", type=int, default=3, help="beam of the decoding (the comparison's: 3)")
+    decoded_sets_arguments(p)
     p.set_defaults(func=cmd_naming)
 
 

@@ -37,7 +37,7 @@ import torch
 
 from captioner.grounding import ShapeObject, centre, load_shape_objects, named_pairs, parse_relations, stands
 
-from .scoring import check_test_set
+from .scoring import check_test_set, decoded_sets_arguments
 
 OUTCOMES = ("right", "tie", "other-axis order", "other")
 KINDS = ("above", "left_of")
@@ -133,11 +133,7 @@ def forced_choices(cap, records) -> list[tuple[str, bool]]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("relation", help="why the relations a model states are wrong",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("weights", nargs="+", help="checkpoint files, run folders or bundled models' names")
-    p.add_argument("--data", type=Path, action="append", required=True,
-                   help="a shapes test set (captioner shapes ... --test N); repeat it to count over several")
-    p.add_argument("--images", type=int, default=1000, help="the first N test images of each")
-    p.add_argument("--beam-size", type=int, default=3, help="beam of the decoding (the comparison's: 3)")
+    decoded_sets_arguments(p)
     p.add_argument("--tie-px", type=float, default=8.0,
                    help="centres closer than this on the relation's axis make a wrong relation a tie")
     p.set_defaults(func=cmd_relations)

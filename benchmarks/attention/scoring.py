@@ -39,6 +39,16 @@ def test_set_arguments(p) -> None:
     p.add_argument("--images", type=int, default=1000, help="its first N test images")
 
 
+def decoded_sets_arguments(p) -> None:
+    """The arguments of a subcommand that decodes checkpoints on shapes test sets, as the
+    comparison decodes (beam 3), and counts over every set given."""
+    p.add_argument("weights", nargs="+", help="checkpoint files, run folders or bundled models' names")
+    p.add_argument("--data", type=Path, action="append", required=True,
+                   help="a shapes test set (captioner shapes ... --test N); repeat it to count over several")
+    p.add_argument("--images", type=int, default=1000, help="the first N test images of each")
+    p.add_argument("--beam-size", type=int, default=3, help="beam of the decoding (the comparison's: 3)")
+
+
 def check_test_set(folder: Path, images: int) -> None:
     """Refuse, in one line, a folder that is not a shapes test set or a count below 1."""
     if not (folder / "instances_test.json").is_file():

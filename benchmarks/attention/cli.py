@@ -441,8 +441,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for add in (_train_parser, _score_parser, _table_parser, _goal_parser, _timing_parser, _pack_parser,
                 _unpack_parser, heads.register, widths.register, misses.register, relations.register, naming.register,
-                _compact_parser,
-                _run_one_parser):
+                _compact_parser, _run_one_parser):
         add(sub)
     return ap
 

@@ -5,7 +5,7 @@ against the objects'), decoded as the comparison decodes (beam 3), is told by on
     count             as many mentions as objects it is not: an object left out or one too many
     repeated shape    the colours are right, and a shape the image has is said more often
                       than the image has it: "a yellow cross and a yellow cross" for a cross
-                      and a triangle. A decoder that says again the shape it has just said
+                      and a triangle. A decoder that says again a shape it has already said
                       shows here.
     other shape       the colours are right, the shapes wrong otherwise (a shape the image lacks)
     colour            the shapes are right, the colours wrong
@@ -77,7 +77,8 @@ def cmd_naming(args: argparse.Namespace) -> int:
         check_test_set(folder, args.images)
     print("| weights | images | wrong | " + " | ".join(KINDS) + " |\n" + "|---" * (3 + len(KINDS)) + "|")
     for w in args.weights:
-        found = [k for folder in args.data for k in kinds_of(load_weights(w), folder, args.images, args.beam_size)]
+        cap = load_weights(w)
+        found = [k for folder in args.data for k in kinds_of(cap, folder, args.images, args.beam_size)]
         counts = Counter(k for k in found if k is not None)
         print(f"| {w} | {len(found)} | {sum(counts.values())} | " + " | ".join(str(counts[k]) for k in KINDS) + " |")
     return 0

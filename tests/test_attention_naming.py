@@ -61,6 +61,7 @@ def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch):
     assert [c.strip() for c in row.strip("|").split("|")[1:]] == ["4", "3", "1", "2", "0", "0", "0", "0"]
 
 
-def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path):
-    with pytest.raises(SystemExit):
+def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
         cli.main(["naming", str(tmp_path / "x.pt"), "--data", str(tmp_path)])
+    assert e.value.code == 2 and "has no instances_test.json" in capsys.readouterr().err

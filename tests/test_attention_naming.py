@@ -65,3 +65,21 @@ def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["naming", str(tmp_path / "x.pt"), "--data", str(tmp_path)])
     assert e.value.code == 2 and "has no instances_test.json" in capsys.readouterr().err
+
+
+def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects(tmp_path):
+    """scoring.decoded_test_images, which naming and relation count over: the first N images
+    only, each caption the comparison's decoding of that image, beside that image's objects."""
+    from captioner.data.coco import load_split
+    from captioner.evaluation import decode_records
+    from captioner.grounding import load_shape_objects
+    from captioner.inference import DecodeOptions
+
+    cap = tiny_captioner(seed=3)
+    folder = scoring.ensure_test_sets([7001], 4, tmp_path / "tests")["test7001"]
+    got = scoring.decoded_test_images(cap, folder, 3, beam_size=2)
+    records = load_split(folder, "test")[:3]
+    objects = load_shape_objects(folder / "instances_test.json")
+    decoded = decode_records(cap, records, DecodeOptions(beam_size=2, max_len=scoring.MAX_LEN))
+    assert got == [(res.words, objects[rec.image_id].objects) for rec, res in zip(records, decoded)]
+    assert len({repr(objs) for _, objs in got}) == 3  # three images' objects, not one image's

@@ -24,11 +24,9 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+from captioner.grounding import ShapeObject, object_accuracy, parse_mentions
 
-from captioner.grounding import ShapeObject, load_shape_objects, object_accuracy, parse_mentions
-
-from .scoring import check_test_set, decoded_sets_arguments
+from .scoring import check_test_set, decoded_sets_arguments, decoded_test_images
 
 KINDS = ("count", "repeated shape", "other shape", "colour", "colour and shape", "pairing")
 
@@ -50,17 +48,9 @@ def kind(words: Sequence[str], objects: Sequence[ShapeObject]) -> str | None:
     return "repeated shape" if repeated else "other shape"
 
 
-@torch.inference_mode()
 def kinds_of(cap, folder: Path, images: int, beam_size: int) -> list[str | None]:
     """kind() of each of the first ``images`` test images of ``folder``, decoded."""
-    from captioner.data.coco import load_split
-    from captioner.evaluation import decode_records
-    from captioner.inference import DecodeOptions
-
-    records = load_split(folder, "test")[:images]
-    objects = load_shape_objects(folder / "instances_test.json")
-    results = decode_records(cap, records, DecodeOptions(beam_size=beam_size, max_len=20))
-    return [kind(res.words, objects[rec.image_id].objects) for rec, res in zip(records, results)]
+    return [kind(words, objects) for words, objects in decoded_test_images(cap, folder, images, beam_size)]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from captioner.grounding import ShapeObject, centre, load_shape_objects, named_pairs, parse_relations, stands
+from captioner.grounding import ShapeObject, centre, named_pairs, parse_relations, stands
 
-from .scoring import check_test_set, decoded_sets_arguments
+from .scoring import check_test_set, decoded_sets_arguments, decoded_test_images
 
 OUTCOMES = ("right", "tie", "other-axis order", "other")
 KINDS = ("above", "left_of")
@@ -79,19 +79,11 @@ def tally(found: Sequence[tuple[str, str]]) -> dict[str, int]:
     return dict(counts)
 
 
-@torch.inference_mode()
 def outcomes_of(cap, folder: Path, images: int, beam_size: int, tie_px: float) -> list[tuple[str, str]]:
-    from captioner.data.coco import load_split
-    from captioner.evaluation import decode_records
-    from captioner.inference import DecodeOptions
-
-    records = load_split(folder, "test")[:images]
-    objects = load_shape_objects(folder / "instances_test.json")
-    results = decode_records(cap, records, DecodeOptions(beam_size=beam_size, max_len=20))
-    out = []
-    for rec, res in zip(records, results):
-        out += outcomes(res.words, objects[rec.image_id].objects, tie_px)
-    return out
+    """outcomes() of the relations stated by the captions of the first ``images`` test images
+    of ``folder``, decoded."""
+    return [o for words, objects in decoded_test_images(cap, folder, images, beam_size)
+            for o in outcomes(words, objects, tie_px)]
 
 
 def direction_words(words: Sequence[str]) -> list[tuple[int, str]]:

@@ -16,6 +16,8 @@ import numpy as np
 from . import stats as cs
 from .plan import UsageError, child_env
 
+MAX_LEN = 20  # the longest caption the comparison decodes, in words
+
 FIGURE_NAMES = ["object_accuracy", "relation_accuracy", "pointing", "pointing_generated", "pointing_chance",
                 "mass_in_box", "entropy", "BLEU-4", "CIDEr"]
 
@@ -47,6 +49,23 @@ def decoded_sets_arguments(p) -> None:
                    help="a shapes test set (captioner shapes ... --test N); repeat it to count over several")
     p.add_argument("--images", type=int, default=1000, help="the first N test images of each")
     p.add_argument("--beam-size", type=int, default=3, help="beam of the decoding (the comparison's: 3)")
+
+
+def decoded_test_images(cap, folder: Path, images: int, beam_size: int) -> list[tuple[list[str], list]]:
+    """(caption words, objects) of each of the first ``images`` test images of ``folder``,
+    the caption decoded as the comparison decodes."""
+    import torch
+
+    from captioner.data.coco import load_split
+    from captioner.evaluation import decode_records
+    from captioner.grounding import load_shape_objects
+    from captioner.inference import DecodeOptions
+
+    records = load_split(folder, "test")[:images]
+    objects = load_shape_objects(folder / "instances_test.json")
+    with torch.inference_mode():
+        results = decode_records(cap, records, DecodeOptions(beam_size=beam_size, max_len=MAX_LEN))
+    return [(res.words, objects[rec.image_id].objects) for rec, res in zip(records, results)]
 
 
 def check_test_set(folder: Path, images: int) -> None:
@@ -108,7 +127,7 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
     from captioner.grounding import load_shape_objects
     from captioner.inference import DecodeOptions
 
-    options = DecodeOptions(beam_size=beam_size, max_len=20, **decode)
+    options = DecodeOptions(beam_size=beam_size, max_len=MAX_LEN, **decode)
     with_pointing = cap.model.config.attention != "mean"  # a uniform map points nowhere
     out = {}
     for name, folder in test_sets.items():

@@ -19,6 +19,7 @@ H hidden size, V vocabulary size.
 
 from __future__ import annotations
 
+import types
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
@@ -162,9 +163,17 @@ class Decoder(nn.Module):
         on CUDA the compiler fuses them, which is where the step's time goes at these sizes.
         Hard attention's sampling draws from a torch.Generator, which the compiler leaves
         to eager mode (a graph break), so the soft step gains most. ``options`` go to
-        torch.compile (e.g. backend, mode)."""
-        self._compiled_step = torch.compile(self._step, dynamic=True, **options)
-        self._compiled_recur = torch.compile(self._recur, dynamic=True, **options)
+        torch.compile (e.g. backend, mode).
+
+        Built to reach a steady state: each model compiles its own copy of the two functions
+        (the compiler caches per code object, so models sharing one would take each other's
+        recompilation budget), the batch dimension is dynamic (images leave a beam search as
+        they finish), and the compiled functions only ever see contiguous tensors that are
+        no views (``_plain``): a view and a copy of the same shape are different inputs to
+        the compiler. What remains are one graph per kind of call (beam search, greedy,
+        training) and per autocast setting."""
+        self._compiled_step = torch.compile(_own_copy(self._step), dynamic=True, **options)
+        self._compiled_recur = torch.compile(_own_copy(self._recur), dynamic=True, **options)
 
     @property
     def compiled(self) -> bool:
@@ -192,8 +201,10 @@ class Decoder(nn.Module):
              generator: torch.Generator | None = None) -> StepOutput:
         """One word: y_prev (B*k,) token ids, state (B*k, H), annotations (B, L, D) and keys
         of B images; k rows per image (k > 1 in beam search: the beams of each image)."""
-        fn = self._compiled_step if self._compiled_step is not None else self._step
-        return fn(y_prev, h, c, a, keys, grid, sample=sample, argmax=argmax, generator=generator)
+        if self._compiled_step is None:
+            return self._step(y_prev, h, c, a, keys, grid, sample=sample, argmax=argmax, generator=generator)
+        return self._compiled_step(_plain(y_prev), _plain(h), _plain(c), _plain(a), _plain(keys), grid,
+                                   sample=sample, argmax=argmax, generator=generator)
 
     def _step(self, y_prev: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
               keys: torch.Tensor, grid: tuple[int, int], *, sample: bool = False, argmax: bool = False,
@@ -218,6 +229,9 @@ class Decoder(nn.Module):
         T steps, and the output layer only on real (non-padding) steps: padding logits are 0."""
         ann = self.annotate(ann)
         a = ann.vectors
+        compiled = self._compiled_recur is not None
+        if compiled:
+            a = _plain(a)
         b, steps = a.shape[0], int(lengths.max()) - 1
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
         keys = self.attention.prepare(a)  # once per image
@@ -226,10 +240,12 @@ class Decoder(nn.Module):
         w_e, w_zh, product = self._lstm_weights(b)
         # (T, B, 4H), time-major so that each step reads one contiguous slice
         pre = F.linear(emb.transpose(0, 1), w_e, self.lstm.bias_ih + self.lstm.bias_hh)
-        recur = self._compiled_recur if self._compiled_recur is not None else self._recur
+        recur = self._compiled_recur if compiled else self._recur
         hs, zs, heads, betas, logps, ents = [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
         for t, pre_t in enumerate(pre.unbind(0)):
+            if compiled:  # one layout for the compiler (see compile_step)
+                pre_t, h, c = _plain(pre_t), _plain(h), _plain(c)
             h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
                                        product=product)
             hs.append(h)
@@ -324,6 +340,20 @@ class CaptionModel(nn.Module):
         """Images (B, 3, H, W), or annotations already computed (a feature cache)."""
         ann = images if isinstance(images, Annotations) else self.encode(images)
         return self.decoder(ann, tokens, lengths, **kw)
+
+
+def _own_copy(method):
+    """``method`` bound to a copy of its function with a code object of its own: torch.compile
+    keeps its compiled graphs, and counts recompilations against its limit, per code object."""
+    f = method.__func__
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__, g.__qualname__ = f.__kwdefaults__, f.__qualname__
+    return types.MethodType(g, method.__self__)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor that is no view of another (a copy only where it is)."""
+    return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -163,9 +163,10 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="fp32 (default), or bf16/fp16 autocast: faster on a GPU (bf16 also on CPUs with "
                         "bf16 instructions), the same captions up to rounding")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decoder step: pays off on a GPU for large folders "
-                        "(the first batch waits for the compiler)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile the decoder step, with torch's inductor backend unless another is "
+                        "named (e.g. aot_eager: traces without generating code): pays off on a GPU for large "
+                        "folders (the first batch waits for the compiler)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or summary on stderr (the demo-model note is still printed)")
     p.set_defaults(func=cmd_caption)
@@ -200,7 +201,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
         if ctx.is_main:
             demo_notice("caption", captioner)
         if args.compile:
-            captioner.compile()
+            captioner.compile(backend=args.compile)
         if ctx.active and ctx.is_main:
             merge_parts(args.out)  # parts left by an earlier, killed distributed run
         ctx.barrier()

@@ -270,6 +270,11 @@ class Attention(nn.Module):
                 with torch.no_grad():
                     self.centre[2].weight[2].zero_()
                     self.centre[2].bias[2] = _inverse_softplus(start)
+        if mode == "mean":
+            # The mean map never reads the scores: their layers stay in the state dict (files load
+            # either way) but take no gradient, so that DistributedDataParallel, which waits for a
+            # gradient of every parameter that wants one, does not wait for theirs.
+            self.requires_grad_(False)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.f_att.upgrade(state_dict, prefix)

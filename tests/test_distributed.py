@@ -64,6 +64,13 @@ def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, 
 
 
 @pytest.mark.slow
+def test_mean_attention_trains_on_two_ranks(tiny_coco, tmp_path):
+    """The mean map reads no scores: DDP must not wait for their gradients (it stopped at step 2)."""
+    _, a, b = one_and_two_ranks(tiny_coco, tmp_path, **{"model.attention": "mean"})
+    assert b["train_state"]["step"] == 6
+
+
+@pytest.mark.slow
 def test_distributed_captioning_gives_every_image_exactly_once(tmp_path):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=1).save(weights)

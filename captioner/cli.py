@@ -176,7 +176,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .batch import (BatchSummary, caption_paths, compact, discover, merge_parts, part_path, read_resume,
                         resume_key)
     from .checkpoint import CheckpointError
-    from .distributed import setup, teardown, work_done
+    from .distributed import DeviceError, setup, teardown, work_done
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
 
@@ -186,7 +186,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.attention_dir is not None:
         make_folders(args.attention_dir, "--attention-dir")  # refuses a file in the way, in one line
     # Under torchrun each rank captions its share into a part file; rank 0 merges them.
-    ctx = setup(args.device)
+    try:
+        ctx = setup(args.device)
+    except DeviceError as e:
+        raise UsageError(str(e)) from None
     try:
         if ctx.active and args.out is None:
             raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")

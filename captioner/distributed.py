@@ -1,8 +1,10 @@
 """torch.distributed for training and batch captioning: set up from torchrun's environment.
 
-Under ``torchrun --nproc_per_node N`` (WORLD_SIZE > 1) every rank joins one process group:
-NCCL on GPUs, gloo on CPUs. Without torchrun this is a world of one and every helper is a
-no-op, so the training loop reads the same either way.
+Under ``torchrun --nproc_per_node N`` every rank joins one process group, N = 1 included (so
+that the NCCL path can be checked on one GPU): NCCL on GPUs, gloo on CPUs. Each rank takes its
+own GPU, cuda:LOCAL_RANK; GPUs are chosen with CUDA_VISIBLE_DEVICES, and a device index is
+honoured only for a single process. Without torchrun this is a world of one and every helper
+is a no-op, so the training loop reads the same either way.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ class DistContext:
     world: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    grouped: bool = False  # in a process group (under torchrun), even of one process
+
+    @property
+    def backend(self) -> str | None:
+        return dist.get_backend() if self.grouped else None
 
     @property
     def is_main(self) -> bool:
@@ -28,7 +35,8 @@ class DistContext:
 
     @property
     def active(self) -> bool:
-        return self.world > 1
+        """In a process group: collectives run, the model trains under DistributedDataParallel."""
+        return self.grouped
 
     def sum(self, value: float) -> float:
         """The sum of a per-rank number over all ranks."""
@@ -75,22 +83,35 @@ class DistContext:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+class DeviceError(ValueError):
+    """A device that cannot be honoured under torchrun, said in one line."""
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (torch.distributed.run), whatever the number of processes."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def setup(device_name: str = "auto") -> DistContext:
+    """The process's place in the run and its device. ``device_name``: auto, cpu, cuda or cuda:N."""
+    wanted = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available()
+                          else "cpu" if device_name == "auto" else device_name)
+    if not under_torchrun():
+        return DistContext(device=wanted)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
-    if world <= 1:
-        if device_name == "auto":
-            return DistContext(device=torch.device("cuda" if cuda else "cpu"))
-        return DistContext(device=torch.device(device_name))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    if wanted.type == "cuda":
+        if wanted.index is not None and world > 1:
+            raise DeviceError(f"device {device_name}: under torchrun each of the {world} processes takes its own "
+                              "GPU (cuda:LOCAL_RANK); give cuda or auto, and choose the GPUs with "
+                              "CUDA_VISIBLE_DEVICES")
+        device = torch.device("cuda", local_rank if wanted.index is None else wanted.index)
+        torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
+        device = wanted
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device, grouped=True)
 
 
 def teardown(ctx: DistContext) -> None:

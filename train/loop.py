@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from captioner.checkpoint import atomic_save, load_checkpoint
 from captioner.data.coco import CaptionDataset, ImageRecord, TrainingCaptions, collate_captions, training_captions
-from captioner.distributed import DistContext, setup, teardown, work_done
+from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
 from captioner.images import Preprocess
@@ -126,18 +126,31 @@ class _BarLoss:
         bar.set_postfix_str(text, refresh=False)
 
 
-def _rng_state() -> dict:
+def _rng_state(device: torch.device) -> dict:
+    """This process's random state: the CPU's, Python's and, on a GPU, that GPU's (the one it
+    trains on, not every visible one: a resume may see fewer)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, device: torch.device) -> list[str]:
+    """Restore what fits this process's devices; returns what could not be restored, in words."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("cuda")
+    if isinstance(saved, (list, tuple)):  # older checkpoints: every visible GPU's state
+        index = (device.index or 0) if device.type == "cuda" else 0
+        saved = saved[index] if index < len(saved) else None
+    if device.type == "cuda":
+        if saved is None:
+            return ["the GPU's random state (none was saved for it: the run was saved on the CPU or on "
+                    "another GPU)"]
+        torch.cuda.set_rng_state(saved, device)
+    elif saved is not None:
+        return ["the GPU's random state (resumed on the CPU)"]
+    return []
 
 
 def _epoch_batches(n: int, batch_size: int, seed: int, epoch: int,
@@ -287,7 +300,10 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
             raise ValueError(f"{run_dir / 'last.pt'} has no training state to resume from")
         cfg = cfg if cfg is not None else TrainConfig.from_dict(ckpt["train_state"]["config"])
     assert cfg is not None
-    ctx = setup(cfg.optim.device)
+    try:
+        ctx = setup(cfg.optim.device)
+    except DeviceError as e:
+        raise StartupError(str(e)) from None
     try:
         outcome = _train(cfg, run_dir, ckpt, ctx, progress)
         work_done(ctx)  # every rank saved, or stopped on the same error: each ends with its own code
@@ -364,15 +380,20 @@ def restore(run: Run, ckpt: dict) -> TrainState:
     state = TrainState(**{f.name: ts[f.name] for f in fields(TrainState) if f.name in ts})
     if run.hard is not None:
         run.hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
+    lost = []
     if run.scst is not None and "scst" in ts:  # else its samples start from here
-        run.scst.load_state_dict(ts["scst"][ctx.rank])
+        if not run.scst.load_state_dict(ts["scst"][ctx.rank]):
+            lost.append("the SCST sampler's random state (saved on another kind of device)")
     if run.average is not None and "weight_average" in ts:  # else the average starts from here
         run.average.load_state_dict(ts["weight_average"])
     run.precision.load_state_dict(ts.get("grad_scaler"))
     rngs = ts.get("rng_per_rank") or [ts["rng"]]
     if len(rngs) != ctx.world:
         raise StartupError(f"the run was saved with {len(rngs)} processes; resume it with as many")
-    _set_rng_state(rngs[ctx.rank])
+    lost = _set_rng_state(rngs[ctx.rank], ctx.device) + lost
+    if lost and ctx.is_main:
+        print(f"resume: not restored, so the run's random draws differ from here on: {'; '.join(lost)}",
+              file=sys.stderr)
     return state
 
 
@@ -561,7 +582,7 @@ def save(run: Run, state: TrainState) -> None:
     """last.pt: the model and everything needed to go on exactly (all ranks call this: each
     rank's random state and SCST sampler are gathered to rank 0, which writes)."""
     ctx = run.ctx
-    rngs = ctx.gather(_rng_state())
+    rngs = ctx.gather(_rng_state(ctx.device))
     samplers = ctx.gather(run.scst.state_dict()) if run.scst is not None else None
     if ctx.is_main:
         train_state = {**asdict(state), "optimizer": run.optimizer.state_dict(),

@@ -173,10 +173,18 @@ class ScstObjective:
         self.generator = torch.Generator(device=device).manual_seed(1_000_003 * (seed + 1) + rank)
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), "device": self.generator.device.type}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+    def load_state_dict(self, state: dict) -> bool:
+        """Restore the sampling generator; False (and the generator left as seeded) when it was
+        saved on another kind of device, whose generator state this one cannot take."""
+        if state.get("device", self.generator.device.type) != self.generator.device.type:
+            return False
+        try:
+            self.generator.set_state(state["generator"])
+        except RuntimeError:  # saved before the device was recorded, on another kind of device
+            return False
+        return True
 
     def rewards(self, captions: Sequence[Sequence[str]], images: Sequence[int]) -> torch.Tensor:
         """CIDEr-D of each caption (its words, joined and tokenised as the evaluation scores a

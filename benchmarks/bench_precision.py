@@ -8,10 +8,12 @@ ResNet-101 (random weights: speed does not depend on them) at 224 px gives 7x7x2
 annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions.
 - training: images/s of one optimiser step (frozen encoder forward, teacher-forced decoder
   forward and backward, doubly stochastic penalty, Adam), autocast and gradient scaling as
-  `captioner train` does them (train/precision.py);
+  `captioner train` does them (train/precision.py), with training's optimiser (fused Adam);
 - captioning: images/s of encoder + batched beam search (k=3, 20 steps: <end> never wins,
   the worst case), as `captioner caption --precision P [--compile]` runs it.
-Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (inductor).
+Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (inductor). Each variant
+builds its own model, and each model compiles its own copy of the decoder step (see
+Decoder.compile_step), so a later variant never runs on an earlier one's compiled graphs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from captioner.model import CaptionModel, ModelConfig, attention_penalty
 from captioner.images import Preprocess
 from captioner.vocab import SPECIALS, Vocabulary
 from captioner.train.losses import caption_log_likelihood
+from captioner.train.config import OptimConfig
+from captioner.train.loop import build_optimizer
 from captioner.train.precision import MixedPrecision
 
 STEPS = 20
@@ -71,7 +75,7 @@ def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> 
     tokens[:, 0] = cap.vocab.start
     lengths = torch.full((batch,), STEPS + 1, device=dev)
     mp = MixedPrecision(precision, dev)
-    opt = torch.optim.Adam(model.decoder.parameters(), lr=1e-4)
+    opt = build_optimizer([{"params": list(model.decoder.parameters()), "lr": 1e-4}], OptimConfig())  # training's
 
     def train_step() -> None:
         model.train()

@@ -30,13 +30,14 @@ def forced_outputs(cap: Captioner, records: Sequence[ImageRecord],
     grid = None
     for start in range(0, len(records), batch_size):
         idx = range(start, min(start + batch_size, len(records)))
-        images = torch.stack([data[i][0] for i in idx])
+        images = torch.stack([data[i][0] for i in idx]).to(cap.device)
         words = [tokenize(records[i].captions[0]) for i in idx]
         ids = [cap.vocab.encode(w) for w in words]
         lengths = torch.tensor([len(x) for x in ids])
         tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
         for i, x in enumerate(ids):
             tokens[i, :len(x)] = torch.tensor(x)
+        tokens, lengths = tokens.to(cap.device), lengths.to(cap.device)
         if grid is None:  # one model, one image size: one grid
             grid = cap.model.encode(images[:1]).grid  # (H, W), H * W = L
         # From the images, as training calls it: whatever the model does to the annotations
@@ -50,6 +51,6 @@ def forced_maps(cap: Captioner, records: Sequence[ImageRecord],
     word's step, (T, H, W)."""
     out = []
     for _, words, output, grid in forced_outputs(cap, records, batch_size):
-        maps = output.alphas.unflatten(2, grid).double().numpy()  # (B, T, H, W)
+        maps = output.alphas.unflatten(2, grid).double().cpu().numpy()  # (B, T, H, W)
         out += [(w, maps[i, :len(w)]) for i, w in enumerate(words)]
     return out

@@ -8,6 +8,7 @@ import torch
 
 from captioner.data.coco import ImageDataset, load_split
 from captioner.data.shapes import generate_dataset
+from captioner.encoders import Annotations
 from captioner.forced import forced_maps, forced_outputs
 from captioner.vocab import tokenize
 from tests.tiny import tiny_captioner
@@ -46,3 +47,28 @@ def test_forced_outputs_yield_each_batchs_indices_words_and_grid(records):
         # One step per word and one for <end>, the longest caption's.
         assert len(words) == len(idx) and out.alphas.shape[:2] == (len(idx), max(map(len, words)) + 1)
         assert out.alphas.shape[2] == grid[0] * grid[1]
+
+
+def test_forced_outputs_give_the_model_its_own_devices_tensors(records, monkeypatch):
+    """A model on another device than the CPU (the meta device stands in for a GPU) gets its
+    images, tokens and lengths there, not on the CPU where the data set makes them."""
+    cap = tiny_captioner(seed=1)
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def encode(self, images):
+            return Annotations(torch.zeros(len(images), 4, 1), (2, 2))
+
+        def forward(self, images, tokens, lengths):
+            seen.append({images.device.type, tokens.device.type, lengths.device.type})
+            return None
+
+    monkeypatch.setattr(type(cap), "device", property(lambda self: torch.device("meta")))
+    cap.model = Spy(cap.model)
+    with torch.inference_mode():
+        list(forced_outputs(cap, records, batch_size=2))
+    assert seen == [{"meta"}] * 3

@@ -19,9 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
     p.add_argument("--address", default="localhost",
                    help="address to listen on (default localhost; 0.0.0.0 for every interface)")
+    p.add_argument("--device", default="auto",
+                   help="where the model runs: cpu, cuda, cuda:N or auto (default: the GPU if there is one)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="fp32 (default), or bf16/fp16 autocast: faster on a GPU, the same captions up to rounding")
     p.add_argument("--workers", type=int, default=None,
-                   help="captions made at once, for all users together (default: one per CPU core, each with "
-                        "one torch thread); further uploads wait their turn and the page says so")
+                   help="captions made at once, for all users together (default: on a GPU one, which batches "
+                        "waiting uploads; on the CPU one per core, each with one torch thread); further uploads "
+                        "wait their turn and the page says so")
     p.add_argument("--batch", type=int, default=None,
                    help="uploads captioned together at most, when several wait for the model (default 4; "
                         "1: one at a time)")
@@ -44,7 +49,7 @@ def streamlit_command(port: int, address: str) -> list[str]:
 
 
 def server_env(workers: int | None = None, base: dict | None = None, batch: int | None = None,
-               max_pixels: int | None = None) -> dict:
+               max_pixels: int | None = None, device: str | None = None, precision: str | None = None) -> dict:
     """The server's environment. Streamlit runs every script run in a fresh thread, and glibc
     gives threads up to 8 malloc arenas per core: memory one run freed sits in an arena the next
     run may not use. Two arenas keep the server smaller (6 browser sessions for a minute: a peak
@@ -57,11 +62,15 @@ def server_env(workers: int | None = None, base: dict | None = None, batch: int 
         env["CAPTIONER_APP_BATCH"] = str(batch)
     if max_pixels is not None:
         env["CAPTIONER_APP_MAX_PIXELS"] = str(max_pixels)
+    if device is not None:
+        env["CAPTIONER_APP_DEVICE"] = device
+    if precision is not None:
+        env["CAPTIONER_APP_PRECISION"] = precision
     return env
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    from captioner.cli import UsageError
+    from captioner.cli import UsageError, check_device
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be between 1 and 65535, got {args.port}")
@@ -71,8 +80,10 @@ def cmd_app(args: argparse.Namespace) -> int:
         raise UsageError(f"--batch must be at least 1, got {args.batch}")
     if args.max_pixels is not None and args.max_pixels < 1:
         raise UsageError(f"--max-pixels must be at least 1, got {args.max_pixels}")
+    device = check_device(args.device)  # "auto" resolved here: the server runs where this says
     cmd = streamlit_command(args.port, args.address)
-    env = server_env(args.workers, batch=args.batch, max_pixels=args.max_pixels)
+    env = server_env(args.workers, batch=args.batch, max_pixels=args.max_pixels, device=device,
+                     precision=args.precision)
     if os.name == "posix":
         # Become the server, so that Ctrl-C or a supervisor's SIGTERM reaches it directly
         # instead of leaving it running behind a parent that was stopped.

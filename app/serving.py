@@ -116,11 +116,28 @@ def pixel_limit() -> int:
     return _env_count("CAPTIONER_APP_MAX_PIXELS", DEFAULT_MAX_PIXELS)
 
 
+def app_device() -> str:
+    """Where the model runs: CAPTIONER_APP_DEVICE (`captioner app --device`), else the GPU if
+    there is one."""
+    return os.environ.get("CAPTIONER_APP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def app_precision() -> str:
+    """CAPTIONER_APP_PRECISION (`captioner app --precision`): fp32 unless told otherwise."""
+    return os.environ.get("CAPTIONER_APP_PRECISION") or "fp32"
+
+
+def default_workers(device: str) -> int:
+    """Captions made at once. On a GPU one: uploads that wait are captioned together in one
+    batch, and several workers would only queue on the one device. On the CPU one per core."""
+    return 1 if torch.device(device).type == "cuda" else cores()
+
+
 @st.cache_resource
 def caption_gate() -> Gate:
-    """The process's one gate. CAPTIONER_APP_WORKERS captions at once (default: one per core),
+    """The process's one gate. CAPTIONER_APP_WORKERS captions at once (default_workers),
     each with cores / workers torch threads, so that concurrent uploads do not thrash."""
-    workers = _env_count("CAPTIONER_APP_WORKERS", cores())
+    workers = _env_count("CAPTIONER_APP_WORKERS", default_workers(app_device()))
     gate = Gate(workers, threads=max(1, cores() // workers), batch=_env_count("CAPTIONER_APP_BATCH", BATCH))
     torch.set_num_threads(gate.threads)
     return gate

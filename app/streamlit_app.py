@@ -13,12 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import streamlit as st
-import torch
 
 from captioner.app import page
 from captioner.app.pictures import Picture
-from captioner.app.serving import (Shown, caption_gate, caption_image, figure_png, forget_upload, logged_run, pixel_limit,
-                         result_json, results_cache, settle_heap)
+from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
+                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
 from captioner.images import ImageLoadError, ImageTooLargeError
@@ -61,7 +60,7 @@ def available_models() -> dict[str, str]:
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
 def load_captioner(weights: str, modified: float) -> Captioner:
     # `modified` only joins the cache key, so that a checkpoint rewritten in place is loaded again.
-    captioner = Captioner.load(weights, device="cuda" if torch.cuda.is_available() else "cpu")
+    captioner = Captioner.load(weights, device=app_device()).use_precision(app_precision())
     settle_heap()
     return captioner
 

@@ -310,6 +310,29 @@ def test_app_command_starts_streamlit_on_the_page(monkeypatch):
     assert env["MALLOC_ARENA_MAX"] == "2"  # memory freed by one session's thread serves the next
 
 
+def test_app_command_passes_device_and_precision_to_the_server(monkeypatch):
+    import captioner.app.cli
+
+    calls = []
+    monkeypatch.setattr(captioner.app.cli.os, "execve", lambda path, cmd, env: calls.append(env))
+    monkeypatch.setattr(captioner.app.cli.subprocess, "call", lambda cmd, env: calls.append(env) or 0)
+    args = build_parser().parse_args(["app", "--device", "cpu", "--precision", "bf16"])
+    assert args.func(args) == 0
+    assert calls[0]["CAPTIONER_APP_DEVICE"] == "cpu" and calls[0]["CAPTIONER_APP_PRECISION"] == "bf16"
+    assert main(["app", "--device", "cuda:7"]) == 2  # no such device here: one line, before the server
+
+
+def test_the_app_takes_one_worker_per_gpu_and_one_per_core_on_the_cpu(monkeypatch):
+    from captioner.app import serving
+
+    monkeypatch.setattr(serving, "cores", lambda: 16)
+    assert serving.default_workers("cuda") == 1 and serving.default_workers("cuda:1") == 1
+    assert serving.default_workers("cpu") == 16
+    monkeypatch.setenv("CAPTIONER_APP_DEVICE", "cpu")
+    monkeypatch.setenv("CAPTIONER_APP_PRECISION", "bf16")
+    assert serving.app_device() == "cpu" and serving.app_precision() == "bf16"
+
+
 def test_app_command_refuses_a_bad_number_of_workers(capsys):
     assert main(["app", "--workers", "0"]) == 2
     assert "--workers" in capsys.readouterr().err

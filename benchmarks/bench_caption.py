@@ -1,6 +1,7 @@
 """Batch captioning speed and memory.
 
     python benchmarks/bench_caption.py [--images 300] [--batch-size 32] [--workers 2] [--repeats 3]
+                                       [--device cpu|cuda] [--precision fp32|bf16|fp16]
 
 1. Speed, on the same few hundred generated photos (JPEG, 640x480): images/s of the whole
    `captioner caption` pipeline (decode + preprocess in worker processes, encoder, batched
@@ -9,6 +10,10 @@
    on top of the encoder. For the bundled default model and for a ResNet-101 model at the
    paper's sizes (random weights: speed does not depend on them).
 2. Memory: peak resident memory of `captioner caption` on 200 and on 2,000 images.
+
+Both halves run on ``--device`` (default: the CPU), the memory half through `captioner caption
+--device`; on a GPU the timings wait for its queue (torch.cuda.synchronize) before they stop.
+``--precision`` autocasts the encoder and the search alike, as `captioner caption --precision`.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from captioner.batch import caption_paths, image_loader
 from captioner.decoding import beam_search
 from captioner.encoders import Annotations
 from captioner.images import Preprocess, load_image
-from captioner.inference import Captioner, DecodeOptions
+from captioner.inference import AUTOCAST_DTYPES, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import SPECIALS, Vocabulary
 
@@ -62,17 +67,29 @@ def make_photos(folder: Path, n: int, seed: int = 0) -> list[str]:
     return paths
 
 
-def resnet101_captioner() -> Captioner:
+def resnet101_captioner(device: str = "cpu") -> Captioner:
     torch.manual_seed(0)
     vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
     cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
                       hidden_dim=512, attention_dim=512, dropout=0.5)
-    return Captioner(CaptionModel(cfg), vocab, Preprocess(size=(224, 224)))
+    return Captioner(CaptionModel(cfg).to(device), vocab, Preprocess(size=(224, 224)))
 
 
 def preprocessed_batches(captioner: Captioner, paths: list[str], batch_size: int) -> list[torch.Tensor]:
+    """Already on the model's device: the encoder-alone timing leaves out loading and the copy."""
     tensors = [captioner.preprocess(load_image(p)) for p in paths]
-    return [torch.stack(tensors[i:i + batch_size]) for i in range(0, len(tensors), batch_size)]
+    return [torch.stack(tensors[i:i + batch_size]).to(captioner.device) for i in range(0, len(tensors), batch_size)]
+
+
+def autocast(captioner: Captioner):
+    """The autocast that Captioner.caption_batch uses for its precision."""
+    dtype = AUTOCAST_DTYPES[captioner.precision]
+    return torch.autocast(captioner.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def synchronize(captioner: Captioner) -> None:
+    if captioner.device.type == "cuda":
+        torch.cuda.synchronize(captioner.device)
 
 
 def search(captioner: Captioner, ann: Annotations) -> None:
@@ -88,17 +105,17 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
     beam search alone (on annotations already computed). Each is the best of ``repeats``
     timings, taken in turn, so that a slow moment of the machine does not skew one ratio."""
     options = DecodeOptions(beam_size=3, max_len=20)
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast(captioner):
         captioner.caption_batch(batches[0], options)  # warm-up
         anns = [captioner.model.encode(batch) for batch in batches]
 
     def encoder() -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(captioner):
             for batch in batches:
                 captioner.model.encode(batch)
 
     def searches() -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(captioner):
             for ann in anns:
                 search(captioner, ann)
 
@@ -118,6 +135,7 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
         for name, job in jobs.items():
             t0 = time.perf_counter()
             job()
+            synchronize(captioner)
             best[name] = min(best[name], time.perf_counter() - t0)
     return {name: len(paths) / seconds for name, seconds in best.items()}
 
@@ -134,12 +152,12 @@ def flops_per_image(captioner: Captioner, batch: torch.Tensor) -> tuple[float, f
     return encoder / len(batch), count.get_total_flops() / len(batch)
 
 
-def peak_memory_mb(folder: Path, weights: str | None, workers: int) -> float:
+def peak_memory_mb(folder: Path, weights: str | None, workers: int, device: str = "cpu") -> float:
     """Peak RSS of a fresh `captioner caption` process (or of its largest worker) over a folder."""
     extra = f", '--weights', {weights!r}" if weights else ""
     code = (
         "import resource, sys; from captioner.cli import main; "
-        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}'{extra}]); "
+        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}', '--device', {device!r}{extra}]); "
         "me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
         "print(max(me, kids) / 1024)"
@@ -159,16 +177,21 @@ def main() -> None:
     ap.add_argument("--weights", default=None, help="the default model (demo-soft) or another checkpoint")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-resnet", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: both halves run there")
+    ap.add_argument("--precision", choices=tuple(AUTOCAST_DTYPES), default="fp32")
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch_size}, "
-          f"workers {args.workers}, beam 3, best of {args.repeats}")
+    where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    print(f"torch {torch.__version__}, {args.device} ({where}), {args.precision}, threads {torch.get_num_threads()}, "
+          f"batch {args.batch_size}, workers {args.workers}, beam 3, best of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "photos"
         paths = make_photos(folder, args.images)
-        models = [(f"{args.weights or 'demo-soft'} (small encoder, 128 px)", Captioner.load(args.weights))]
+        models = [(f"{args.weights or 'demo-soft'} (small encoder, 128 px)",
+                   Captioner.load(args.weights, device=args.device))]
         if not args.skip_resnet:
-            models.append(("resnet101, paper sizes", resnet101_captioner()))
+            models.append(("resnet101, paper sizes", resnet101_captioner(args.device)))
         for name, cap in models:
+            cap.use_precision(args.precision)
             batches = preprocessed_batches(cap, paths, args.batch_size)  # outside the encoder timing
             r = bench_speed(cap, paths, batches, args.batch_size, args.workers, args.repeats)
             print(f"{name}: caption {r['caption']:.1f} img/s, encoder alone {r['encoder']:.1f} img/s, "
@@ -186,8 +209,8 @@ def main() -> None:
             small.mkdir()
             for p in sorted(big.iterdir())[:200]:
                 (small / p.name).symlink_to(p)
-            m200 = peak_memory_mb(small, args.weights, args.workers)
-            m2000 = peak_memory_mb(big, args.weights, args.workers)
+            m200 = peak_memory_mb(small, args.weights, args.workers, args.device)
+            m2000 = peak_memory_mb(big, args.weights, args.workers, args.device)
             print(f"peak memory (default model): 200 images {m200:.0f} MB, 2000 images {m2000:.0f} MB "
                   f"({m2000 / m200:.2f}x)")
 

@@ -649,7 +649,9 @@ def _print_summary(run: Run) -> None:
     lines = summary_lines(run.cfg.data, run.splits, len(run.captioner.vocab), run.kept, run.left_out) + [
         f"model: {m.attention} attention, {m.encoder} encoder"
         f"{' (ImageNet weights)' if m.encoder_pretrained else ''}, {total:,} parameters ({trainable:,} trained)",
-        f"device: {run.ctx.device}, {threads} thread{'s' if threads != 1 else ''}",
+        f"device: {run.ctx.device}, {threads} thread{'s' if threads != 1 else ''}"
+        + (f", {run.ctx.world} process{'es' if run.ctx.world != 1 else ''} ({run.ctx.backend})" if run.ctx.active
+           else ""),
         f"run folder: {run.run_dir}",
     ]
     print("\n".join(lines), file=sys.stderr)

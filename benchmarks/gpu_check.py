@@ -1,0 +1,326 @@
+"""One prepared check of every GPU path, for a GPU machine available for a few minutes.
+
+    python -m benchmarks.gpu_check --out LOGS [--device cuda] [--tutorial PATH] [--only NAME,...]
+    python -m benchmarks.gpu_check --out LOGS --device cpu --quick     (the same steps, tiny, on CPU)
+
+Run from the repository root, with the Python and packages the machine has (it installs
+nothing). Each step is one command run in its own process, time-boxed, its output written to
+``LOGS/NN-name.log``; one summary line per step (exit code, seconds, tracebacks, recompilations)
+goes to the screen and to ``LOGS/summary.txt``. Recompilations are counted from
+``TORCH_LOGS=recompiles`` ("Recompiling function" lines), so a compiled path that keeps
+recompiling shows up in the summary, not only in a slow figure.
+
+The steps: the environment (GPU name, missing packages); training fp32, bf16 + compile, fp16
+(gradient scaling), soft and hard (hard over the feature cache, as its config trains it), a
+resume, SCST; greedy and beam captioning on the device compared caption for caption with the
+CPU's on the same images, and bf16 + compile captioning; torchrun on one process (NCCL on a
+GPU); the app's captioning path; then the benchmarks at the paper's sizes with small counts
+(bench_decoder, bench_precision, bench_caption with ResNet-101, bench_coco_train, compare_tutorial where
+``--tutorial`` names the tutorial's folder). ``--quick`` shrinks every count and compiles with
+the aot_eager backend (no code generation), so that a CPU test can run the whole check.
+The exit code is 0 when every step passed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# What the steps import; each missing one is named in one line before anything runs.
+PACKAGES = ("torch", "torchvision", "PIL", "nltk", "pycocotools", "pycocoevalcap", "tqdm", "streamlit",
+            "captioner.train")
+RECOMPILE = re.compile(r"Recompiling function")
+LIMIT_HIT = re.compile(r"recompile_limit|cache_size_limit")
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    timeout: float
+    env: dict | None = None
+
+
+@dataclass
+class Outcome:
+    name: str
+    code: int | None  # None: killed at its time box
+    seconds: float
+    tracebacks: int
+    recompiles: int
+    limit_hit: bool
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and self.tracebacks == 0 and not self.limit_hit
+
+    def line(self) -> str:
+        code = "timeout" if self.code is None else str(self.code)
+        flag = "ok  " if self.ok else "FAIL"
+        extra = f"  {self.note}" if self.note else ""
+        limit = "  recompile limit reached" if self.limit_hit else ""
+        return (f"{flag} {self.name:<22} exit {code:<7} {self.seconds:6.1f} s  tracebacks {self.tracebacks}  "
+                f"recompilations {self.recompiles}{limit}{extra}")
+
+
+def missing_packages() -> list[str]:
+    out = []
+    for name in PACKAGES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                out.append(name)
+        except ModuleNotFoundError:
+            out.append(name)
+    return out
+
+
+def captioner_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "captioner.cli", *args]
+
+
+def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step]:
+    """Training in every precision, compiled or not, soft and hard, resumed, SCST, torchrun."""
+    steps = 6 if quick else 20
+    backend = "aot_eager" if quick else "inductor"
+    common = [
+        f"data.dir={shapes}", "data.generate_shapes=true", f"data.shapes_train={64 if quick else 512}",
+        f"data.shapes_val={16 if quick else 32}", "data.workers=0", "data.cache_images=true",
+        f"optim.max_steps={steps}", "optim.epochs=1000", "optim.max_minutes=0", f"optim.device={device}",
+        f"optim.batch_size={8 if quick else 32}", "optim.log_every=5", f"optim.save_every={steps // 2}",
+        "optim.threads=0", "val.metric=object_accuracy", "val.beam_size=1", f"val.limit={16 if quick else 32}",
+        "val.every_epochs=1000",
+    ]
+    # fp16 autocast has no CPU training path worth checking; quick mode takes bf16 there.
+    fp16 = "bf16" if device == "cpu" else "fp16"
+    runs = logs / "runs"
+    soft = runs / "train-soft-fp32" / "best.pt"
+
+    def train(name: str, config: str, *sets: str, timeout: float = 150) -> Step:
+        argv = captioner_cmd("train", "--config", f"train/configs/{config}", "--run-dir", str(runs / name), "--quiet")
+        for s in (*common, *sets):
+            argv += ["--set", s]
+        return Step(name, argv, timeout)
+
+    out = [
+        train("train-soft-fp32", "shapes-soft.toml", "optim.precision=fp32"),
+        train("train-soft-bf16-compile", "shapes-soft.toml", "optim.precision=bf16", f"optim.compile={backend}"),
+        train("train-soft-fp16", "shapes-soft.toml", f"optim.precision={fp16}"),
+        # Hard attention and SCST start from the soft run above (their configs start from demo-soft,
+        # whose vocabulary needs the whole shapes training set).
+        train("train-hard-fp32", "shapes-hard.toml", "optim.precision=fp32", f"model.init_from={soft}"),
+        train("train-hard-bf16-compile", "shapes-hard.toml", "optim.precision=bf16", f"optim.compile={backend}",
+              f"model.init_from={soft}"),
+        train("train-scst-bf16", "shapes-scst.toml", "optim.precision=bf16", f"scst.max_len={8 if quick else 20}",
+              f"model.init_from={soft}"),
+    ]
+    resume = captioner_cmd("train", "--resume", str(runs / "train-soft-fp32"), "--quiet",
+                           "--set", f"optim.max_steps={steps + 4}")
+    out.append(Step("train-resume", resume, 180))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                "-m", "captioner.cli", "train", "--config", "train/configs/shapes-soft.toml",
+                "--run-dir", str(runs / "torchrun"), "--quiet"]
+    for s in (*common, "optim.precision=bf16"):
+        torchrun += ["--set", s]
+    out.append(Step("torchrun-1-process", torchrun, 240))
+    return out
+
+
+def caption_steps(device: str, quick: bool, logs: Path, images: Path) -> list[Step]:
+    """Greedy and beam on the device against the CPU on the same images; bf16 + compile."""
+    out = []
+    for beam in (1, 3):
+        files = {}
+        for dev in dict.fromkeys((device, "cpu")):
+            f = logs / f"captions-beam{beam}-{dev.replace(':', '')}.jsonl"
+            files[dev] = f
+            out.append(Step(f"caption-beam{beam}-{dev}", captioner_cmd(
+                "caption", str(images), "--beam-size", str(beam), "--device", dev, "--out", str(f),
+                "--workers", "0", "--quiet"), 180))
+        out.append(Step(f"compare-beam{beam}", [sys.executable, "-m", "benchmarks.gpu_check", "compare",
+                                                 *map(str, files.values())], 60))
+    f = logs / "captions-bf16-compile.jsonl"
+    out.append(Step("caption-bf16-compile", captioner_cmd(
+        "caption", str(images), "--device", device, "--precision", "bf16", "--compile",
+        "aot_eager" if quick else "inductor", "--out", str(f), "--workers", "0", "--quiet", "--batch-size", "8"),
+        300))
+    out.append(Step("app-captioning", [sys.executable, "-m", "benchmarks.gpu_check", "app",
+                                       "--device", device, str(images)], 120))
+    return out
+
+
+def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> list[Step]:
+    """The speed benchmarks at the paper's sizes, with small counts."""
+    py = [sys.executable, "-m"]
+    if quick:
+        out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "1"], 300),
+               Step("bench-precision", py + ["benchmarks.bench_precision", "--device", device, "--batch-size", "2",
+                                            "--repeats", "1", "--variants", "fp32,bf16"], 300),
+               Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "16",
+                                          "--batch-size", "8", "--workers", "0", "--repeats", "1",
+                                          "--skip-memory", "--skip-resnet"], 300),
+               Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "2",
+                                             "--steps", "1", "--precisions", "fp32"], 300)]
+    else:
+        out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "2"], 120),
+               Step("bench-precision", py + ["benchmarks.bench_precision", "--device", device, "--batch-size", "32",
+                                            "--repeats", "2"], 180),
+               Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "512",
+                                          "--batch-size", "64", "--workers", str(min(16, os.cpu_count() or 1)),
+                                          "--repeats", "1", "--skip-memory"], 150),
+               Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "64",
+                                             "--steps", "15"], 150)]
+    if tutorial is not None:
+        out.append(Step("compare-tutorial", py + ["benchmarks.compare_tutorial", str(tutorial), "--device", device,
+                                                  "--rounds", "1" if quick else "3"]
+                        + (["--batch", "4", "--beam-images", "4", "--steps", "6", "--beam-steps", "6"]
+                           if quick else []), 300))
+    return out
+
+
+def run_step(step: Step, index: int, logs: Path) -> Outcome:
+    log = logs / f"{index:02d}-{step.name}.log"
+    env = {**os.environ, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1", **(step.env or {})}
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(step.argv) + "\n")
+        f.flush()
+        try:
+            code: int | None = subprocess.run(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                              timeout=step.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    seconds = time.perf_counter() - start
+    text = log.read_text(errors="replace")
+    note = ""
+    last = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    if last:
+        note = last[-1][len("RESULT "):]
+    return Outcome(step.name, code, seconds, text.count("Traceback (most recent call last)"),
+                   len(RECOMPILE.findall(text)), bool(LIMIT_HIT.search(text)), note)
+
+
+def environment_line(device: str) -> str:
+    import torch
+    name = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else "CPU"
+    return (f"device {device} ({name}), torch {torch.__version__}, python {sys.version.split()[0]}, "
+            f"{os.cpu_count()} cores")
+
+
+def cmd_compare(paths: list[str]) -> int:
+    """Caption for caption: the first file's captions against each other file's."""
+    def read(p: str) -> dict[str, str]:
+        rows = [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
+        return {r["image"]: r.get("caption") for r in rows}
+
+    base = read(paths[0])
+    worst = 0
+    for other in paths[1:]:
+        theirs = read(other)
+        differ = [k for k in base if theirs.get(k) != base[k]]
+        worst = max(worst, len(differ))
+        for k in differ[:5]:
+            print(f"{k}: {base[k]!r} vs {theirs.get(k)!r}")
+        print(f"RESULT {len(base) - len(differ)}/{len(base)} captions identical")
+    if not base:
+        print("no captions to compare", file=sys.stderr)
+        return 1
+    return 0 if worst <= max(1, len(base) // 20) else 1  # numerics may flip a near-tie, not more
+
+
+def cmd_app(device: str, folder: str) -> int:
+    """The app's captioning path (serving.caption_image) on the device, for every image of a folder."""
+    from captioner.app import serving
+    from captioner.app.gate import Gate
+    from captioner.inference import Captioner, DecodeOptions
+
+    captioner = Captioner.load(None, device=device)
+    gate = Gate(1, threads=1, batch=4)
+    files = sorted(Path(folder).glob("*.png")) + sorted(Path(folder).glob("*.jpg"))
+    start = time.perf_counter()
+    for i, p in enumerate(files):
+        shown = serving.caption_image(captioner, gate, (i,), p.name, p.read_bytes(), DecodeOptions(beam_size=3))
+        assert shown.result.words, f"no caption for {p}"
+    print(f"RESULT {len(files)} uploads captioned on {captioner.device} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        return cmd_compare(argv[1:])
+    if argv[:1] == ["app"]:
+        ap = argparse.ArgumentParser(prog="gpu_check app")
+        ap.add_argument("--device", default="cuda")
+        ap.add_argument("folder")
+        a = ap.parse_args(argv[1:])
+        return cmd_app(a.device, a.folder)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for the logs and the summary (made if missing)")
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and the aot_eager compile backend (CPU tests)")
+    ap.add_argument("--tutorial", type=Path, default=None, help="the tutorial's folder, for compare_tutorial")
+    ap.add_argument("--only", default="", help="comma-separated step names (or prefixes) to run; default all")
+    ap.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
+    ap.add_argument("--budget", type=float, default=600,
+                    help="seconds for the whole check (default 600): steps that would start later are skipped "
+                         "and counted as failed, so a time-boxed machine still brings back a summary")
+    args = ap.parse_args(argv)
+
+    missing = missing_packages()
+    if missing:
+        print(f"gpu_check: missing packages: {', '.join(missing)} (nothing is installed by this check)",
+              file=sys.stderr)
+        return 2
+    import torch
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --quick on a CPU", file=sys.stderr)
+        return 2
+    logs = args.out.resolve()
+    logs.mkdir(parents=True, exist_ok=True)
+    data = logs / "data"
+    images = data / "caption-images"
+    if not images.exists():  # shapes test images for the captioning steps, made once
+        subprocess.run(captioner_cmd("shapes", "--out", str(data / "gen"), "--train", "0", "--val", "0",
+                                     "--test", "16" if args.quick else "96", "--seed", "4242"), check=True,
+                       stdout=subprocess.DEVNULL)
+        (data / "gen" / "images" / "test").rename(images)
+    steps = (train_steps(args.device, args.quick, logs, data / "shapes")
+             + caption_steps(args.device, args.quick, logs, images)
+             + ([] if args.skip_bench else bench_steps(args.device, args.quick, logs, args.tutorial)))
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        steps = [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+    head = environment_line(args.device)
+    print(head, flush=True)
+    lines = [head]
+    outcomes = []
+    deadline = time.perf_counter() + args.budget
+    for i, step in enumerate(steps, 1):
+        left = deadline - time.perf_counter()
+        if left < 10:
+            o = Outcome(step.name, None, 0.0, 0, 0, False, "skipped: out of --budget")
+        else:
+            step.timeout = min(step.timeout, left)
+            o = run_step(step, i, logs)
+        outcomes.append(o)
+        lines.append(o.line())
+        print(o.line(), flush=True)
+    failed = sum(not o.ok for o in outcomes)
+    tail = f"{len(outcomes) - failed}/{len(outcomes)} steps passed, {sum(o.seconds for o in outcomes):.0f} s"
+    print(tail)
+    (logs / "summary.txt").write_text("\n".join([*lines, tail]) + "\n")
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

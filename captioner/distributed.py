@@ -58,6 +58,14 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item() > 0)
 
+    def any_of(self, *flags: bool) -> list[bool]:
+        """``any`` of several flags at once: one collective, not one per flag."""
+        if not self.active:
+            return list(flags)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self._comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(x) for x in t.tolist()]
+
     def broadcast(self, obj):
         """Rank 0's object, on every rank."""
         if not self.active:

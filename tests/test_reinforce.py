@@ -300,7 +300,7 @@ def test_with_several_heads_the_entropy_bonus_is_the_sum_of_the_heads_entropies(
     entropy = (-(heads * torch.log(heads)).sum((-1, -2)) * mask).sum(1)  # (B,)
     of_mean = (-(out.alphas * torch.log(out.alphas)).sum(-1) * mask).sum(1)
     assert float((entropy - of_mean).abs().min()) > 1e-3  # the two differ: the check can fail
-    torch.testing.assert_close(parts.entropy, entropy.mean().item(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(float(parts.entropy), entropy.mean().item(), rtol=1e-5, atol=1e-6)
     hand = -caption_log_likelihood(out, tokens[:, 1:]).mean() - 0.002 * entropy.mean()
     torch.testing.assert_close(parts.loss.item(), hand.item(), rtol=1e-5, atol=1e-6)
 

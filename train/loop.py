@@ -112,12 +112,14 @@ class _BarLoss:
 
     def show(self, bar: tqdm, parts: LossParts, train_seconds: float) -> None:
         label, value = ("nll", parts.nll) if parts.reward is None else ("reward", parts.reward)
+        # A tensor stays on the device: only the text, once a second, waits for it.
+        value = value.detach() if isinstance(value, torch.Tensor) else value
         self.average = value if self.average is None else 0.9 * self.average + 0.1 * value
         now = time.monotonic()
         if now - self.shown_at < 1.0 and bar is self.bar:  # a new epoch's bar gets it at once
             return
         self.shown_at, self.bar = now, bar
-        text = f"{label}={self.average:.2f}"
+        text = f"{label}={float(self.average):.2f}"
         if self.max_minutes:
             left = max(0, round(60 * self.max_minutes - train_seconds))
             clock = f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}" if left >= 3600 \
@@ -556,12 +558,12 @@ def _train_step(run: Run, batch, global_size: int) -> LossParts:
 def _log_step(run: Run, state: TrainState, parts: LossParts) -> None:
     """A training line of metrics.jsonl, its figures averaged over the ranks (all ranks call this)."""
     ctx, hard, scst, scaler = run.ctx, run.hard, run.scst, run.precision.scaler
-    nll = ctx.mean(parts.nll)
+    nll = ctx.mean(float(parts.nll))
     run.files.write({"step": state.step, "epoch": state.epoch, "nll": round(nll, 4),
-                     "penalty": round(ctx.mean(parts.penalty), 4), "lr": run.optimizer.param_groups[0]["lr"],
+                     "penalty": round(ctx.mean(float(parts.penalty)), 4), "lr": run.optimizer.param_groups[0]["lr"],
                      "train_seconds": round(state.train_seconds, 1),
                      **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
-                     **({"reward": round(ctx.mean(parts.reward), 4)} if scst is not None else {}),
+                     **({"reward": round(ctx.mean(float(parts.reward)), 4)} if scst is not None else {}),
                      **({"grad_scale": scaler.get_scale()} if scaler else {})})
     run.files.stop_on_failure()
 
@@ -571,9 +573,12 @@ def _stop_reason(run: Run, state: TrainState, stop: _StopFlag) -> str | None:
     o, ctx = run.cfg.optim, run.ctx
     if o.max_steps and state.step >= o.max_steps:
         return "max_steps"
-    if o.max_minutes and ctx.any(state.train_seconds >= 60 * o.max_minutes):
+    # One collective for both flags (each one waits for every rank and, on GPUs, the device).
+    out_of_time, signalled = ctx.any_of(bool(o.max_minutes) and state.train_seconds >= 60 * o.max_minutes,
+                                        stop.signal is not None)
+    if out_of_time:
         return "time_budget"
-    if ctx.any(stop.signal is not None):
+    if signalled:
         return "interrupted"
     return None
 

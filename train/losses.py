@@ -22,10 +22,14 @@ REWARDS, REDUCTIONS = get_args(Reward), get_args(Reduction)
 
 @dataclass
 class LossParts:
+    """A step's loss and the figures it reports. The figures may stay 0-d tensors on the
+    training device (detached): turning them into Python numbers waits for the GPU, so that
+    is left to whoever reads them (a log line, the progress bar), not done every step."""
+
     loss: torch.Tensor  # what backward() is called on
-    nll: float  # mean over captions of -log p(y | .), summed over words
-    penalty: float  # doubly stochastic term (before lambda)
-    tokens: int
+    nll: torch.Tensor | float  # mean over captions of -log p(y | .), summed over words
+    penalty: torch.Tensor | float  # doubly stochastic term (before lambda)
+    tokens: torch.Tensor | int
     sampled: bool | None = None  # hard attention: this minibatch used a sampled context
     baseline: float | None = None
     entropy: float | None = None
@@ -57,7 +61,7 @@ def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: t
     penalty = attention_penalty(out.alphas.float(), out.mask)
     mode = getattr(model, "module", model).config.attention  # model may be wrapped in DDP
     loss = nll + doubly_stochastic * penalty if mode != "mean" else nll
-    return LossParts(loss, nll.item(), penalty.item(), int(out.mask.sum()))
+    return LossParts(loss, nll.detach(), penalty.detach(), out.mask.sum())
 
 
 class HardAttentionObjective:
@@ -148,5 +152,5 @@ class HardAttentionObjective:
             batch_reward = self.dist.sum(float(reward.sum())) / self.dist.sum(float(len(reward)))
         d = self.cfg.baseline_decay
         self.baseline = d * self.baseline + (1 - d) * batch_reward
-        return LossParts(loss, -ll.mean().item(), penalty.item(), int(out.mask.sum()), sampled, self.baseline,
-                         entropy.mean().item())
+        return LossParts(loss, -ll.mean().detach(), penalty.detach(), out.mask.sum(), sampled, self.baseline,
+                         entropy.mean().detach())

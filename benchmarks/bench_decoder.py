@@ -161,6 +161,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
+    ap.add_argument("--batch", type=int, default=BATCH,
+                    help=f"captions per training step and images of the batched search (default {BATCH})")
     ap.add_argument("--previous", action="store_true", help="also time the previous training step, interleaved")
     ap.add_argument("--demo", action="store_true", help="demo-soft's whole model instead (training only, CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -190,10 +192,11 @@ def main() -> None:
     decoder = Decoder(ModelConfig(**SIZES, dropout=0.5, **args.model)).to(dev)
     opt = torch.optim.Adam(decoder.parameters(), lr=1e-4)
 
-    a = torch.randn(BATCH, L, SIZES["annotation_dim"], device=dev)
-    tokens = torch.randint(4, SIZES["vocab_size"], (BATCH, STEPS + 1), device=dev)
+    batch = args.batch
+    a = torch.randn(batch, L, SIZES["annotation_dim"], device=dev)
+    tokens = torch.randint(4, SIZES["vocab_size"], (batch, STEPS + 1), device=dev)
     tokens[:, 0] = 1
-    lengths = torch.full((BATCH,), STEPS + 1, device=dev)
+    lengths = torch.full((batch,), STEPS + 1, device=dev)
 
     def train_step() -> None:
         out = decoder(Annotations(a, GRID), tokens, lengths)
@@ -205,7 +208,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={BATCH} steps={STEPS}"
+    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={batch} steps={STEPS}"
           + "".join(f" {k}={v}" for k, v in args.model.items()))
     decoder.train()
     t_train = _timed(train_step, args.repeats)
@@ -234,10 +237,10 @@ def main() -> None:
         return run
 
     t1 = _timed(search(1), args.repeats)
-    t32 = _timed(search(32), args.repeats)
-    print(f"teacher-forced forward+backward: {1 / t_train:.2f} steps/s ({BATCH / t_train:.1f} captions/s)")
+    tb = _timed(search(batch), args.repeats)
+    print(f"teacher-forced forward+backward: {1 / t_train:.2f} steps/s ({batch / t_train:.1f} captions/s)")
     print(f"beam search k=3, batch 1:  {1 / t1:.2f} images/s")
-    print(f"beam search k=3, batch 32: {32 / t32:.2f} images/s ({t1 * 32 / t32:.1f}x batch 1)")
+    print(f"beam search k=3, batch {batch}: {batch / tb:.2f} images/s ({t1 * batch / tb:.1f}x batch 1)")
 
 
 if __name__ == "__main__":

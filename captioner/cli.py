@@ -42,6 +42,18 @@ def _positive(value: str) -> int:
     return n
 
 
+# The most words --max-len allows: captions are a sentence (COCO's longest training captions,
+# which the configs keep, are 50 words); a larger limit only lets an undertrained model run on.
+MAX_WORDS = 100
+
+
+def _max_len(value: str) -> int:
+    n = _positive(value)
+    if n > MAX_WORDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WORDS} words, got {n}")
+    return n
+
+
 def _non_negative(value: str) -> int:
     n = _integer(value)
     if n < 0:
@@ -119,7 +131,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard. The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    p.add_argument("--max-len", type=_max_len, default=20,
+                   help=f"most words per caption (default 20, at most {MAX_WORDS})")
     p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
@@ -178,6 +191,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .distributed import setup, teardown, work_done
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
+    from .vocab import UNK
 
     check_device(args.device)
     if args.out is not None:
@@ -193,6 +207,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
             found = discover(args.paths)
         except FileNotFoundError as e:
             raise UsageError(str(e)) from e
+        if not found.images:
+            others = f" ({found.skipped} other file{'s' if found.skipped != 1 else ''})" if found.skipped else ""
+            raise UsageError(f"no image files in {', '.join(args.paths)}{others}; images are found by their "
+                             "extension (.jpg, .png, ...)")
         try:
             captioner = Captioner.load(args.weights, device=ctx.device).use_precision(args.precision)
         except CheckpointError as e:
@@ -238,7 +256,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
             ctx.barrier()
             if ctx.is_main:
                 merge_parts(args.out)
-            summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)))
+            summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)),
+                                   round(ctx.sum(summary.wordless)))
         elif args.out is not None and (retried or again):
             compact(args.out)  # the new lines replace the error lines and the lines without attention
         if not args.quiet and ctx.is_main:
@@ -246,6 +265,11 @@ def cmd_caption(args: argparse.Namespace) -> int:
                     (f", {again} again for their attention" if again else "")
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
                   f"(not image files), already done {already}{extra}", file=sys.stderr)
+        if summary.wordless and ctx.is_main:
+            print(f"captioner caption: note: {summary.wordless} caption{'s' if summary.wordless != 1 else ''} "
+                  f"with no word (empty, or only {UNK}): the model has nothing to say of "
+                  f"{'them' if summary.wordless != 1 else 'it'}; a model trained longer or on such "
+                  "images may", file=sys.stderr)
         # torchrun stops every rank as soon as one exits non-zero (some images failed): no
         # rank leaves before rank 0 has merged the parts and printed the summary, and then
         # none is stopped half-way out (each ends with its own exit code).

@@ -11,10 +11,12 @@ import argparse
 import math
 import os
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
+RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
 
 
 class UsageError(Exception):
@@ -411,7 +413,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"captioner {args.command}: error: {e}", file=sys.stderr)
+        from .distributed import is_main_process
+
+        # Under torchrun every rank meets the same mistake: rank 0 says it (two ranks writing at
+        # once glued their lines into one). The others wait before they exit: torchrun stops
+        # every rank when the first exits non-zero, and rank 0 must not be stopped unheard.
+        if is_main_process():
+            sys.stderr.write(f"captioner {args.command}: error: {e}\n")
+            sys.stderr.flush()
+        else:
+            time.sleep(RANK_ERROR_WAIT)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

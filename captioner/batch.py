@@ -25,6 +25,7 @@ from .decoding import CaptionResult
 from .images import (DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError, Preprocess, is_image_path,
                      load_image)
 from .inference import Captioner, DecodeOptions
+from .vocab import UNK
 
 
 @dataclass
@@ -254,6 +255,7 @@ def image_loader(paths: list[str], preprocess: Preprocess, batch_size: int, work
 class BatchSummary:
     captioned: int = 0
     failed: int = 0
+    wordless: int = 0  # captioned with no word, or with none but <unk>: nothing the model could say
 
 
 def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
@@ -262,8 +264,12 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                   progress: bool | None = None, resolved: bool = False, heads: bool = False) -> BatchSummary:
     """Caption ``images`` in order, writing one JSON line per image to ``out``. With
     ``resolved``, each line also holds the image's resume key (for an output file that a
-    later run resumes). ``heads``: each head's maps too, in the line and the figure."""
+    later run resumes). ``heads``: each head's maps too, in the line and the figure. Each line
+    names the model ("model", and "training_data" when known): several runs' captions in one
+    folder stay told apart."""
     summary = BatchSummary()
+    model = {"model": captioner.name, **({"training_data": captioner.training_data}
+                                         if captioner.training_data else {})}
     if not images:
         return summary
     real_folders: dict[str, str] = {}
@@ -280,11 +286,12 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                 path = images[index]
                 if index in results:
                     r = results[index]
-                    record = r.to_json(path, with_attention, heads=heads)
+                    record = {**r.to_json(path, with_attention, heads=heads), **model}
                     if attention_dir is not None:
                         record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads,
-                                                               max_pixels, captioner.name or "")
+                                                               max_pixels, captioner.name or "", captioner.notice())
                     summary.captioned += 1
+                    summary.wordless += all(w == UNK for w in r.words)
                 else:
                     record = {"image": path, "error": batch.errors[index]}
                     summary.failed += 1
@@ -299,12 +306,13 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
 
 
 def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "") -> str:
+                 max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "", notice: str | None = None) -> str:
     from .overlay import attention_figure, figure_info
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.
     name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
     seen = preprocess.seen(load_image(path, max_pixels))  # the part the model saw
-    attention_figure(seen, result, heads=heads, model=model).save(folder / name, pnginfo=figure_info(result, model))
+    attention_figure(seen, result, heads=heads, model=model, notice=notice).save(
+        folder / name, pnginfo=figure_info(result, model, notice))
     return str(folder / name)

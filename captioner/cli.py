@@ -11,10 +11,12 @@ import argparse
 import math
 import os
 import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
+RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
 
 
 class UsageError(Exception):
@@ -39,6 +41,18 @@ def _positive(value: str) -> int:
     n = _integer(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+# The most words --max-len allows: captions are a sentence (COCO's longest training captions,
+# which the configs keep, are 50 words); a larger limit only lets an undertrained model run on.
+MAX_WORDS = 100
+
+
+def _max_len(value: str) -> int:
+    n = _positive(value)
+    if n > MAX_WORDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WORDS} words, got {n}")
     return n
 
 
@@ -119,7 +133,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard. The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    p.add_argument("--max-len", type=_max_len, default=20,
+                   help=f"most words per caption (default 20, at most {MAX_WORDS})")
     p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
@@ -179,6 +194,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .distributed import DeviceError, setup, teardown, work_done
     from .images import DEFAULT_MAX_PIXELS
     from .inference import Captioner, DecodeOptions
+    from .vocab import UNK
 
     check_device(args.device)
     if args.out is not None:
@@ -197,6 +213,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
             found = discover(args.paths)
         except FileNotFoundError as e:
             raise UsageError(str(e)) from e
+        if not found.images:
+            others = f" ({found.skipped} other file{'s' if found.skipped != 1 else ''})" if found.skipped else ""
+            raise UsageError(f"no image files in {', '.join(args.paths)}{others}; images are found by their "
+                             "extension (.jpg, .png, ...)")
         try:
             captioner = Captioner.load(args.weights, device=ctx.device).use_precision(args.precision)
         except CheckpointError as e:
@@ -242,7 +262,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
             ctx.barrier()
             if ctx.is_main:
                 merge_parts(args.out)
-            summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)))
+            summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)),
+                                   round(ctx.sum(summary.wordless)))
         elif args.out is not None and (retried or again):
             compact(args.out)  # the new lines replace the error lines and the lines without attention
         if not args.quiet and ctx.is_main:
@@ -250,6 +271,11 @@ def cmd_caption(args: argparse.Namespace) -> int:
                     (f", {again} again for their attention" if again else "")
             print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
                   f"(not image files), already done {already}{extra}", file=sys.stderr)
+        if summary.wordless and ctx.is_main:
+            print(f"captioner caption: note: {summary.wordless} caption{'s' if summary.wordless != 1 else ''} "
+                  f"with no word (empty, or only {UNK}): the model has nothing to say of "
+                  f"{'them' if summary.wordless != 1 else 'it'}; a model trained longer or on such "
+                  "images may", file=sys.stderr)
         # torchrun stops every rank as soon as one exits non-zero (some images failed): no
         # rank leaves before rank 0 has merged the parts and printed the summary, and then
         # none is stopped half-way out (each ends with its own exit code).
@@ -391,7 +417,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"captioner {args.command}: error: {e}", file=sys.stderr)
+        from .distributed import is_main_process
+
+        # Under torchrun every rank meets the same mistake: rank 0 says it (two ranks writing at
+        # once glued their lines into one). The others wait before they exit: torchrun stops
+        # every rank when the first exits non-zero, and rank 0 must not be stopped unheard.
+        if is_main_process():
+            sys.stderr.write(f"captioner {args.command}: error: {e}\n")
+            sys.stderr.flush()
+        else:
+            time.sleep(RANK_ERROR_WAIT)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -147,11 +148,27 @@ def small8(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
     return _small_encoder("small8", pretrained, cell=8)
 
 
+# Encoder name -> its torchvision weights enum (ImageNet): the encoders that can be pretrained.
+PRETRAINED_WEIGHTS = {"vgg19": "VGG19_Weights", "vgg16": "VGG16_Weights", "resnet18": "ResNet18_Weights",
+                      "resnet50": "ResNet50_Weights", "resnet101": "ResNet101_Weights"}
+
+
 def _torchvision_weights(enum_name: str, pretrained: bool):
     if not pretrained:
         return None
     import torchvision.models as tvm
     return getattr(tvm, enum_name).DEFAULT
+
+
+def pretrained_file(name: str) -> tuple[Path, str] | None:
+    """(where torchvision keeps encoder ``name``'s ImageNet weights, the address it downloads
+    them from); None for an encoder without pretrained weights."""
+    if name not in PRETRAINED_WEIGHTS:
+        return None
+    import torch.hub
+
+    url = _torchvision_weights(PRETRAINED_WEIGHTS[name], True).url
+    return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1], url
 
 
 def _build(builder: Callable, weights, name: str) -> nn.Module:
@@ -160,10 +177,11 @@ def _build(builder: Callable, weights, name: str) -> nn.Module:
     except Exception as e:  # network or cache failure: say what to do
         if weights is None:
             raise
+        where, url = pretrained_file(name)
         raise RuntimeError(
-            f"could not load the pretrained ImageNet weights for {name} ({e}). Put the file "
-            "torchvision asks for in the torch hub cache (TORCH_HOME), or set pretrained = false "
-            "to start from random weights.") from e
+            f"could not load the pretrained ImageNet weights for {name} ({e}): copy {url} to {where} "
+            "(TORCH_HOME moves that folder), or start from random weights (training: "
+            "--set model.encoder_pretrained=false)") from e
 
 
 @register_encoder("vgg19")

@@ -192,6 +192,29 @@ def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_
         raise ImageLoadError(f"corrupt or truncated image: {e}") from e
 
 
+def as_image(source, max_pixels: int = DEFAULT_MAX_PIXELS, at_least: int | None = None) -> Image.Image:
+    """An 8-bit RGB image from what a user has at hand: a path or raw bytes (decoded by
+    ``load_image``, as ``captioner caption`` decodes files), a PIL image of any mode (turned by
+    its EXIF orientation, converted as a file would be) or an array (H x W grey, H x W x 3 RGB,
+    H x W x 4 RGBA; 8-bit, or floats in [0, 1]). Larger than ``max_pixels``: ImageTooLargeError."""
+    if isinstance(source, (str, os.PathLike, bytes)):
+        return load_image(source, max_pixels, at_least)
+    if isinstance(source, np.ndarray):
+        arr = source
+        if arr.dtype.kind == "f":
+            arr = np.clip(np.nan_to_num(arr) * 255.0 + 0.5, 0, 255).astype(np.uint8)
+        if arr.ndim == 3 and arr.shape[2] == 1:
+            arr = arr[:, :, 0]
+        if arr.ndim not in (2, 3) or arr.ndim == 3 and arr.shape[2] not in (3, 4):
+            raise ImageLoadError(f"an image array is H x W, H x W x 3 or H x W x 4, got shape {source.shape}")
+        source = Image.fromarray(arr.astype(np.uint8, copy=False))
+    if not isinstance(source, Image.Image):
+        raise ImageLoadError(f"not an image: {type(source).__name__} (give a path, a PIL image or an array)")
+    if source.width * source.height > max_pixels:
+        raise ImageTooLargeError(source.width * source.height, max_pixels, source.size)
+    return to_rgb(ImageOps.exif_transpose(source))
+
+
 def to_rgb(im: Image.Image) -> Image.Image:
     """Any Pillow mode -> 8-bit RGB; transparency is composited over white."""
     if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):

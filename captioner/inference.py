@@ -8,11 +8,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
 from .decoding import CaptionResult, DecodedIds, beam_search, greedy
-from .images import Preprocess
+from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from .model import CaptionModel, ModelConfig
 from .vocab import Vocabulary
 
@@ -183,11 +182,17 @@ class Captioner:
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
                              heads)
 
-    def caption_images(self, images: list[Image.Image], options: DecodeOptions | None = None) -> list[CaptionResult]:
+    def caption_images(self, images: list, options: DecodeOptions | None = None,
+                       max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:
+        """Each image a path, raw bytes, a PIL image of any mode or an array, read as ``captioner
+        caption`` reads files (``captioner.images.as_image``)."""
         if not images:
             return []
-        batch = torch.stack([self.preprocess(im) for im in images])
+        side = self.preprocess.decode_side
+        batch = torch.stack([self.preprocess(as_image(im, max_pixels, side)) for im in images])
         return self.caption_batch(batch, options)
 
-    def caption(self, image: Image.Image, options: DecodeOptions | None = None) -> CaptionResult:
-        return self.caption_images([image], options)[0]
+    def caption(self, image, options: DecodeOptions | None = None,
+                max_pixels: int = DEFAULT_MAX_PIXELS) -> CaptionResult:
+        """One image: a path, raw bytes, a PIL image of any mode or an array (see ``caption_images``)."""
+        return self.caption_images([image], options, max_pixels)[0]

@@ -63,13 +63,14 @@ def caption_metrics(references: Mapping[int, Sequence[str]], candidates: Mapping
 
     gts, res = _prepare(references, candidates)
 
-    # Imported here: pycocoevalcap is an optional dependency (the "metrics" extra).
+    # Imported where scoring needs it, not with this module.
     try:
         from pycocoevalcap.bleu.bleu import Bleu
         from pycocoevalcap.cider.cider import Cider
         from pycocoevalcap.rouge.rouge import Rouge
     except ImportError as e:
-        raise ImportError("caption metrics need pycocoevalcap: pip install 'captioner[metrics]'") from e
+        raise ImportError("caption metrics need pycocoevalcap, a dependency of captioner: "
+                          "pip install pycocoevalcap") from e
 
     scores: dict[str, float] = {}
     bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)  # verbose=1 prints to stdout

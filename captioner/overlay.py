@@ -93,11 +93,13 @@ def overlays(image: Image.Image, alphas: torch.Tensor | np.ndarray, smooth: bool
 
 
 def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224, columns: int = 5,
-                     smooth: bool = True, heads: bool = False, model: str | None = None) -> Image.Image:
+                     smooth: bool = True, heads: bool = False, model: str | None = None,
+                     notice: str | None = None) -> Image.Image:
     """The image, then one overlay panel per word with the word and its beta below.
     ``heads``: a row per word instead, its map (the heads' mean) then each head's map.
     ``model``: a title above the panels, the caption and this model's name, so that a figure
-    found later in a folder says what it shows."""
+    found later in a folder says what it shows; ``notice``: a line under it (a demo model's,
+    that it knows synthetic shapes only), for a figure shown without the command's output."""
     scale = panel / max(image.size)
     pw, ph = max(1, round(image.width * scale)), max(1, round(image.height * scale))
     shown = image.convert("RGB").resize((pw, ph), Image.Resampling.BICUBIC)
@@ -120,12 +122,15 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     label_h = font.size + 8 if hasattr(font, "size") else 20
     rows = -(-len(panels) // cols)
     pad = 6
-    title_h = label_h + pad if model is not None else 0
+    title_h = (label_h + pad if model is not None else 0) + (label_h if notice else 0)
     fig = Image.new("RGB", (cols * (pw + pad) + pad, title_h + rows * (ph + label_h + pad) + pad), "white")
     draw = ImageDraw.Draw(fig)
     if model is not None:
         title = _fitted(draw, f"{result.caption or '(no words)'}  (model: {model})", font, fig.width - 2 * pad - 2)
         draw.text((pad + 2, pad + 2), title, fill="black", font=font)
+    if notice:
+        line = _fitted(draw, notice, font, fig.width - 2 * pad - 2)
+        draw.text((pad + 2, pad + 2 + (label_h if model is not None else 0)), line, fill=(150, 30, 30), font=font)
     for i, cell in enumerate(panels):
         if cell is None:
             continue
@@ -137,11 +142,13 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     return fig
 
 
-def figure_info(result: CaptionResult, model: str) -> PngInfo:
-    """PNG text chunks for a saved figure: its caption and model, readable without looking."""
+def figure_info(result: CaptionResult, model: str, notice: str | None = None) -> PngInfo:
+    """PNG text chunks for a saved figure: its caption, model and notice, readable without looking."""
     info = PngInfo()
     info.add_text("Title", result.caption)
     info.add_text("Model", model)
+    if notice:
+        info.add_text("Warning", notice)
     return info
 
 

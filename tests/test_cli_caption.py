@@ -195,3 +195,104 @@ def test_every_out_makes_its_missing_folders_and_says_so(tmp_path, weights, caps
     for command in ("caption", "evaluate", "shapes"):
         (action,) = [a for a in sub[command]._actions if "--out" in a.option_strings]
         assert "missing folders are made" in action.help, command
+
+
+def test_each_line_names_the_model_and_a_demo_s_figure_carries_its_notice(tmp_path, weights):
+    from PIL import Image
+
+    tiny_image(0, size=(48, 32)).save(tmp_path / "a.png")
+    for model, name in ((weights, "tiny.pt"), ("demo-soft", "demo-soft")):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["caption", str(tmp_path / "a.png"), "--weights", model, "--out", str(out), "--attention-dir",
+                     str(tmp_path / name), "--max-len", "5", "--quiet"]) == 0
+        (record,) = _lines(out)
+        assert record["model"] == name
+        figure = Image.open(record["attention_png"])
+        if name == "demo-soft":
+            assert record["training_data"] == "synthetic shapes"
+            assert "synthetic shapes only" in figure.text["Warning"]
+            plain = tmp_path / "plain.png"  # the same figure without the notice is shorter by its line
+            from captioner.inference import Captioner
+            from captioner.overlay import attention_figure
+
+            cap = Captioner.load("demo-soft")
+            seen = cap.preprocess.seen(Image.open(tmp_path / "a.png").convert("RGB"))
+            attention_figure(seen, cap.caption(tmp_path / "a.png", _options(5)), model=name).save(plain)
+            assert figure.height > Image.open(plain).height
+        else:
+            assert "training_data" not in record and "Warning" not in figure.text
+
+
+def _options(max_len):
+    from captioner.inference import DecodeOptions
+
+    return DecodeOptions(beam_size=3, max_len=max_len)
+
+
+def test_an_empty_folder_is_one_line_and_exit_two(tmp_path, weights, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("no pictures here")
+    for folder, words in (("empty", "no image files in"), ("notes", "(1 other file)")):
+        assert main(["caption", str(tmp_path / folder), "--weights", weights]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err and "captioned 0" not in err, err
+
+
+def test_captions_without_a_word_are_said_on_stderr(tmp_path, capsys):
+    """A model whose every caption is <unk> (or nothing) does not pass silently."""
+    cap = tiny_captioner(seed=1)
+    with torch.no_grad():  # every step's most likely word: <unk>
+        cap.model.decoder.L_o.bias.fill_(-100.0)
+        cap.model.decoder.L_o.bias[cap.vocab.unk] = 100.0
+    cap.save(tmp_path / "unk.pt")
+    tiny_image(0).save(tmp_path / "a.png")
+    tiny_image(1).save(tmp_path / "b.png")
+    assert main(["caption", str(tmp_path / "a.png"), str(tmp_path / "b.png"), "--weights", str(tmp_path / "unk.pt"),
+                 "--max-len", "3", "--beam-size", "1"]) == 0
+    captured = capsys.readouterr()
+    assert all(set(json.loads(line)["words"]) <= {"<unk>"} for line in captured.out.splitlines())
+    assert "note: 2 captions with no word (empty, or only <unk>)" in captured.err
+
+
+@pytest.mark.parametrize("max_len, code", [("100", 0), ("101", 2), ("100000", 2)])
+def test_max_len_has_a_stated_ceiling(tmp_path, weights, capsys, max_len, code):
+    tiny_image(0).save(tmp_path / "a.png")
+    try:
+        got = main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--max-len", max_len, "--beam-size",
+                    "1", "--quiet"])
+    except SystemExit as e:
+        got = e.code
+    err = capsys.readouterr().err
+    assert got == code
+    if code == 2:
+        assert "--max-len: at most 100 words" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_python_api_takes_a_path_a_pil_image_of_any_mode_or_an_array(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from captioner.images import ImageTooLargeError
+
+    cap = tiny_captioner(seed=1)
+    rgb = tiny_image(0, size=(40, 30))
+    rgb.save(tmp_path / "a.png")
+    options = _options(4)
+    want = cap.caption(rgb, options).words
+    assert cap.caption(str(tmp_path / "a.png"), options).words == want
+    assert cap.caption(tmp_path / "a.png", options).words == want
+    assert cap.caption(np.asarray(rgb), options).words == want
+    assert cap.caption(np.asarray(rgb).astype(np.float32) / 255.0, options).words == want
+    assert cap.caption(rgb.convert("RGBA"), options).words == want  # opaque: the same pixels
+    for mode in ("L", "LA", "P", "CMYK", "I;16", "1"):
+        assert cap.caption(rgb.convert(mode), options).score <= 0  # no RuntimeError, no size mismatch
+    assert cap.caption(np.asarray(rgb.convert("L")), options).score <= 0
+    # The EXIF orientation is honoured, as for files: a rotated copy tagged "rotate back" reads the same.
+    exif = Image.Exif()
+    exif[0x0112] = 6  # 90 degrees clockwise to show
+    rgb.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "r.jpg", exif=exif, quality=100)
+    assert cap.caption(Image.open(tmp_path / "r.jpg"), options).words == cap.caption(tmp_path / "r.jpg",
+                                                                                      options).words
+    with pytest.raises(ImageTooLargeError):
+        cap.caption(rgb, options, max_pixels=100)

@@ -106,6 +106,17 @@ def test_distributed_captioning_gives_every_image_exactly_once(tmp_path):
     assert all("error" not in r for r in lines)
 
 
+def test_a_mistake_under_torchrun_is_said_once_on_its_own_line(tmp_path):
+    weights = tmp_path / "tiny.pt"
+    tiny_captioner(seed=1).save(weights)
+    tiny_image(0, size=(24, 24)).save(tmp_path / "a.png")
+    res = subprocess.run([*TORCHRUN, "-m", "captioner.cli", "caption", str(tmp_path / "a.png"), "--weights",
+                          str(weights)], capture_output=True, text=True, timeout=600)
+    errors = [line for line in res.stderr.splitlines() if "captioner caption: error:" in line]
+    assert errors == ["captioner caption: error: under torchrun, --out FILE is required (ranks write parts "
+                      "that are merged into it)"], res.stderr[-3000:]
+
+
 SLOW_EXIT = '''
 import os, sys, time
 from captioner.cli import main

@@ -18,6 +18,7 @@ from captioner.cli import main
 from captioner.cider import CiderD, cider_d
 from captioner.encoders import Annotations
 from captioner.images import Preprocess
+from captioner.inference import resolve_weights
 from captioner.metrics import _prepare
 from captioner.model import CaptionModel
 from captioner.vocab import tokenize
@@ -291,7 +292,7 @@ def test_shapes_scst_starts_from_demo_soft_on_its_data():
     shapes-soft's, so that the vocabulary built at start-up is demo-soft's (init_from checks)."""
     cfg, soft = load_config(CONFIGS / "shapes-scst.toml"), load_config(CONFIGS / "shapes-soft.toml")
     assert cfg.scst.enabled and cfg.optim.lr == 5e-5
-    source = load_checkpoint(Path(__file__).resolve().parents[1] / cfg.model.init_from)
+    source = load_checkpoint(resolve_weights(cfg.model.init_from))  # a bundled model's name
     model = CaptionModel(model_config(cfg.model, len(source["vocab"])))
     model.load_state_dict(source["state_dict"])  # strict: every weight fits
     for key in ("dir", "train_split", "shapes_train", "shapes_seed", "shapes_image_size", "min_count",

@@ -160,12 +160,12 @@ def test_overrides_are_typed_and_checked(tmp_path):
         apply_overrides(cfg, ["optim.epochs=many"])
     with pytest.raises(ValueError, match="^model.attention must be one of soft, hard, mean, got 'sideways'$"):
         apply_overrides(cfg, ["model.attention=sideways"])
-    cfg = apply_overrides(cfg, ["optim.max_steps=1e4", "optim.lr=1", "data.cache_images=false", "val.metric=min:A,B",
-                                "model.init_from=123", "model.encoder_from=demo-soft", "optim.device=cuda:1",
+    cfg = apply_overrides(cfg, ["optim.max_steps=1e4", "optim.lr=1", "data.cache_images=false",
+                                "val.metric=min:BLEU-4,CIDEr", "model.init_from=123", "model.encoder_from=demo-soft", "optim.device=cuda:1",
                                 "model.attention='hard'"])
     assert cfg.optim.max_steps == 10_000 and type(cfg.optim.max_steps) is int
     assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
-    assert cfg.data.cache_images is False and cfg.val.metric == "min:A,B"
+    assert cfg.data.cache_images is False and cfg.val.metric == "min:BLEU-4,CIDEr"
     assert (cfg.model.init_from, cfg.model.encoder_from, cfg.optim.device) == ("123", "demo-soft", "cuda:1")
     assert cfg.model.attention == "hard"
 
@@ -254,3 +254,136 @@ def test_shapes_soft_frozen_trains_what_the_comparison_found_robust():
         got["optim"].pop("seed")
         got["optim"].pop("threads")
     assert ours == studied
+
+
+# --- values the run cannot use, or would ignore: refused before any data is read -------------
+
+def _train_cli(tmp_path, data_dir, text: str = "", *sets: str, config=None) -> tuple[int, float]:
+    """``captioner train`` on a tiny config over ``data_dir`` (plus ``text``, TOML); the exit code
+    and the seconds it took."""
+    import time
+
+    if config is None:
+        config = tmp_path / "own.toml"
+        config.write_text(f'name = "own"\n[data]\ndir = "{data_dir}"\nmin_count = 1\nworkers = 0\n'
+                          '[model]\nencoder = "small"\nimage_size = 32\nembed_dim = 8\nhidden_dim = 8\n'
+                          'attention_dim = 8\n[optim]\nmax_steps = 2\nbatch_size = 4\n[val]\nmax_len = 4\n'
+                          'metric = "BLEU-1"\n' + text)
+    start = time.perf_counter()
+    code = captioner_main(["train", "--config", str(config), "--run-dir", str(tmp_path / "run"), "--quiet",
+                           *[a for s in sets for a in ("--set", s)]])
+    return code, time.perf_counter() - start
+
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("setting, words", [
+    ("val.metric=BLEU4", "'BLEU4' is not a figure validation gives; did you mean BLEU-4?"),
+    ("val.metric=min:CIDEr,pointing", "'pointing' is not a figure validation gives"),
+    ("val.metric=METEOR", "'METEOR' is not a figure validation gives"),  # validation skips METEOR
+    ("val.metric=object_accuracy", "object_accuracy needs the objects of each image"),  # no instances file
+    ("val.beam_size=0", "val.beam_size must be >= 1, got 0"),
+    ("val.max_len=0", "val.max_len must be >= 1, got 0"),
+    ("optim.batch_size=0", "optim.batch_size must be >= 1, got 0"),
+    ("optim.lr=-1", "optim.lr must be > 0, got -1.0"),
+    ("optim.max_minutes=-5", "optim.max_minutes must be >= 0, got -5.0"),
+    ("optim.ema=1", "optim.ema must be in [0, 1) (0: off), got 1.0"),
+    ("data.min_count=0", "data.min_count must be >= 1, got 0"),
+    ("hard.expected_context_prob=1.5", "hard.expected_context_prob must be between 0 and 1, got 1.5"),
+])
+def test_a_value_the_run_cannot_use_is_one_line_before_any_data_is_read(tiny_coco, tmp_path, capsys,
+                                                                         setting, words):
+    """Each of these used to pass and end in a traceback at the first step or validation."""
+    code, seconds = _train_cli(tmp_path, tiny_coco, "", setting)
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and words in line, line
+    assert not (tmp_path / "run").exists()
+    assert seconds < 5
+
+
+def test_a_grounding_metric_is_taken_on_shapes_data_even_before_it_is_generated(tmp_path):
+    from captioner.train.startup import check_new_run
+
+    cfg = load_config(None, [f"data.dir={tmp_path / 'shapes'}", "data.generate_shapes=true",
+                             "val.metric=min:object_accuracy,pointing_accuracy"])
+    check_new_run(cfg)  # the run generates the data, objects included
+    assert not (tmp_path / "shapes").exists()
+    with pytest.raises(ValueError, match="needs the objects"):
+        check_new_run(apply_overrides(cfg, ["data.generate_shapes=false"]))
+
+
+@pytest.mark.parametrize("text, sets, words", [
+    ('[hard]\nentropy = 0.01\n', (), "hard.entropy (from the config file) has no effect: REINFORCE is for hard "
+                                       "attention, and model.attention is soft"),
+    ("", ("hard.lambda_r=0.5",), "hard.lambda_r (from --set) has no effect"),
+    ('[scst]\nenabled = true\nsamples = 2\n', ("optim.doubly_stochastic=0.5",),
+     "optim.doubly_stochastic (from --set) has no effect: self-critical training"),
+    ('[model]\nattention = "hard"\n[scst]\nenabled = true\n[hard]\nlambda_r = 0.2\n', (),
+     "hard.lambda_r (from the config file) has no effect: self-critical training"),
+    ("", ("model.freeze_encoder=true", "model.fine_tune_blocks=2"),
+     "model.fine_tune_blocks (from --set) has no effect: model.freeze_encoder is true"),
+    ('[scst]\nsamples = 3\n', (), "scst.samples (from the config file) has no effect: scst.enabled is false"),
+])
+def test_a_value_the_chosen_model_ignores_is_refused_in_one_line_saying_why(tiny_coco, tmp_path, capsys,
+                                                                             text, sets, words):
+    code, seconds = _train_cli(tmp_path, tiny_coco, text.replace("[model]\n", ""), *sets) \
+        if "[model]" not in text else _train_cli(tmp_path, tiny_coco, "", *sets, config=_with_model(
+            tmp_path, tiny_coco, text))
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and words in line, line
+    assert not (tmp_path / "run").exists() and seconds < 5
+
+
+def _with_model(tmp_path, data_dir, text):
+    """A tiny config whose [model] section is ``text``'s (TOML sections appear once)."""
+    model = text.split("[model]\n", 1)[1].split("[", 1)
+    rest = "[" + model[1] if len(model) > 1 else ""
+    path = tmp_path / "own.toml"
+    path.write_text(f'[data]\ndir = "{data_dir}"\nmin_count = 1\nworkers = 0\n[model]\nencoder = "small"\n'
+                    f'image_size = 32\nembed_dim = 8\nhidden_dim = 8\nattention_dim = 8\n{model[0]}'
+                    f'[optim]\nmax_steps = 2\nbatch_size = 4\n[val]\nmax_len = 4\nmetric = "BLEU-1"\n{rest}')
+    return path
+
+
+def test_the_shipped_configs_state_nothing_they_ignore_and_name_what_their_base_sets():
+    """A base's values the variant ignores are named once at start-up, not refused: shapes-scst
+    inherits shapes-soft's penalty weight and encoder rate, neither used under SCST with a frozen
+    encoder; switching a hard config to soft from the command line notes its [hard] section."""
+    from captioner.train.config import check_ignored, written_keys
+
+    notes = {}
+    for path in CONFIGS:
+        stated = written_keys(tomllib.loads(path.read_text()))
+        notes[path.stem] = check_ignored(load_config(path), stated, written_keys(read_config(path)))
+    assert any("optim.doubly_stochastic = 0.0" in n and "self-critical" in n for n in notes["shapes-scst"])
+    assert any("optim.encoder_lr = 0.001" in n for n in notes["shapes-scst"])
+    assert notes["shapes-soft"] == [] and notes["coco-vgg19-soft"] == []
+
+    path = CONFIGS[0].parent / "shapes-hard-scratch.toml"  # its header's reference run
+    cfg = load_config(path, ["model.attention=soft"])
+    notes = check_ignored(cfg, written_keys(tomllib.loads(path.read_text())), written_keys(read_config(path)),
+                          {"model.attention"})
+    assert any(n.startswith("ignored, REINFORCE is for hard attention") and "hard.reward" in n for n in notes)
+
+
+def test_a_run_s_own_config_toml_trains_again_with_its_ignored_values_noted(tiny_coco, tmp_path, capsys):
+    """config.toml states every key, the [hard] section of a soft run too: a record, not a mistake."""
+    cfg = tiny_config(tiny_coco, **{"optim.max_steps": 1, "val.every_epochs": 0, "hard.entropy": 0.01})
+    (tmp_path / "cfg.toml").write_text(to_toml(cfg))
+    code, _ = _train_cli(tmp_path, tiny_coco, config=tmp_path / "cfg.toml")
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "note: ignored, REINFORCE is for hard attention, and model.attention is soft: hard.entropy = 0.01" in err
+
+
+def test_set_name_renames_the_run(tmp_path, monkeypatch):
+    cfg = load_config(CONFIGS[0].parent / "shapes-soft.toml", ["name=own"])
+    assert cfg.name == "own"
+    from captioner.train.loop import new_run_dir
+    assert new_run_dir(cfg, tmp_path).name.startswith("own-")
+    with pytest.raises(ValueError, match="name must not be empty"):
+        load_config(None, ["name="])

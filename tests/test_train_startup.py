@@ -310,3 +310,120 @@ def test_generated_shapes_follow_the_top_to_bottom_option(tmp_path: Path) -> Non
                                  f"data.shapes_top_to_bottom={str(on).lower()}"])
         prepare_data(cfg)
         assert ("from top to bottom" in (out / "captions_train.json").read_text()) == on
+
+
+# --- mistakes caught before the work: resume, data folder, checkpoints, encoder weights ------
+
+def _tiny_run(tiny_coco, tmp_path, name="cfg.toml", **sets) -> Path:
+    cfg_path = tmp_path / name
+    cfg_path.write_text(to_toml(tiny_config(tiny_coco, **{"optim.max_steps": 2, "val.every_epochs": 0, **sets})))
+    return cfg_path
+
+
+def test_resume_refuses_another_config_and_changes_beyond_the_run_s_length(tiny_coco, tmp_path, capsys):
+    cfg_path = _tiny_run(tiny_coco, tmp_path)
+    run = tmp_path / "run"
+    assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"]) == 0
+    before = (run / "last.pt").read_bytes()
+    other = _tiny_run(tiny_coco, tmp_path, "other.toml", **{"optim.threads": 1, "model.freeze_encoder": True,
+                                                             "data.feature_cache": True})
+    capsys.readouterr()
+
+    assert captioner_main(["train", "--resume", str(run), "--config", str(other), "--quiet"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--config does not go with --resume" in line and "optim.max_steps" in line
+    assert captioner_main(["train", "--resume", str(run), "--set", "optim.lr=0.5", "--quiet"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--set optim.lr=0.5: a resumed run keeps its config" in line
+    assert (run / "last.pt").read_bytes() == before  # nothing merged, nothing trained
+
+    assert captioner_main(["train", "--resume", str(run), "--set", "optim.max_steps=3", "--quiet"]) == 0
+    assert load_checkpoint(run / "last.pt")["train_state"]["step"] == 3  # a longer run goes on
+
+
+def test_shapes_are_generated_only_into_an_empty_folder_or_a_shapes_one(tmp_path, capsys):
+    photos = tmp_path / "own-photos"
+    photos.mkdir()
+    (photos / "holiday.jpg").write_bytes(b"my photo")
+    small = ["--set", "data.shapes_train=4", "--set", "data.shapes_val=2", "--set", "optim.max_steps=1",
+             "--set", "val.limit=2"]  # short, were it to run
+    code = captioner_main(["train", "--config", str(CONFIGS / "shapes-soft.toml"), "--run-dir",
+                           str(tmp_path / "run"), "--set", f"data.dir={photos}", *small, "--quiet"])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and "holds files that are not generated shapes (such as" in line and "holiday.jpg" in line
+    assert sorted(p.name for p in photos.iterdir()) == ["holiday.jpg"]
+    assert not (tmp_path / "run").exists()
+
+    from captioner.train.startup import check_shapes_folder
+
+    cut_short = tmp_path / "cut-short"  # a generation killed half-way is written again
+    (cut_short / "images" / "train").mkdir(parents=True)
+    (cut_short / "images" / "train" / "train_000000.png").write_bytes(b"")
+    (cut_short / "instances_val.json").write_text("{}")
+    check_shapes_folder(DataConfig(dir=str(cut_short), generate_shapes=True))
+    check_shapes_folder(DataConfig(dir=str(tmp_path / "new"), generate_shapes=True))
+    (tmp_path / "empty").mkdir()
+    check_shapes_folder(DataConfig(dir=str(tmp_path / "empty"), generate_shapes=True))
+
+
+def test_init_from_takes_a_bundled_name_or_a_path_beside_the_config_from_any_folder(tiny_coco, tmp_path, capsys,
+                                                                                    monkeypatch):
+    first = tmp_path / "first"
+    assert captioner_main(["train", "--config", str(_tiny_run(tiny_coco, tmp_path)), "--run-dir", str(first),
+                           "--quiet"]) == 0
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "start.pt").write_bytes((first / "last.pt").read_bytes())
+    cfg_path = _tiny_run(tiny_coco, configs, **{"model.init_from": "start.pt"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", "run", "--quiet"]) == 0, \
+        capsys.readouterr().err
+    assert load_checkpoint(elsewhere / "run" / "last.pt")["train_state"]["config"]["model"]["init_from"] == \
+        str(configs / "start.pt")
+
+    # The shipped SCST config from another folder: its demo-soft is found, and a missing
+    # checkpoint is one line before any data is generated.
+    from captioner.train.config import load_config
+    from captioner.train.startup import check_new_run
+
+    cfg = load_config(CONFIGS / "shapes-scst.toml", [f"data.dir={tmp_path / 'shapes'}"])
+    check_new_run(cfg, CONFIGS / "shapes-scst.toml")
+    assert cfg.model.init_from == "demo-soft"
+    capsys.readouterr()
+    code = captioner_main(["train", "--config", str(CONFIGS / "shapes-scst.toml"), "--set",
+                           f"data.dir={tmp_path / 'shapes'}", "--set", "model.init_from=runs/nope/best.pt", "--quiet"])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2 and "model.init_from: no such checkpoint runs/nope/best.pt" in line and "demo-soft" in line
+    assert not (tmp_path / "shapes").exists() and not (elsewhere / "runs").exists()
+
+
+def test_a_pretrained_encoder_offline_is_one_line_naming_the_file_and_the_key(tiny_coco, tmp_path, capsys,
+                                                                               monkeypatch):
+    import urllib.error
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+
+    def offline(url, dst, *args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    cfg_path = _tiny_run(tiny_coco, tmp_path, **{"model.encoder": "resnet18", "model.encoder_pretrained": True})
+    run = tmp_path / "run"
+    assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert str(tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-") in line
+    assert "https://download.pytorch.org/models/resnet18-" in line
+    assert "--set model.encoder_pretrained=false" in line and "set pretrained = false" not in line
+    assert not run.exists()
+
+
+def test_a_vocabulary_of_special_tokens_only_is_refused_in_one_line(tiny_coco, tmp_path, capsys):
+    cfg_path = _tiny_run(tiny_coco, tmp_path, **{"data.min_count": 50})
+    run = tmp_path / "run"
+    assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "the vocabulary has no words" in line and "data.min_count = 50" in line
+    assert not run.exists()

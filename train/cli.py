@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tomllib
 from pathlib import Path
 
 
@@ -18,10 +19,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "config or data, or a run folder that cannot be written, said in one line before anything "
                     "is written; 130 interrupted (saved).")
     p.add_argument("--config", type=Path, default=None,
-                   help="TOML config, e.g. train/configs/shapes-soft.toml (not needed with --resume); one that "
-                        "names a base (base = \"FILE\", relative to its folder) states only what differs from it")
+                   help="TOML config, e.g. train/configs/shapes-soft.toml (not with --resume: a run goes on with "
+                        "its own); one that names a base (base = \"FILE\", relative to its folder) states only "
+                        "what differs from it. A value the run would ignore (a [hard] key on a soft model, say) "
+                        "is refused; one a base config sets is named in a note at start-up")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a config value, e.g. --set optim.epochs=5 (repeatable)")
+                   help="override a config value, e.g. --set optim.epochs=5, or the run's name: --set name=NAME "
+                        f"(repeatable); with --resume only {', '.join(ON_RESUME)}")
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where to write the run, missing folders made (default runs/<name>-<timestamp>)")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
@@ -30,32 +34,51 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
 
+# What --set may change when a run resumes: how long it goes on and where it runs. The rest
+# (the data, the model, the rates) is the run's own: changed, it would no longer be that run.
+ON_RESUME = ("optim.epochs", "optim.max_steps", "optim.max_minutes", "val.patience", "optim.threads",
+             "optim.device", "data.workers")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from captioner.checkpoint import CheckpointError, load_checkpoint
     from captioner.cli import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
 
-    from .config import TrainConfig, apply_overrides, load_config
+    from .config import TrainConfig, apply_overrides, check_ignored, load_config, read_config, written_keys
     from .data_cli import require_data
     from .loop import RunWriteError, new_run_dir, outcome_line, train
-    from .startup import StartupError
+    from .startup import StartupError, check_new_run
 
     if args.resume is None and args.config is None:
         raise UsageError("give --config FILE for a new run, or --resume RUN_DIR")
+    if args.resume is not None and args.config is not None:
+        raise UsageError(f"--config does not go with --resume: a run goes on with its own config "
+                         f"({args.resume / 'config.toml'}); --set may change {', '.join(ON_RESUME)}")
+    notes: list[str] = []
     try:
         if args.resume is not None:
             run_dir = args.resume
-            if args.config is not None:
-                cfg = load_config(args.config, args.overrides)
-            else:  # the run's own config, with any overrides (e.g. more epochs)
-                saved = load_checkpoint(run_dir / "last.pt")["train_state"]["config"]
-                cfg = apply_overrides(TrainConfig.from_dict(saved), args.overrides)
+            for item in args.overrides:
+                if item.split("=", 1)[0] not in ON_RESUME:
+                    raise ValueError(f"--set {item}: a resumed run keeps its config; --set may change "
+                                     f"{', '.join(ON_RESUME)} (start a new run for the rest)")
+            saved = load_checkpoint(run_dir / "last.pt")["train_state"]["config"]
+            cfg = apply_overrides(TrainConfig.from_dict(saved), args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
+            with open(args.config, "rb") as f:
+                stated = written_keys(tomllib.load(f))
+            overridden = {item.split("=", 1)[0] for item in args.overrides}
+            notes = check_ignored(cfg, stated, written_keys(read_config(args.config)), overridden)
+            check_new_run(cfg, args.config)
             run_dir = args.run_dir or new_run_dir(cfg)
         require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
     except (OSError, ValueError, KeyError, CheckpointError) as e:
         raise UsageError(str(e)) from e
+    if is_main_process():
+        for note in notes:
+            print(f"captioner train: note: {note}", file=sys.stderr)
     try:
         outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
     except (StartupError, RunWriteError) as e:

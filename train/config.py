@@ -6,7 +6,10 @@ included; the file's sections then merge into the base's key by key, and a base 
 base of its own.
 
 Every value is checked against its field's annotation as it is read: a bool, an int, a
-float, a string, or one of a ``Literal``'s choices. The [model] section is ``captioner``'s
+float, a string, or one of a ``Literal``'s choices; then against what it can be (``BOUNDS``:
+a positive batch size, a learning rate above 0, a validation metric validation gives), so
+that a mistake stops the run before any data is read, not at its first step or validation.
+The [model] section is ``captioner``'s
 ``ModelConfig`` (its fields, annotations and defaults) less what a run sets itself, plus
 the keys that say how a run starts; ``model_config`` makes the one from the other.
 """
@@ -14,14 +17,19 @@ the keys that say how a run starts; ``model_config`` makes the one from the othe
 from __future__ import annotations
 
 import ast
+import difflib
+import math
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, make_dataclass
 from functools import cache
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
 from captioner.encoders import encoder_names
+from captioner.grounding import summarize_grounding
+from captioner.metrics import METRIC_NAMES
 from captioner.model import ModelConfig
 
 
@@ -309,8 +317,13 @@ def _merged(base: dict, delta: dict) -> dict:
 def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
     """``section.key=value`` strings; values are Python/TOML literals or bare strings."""
     for item in overrides:
+        if item.startswith("name="):  # the run's name, the one key outside a section
+            cfg.name = item.split("=", 1)[1]
+            if not cfg.name:
+                raise ValueError("name must not be empty (--set name=NAME names the run and its folder)")
+            continue
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"--set wants section.key=value, got {item!r}")
+            raise ValueError(f"--set wants section.key=value or name=NAME, got {item!r}")
         dotted, raw = item.split("=", 1)
         section_name, key = dotted.split(".", 1)
         section = getattr(cfg, section_name, None)
@@ -323,6 +336,7 @@ def apply_overrides(cfg: TrainConfig, overrides: list[str]) -> TrainConfig:
         _set_field(section, section_name, key, value, text=raw)
     check_model_section(cfg.model)
     check_scst_section(cfg.scst)
+    check_values(cfg)
     return cfg
 
 
@@ -353,6 +367,137 @@ def check_scst_section(s: ScstConfig) -> None:
         raise ValueError(f"scst.samples must be at least {least} with the {s.baseline} baseline, got {s.samples}")
     if s.max_len < 1:
         raise ValueError(f"scst.max_len counts words and must be >= 1, got {s.max_len}")
+
+
+def _at_least(low: float) -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v >= low), f">= {low:g}"
+
+
+_POSITIVE = ((lambda v: v > 0), "> 0")
+_SHARE = ((lambda v: 0 <= v <= 1), "between 0 and 1")
+
+# section.key -> (test, what the value must be), beyond its type: each checked when a config
+# is loaded, since a zero batch or a negative rate fails only at the first step.
+BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "data.min_count": _at_least(1), "data.max_vocab": _at_least(0), "data.max_caption_len": _at_least(1),
+    "data.workers": _at_least(0), "data.shapes_train": _at_least(1), "data.shapes_val": _at_least(1),
+    "data.shapes_image_size": _at_least(1),
+    "model.image_size": _at_least(1), "model.resize": _at_least(0),
+    "optim.epochs": _at_least(1), "optim.max_steps": _at_least(0), "optim.max_minutes": _at_least(0),
+    "optim.batch_size": _at_least(1), "optim.lr": _POSITIVE, "optim.encoder_lr": _POSITIVE,
+    "optim.weight_decay": _at_least(0), "optim.lr_decay": ((lambda v: 0 < v <= 1), "in (0, 1]"),
+    "optim.lr_decay_every": _at_least(1), "optim.grad_clip": _at_least(0),
+    "optim.ema": ((lambda v: 0 <= v < 1), "in [0, 1) (0: off)"), "optim.doubly_stochastic": _at_least(0),
+    "optim.threads": _at_least(0), "optim.log_every": _at_least(1), "optim.save_every": _at_least(0),
+    "val.every_epochs": _at_least(0), "val.beam_size": _at_least(1), "val.max_len": _at_least(1),
+    "val.limit": _at_least(0), "val.patience": _at_least(0),
+    "hard.lambda_r": _at_least(0), "hard.entropy": _at_least(0), "hard.baseline_decay": _SHARE,
+    "hard.expected_context_prob": _SHARE,
+}
+
+# What validation scores (train/loop.py's validate): the caption metrics but METEOR, which it
+# skips (a Java process per validation), and on data with objects (shapes) the grounding figures.
+CAPTION_FIGURES = tuple(n for n in METRIC_NAMES if n != "METEOR")
+GROUNDING_FIGURES = tuple(n for n in summarize_grounding([], []) if not n.startswith("n_") and "chance" not in n)
+
+
+def check_values(cfg: TrainConfig) -> None:
+    """Refuse (ValueError, one line) a value its type allows but the run cannot use."""
+    for dotted, (ok, what) in BOUNDS.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, float) and not math.isfinite(value) or not ok(value):
+            raise ValueError(f"{dotted} must be {what}, got {value!r}")
+    metric_names(cfg.val.metric)
+
+
+def metric_names(metric: str) -> list[str]:
+    """The figures ``val.metric`` names (``min:A,B``: several), each one validation gives, or a
+    one-line ValueError with the nearest name."""
+    names = [n.strip() for n in metric.removeprefix("min:").split(",")]
+    known = CAPTION_FIGURES + GROUNDING_FIGURES
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise ValueError(f"val.metric {metric!r}: {name!r} is not a figure validation gives; {hint}caption "
+                             f"metrics: {', '.join(CAPTION_FIGURES)}; on data with objects (shapes): "
+                             f"{', '.join(GROUNDING_FIGURES)}; min:A,B takes the smaller")
+    return names
+
+
+def grounding_metrics(metric: str) -> list[str]:
+    """The figures of ``val.metric`` that only data with objects (shapes) gives."""
+    return [n for n in metric_names(metric) if n in GROUNDING_FIGURES]
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """Values the run's other choices make ignored: ``keys``, ignored ``because`` of the values
+    of ``causes``."""
+
+    keys: tuple[str, ...]
+    because: str
+    causes: tuple[str, ...]
+
+
+def ignored_values(cfg: TrainConfig) -> list[Ignored]:
+    """What this config sets that its model or objective does not use."""
+    m, s = cfg.model, cfg.scst
+    hard = tuple(f"hard.{f.name}" for f in fields(HardConfig))
+    out = []
+    if s.enabled:
+        out.append(Ignored(hard + ("optim.doubly_stochastic",), "self-critical training (scst.enabled) replaces "
+                           "the cross-entropy and REINFORCE objectives", ("scst.enabled",)))
+    else:
+        if m.attention != "hard":
+            out.append(Ignored(hard, f"REINFORCE is for hard attention, and model.attention is {m.attention}",
+                               ("model.attention",)))
+        if m.attention == "mean":
+            out.append(Ignored(("optim.doubly_stochastic",), "mean attention's maps are uniform: the penalty is "
+                               "a constant", ("model.attention",)))
+        out.append(Ignored(tuple(f"scst.{f.name}" for f in fields(ScstConfig) if f.name != "enabled"),
+                           "scst.enabled is false", ("scst.enabled",)))
+    if m.freeze_encoder:
+        out.append(Ignored(("model.fine_tune_blocks", "optim.encoder_lr"), "model.freeze_encoder is true: no "
+                           "encoder weight trains", ("model.freeze_encoder",)))
+    return out
+
+
+def check_ignored(cfg: TrainConfig, stated: set[str] = frozenset(), written: set[str] = frozenset(),
+                  overridden: set[str] = frozenset()) -> list[str]:
+    """Refuse (ValueError, one line) a value the run would ignore that the user gave for this
+    run: with --set, or in the config file itself (``stated``) unless a --set of what makes it
+    ignored switched it off (``--set model.attention=soft`` on a hard config). Return one note
+    per reason for the ignored values that a base config sets (``written``: any file of the
+    chain) or that differ from their defaults, for the start-up summary. A file that states
+    every key is a run's resolved config.toml: a record of a run, whose values are noted only
+    where they differ from the defaults."""
+    defaults = TrainConfig()
+    if stated >= written_keys(defaults.to_dict()):
+        stated = written = frozenset()
+    notes = []
+    for rule in ignored_values(cfg):
+        chosen = not overridden & set(rule.causes)
+        refused = [k for k in rule.keys if k in overridden or (chosen and k in stated)]
+        if refused:
+            where = "--set" if refused[0] in overridden else "the config file"
+            raise ValueError(f"{refused[0]} (from {where}) has no effect: {rule.because}; remove it")
+        shown = [k for k in rule.keys if k in written or k in overridden or _value(cfg, k) != _value(defaults, k)]
+        if shown:
+            notes.append(f"ignored, {rule.because}: {', '.join(f'{k} = {_value(cfg, k)!r}' for k in shown)}")
+    return notes
+
+
+def _value(cfg: TrainConfig, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def written_keys(data: dict) -> set[str]:
+    """``section.key`` for every value of a config dict (``name`` as itself)."""
+    return {f"{section}.{key}" for section, values in data.items() if isinstance(values, dict) for key in values} | \
+        ({"name"} if "name" in data else set())
 
 
 def to_toml(cfg: TrainConfig) -> str:

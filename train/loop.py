@@ -40,9 +40,9 @@ from captioner.model import CaptionModel
 from .averaging import WeightAverage
 from .config import TrainConfig, to_toml
 from .datainfo import summary_lines, training_data_name
-from .losses import HardAttentionObjective, LossParts, soft_loss
+from .losses import LossParts
+from .objectives import Objective, choose_objective
 from .precision import MixedPrecision
-from .scst import ScstObjective
 from .startup import StartupError, build_model, on_main, prepare_data, readable_splits, take_back
 
 
@@ -214,8 +214,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.StepLR
     precision: MixedPrecision
-    hard: HardAttentionObjective | None  # REINFORCE for hard attention (not under SCST)
-    scst: ScstObjective | None  # self-critical training, in place of the other objectives
+    objective: Objective  # soft, hard (REINFORCE) or self-critical: chosen once (objectives.py)
     average: WeightAverage | None
     meta: dict  # what every checkpoint of the run says about it
     net: torch.nn.Module | None = None  # the model, under DistributedDataParallel with several ranks
@@ -358,18 +357,16 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
         groups.append({"params": enc_params, "lr": o.encoder_lr})
     optimizer = build_optimizer(groups, o)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
-    # Self-critical training replaces the objective; the references are the training split's.
-    scst = (ScstObjective(cfg.scst, vocab, [r.captions for r in splits[d.train_split]], seed=o.seed,
-                          rank=ctx.rank, device=ctx.device) if cfg.scst.enabled else None)
-    hard = (HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx)
-            if model.config.attention == "hard" and scst is None else None)
+    # Self-critical training's references are the training split's.
+    objective = choose_objective(cfg, model.config.attention, vocab, [r.captions for r in splits[d.train_split]],
+                                 ctx)
     average = WeightAverage(model, o.ema) if o.ema else None
     meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, splits=splits,
                left_out=left_out, kept=kept, model=model, captioner=Captioner(model, vocab, preprocess),
                optimizer=optimizer, scheduler=scheduler, precision=MixedPrecision(o.precision, ctx.device),
-               hard=hard, scst=scst, average=average, meta=meta)
+               objective=objective, average=average, meta=meta)
 
 
 def restore(run: Run, ckpt: dict) -> TrainState:
@@ -380,12 +377,7 @@ def restore(run: Run, ckpt: dict) -> TrainState:
     run.scheduler.load_state_dict(ts["scheduler"])
     # A field a checkpoint lacks (saved before the field existed) keeps its default.
     state = TrainState(**{f.name: ts[f.name] for f in fields(TrainState) if f.name in ts})
-    if run.hard is not None:
-        run.hard.load_state_dict({"baseline": ts.get("baseline", 0.0), **ts.get("hard", {})})
-    lost = []
-    if run.scst is not None and "scst" in ts:  # else its samples start from here
-        if not run.scst.load_state_dict(ts["scst"][ctx.rank]):
-            lost.append("the SCST sampler's random state (saved on another kind of device)")
+    lost = run.objective.restore(ts, ctx.rank)
     if run.average is not None and "weight_average" in ts:  # else the average starts from here
         run.average.load_state_dict(ts["weight_average"])
     run.precision.load_state_dict(ts.get("grad_scaler"))
@@ -538,12 +530,7 @@ def _train_step(run: Run, batch, global_size: int) -> LossParts:
     batch = batch.to(ctx.device, non_blocking=True)
     inputs = Annotations(batch.images, run.grid) if run.grid is not None else batch.images
     with precision.autocast():
-        if run.scst is not None:
-            parts: LossParts = run.scst(run.net, inputs, batch.image_indices)
-        elif run.hard is not None:
-            parts = run.hard(run.net, inputs, batch.tokens, batch.lengths, global_size)
-        else:
-            parts = soft_loss(run.net, inputs, batch.tokens, batch.lengths, o.doubly_stochastic)
+        parts: LossParts = run.objective.loss(run.net, inputs, batch, global_size)
     # DDP averages gradients over ranks; weighting each rank's mean by its share
     # makes that the mean over the global batch even when shares differ.
     share = len(batch.tokens) * ctx.world / global_size
@@ -557,13 +544,11 @@ def _train_step(run: Run, batch, global_size: int) -> LossParts:
 
 def _log_step(run: Run, state: TrainState, parts: LossParts) -> None:
     """A training line of metrics.jsonl, its figures averaged over the ranks (all ranks call this)."""
-    ctx, hard, scst, scaler = run.ctx, run.hard, run.scst, run.precision.scaler
+    ctx, scaler = run.ctx, run.precision.scaler
     nll = ctx.mean(float(parts.nll))
     run.files.write({"step": state.step, "epoch": state.epoch, "nll": round(nll, 4),
                      "penalty": round(ctx.mean(float(parts.penalty)), 4), "lr": run.optimizer.param_groups[0]["lr"],
-                     "train_seconds": round(state.train_seconds, 1),
-                     **({"baseline": round(hard.baseline, 4)} if hard is not None else {}),
-                     **({"reward": round(ctx.mean(float(parts.reward)), 4)} if scst is not None else {}),
+                     "train_seconds": round(state.train_seconds, 1), **run.objective.log_fields(parts, ctx),
                      **({"grad_scale": scaler.get_scale()} if scaler else {})})
     run.files.stop_on_failure()
 
@@ -588,16 +573,12 @@ def save(run: Run, state: TrainState) -> None:
     rank's random state and SCST sampler are gathered to rank 0, which writes)."""
     ctx = run.ctx
     rngs = ctx.gather(_rng_state(ctx.device))
-    samplers = ctx.gather(run.scst.state_dict()) if run.scst is not None else None
+    objective = run.objective.save(ctx)
     if ctx.is_main:
         train_state = {**asdict(state), "optimizer": run.optimizer.state_dict(),
                        "scheduler": run.scheduler.state_dict(), "rng": rngs[0], "rng_per_rank": rngs,
                        "config": run.cfg.to_dict(), "grad_scaler": run.precision.state_dict()}
-        if run.hard is not None:
-            train_state["baseline"] = run.hard.baseline
-            train_state["hard"] = run.hard.state_dict()  # the baseline and the expected-context coin
-        if run.scst is not None:
-            train_state["scst"] = samplers  # each rank's sampling generator
+        train_state.update(objective)  # hard: its baseline and coin; SCST: each rank's sampler
         if run.average is not None:
             train_state["weight_average"] = run.average.state_dict()
         checkpoint = run.captioner.checkpoint(meta={**run.meta, "step": state.step}, train_state=train_state)

@@ -52,8 +52,7 @@ def server_env(workers: int | None = None, base: dict | None = None, batch: int 
                max_pixels: int | None = None, device: str | None = None, precision: str | None = None) -> dict:
     """The server's environment. Streamlit runs every script run in a fresh thread, and glibc
     gives threads up to 8 malloc arenas per core: memory one run freed sits in an arena the next
-    run may not use. Two arenas keep the server smaller (6 browser sessions for a minute: a peak
-    of 689 MiB against 733 MiB with 16)."""
+    run may not use. Two arenas keep the server smaller (docs/app-serving.md has the figures)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("MALLOC_ARENA_MAX", "2")
     if workers is not None:

@@ -157,7 +157,8 @@ def peak_memory_mb(folder: Path, weights: str | None, workers: int, device: str 
     extra = f", '--weights', {weights!r}" if weights else ""
     code = (
         "import resource, sys; from captioner.cli import main; "
-        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}', '--device', {device!r}{extra}]); "
+        f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}', "
+        f"'--device', {device!r}{extra}]); "
         "me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
         "kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
         "print(max(me, kids) / 1024)"

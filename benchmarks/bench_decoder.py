@@ -200,7 +200,8 @@ def main() -> None:
 
     def train_step() -> None:
         out = decoder(Annotations(a, GRID), tokens, lengths)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + attention_penalty(out.alphas, out.mask)
+        loss = (F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
+                + attention_penalty(out.alphas, out.mask))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     rest = [total - sum(parts[p][r] for p in PARTS) for r, total in enumerate(loo)]
     print("\n| part of an SCST step (loo) | seconds | share |\n|---|---|---|")
     for name, values in [*((PARTS[p], parts[p]) for p in PARTS if p != "greedy"), ("backward and optimizer", rest)]:
-        print(f"| {name} | {statistics.median(values):.4f} | {statistics.median(values) / statistics.median(loo):.0%} |")
+        median = statistics.median(values)
+        print(f"| {name} | {median:.4f} | {median / statistics.median(loo):.0%} |")
     greedy_part = [t - loo_t for t, loo_t in zip(times["SCST, greedy baseline"], loo)]
     print(f"\nthe greedy baseline's extra caption and rewards: {statistics.median(greedy_part):+.4f} s a step")
 

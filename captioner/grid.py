@@ -100,8 +100,8 @@ class GridBlock(nn.Module):
         q, k, v = (t.view(b, cells, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         # softmax(q k^T / sqrt(M/n) + bias) v: (B, n, L, L) x (B, n, L, M/n) -> (B, n, L, M/n),
         # torch's fused form. The bias goes in as (1, n, L, L), broadcast over the batch: given
-        # 4-D, torch's CPU takes its fused (flash) kernel, about 5x faster at 16x16 cells without
-        # gradient (decoding) than the unfused form it falls back to for a 3-D mask.
+        # 4-D, torch's CPU takes its fused (flash) kernel rather than the unfused form it falls
+        # back to for a 3-D mask (docs/grid-self-attention.md has the figures).
         mask = None if bias is None else bias.unsqueeze(0).to(q.dtype)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.out(y.transpose(1, 2).reshape(b, cells, -1))  # (B, L, M) -> (B, L, D)

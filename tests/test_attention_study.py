@@ -284,7 +284,8 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     assert last_step(run_dir) == 2
     tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
     calls = []
-    monkeypatch.setattr(captioner.train.loop, "train", lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
+    monkeypatch.setattr(captioner.train.loop, "train",
+                        lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
     out = tmp_path / "out" / "tiny-3steps"
     assert runner.run_job([additive], 0, recipe, "tiny", steps, tests, store.Results(out),
                           tmp_path / "runs" / "tiny-3steps", 3) == 0
@@ -544,7 +545,8 @@ def test_a_device_trains_in_fp32_and_a_run_is_never_resumed_on_another_device(tm
                                                               and s != "optim.precision=fp32"]
     run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
     stopped = plan.training_sets(recipe, steps, additive, 0)
-    captioner.train.loop.train(load_config(plan.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
+    captioner.train.loop.train(load_config(plan.ROOT / recipe["config"],
+                                           stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
                      run_dir, progress=False)
     with pytest.raises(RuntimeError, match="started with optim.device=auto, not cuda:0"):
         runner.run_job([additive], 0, recipe, "tiny", steps, None, store.Results(tmp_path / "out"),

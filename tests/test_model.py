@@ -92,7 +92,8 @@ def test_every_parameter_gets_a_gradient():
     loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=0)
     loss = loss + attention_penalty(out.alphas, out.mask)
     loss.backward()
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
+    missing = [n for n, p in model.named_parameters()
+               if p.requires_grad and (p.grad is None or p.grad.abs().sum() == 0)]
     assert missing == []
 
 

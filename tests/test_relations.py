@@ -63,7 +63,8 @@ def test_relations_are_normalised_to_left_of_and_above() -> None:
 
 
 def test_two_objects_of_one_kind_need_distinct_objects() -> None:
-    left, right = ShapeObject("star", "red", "small", (0, 0, 10, 10)), ShapeObject("star", "red", "small", (50, 0, 10, 10))
+    left = ShapeObject("star", "red", "small", (0, 0, 10, 10))
+    right = ShapeObject("star", "red", "small", (50, 0, 10, 10))
     words = tokenize("a red star to the left of a red star")
     assert relation_accuracy(words, [left, right]) == {"n_relations": 1, "n_relations_named": 1, "relations_true": 1}
     assert relation_accuracy(words, [left]) == {"n_relations": 1, "n_relations_named": 0, "relations_true": 0}

@@ -161,7 +161,8 @@ def test_overrides_are_typed_and_checked(tmp_path):
     with pytest.raises(ValueError, match="^model.attention must be one of soft, hard, mean, got 'sideways'$"):
         apply_overrides(cfg, ["model.attention=sideways"])
     cfg = apply_overrides(cfg, ["optim.max_steps=1e4", "optim.lr=1", "data.cache_images=false",
-                                "val.metric=min:BLEU-4,CIDEr", "model.init_from=123", "model.encoder_from=demo-soft", "optim.device=cuda:1",
+                                "val.metric=min:BLEU-4,CIDEr", "model.init_from=123", "model.encoder_from=demo-soft",
+                                "optim.device=cuda:1",
                                 "model.attention='hard'"])
     assert cfg.optim.max_steps == 10_000 and type(cfg.optim.max_steps) is int
     assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float

@@ -72,7 +72,8 @@ def _add_subcommands(p: argparse.ArgumentParser) -> None:
                     "split, captions per image, captions left out as too long or empty, the vocabulary size "
                     "at the config's min_count, and every unusable file with the reason. Exit 0: all "
                     "good; 1: images missing or unreadable; 2: annotations or split file missing.")
-    c.add_argument("--config", type=Path, required=True, help="training config, e.g. train/configs/coco-vgg19-soft.toml")
+    c.add_argument("--config", type=Path, required=True,
+                   help="training config, e.g. train/configs/coco-vgg19-soft.toml")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set data.dir=/data/coco (repeatable)")
     c.add_argument("--workers", type=int, default=None,

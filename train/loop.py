@@ -697,8 +697,8 @@ def validation_value(metric: str, figures: dict) -> float:
 def build_optimizer(groups: list[dict], o) -> torch.optim.Optimizer:
     """The optimizer named by ``o.optimizer`` (an ``OptimConfig``) over parameter groups."""
     # Adam and SGD as one fused kernel over each parameter (CPU and CUDA): the for-each-
-    # parameter form makes some ten passes over every weight, and at COCO sizes (21M decoder
-    # weights) that was about 5% of a CPU training step. Same updates up to float rounding.
+    # parameter form makes some ten passes over every weight. Same updates up to float
+    # rounding; docs/benchmarks.md has what it was measured to change.
     if o.optimizer == "adam":
         return torch.optim.Adam(groups, weight_decay=o.weight_decay, fused=True)
     if o.optimizer == "sgd":

@@ -53,7 +53,8 @@ def captions(batch: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor
     return tokens, lengths
 
 
-def bench(config: str, dev: torch.device, precision: str, batch: int, steps: int, cached: bool) -> dict:
+def bench(config: str, dev: torch.device, precision: str, batch: int, steps: int, cached: bool,
+          warmup: int = 3) -> dict:
     cfg = load_config(CONFIGS / config, [])
     torch.manual_seed(0)
     # Random weights (speed does not depend on them): no ImageNet download.
@@ -79,7 +80,7 @@ def bench(config: str, dev: torch.device, precision: str, batch: int, steps: int
         mp.backward(parts.loss)
         mp.step(opt, model.parameters(), 5.0)
 
-    for i in range(3):  # warm-up
+    for i in range(warmup):
         step(i)
     _sync(dev)
     if dev.type == "cuda":
@@ -98,7 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20, help="timed steps after 3 warm-up steps")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps, after the warm-up steps")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--config", default="coco-vgg19-soft.toml", help="a config in train/configs")
     args = ap.parse_args()
@@ -107,7 +109,7 @@ def main() -> None:
     print(f"{name}; torch {torch.__version__}; {args.config}, batch {args.batch_size}, {args.steps} steps")
     for cached in (True, False):
         for precision in args.precisions.split(","):
-            r = bench(args.config, dev, precision.strip(), args.batch_size, args.steps, cached)
+            r = bench(args.config, dev, precision.strip(), args.batch_size, args.steps, cached, args.warmup)
             way = "feature cache" if cached else "end to end"
             print(f"{way:<14} {precision:<5} {r['steps_s']:7.2f} steps/s {r['images_s']:8.1f} img/s  "
                   f"peak {r['peak_gib']:5.1f} GiB  ~{r['epoch_h']:.2f} h per COCO epoch (estimate)")

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import streamlit as st
+from streamlit.errors import StreamlitAPIException
 
 from captioner.app import page
 from captioner.app.pictures import Picture
@@ -167,12 +168,26 @@ def _take_upload(key: str) -> None:
     st.session_state["example"] = None  # no example picked, until the user picks one
 
 
+def _rerun_here() -> None:
+    """Run the fragment again now (the whole page, when the fragment runs as part of it)."""
+    try:
+        st.rerun(scope="fragment")
+    except StreamlitAPIException:  # a fragment-scoped rerun is refused in a full-page run
+        st.rerun()
+
+
 def choose_image() -> tuple[str, bytes] | None:
     """The last upload, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
     key = f"upload-{st.session_state.get('uploads', 0)}"
     if st.file_uploader("Upload an image", type=UPLOAD_TYPES, key=key, on_change=_take_upload, args=(key,),
                         help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.") is not None:
-        _take_upload(key)  # a file that came without its callback: taken now, the fresh uploader shown next run
+        # A file that came without its callback (Streamlit calls none for a widget it holds no
+        # metadata for): taken now, and run again at once, so that a fresh uploader replaces
+        # this one. Left on the page holding the file, it would lose the next one: the browser
+        # first removes the file it holds, in a run of its own, and that run replaces the
+        # uploader under the new upload.
+        _take_upload(key)
+        _rerun_here()
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:
         st.session_state["example"] = 0 if examples else None  # a new page starts with the first example

@@ -78,12 +78,17 @@ class AttentionStep:
 def sparsemax(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Euclidean projection of ``scores`` onto the probability simplex (Martins & Astudillo 2016):
     p = max(z - tau, 0), tau such that p sums to 1. Its gradient is autograd's through the
-    projection, or with the kernels on the same in closed form (kernels.sparsemax_gradient)."""
+    projection, or with the kernels on the same in closed form (kernels.sparsemax_gradient).
+
+    Computed in float32 at least, whatever the scores' dtype, and returned so (as autocast
+    does for softmax): in bf16 the sort, the cumulative sums and the threshold round to 8
+    bits, and the support and the sum of the map drift."""
+    z = scores.to(torch.promote_types(scores.dtype, torch.float32))  # (..., L), float32 or float64
     if kernels.enabled():
         with torch.no_grad():
-            p = _simplex_projection(scores, dim)
-        return kernels.sparsemax_gradient(scores, p, dim)
-    return _simplex_projection(scores, dim)
+            p = _simplex_projection(z, dim)
+        return kernels.sparsemax_gradient(z, p, dim)
+    return _simplex_projection(z, dim)
 
 
 def _simplex_projection(z: torch.Tensor, dim: int) -> torch.Tensor:

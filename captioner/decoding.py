@@ -10,8 +10,11 @@ beam can still beat the pool's best, or at the length limit; with no <end> by th
 best open beam is returned (no crash).
 
 ``max_len`` counts words, never the <end> token: a caption of exactly ``max_len`` words
-followed by <end> can come out. The step after the ``max_len``-th word can only end a
-caption; an open beam that does not end there is cut off at ``max_len`` words.
+followed by <end> can come out. After the ``max_len``-th word only <end> may come (every
+other word is masked at that step, in greedy and beam search alike), so the search is over
+finished captions of at most ``max_len`` words: a word that would be cut off anyway never
+outranks an <end> there. A caption is cut off at ``max_len`` words only where <end>
+itself cannot come (its probability is 0).
 """
 
 from __future__ import annotations
@@ -107,11 +110,13 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         h, c = o.h, o.c
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
+        if t == max_len:
+            logp = _only_end(logp, end)
         y = logp.argmax(-1)
         counted = ~done
-        if t == max_len:  # past the last word only <end> may come; any other word is cut off
-            counted = counted & (y == end)
-            y = torch.where(y == end, y, torch.full_like(y, pad))
+        if t == max_len:  # <end> cannot come (p = 0): the caption is cut off at max_len words
+            counted = counted & torch.isfinite(logp[:, end])
+            y = torch.where(counted, y, torch.full_like(y, pad))
         ids.append(y)
         heads.append(o.alpha_heads)
         betas.append(o.beta)
@@ -139,9 +144,10 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     An image is done only when no open beam can still beat the pool's best: log p only
     falls as words are added, so an open beam's best possible rank is its score /
     (max_len + 1)**length_penalty (the longest caption it can still become). A full pool
-    is no reason to stop. At the step after the ``max_len``-th word the extensions that end
-    may still join the pool; the others are cut off. It returns the pool's best; a caption
-    that ended beats one cut off by the length limit, which is returned only when none ended.
+    is no reason to stop. After the ``max_len``-th word only <end> may come: at that step
+    the extensions that end are the only candidates, and each joins the pool if it ranks
+    among its best k. It returns the pool's best; a caption cut off at ``max_len`` words is
+    returned only when none ended (where <end> has probability 0).
 
     B images x k beams run as one tensor program; the k beams of an image share one copy of
     its annotations and keys. Each step records, per beam, its word, the beam it extends and
@@ -207,7 +213,10 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     for t in range(steps):
         bb = len(active)
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
-        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad).view(bb, k, -1)  # (b', k, V)
+        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
+        if t == steps - 1:
+            logp = _only_end(logp, end)
+        logp = logp.view(bb, k, -1)  # (b', k, V)
         v = logp.shape[-1]
         head_steps[t, active] = o.alpha_heads.view(bb, k, -1, n).float()
         beta_steps[t, active] = o.beta.view(bb, k).float()
@@ -255,6 +264,13 @@ def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
     logp = logp.clone()
     logp[:, list(tokens)] = float("-inf")
     return logp
+
+
+def _only_end(logp: torch.Tensor, end: int) -> torch.Tensor:
+    """After the last word allowed only <end> may come: every other word gets log p -inf."""
+    out = torch.full_like(logp, float("-inf"))
+    out[:, end] = logp[:, end]
+    return out
 
 
 def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int) -> DecodedIds:

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from .data.coco import ImageDataset, ImageRecord, load_split, require_images
 from .decoding import CaptionResult
+from .images import Preprocess
 from .inference import Captioner, DecodeOptions
 
 
@@ -55,8 +56,10 @@ def decode_records(captioner: Captioner, records: list[ImageRecord], options: De
 
 
 def score(records: list[ImageRecord], results: list[CaptionResult], instances: Path | None = None,
-          meteor: bool | None = None) -> tuple[dict[str, float], dict | None]:
-    """Caption metrics, and grounding figures when an instances file (shapes data) is given."""
+          meteor: bool | None = None, preprocess: Preprocess | None = None) -> tuple[dict[str, float], dict | None]:
+    """Caption metrics, and grounding figures when an instances file (shapes data) is given.
+    ``preprocess``: the captioner's; with a centre crop the attention grid covers only the
+    crop, and the pointing game maps it there (None: the whole image)."""
     from .metrics import caption_metrics
 
     scored = [(r, res) for r, res in zip(records, results) if r.captions]
@@ -71,7 +74,9 @@ def score(records: list[ImageRecord], results: list[CaptionResult], instances: P
         pointing, accuracy = [], []
         for r, res in zip(records, results):
             if r.image_id in objects:
-                p, a = evaluate_caption(res.words, res.alphas, objects[r.image_id])
+                image = objects[r.image_id]
+                crop = preprocess.crop_box(image.size) if preprocess is not None else None
+                p, a = evaluate_caption(res.words, res.alphas, image, crop)
                 pointing.append(p)
                 accuracy.append(a)
         grounding = summarize_grounding(pointing, accuracy)
@@ -106,7 +111,8 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
         results = decode_records(captioner, records, options, batch_size, workers, progress)
     seconds = time.perf_counter() - start
     instances = data_dir / f"instances_{split}.json"
-    metrics, grounding = score(records, results, instances if karpathy is None else None, meteor)
+    metrics, grounding = score(records, results, instances if karpathy is None else None, meteor,
+                               captioner.preprocess)
     return EvalReport(split, len(records), options.beam_size, round(seconds, 2), metrics, grounding,
                       attention_stats(results), {r.image_id: res.caption for r, res in zip(records, results)})
 
@@ -135,7 +141,8 @@ def format_table(report: EvalReport) -> str:
             ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),
             ("alpha mass on cells touching the box", fmt("alpha_mass_touch")),
             ("map entropy on those words (nats)", fmt("alpha_entropy_named")),
-            ("scored words", str(g.get("n_words"))),
+            ("scored words", str(g.get("n_words")) + (f"  ({g['n_words_unseen']} more named an object outside "
+                                                      f"the centre crop: not scored)" if g.get("n_words_unseen") else "")),
         ]
     if report.attention and report.attention["entropy"] is not None:
         at = report.attention

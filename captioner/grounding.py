@@ -15,9 +15,12 @@ Two questions, both answerable only because the shapes images come with exact ob
   (strictly, and on the cells that touch it), the chance level of both (what a uniformly
   random cell / a uniform map scores), and the entropy of the maps on those words.
 
-The attention grid covers the whole image (images are resized, never cropped), so cell
-(r, c) of an H x W grid covers x in [c*W_img/W, (c+1)*W_img/W) and y likewise; a cell is
-"inside" a box when its centre is.
+The attention grid covers the region of the image the model saw: the whole image when
+it is resized (``Preprocess.resize = 0``), the centre crop otherwise (``crop``, as
+``Preprocess.crop_box`` gives it, (left, top, right, bottom) in the image's pixels). Cell
+(r, c) of an H x W grid covers x in [left + c*(right-left)/W, left + (c+1)*(right-left)/W)
+and y likewise; a cell is "inside" a box when its centre is. A word whose object lies
+wholly outside the crop is not scored (the model could not see it): it is counted apart.
 
 Pure functions over words, arrays and objects: no model, no torch import.
 """
@@ -86,6 +89,7 @@ class PointingRecord:
     chance_touch: float = 0.0  # fraction of cells whose area overlaps the box
     mass_touch: float = 0.0  # attention mass on cells whose area overlaps the box
     entropy: float = 0.0  # of this step's map, nats: how sharply the model looks when it names
+    seen: bool = True  # False: the object's box lies wholly outside the crop; not scored, counted apart
 
 
 # ------------------------------------------------------------------------- mentions
@@ -283,29 +287,48 @@ def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> d
 
 # ------------------------------------------------------------------- pointing game
 
-def cells_inside(bbox: Sequence[float], grid: tuple[int, int], image_size: tuple[int, int]) -> np.ndarray:
-    """(H, W) bool: which grid cells have their centre inside the box."""
-    h, w = grid
-    img_w, img_h = image_size
+Crop = tuple[float, float, float, float]  # (left, top, right, bottom) in the image's pixels
+
+
+def _view(image_size: tuple[int, int], crop: Crop | None) -> Crop:
+    """The region the attention grid covers: ``crop``, or the whole image."""
+    return tuple(crop) if crop is not None else (0.0, 0.0, float(image_size[0]), float(image_size[1]))
+
+
+def in_view(bbox: Sequence[float], image_size: tuple[int, int], crop: Crop | None = None) -> bool:
+    """Does the box overlap the region the model saw?"""
+    left, top, right, bottom = _view(image_size, crop)
     x, y, bw, bh = bbox
-    cx = (np.arange(w) + 0.5) * img_w / w
-    cy = (np.arange(h) + 0.5) * img_h / h
+    return x < right and x + bw > left and y < bottom and y + bh > top
+
+
+def cells_inside(bbox: Sequence[float], grid: tuple[int, int], image_size: tuple[int, int],
+                 crop: Crop | None = None) -> np.ndarray:
+    """(H, W) bool: which grid cells have their centre inside the box. The grid covers
+    ``crop`` (the whole image when None); the box is in the image's pixels."""
+    h, w = grid
+    left, top, right, bottom = _view(image_size, crop)
+    x, y, bw, bh = bbox
+    cx = left + (np.arange(w) + 0.5) * (right - left) / w
+    cy = top + (np.arange(h) + 0.5) * (bottom - top) / h
     in_x = (cx >= x) & (cx < x + bw)
     in_y = (cy >= y) & (cy < y + bh)
     return in_y[:, None] & in_x[None, :]
 
 
-def _cells_touching(bbox: Sequence[float], grid: tuple[int, int], image_size: tuple[int, int]) -> np.ndarray:
+def _cells_touching(bbox: Sequence[float], grid: tuple[int, int], image_size: tuple[int, int],
+                    crop: Crop | None = None) -> np.ndarray:
     """(H, W) bool: which grid cells' areas overlap the box. A model that looks at an
     object's outline (where its shape shows) often peaks on a cell that straddles the
     edge, with its centre just outside the box: this counts it, the strict test does not."""
     h, w = grid
-    img_w, img_h = image_size
+    view_left, view_top, view_right, view_bottom = _view(image_size, crop)
+    cell_w, cell_h = (view_right - view_left) / w, (view_bottom - view_top) / h
     x, y, bw, bh = bbox
-    left = np.arange(w) * img_w / w
-    top = np.arange(h) * img_h / h
-    in_x = (left < x + bw) & (left + img_w / w > x)
-    in_y = (top < y + bh) & (top + img_h / h > y)
+    left = view_left + np.arange(w) * cell_w
+    top = view_top + np.arange(h) * cell_h
+    in_x = (left < x + bw) & (left + cell_w > x)
+    in_y = (top < y + bh) & (top + cell_h > y)
     return in_y[:, None] & in_x[None, :]
 
 
@@ -316,13 +339,16 @@ def _as_array(alphas: Any) -> np.ndarray:
 
 
 def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObject],
-                  image_size: tuple[int, int]) -> list[PointingRecord]:
+                  image_size: tuple[int, int], crop: Crop | None = None) -> list[PointingRecord]:
     """One record per word that names an object uniquely present in the image.
 
     ``alphas``: (T, H, W) attention maps (tensor or array), T >= len(words); step t is
     the map used to emit words[t]. ``image_size``: (width, height) of the image whose
-    pixels the boxes are in. A shape word counts when exactly one object has that shape,
-    a colour word when exactly one object has that colour; others are skipped.
+    pixels the boxes are in. ``crop``: the region the grid covers, in those pixels
+    (``Preprocess.crop_box``); None: the whole image. A shape word counts when exactly one
+    object has that shape, a colour word when exactly one object has that colour; others
+    are skipped. A word whose object lies wholly outside the crop gets a record with
+    ``seen`` False and nothing scored.
     """
     maps = _as_array(alphas)
     if maps.ndim != 3:
@@ -340,8 +366,12 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
             continue
         if len(owners) != 1:  # absent, or ambiguous which object the word points to
             continue
-        inside = cells_inside(owners[0].bbox, grid, image_size)
-        touching = _cells_touching(owners[0].bbox, grid, image_size)
+        if not in_view(owners[0].bbox, image_size, crop):
+            records.append(PointingRecord(step=t, word=word, kind=kind, hit=False, mass=0.0, chance=0.0,
+                                          seen=False))
+            continue
+        inside = cells_inside(owners[0].bbox, grid, image_size, crop)
+        touching = _cells_touching(owners[0].bbox, grid, image_size, crop)
         r, c = np.unravel_index(int(np.argmax(maps[t])), grid)
         positive = maps[t][maps[t] > 0]
         records.append(PointingRecord(
@@ -353,10 +383,11 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
     return records
 
 
-def evaluate_caption(words: Sequence[str], alphas: Any,
-                     image: ImageObjects) -> tuple[list[PointingRecord], dict[str, Any]]:
-    """Pointing records, and object and relation accuracy, of one generated caption."""
-    return (pointing_game(words, alphas, image.objects, image.size),
+def evaluate_caption(words: Sequence[str], alphas: Any, image: ImageObjects,
+                     crop: Crop | None = None) -> tuple[list[PointingRecord], dict[str, Any]]:
+    """Pointing records, and object and relation accuracy, of one generated caption.
+    ``crop``: the region of the image the attention grid covers (None: all of it)."""
+    return (pointing_game(words, alphas, image.objects, image.size, crop),
             {**object_accuracy(words, image.objects), **relation_accuracy(words, image.objects)})
 
 
@@ -371,9 +402,11 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
     """Aggregate over a split. Means over no items are None (e.g. no scorable words).
 
     Pointing means are over words (micro-averaged), object accuracies over images;
-    precision and recall are micro-averaged over mentions and objects.
+    precision and recall are micro-averaged over mentions and objects. Words whose object
+    lay outside the crop are left out of the pointing means: ``n_words_unseen`` counts them.
     """
-    records = [r for per_image in records_per_image for r in per_image]
+    every = [r for per_image in records_per_image for r in per_image]
+    records = [r for r in every if r.seen]
     by_kind = {k: [r for r in records if r.kind == k] for k in ("shape", "color")}
     acc = list(accuracies_per_image)
     n_mentions = sum(a["n_mentions"] for a in acc)
@@ -409,4 +442,5 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
         "n_words": len(records),
         "n_words_shape": len(by_kind["shape"]),
         "n_words_color": len(by_kind["color"]),
+        "n_words_unseen": len(every) - len(records),
     }

@@ -610,3 +610,22 @@ def test_a_one_head_result_has_no_head_picker():
     html = result_html("r1", [Word("a", "n", "p")], {(0, None): "data:,x"}, "url(data:,y)", 1.0, (2, 2))
     assert 'class="heads"' not in html and html.count('class="head-group"') == 1
     assert html.count('type="radio"') == 1 and html.count("var(--l0hm)") == 2  # the big view and the panel
+
+
+def test_a_file_taken_without_its_callback_leaves_a_fresh_uploader(app, monkeypatch):
+    """Streamlit calls no on_change for a widget it holds no metadata for; the page then takes
+    the file while the script runs. The uploader it shows afterwards must hold no file: in a
+    browser, a file dropped on an uploader that still holds one first removes that one, in a
+    run of its own, which replaces the uploader under the new upload, and the new upload is
+    lost (every second upload, a real-browser run of the page showed, when the callbacks
+    never came)."""
+    from streamlit.runtime.state.session_state import SessionState
+
+    with monkeypatch.context() as patched:
+        patched.setattr(SessionState, "_call_callbacks", lambda self, **kw: None)
+        app.file_uploader[0].set_value(("first.png", _png(seed=21), "image/png")).run()
+    assert not app.exception
+    assert _details(app).startswith("first.png · ")
+    assert app.file_uploader[0].value is None  # a fresh uploader, holding nothing
+    app.file_uploader[0].set_value(("second.png", _png(seed=22), "image/png")).run()
+    assert _details(app).startswith("second.png · ")

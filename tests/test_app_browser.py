@@ -318,6 +318,41 @@ def test_each_upload_is_one_script_run(page, served, tmp_path):
     assert stylesheets == 1  # the page's stylesheet stays while uploads rerun the fragment, and only once
 
 
+def _upload_with_the_button(page, path: Path) -> None:
+    """As a person uploads: the uploader's own button, then the file in the browser's chooser."""
+    with page.expect_file_chooser() as chooser:
+        page.locator(".stElementContainer:not([data-stale=true]) [data-testid=stFileUploaderDropzone] button").click()
+    chooser.value.set_files(str(path))
+
+
+def test_many_uploads_in_a_row_each_show_their_own_caption(page, weights_dir, tmp_path, capsys):
+    """Twelve distinct photos of 200-500 px, one after another in one session through the
+    uploader's button, each once the last caption is shown and the page idle: every one
+    shows its own file name and the caption the command line gives it."""
+    folder = tmp_path / "many"
+    folder.mkdir()
+    rng = np.random.default_rng(12)
+    paths = []
+    for i in range(12):
+        path = folder / f"photo-{i:02d}.jpg"
+        tiny_image(300 + i, (int(rng.integers(200, 501)), int(rng.integers(200, 501)))).save(path, quality=90)
+        paths.append(path)
+    capsys.readouterr()
+    assert main(["caption", str(folder), "--weights", str(weights_dir / MODEL), "--beam-size", "3",
+                 "--max-len", "20", "--quiet"]) == 0
+    expected = {Path(line["image"]).name: line["caption"]
+                for line in map(json.loads, capsys.readouterr().out.strip().splitlines())}
+    assert sorted(expected) == [p.name for p in paths]
+    shown = []
+    for path in paths:
+        _upload_with_the_button(page, path)
+        page.get_by_text(f"{path.name} · {MODEL} · beam 3").wait_for(timeout=30_000)
+        _wait_idle(page)
+        shown.append((path.name, page.locator(".st-key-caption h2").inner_text().strip()))
+    assert shown == [(p.name, expected[p.name]) for p in paths]
+    assert page.get_by_test_id("stException").count() == 0
+
+
 def _shown_views(page) -> list[int]:
     """Which words' big views the page shows, by word index (a one-head model: one view per word)."""
     return page.locator(".big").evaluate_all("els => els.flatMap((e, t) => e.checkVisibility() ? [t] : [])")

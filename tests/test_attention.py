@@ -266,6 +266,34 @@ def test_sparsemax_along_another_dim_is_the_same_projection():
         torch.testing.assert_close(sparsemax(z, dim=dim), expected, atol=1e-9, rtol=0)
 
 
+@pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])
+def test_sparsemax_under_bf16_autocast_is_the_float32_projection(scale, kernels_switch):
+    """Under bf16 autocast (the GPU default) scores come in bf16 over 1,024 cells. Sorted
+    and summed in bf16, supports and sums drift (maps summing to 0.98-1.02); the projection
+    is computed in float32 whatever the input: each map sums to 1 within 1e-5 and is the
+    map of the same scores in float32, and the gradient reaches the bf16 scores."""
+    g = torch.Generator().manual_seed(int(10 * scale))
+    z = (torch.randn(256, 1024, generator=g) * scale).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        p = sparsemax(z)
+    assert p.dtype == torch.float32
+    torch.testing.assert_close(p.sum(-1), torch.ones(256), atol=1e-5, rtol=0)
+    assert torch.equal(p, sparsemax(z.detach().float()))
+    (p * torch.linspace(-1, 1, 1024)).sum().backward()
+    assert z.grad.dtype == torch.bfloat16 and z.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("local_window", [0.0, 1.5])
+def test_sparsemax_attention_maps_sum_to_one_under_bf16_autocast(local_window):
+    att = Attention(12, 10, 8, normalizer="sparsemax", local_window=local_window)
+    a = torch.randn(3, 32 * 32, 12, generator=torch.Generator().manual_seed(2)) * 4
+    h = torch.randn(3, 10, generator=torch.Generator().manual_seed(3)) * 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        keys = att.prepare(a)
+        alpha = att.weights(keys, a, h, (32, 32))
+    torch.testing.assert_close(alpha.float().sum(-1), torch.ones(3), atol=1e-5, rtol=0)
+
+
 def _untied(shape, seed, margin=1e-3):
     """Random double scores whose entries are all at least ``margin`` from the threshold tau
     and from each other, so finite differences never cross a kink of sparsemax."""

@@ -1,6 +1,7 @@
 """Decoders saved before multi-head attention, learned widths and the cosine temperature
 existed (tests/fixtures/build_attention_golden.py) load into today's code unchanged and
-give the same numbers: teacher forcing, hard samples, greedy and beam search."""
+give the same numbers: teacher forcing, hard samples, greedy and beam search (the
+searches' entries re-made by today's search rules: see the builder's ``--searches``)."""
 
 from pathlib import Path
 

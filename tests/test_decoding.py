@@ -68,8 +68,8 @@ def test_beam_score_is_the_caption_log_probability_and_alphas_follow_the_words()
 
 def test_beam_as_wide_as_the_vocabulary_finds_the_best_short_caption():
     """On a tiny space, enumerate every caption of at most one word: a beam of width V
-    keeps every one-word caption, so it must return the best finished one, or, when no
-    <end> ranks among the best V at the last step, the best one-word caption cut off."""
+    keeps every one-word caption open, and after the one word only <end> may come, so it
+    must return the best finished caption of at most one word, never one cut off."""
     cap = tiny_captioner(seed=7)
     images = _images(4, seed=8)
     ann = cap.model.encode(images)
@@ -78,18 +78,15 @@ def test_beam_as_wide_as_the_vocabulary_finds_the_best_short_caption():
     results = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=len(v), max_len=1)
     for i, r in enumerate(results):
         finished = [[v.end]] + [[w, v.end] for w in words]
-        best_finished = max(_sequence_log_prob(cap, images[i], c) for c in finished)
-        best_open = max(_sequence_log_prob(cap, images[i], [w]) for w in words)
-        if r.ids[-1] == v.end:
-            assert abs(r.score - best_finished) < 1e-4
-        else:
-            assert abs(r.score - best_open) < 1e-4
+        best = max(finished, key=lambda c: _sequence_log_prob(cap, images[i], c))
+        assert r.ids == best
+        assert abs(r.score - _sequence_log_prob(cap, images[i], best)) < 1e-4
 
 
 def test_no_end_token_within_the_limit_does_not_crash():
     cap = tiny_captioner(seed=2)
     with torch.no_grad():
-        cap.model.decoder.L_o.bias[cap.vocab.end] = -1e4  # <end> never wins
+        cap.model.decoder.L_o.bias[cap.vocab.end] = float("-inf")  # <end> can never come
     images = _images(3)
     for k in (1, 3):
         results = cap.caption_batch(images, DecodeOptions(beam_size=k, max_len=7))
@@ -244,6 +241,25 @@ def test_max_len_counts_words_and_a_caption_of_exactly_that_many_can_end():
         assert r.alphas.shape == (2, 4)
 
 
+# Step 0 ranks A (-0.69) and B (-1.20) above <end> (-1.61); with one word allowed, step 1
+# can only end: "A <end>" (-5.30) is the best finished caption, though at step 1 "A A" and
+# "A B" outrank every extension that ends.
+ONLY_END_LAST = [{A: 0.5, B: 0.3, END: 0.2}, {A: 0.6, B: 0.39, END: 0.01}]
+
+
+def test_after_the_last_word_only_end_may_come():
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    searches = {k: (lambda k=k: _stub_search(ONLY_END_LAST, k=k, max_len=1)) for k in (1, 2)}
+    searches["greedy"] = lambda: greedy(_StepTable(ONLY_END_LAST), ann, start=START, end=END, pad=PAD, max_len=1)[0]
+    for name, search in searches.items():
+        r = search()
+        assert r.ids == [A, END], name  # not "A" cut off at the limit
+        assert abs(r.score - math.log(0.5 * 0.01)) < 1e-5, name
+        assert r.alphas.shape == (2, 4) and r.betas.shape == (2,)
+    # Three beams hold <end> at step 0 (-1.61) among their best: the empty caption wins.
+    assert _stub_search(ONLY_END_LAST, k=3, max_len=1).ids == [END]
+
+
 def test_max_len_must_allow_a_word():
     with pytest.raises(ValueError, match="max_len"):
         _stub_search([{END: 1.0}], k=2, max_len=0)
@@ -281,46 +297,47 @@ def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption()
 # --- against a plain search, one image and one beam at a time ------------------------------
 @torch.no_grad()
 def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
-    """Beam search of width k written plainly, for one image, from the definition alone:
+    """Beam search of width k written plainly from DESIGN.md's definition, for one image:
     Python lists of (log p, ids, state), every extension scored one at a time.
 
-    Each step takes the k*V extensions of the open beams, best first; the ones among the
-    best k that end join a pool of finished captions; the best k that do not end are the
-    next open beams. Up to ``max_len`` words: at the step after the last word an extension
-    can only end. The search stops only when no open beam can still beat the pool's best
-    (an open caption's log p only falls; its rank is best when it is as long as it can
-    be). Returns (ids, log p) of the pool's best, or of the best open beam cut off at the
-    limit when nothing ended, and every finished caption the pool held, as (rank, ids)."""
+    k open beams and a pool of finished captions. Each step takes the extensions of the
+    open beams, best first: after the ``max_len``-th word only <end> may come, so at that
+    step the extensions that end are the only ones. The ones among the best k that end
+    join the pool; the best k that do not end are the next open beams. The search stops
+    when no open beam can still beat the pool's best (an open caption's log p only falls;
+    its rank is best when it is as long as it can be), or after the step that can only
+    end. Returns (ids, log p) of the pool's best, or of the best open beam cut off at
+    ``max_len`` words when nothing ended (only where <end> cannot come), every finished
+    caption the pool held, as (rank, ids), and whether the search reached the last step."""
     def rank(logp, n):
         return logp / n ** length_penalty if length_penalty > 0 else logp
 
     keys = decoder.attention.prepare(a)
     h, c = decoder.init_state(a)
     beams = [(0.0, [], (h, c))]
-    pool, held = [], []
+    pool = []
     for t in range(max_len + 1):
         cands = []
         for score, ids, (h, c) in beams:
             o = decoder.step(torch.tensor([ids[-1] if ids else START]), h, c, a, keys, grid)
             logp = F.log_softmax(o.logits.double(), -1)[0].tolist()
             for w, lp in enumerate(logp):
-                if w not in (START, PAD) and lp > -math.inf:
-                    cands.append((score + lp, ids + [w], (o.h, o.c)))
+                if w in (START, PAD) or lp == -math.inf or (t == max_len and w != END):
+                    continue
+                cands.append((score + lp, ids + [w], (o.h, o.c)))
         cands.sort(key=lambda x: -x[0])
-        for score, ids, _ in cands[:k]:
-            if ids[-1] == END:
-                pool.append((rank(score, len(ids)), score, ids))
-                held.append((rank(score, len(ids)), ids))
+        pool += [(rank(score, len(ids)), score, ids) for score, ids, _ in cands[:k] if ids[-1] == END]
         if t == max_len:
             break
         beams = [x for x in cands if x[1][-1] != END][:k]
         best = max(pool, default=None, key=lambda x: x[0])
-        if best is not None and (not beams or best[0] >= rank(beams[0][0], max_len + 1)):
+        if best is not None and best[0] >= rank(beams[0][0], max_len + 1):
             break
+    held = [(r, ids) for r, _, ids in pool]
     if pool:
         best = max(pool, key=lambda x: x[0])
-        return best[2], best[1], held
-    return beams[0][1], beams[0][0], held
+        return best[2], best[1], held, t == max_len
+    return beams[0][1], beams[0][0], held, t == max_len
 
 
 def _random_decoder(seed, **variant):
@@ -336,26 +353,50 @@ def _random_decoder(seed, **variant):
 
 
 def test_batched_search_equals_the_plain_search_on_random_tiny_models():
-    """450 images over 90 random decoders (vocabulary 6, k 2-4, max_len 5-8, some with a
-    length penalty): the batched search returns exactly what the plain one does."""
-    differs_from_best_beam = 0
-    for seed in range(90):
+    """500 images over 100 random decoders (vocabulary 6, k 2-4, max_len 4-8, some with a
+    length penalty): the batched search returns exactly what the plain one does, and
+    always a finished caption (<end> can always come here)."""
+    differs_from_best_beam = reached_the_limit = 0
+    for seed in range(100):
         decoder = _random_decoder(seed)
-        k, max_len = 2 + seed % 3, 5 + seed % 4
+        k, max_len = 2 + seed % 3, 4 + seed % 5
         length_penalty = 0.7 if seed % 5 == 3 else 0.0
         a = torch.randn(5, 4, 5, dtype=torch.float64)
         got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
                           max_len=max_len, length_penalty=length_penalty)
         for i, r in enumerate(got):
-            ids, score, held = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
-                                                 length_penalty=length_penalty)
+            ids, score, held, limit = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                                        length_penalty=length_penalty)
             assert r.ids == ids, (seed, i)
             assert abs(r.score - score) < 1e-4
+            assert r.ids[-1] == END and len(r.ids) <= max_len + 1, (seed, i)
             mine = r.score / len(r.ids) ** length_penalty if length_penalty > 0 else r.score
-            if r.ids[-1] == END:  # never below a finished caption the search held
-                assert all(mine >= rank - 1e-5 for rank, _ in held)
+            assert all(mine >= rank - 1e-5 for rank, _ in held)  # never below a caption it held
             differs_from_best_beam += any(ids != h for _, h in held)
+            reached_the_limit += limit
     assert differs_from_best_beam > 0  # the pool held other captions than the one returned
+    assert reached_the_limit > 25  # the step that can only end was tested, often
+
+
+def test_greedy_ends_at_the_limit_and_equals_beam_one_on_random_tiny_models():
+    """Short limits, so that many captions reach the step after the last word: greedy
+    ends them there (never cut off), as beam search of width 1 and the plain search do."""
+    reached_the_limit = 0
+    for seed in range(40):
+        decoder = _random_decoder(seed)
+        max_len = 2 + seed % 3
+        a = torch.randn(5, 4, 5, dtype=torch.float64)
+        ann = Annotations(a, (2, 2))
+        g = greedy(decoder, ann, start=START, end=END, pad=PAD, max_len=max_len)
+        b = beam_search(decoder, ann, start=START, end=END, pad=PAD, beam_size=1, max_len=max_len)
+        for i, (x, y) in enumerate(zip(g, b)):
+            ids, score, _, limit = _reference_search(decoder, a[i:i + 1], (2, 2), k=1, max_len=max_len,
+                                                     length_penalty=0.0)
+            assert x.ids == y.ids == ids, (seed, i)
+            assert abs(x.score - score) < 1e-4 and abs(y.score - score) < 1e-4
+            assert x.ids[-1] == END
+            reached_the_limit += limit
+    assert reached_the_limit > 20
 
 
 MULTI_HEAD = [{"heads": 2}, {"heads": 2, "local_window": 1.5, "local_width": "learned"},
@@ -372,7 +413,8 @@ def test_batched_search_with_several_heads_equals_the_plain_search(variant):
         got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
                           max_len=max_len)
         for i, r in enumerate(got):
-            ids, score, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len, length_penalty=0.0)
+            ids, score, _, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                                  length_penalty=0.0)
             assert r.ids == ids, (seed, i)
             assert abs(r.score - score) < 1e-4
             # Each word's head maps are the ones teacher forcing gives for that prefix.
@@ -394,9 +436,8 @@ def test_results_of_a_multi_head_model_carry_each_heads_maps():
             alone = cap.caption_batch(images[i:i + 1], opts)[0]
             assert alone.words == r.words
             torch.testing.assert_close(alone.alphas_heads, r.alphas_heads, atol=1e-5, rtol=1e-4)
-    if any(r.words for r in together):  # the heads look at different places
-        r = next(r for r in together if r.words)
-        assert (r.alphas_heads[:, 0] - r.alphas_heads[:, 1]).abs().max() > 1e-3
+    spread = max(float((r.alphas_heads[:, 0] - r.alphas_heads[:, 1]).abs().max()) for r in together if r.words)
+    assert spread > 1e-3  # the heads look at different places
     one = tiny_captioner(seed=5).caption_batch(images, DecodeOptions(beam_size=3, max_len=8))
     for r in one:
         assert r.alphas_heads.shape == (len(r.words), 1, *r.alphas.shape[1:])  # one head: its map

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 import captioner.evaluation as evaluation
@@ -10,6 +11,7 @@ from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
 from captioner.decoding import CaptionResult
 from captioner.grounding import load_shape_objects
+from captioner.images import Preprocess
 from captioner.vocab import tokenize
 from tiny import tiny_captioner
 
@@ -116,3 +118,42 @@ def test_evaluate_missing_split_is_a_usage_error(tmp_path, capsys):
     tiny_captioner().save(weights)
     assert main(["evaluate", "--weights", str(weights), "--data", str(tmp_path), "--split", "test"]) == 2
     assert "no split" in capsys.readouterr().err
+
+
+def test_pointing_under_a_centre_crop_uses_the_region_the_model_saw(tmp_path, monkeypatch):
+    """A captioner that sees the central half of each 128 px image (shorter side to 64 px,
+    centre 32 px cropped: pixels 32 to 96), its maps a 16 x 16 grid over that crop (4 px
+    cells). Each named word looks at a cell whose centre, in the crop, lies in its
+    object's box: every scored word is a hit, but for the few boxes that reach into the
+    crop by less than half a cell (no cell centre in them). A word whose object lies
+    wholly outside the crop is not scored but counted apart."""
+    data = tmp_path / "shapes"
+    generate_dataset(data, {"test": 24}, seed=9)
+    objects = load_shape_objects(data / "instances_test.json")
+    records = load_split(data, "test")
+    cap = tiny_captioner()
+    cap.preprocess = Preprocess(size=(32, 32), resize=64)
+    assert cap.preprocess.crop_box((128, 128)) == (32, 32, 96, 96)
+    centres = [32 + 4 * (i + 0.5) for i in range(16)]  # of the cells, in the image's pixels
+    results, unseen, blind = [], 0, 0
+    for r in records:
+        image = objects[r.image_id]
+        words = tokenize(r.captions[0])
+        alphas = torch.full((len(words), 16, 16), 1.0 / 256)
+        for t, w in enumerate(words):
+            if not _pointed_words([w], image):
+                continue
+            (x, y, bw, bh), = [o.bbox for o in image.objects if w in (o.color, o.shape)]
+            cells = [(i, j) for i, cy in enumerate(centres) for j, cx in enumerate(centres)
+                     if x <= cx < x + bw and y <= cy < y + bh]
+            alphas[t] = 0
+            alphas[t][cells[0] if cells else (0, 0)] = 1.0
+            outside = x + bw <= 32 or x >= 96 or y + bh <= 32 or y >= 96
+            unseen += outside
+            blind += not cells and not outside
+        results.append(CaptionResult(words, alphas, torch.ones(len(words)), -1.0))
+    monkeypatch.setattr(evaluation, "decode_records", lambda c, recs, *a, **k: results)
+    g = evaluation.evaluate(cap, data, "test", meteor=False, progress=False).grounding
+    assert unseen > 0 and g["n_words"] > 20 and blind < 0.1 * g["n_words"]
+    assert g["n_words_unseen"] == unseen
+    assert g["pointing_accuracy"] == pytest.approx(1 - blind / g["n_words"])

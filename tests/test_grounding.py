@@ -13,6 +13,7 @@ from captioner.grounding import (
     ImageObjects,
     Mention,
     ShapeObject,
+    cells_inside,
     evaluate_caption,
     load_shape_objects,
     object_accuracy,
@@ -20,6 +21,7 @@ from captioner.grounding import (
     pointing_game,
     summarize_grounding,
 )
+from captioner.images import Preprocess
 
 RED_CIRCLE = ShapeObject("circle", "red", "small", (0, 0, 32, 32))  # top-left quadrant of 64x64
 BLUE_SQUARE = ShapeObject("square", "blue", "large", (32, 32, 32, 32))  # bottom-right quadrant
@@ -209,3 +211,48 @@ def test_mass_on_touching_cells_and_entropy_of_the_maps_on_the_named_words() -> 
     summary = summarize_grounding([rec], [object_accuracy(["red", "circle"], [obj])])
     assert summary["alpha_mass_touch"] == pytest.approx(0.5)
     assert summary["alpha_entropy_named"] == pytest.approx(h / 2)
+
+
+# ------------------------------------------------------------------ under a centre crop
+
+# A 128 px image seen through Preprocess(size=(96, 96), resize=144): shorter side to 144 px,
+# centre 96 px cropped, i.e. the central 85.3 px of the original (21.3 to 106.7). A 4 x 4 grid
+# over the crop has cells of 21.3 px, centres at 32, 53.3, 74.7 and 96; over the whole image
+# the centres would be at 16, 48, 80 and 112.
+CROP = Preprocess(size=(96, 96), resize=144).crop_box((128, 128))
+IN_FIRST_CELL = ShapeObject("circle", "red", "small", (24, 24, 16, 16))  # holds crop cell (0, 0)'s centre only
+OUT_OF_VIEW = ShapeObject("star", "blue", "small", (0, 110, 18, 18))  # wholly outside the crop
+
+
+def test_the_grid_covers_only_the_centre_crop() -> None:
+    assert CROP == pytest.approx((128 / 6, 128 / 6, 128 * 5 / 6, 128 * 5 / 6))
+    inside = cells_inside(IN_FIRST_CELL.bbox, (4, 4), (128, 128), crop=CROP)
+    assert inside.sum() == 1 and inside[0, 0]
+    assert cells_inside(IN_FIRST_CELL.bbox, (4, 4), (128, 128)).sum() == 0  # the whole image's grid
+    # A box over the crop's middle half holds the four middle cells, not the whole grid's.
+    middle = cells_inside((43, 43, 42, 42), (4, 4), (128, 128), crop=CROP)
+    assert middle.sum() == 4 and middle[1:3, 1:3].all()
+
+
+def test_pointing_under_a_crop_scores_the_cell_the_model_saw() -> None:
+    maps = np.full((3, 4, 4), 0.2 / 15)
+    maps[:, 0, 0] = 0.8  # every word looks at the crop's top-left cell
+    (red, circle) = pointing_game(["a", "red", "circle"], maps, [IN_FIRST_CELL], (128, 128), crop=CROP)
+    for r in (red, circle):
+        assert r.seen and r.hit
+        assert r.mass == pytest.approx(0.8) and r.chance == pytest.approx(1 / 16)
+    # Mapped onto the whole image, the same map misses a box that holds no cell centre.
+    assert not any(r.hit for r in pointing_game(["red", "circle"], maps, [IN_FIRST_CELL], (128, 128)))
+
+
+def test_a_box_outside_the_crop_is_not_scored_but_counted_apart() -> None:
+    maps = np.full((6, 4, 4), 1 / 16)
+    words = "a red circle and blue star".split()
+    image = ImageObjects(1, "x.png", 128, 128, [IN_FIRST_CELL, OUT_OF_VIEW])
+    records, _ = evaluate_caption(words, maps, image, crop=CROP)
+    assert [(r.word, r.seen) for r in records] == [("red", True), ("circle", True), ("blue", False), ("star", False)]
+    summary = summarize_grounding([records], [evaluate_caption(words, maps, image, crop=CROP)[1]])
+    assert summary["n_words"] == 2 and summary["n_words_unseen"] == 2
+    assert summary["alpha_mass_in_box"] == pytest.approx(1 / 16)  # the unseen words' zeros are not in it
+    whole, _ = evaluate_caption(words, maps, image)  # no crop: every box is in view
+    assert all(r.seen for r in whole) and len(whole) == 4

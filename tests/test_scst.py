@@ -193,6 +193,43 @@ def test_the_leave_one_out_baseline_is_the_mean_of_the_image_s_other_samples():
         ScstObjective(ScstConfig(baseline="mean"), tiny_vocab(), REFS)
 
 
+def test_samples_come_from_the_model_in_eval_mode_and_leave_batch_norm_as_it_was():
+    """The tiny model's encoder is trained from scratch, with batch norm. Called on the
+    model in training mode, the objective samples, scores and weighs its captions as the
+    model decodes at test time (batch norm on its running statistics, dropout off): the
+    same samples, rewards and loss as on the model in eval mode; the running statistics do
+    not move, and the model is back in training mode afterwards."""
+    vocab = tiny_vocab()
+    model, images = _tiny_batch(seed=1)
+    model.decoder.dropout.p = 0.5
+    norms = [m for m in model.encoder.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and model.encoder.trainable
+    for m in norms:  # statistics unlike those of these four images' batch
+        m.running_mean.uniform_(-0.5, 0.5)
+        m.running_var.uniform_(0.5, 2.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = {}
+    for mode in ("train", "eval"):
+        model.load_state_dict(before)
+        getattr(model, mode)()
+        objective = ScstObjective(ScstConfig(samples=3, max_len=5), vocab, REFS, seed=4)
+        parts = objective(model, images, torch.arange(4))
+        parts.loss.backward()
+        got[mode] = parts
+        assert model.training == (mode == "train")
+        assert all(m.training == (mode == "train") for m in model.modules())
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), (mode, k)  # running statistics included
+    assert got["train"].reward == got["eval"].reward
+    assert float(got["train"].loss) == pytest.approx(float(got["eval"].loss), abs=1e-6)
+    # Against what training mode would have drawn: batch statistics change the model.
+    model.load_state_dict(before)
+    with torch.no_grad():
+        train_mode = model.train().encode(images).vectors
+        eval_mode = model.eval().encode(images).vectors
+    assert (train_mode - eval_mode).abs().max() > 0.1
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models gain nothing from threads, and on a busy machine lose much to them."""
@@ -202,12 +239,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def _with_batch_statistics(model: CaptionModel, images: torch.Tensor) -> CaptionModel:
+    """Batch norm's running statistics set to those of ``images``, as in a model trained on
+    them: SCST starts from a trained model and samples with its running statistics."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one batch, that batch's statistics
+    with torch.no_grad():
+        model.train().encode(images)
+    for m in norms:
+        m.momentum = 0.1
+    return model
+
+
 def _overfit(baseline: str, flip: bool, steps: int = 40) -> list[float]:
+    """The decoder tuned on a fixed batch, as the project's SCST configs do: over a frozen
+    encoder (whose batch norm the objective runs on its running statistics)."""
     model, images = _tiny_batch()
+    _with_batch_statistics(model, images).encoder.freeze()
     objective = ScstObjective(ScstConfig(samples=5, baseline=baseline, max_len=6), tiny_vocab(), REFS)
     if flip:
         objective.advantages = lambda rewards, baselines: baselines - rewards
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    optimizer = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=0.01)
     rewards = []
     for _ in range(steps):
         parts = objective(model, images, torch.arange(4))

@@ -30,9 +30,13 @@ model as the training loop holds it (DistributedDataParallel under torchrun), wh
 averages the gradients over processes as for cross-entropy. Rewards and baselines are
 per image, so each process needs only its own images. The encoder runs once per image.
 
-Dropout is off in both passes (and for the greedy caption): the samples come from the
-model as it decodes at test time, and the second pass computes exactly the probabilities
-they were drawn with (with dropout, each pass would draw its own masks).
+Both passes (and the greedy caption) run with the model in eval mode, whatever mode the
+training loop holds it in: the samples come from the model as it decodes at test time,
+and the second pass computes exactly the probabilities they were drawn with. Dropout is
+off (with it, each pass would draw its own masks), and a trainable encoder's batch norm
+normalises with its running statistics and leaves them as they are (in training mode
+the samples would depend on the other images of the batch, and the statistics would
+move with every SCST step). The modes are put back afterwards.
 
 Hard attention uses the expected context sum_i alpha_ti a_i in both passes, no location
 is sampled: that is how a hard-attention model decodes by default, so self-critical
@@ -143,9 +147,10 @@ def sample_log_probs(model: nn.Module, ann: Annotations, samples: Samples, vocab
 
 
 @contextmanager
-def _dropout_off(model: nn.Module):
-    """The model's dropout layers in evaluation mode for the duration, then back as they were."""
-    switched = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.training]
+def _eval_mode(model: nn.Module):
+    """Every module of the model in eval mode for the duration (dropout off, batch norm on
+    its running statistics), then back as it was, module by module."""
+    switched = [m for m in model.modules() if m.training]
     for m in switched:
         m.eval()
     try:
@@ -216,7 +221,7 @@ class ScstObjective:
         model: CaptionModel = getattr(net, "module", net)
         k, max_len = self.cfg.samples, self.cfg.max_len
         index = image_indices.tolist()
-        with _dropout_off(model):
+        with _eval_mode(model):
             ann = images if isinstance(images, Annotations) else model.encode(images)
             fixed = Annotations(ann.vectors.detach(), ann.grid)
             samples = sample_captions(model.decoder, fixed, self.vocab, k=k, max_len=max_len,

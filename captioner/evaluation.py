@@ -141,8 +141,9 @@ def format_table(report: EvalReport) -> str:
             ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),
             ("alpha mass on cells touching the box", fmt("alpha_mass_touch")),
             ("map entropy on those words (nats)", fmt("alpha_entropy_named")),
-            ("scored words", str(g.get("n_words")) + (f"  ({g['n_words_unseen']} more named an object outside "
-                                                      f"the centre crop: not scored)" if g.get("n_words_unseen") else "")),
+            ("scored words", str(g.get("n_words")) + (
+                f"  ({g['n_words_unseen']} more named an object outside the centre crop: not scored)"
+                if g.get("n_words_unseen") else "")),
         ]
     if report.attention and report.attention["entropy"] is not None:
         at = report.attention

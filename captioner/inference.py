@@ -14,7 +14,7 @@ from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_chec
 from .decoding import CaptionResult, DecodedIds, beam_search, greedy
 from .images import Preprocess
 from .model import CaptionModel, ModelConfig
-from .vocab import Vocabulary
+from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
 
 BUNDLED_DIR = Path(__file__).parent / "weights"
 BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt"}
@@ -136,7 +136,11 @@ class Captioner:
             model.load_state_dict(ckpt["state_dict"])
         except RuntimeError as e:
             raise CheckpointError(f"checkpoint weights do not fit its own config: {e}") from e
-        vocab = Vocabulary(list(ckpt["vocab"]))
+        try:
+            tokenizer = tokenizer_named(ckpt.get("tokenizer", DEFAULT_TOKENIZER))
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint names an {e}") from e
+        vocab = Vocabulary(list(ckpt["vocab"]), tokenizer)
         if len(vocab) != cfg.vocab_size:
             raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
@@ -152,7 +156,8 @@ class Captioner:
 
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
-                               vocab=self.vocab.to_list(), preprocess=self.preprocess.to_dict(),
+                               vocab=self.vocab.to_list(), tokenizer=self.vocab.tokenizer.name,
+                               preprocess=self.preprocess.to_dict(),
                                meta={**self.meta, **(meta or {})}, train_state=train_state)
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
@@ -181,7 +186,7 @@ class Captioner:
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
-                             heads)
+                             heads, text=self.vocab.join(words))
 
     def caption_images(self, images: list[Image.Image], options: DecodeOptions | None = None) -> list[CaptionResult]:
         if not images:

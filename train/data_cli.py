@@ -28,11 +28,14 @@ from captioner.data.coco import (
     ImageRecord,
     SplitNotFoundError,
     build_vocab,
+    dataset_tokenizer,
     load_split,
     load_splits,
     require_images,
     training_captions,
 )
+
+from captioner.vocab import tokenizer_named
 
 from .config import TrainConfig, load_config
 from .datainfo import summary_lines
@@ -237,8 +240,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(str(e)) from e
     d = cfg.data
-    kept = training_captions(splits[d.train_split], d.max_caption_len)
-    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
+    try:
+        tokenizer = tokenizer_named(dataset_tokenizer(d.dir, d.split_file, d.train_split))
+    except ValueError as e:
+        raise UsageError(f"{d.split_file or d.dir} names an {e}") from e
+    kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
+    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
+                        tokenizer=tokenizer)
     for line in summary_lines(d, splits, len(vocab), kept):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})

@@ -43,7 +43,7 @@ from .datainfo import summary_lines, training_data_name
 from .losses import HardAttentionObjective, LossParts, soft_loss
 from .precision import MixedPrecision
 from .scst import ScstObjective
-from .startup import StartupError, build_model, on_main, prepare_data, readable_splits, take_back
+from .startup import StartupError, build_model, data_tokenizer, on_main, prepare_data, readable_splits, take_back
 
 
 class RunWriteError(Exception):
@@ -329,8 +329,9 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
     ctx.barrier()
 
     preprocess, splits, left_out = readable_splits(cfg, ctx, progress)
-    kept = training_captions(splits[d.train_split], d.max_caption_len)
-    model, vocab = build_model(cfg, splits[d.train_split], kept, ckpt, ctx.device)
+    tokenizer = data_tokenizer(cfg, ckpt)
+    kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
+    model, vocab = build_model(cfg, splits[d.train_split], kept, ckpt, ctx.device, tokenizer)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from captioner.data.shapes import COLORS, SHAPES, SIZES
+from captioner.data.shapes import COLORS, SHAPES, SIZES, english_words
 
 _SHAPES = frozenset(SHAPES)
 _COLORS = frozenset(COLORS)
@@ -355,7 +355,11 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
 
 def evaluate_caption(words: Sequence[str], alphas: Any,
                      image: ImageObjects) -> tuple[list[PointingRecord], dict[str, Any]]:
-    """Pointing records, and object and relation accuracy, of one generated caption."""
+    """Pointing records, and object and relation accuracy, of one generated caption. A
+    Chinese caption's characters are read as English words, each with the map of the step
+    of its first character (``captioner.data.shapes.english_words``)."""
+    words, steps = english_words(words)
+    alphas = _as_array(alphas)[steps]
     return (pointing_game(words, alphas, image.objects, image.size),
             {**object_accuracy(words, image.objects), **relation_accuracy(words, image.objects)})
 

@@ -40,7 +40,7 @@ def prepare_data(cfg: TrainConfig) -> None:
         print(f"generating the shapes dataset in {d.dir}", file=sys.stderr)
         generate_dataset(Path(d.dir), {d.train_split: d.shapes_train, d.val_split: d.shapes_val},
                          seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True,
-                         top_to_bottom=d.shapes_top_to_bottom)
+                         top_to_bottom=d.shapes_top_to_bottom, language=d.shapes_language)
 
 
 def readable_splits(cfg: TrainConfig, ctx: DistContext,

@@ -87,6 +87,12 @@ _CHAR_TOKEN = re.compile(f"[{_CJK}]|(?:(?![{_CJK}])[^\\W_])+")
 _IS_CJK = re.compile(f"[{_CJK}]")
 
 
+def has_cjk(text: str) -> bool:
+    """Whether ``text`` holds a character of a script written without spaces (Chinese,
+    Japanese, Korean): such text needs a font with CJK glyphs."""
+    return _IS_CJK.search(text) is not None
+
+
 class Tokenizer:
     """Text -> tokens, and tokens -> the text a caption shows."""
 

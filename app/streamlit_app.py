@@ -147,7 +147,7 @@ def model_details(captioner: Captioner) -> str:
     cfg = captioner.model.config
     h, w = captioner.preprocess.size
     parts = [f"{cfg.attention} attention", f"{cfg.encoder} encoder", f"{w}×{h} input",
-             f"{len(captioner.vocab):,} words"]
+             f"{len(captioner.vocab):,} {'characters' if captioner.vocab.tokenizer.name == 'chars' else 'words'}"]
     if "step" in captioner.meta:
         steps = captioner.meta["step"]
         parts.append(f"trained {steps:,} step{'s' if steps != 1 else ''}")

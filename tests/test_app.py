@@ -583,3 +583,13 @@ def test_a_one_head_result_has_no_head_picker():
     html = result_html("r1", [Word("a", "n", "p")], {(0, None): "data:,x"}, "url(data:,y)", 1.0, (2, 2))
     assert 'class="heads"' not in html and html.count('class="head-group"') == 1
     assert html.count('type="radio"') == 1 and html.count("var(--l0hm)") == 2  # the big view and the panel
+
+
+def test_the_model_card_counts_a_chinese_vocabulary_in_characters():
+    from captioner.app.streamlit_app import model_details
+    from captioner.vocab import Vocabulary, tokenizer_named
+
+    cap = tiny_captioner()
+    assert "words" in model_details(cap) and "characters" not in model_details(cap)
+    cap.vocab = Vocabulary(cap.vocab.words, tokenizer_named("chars"))
+    assert f"{len(cap.vocab):,} characters" in model_details(cap)

@@ -311,7 +311,8 @@ def shapes_summary(summary: dict) -> str:
 def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="caption metrics (BLEU, METEOR, ROUGE-L, CIDEr) and attention grounding",
                        description="Decode a split with real decoding (no teacher forcing) and score it: "
-                                   "BLEU-1..4, METEOR (when java is on PATH), ROUGE-L, CIDEr; on shapes data also "
+                                   "BLEU-1..4, METEOR (English models, when java is on PATH), ROUGE-L, CIDEr, on "
+                                   "the tokens of the model's tokenizer (characters for Chinese); on shapes data also "
                                    "object accuracy and the attention pointing game with its chance level.")
     p.add_argument("--data", type=Path, required=True, help="folder with captions_<split>.json and images/")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")

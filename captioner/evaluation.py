@@ -161,6 +161,9 @@ def write_report(report: EvalReport, out: Path) -> Path:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     results_path = out.with_name(out.stem + ".results.json")
-    out.write_text(json.dumps({**report.summary(), "results_file": results_path.name}, indent=2) + "\n")
-    results_path.write_text(json.dumps(coco_results_json(report.captions)) + "\n")
+    # UTF-8, unescaped: a Chinese caption stays readable in the file.
+    out.write_text(json.dumps({**report.summary(), "results_file": results_path.name}, indent=2,
+                              ensure_ascii=False) + "\n", encoding="utf-8")
+    results_path.write_text(json.dumps(coco_results_json(report.captions), ensure_ascii=False) + "\n",
+                            encoding="utf-8")
     return results_path

@@ -168,3 +168,13 @@ def test_import_is_a_captioner_data_subcommand_with_help(capsys):
     text = capsys.readouterr().out
     for expected in ("CSV", "JSON Lines", ".txt", "--tokenizer", "--seed", "--val", "dataset.json", "Exit"):
         assert expected in text, expected
+
+
+def test_captions_neither_english_nor_chinese_are_split_at_spaces_by_default(tmp_path, capsys):
+    photo_folder(tmp_path, n=3)
+    rows = ["path,text"] + [f"pics/p{i}.png,Собака бежит по траве {i}." for i in range(3)]
+    (tmp_path / "ru.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    assert data_main(["import", str(tmp_path / "ru.csv"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    data = read_dataset(tmp_path / "out")
+    assert data["tokenizer"] == "whitespace"
+    assert data["images"][0]["sentences"][0]["tokens"][:2] == ["собака", "бежит"]

@@ -18,7 +18,8 @@ PHRASES = ["一只猫坐在桌子上", "桌子上有一只猫", "一个男人在
 TINY = ["model.encoder=small", "model.encoder_pretrained=false", "model.image_size=32", "model.embed_dim=16",
         "model.hidden_dim=32", "model.attention_dim=16", "model.dropout=0", "data.feature_cache=false",
         "data.workers=0", "data.min_count=1", "optim.max_steps=40", "optim.batch_size=8", "optim.lr=0.01",
-        "optim.threads=1", "optim.save_every=40", "val.limit=2", "val.max_len=12", "val.beam_size=1"]
+        "optim.threads=1", "optim.save_every=40", "val.limit=2", "val.max_len=12", "val.beam_size=1",
+        "val.patience=0", "val.every_epochs=10"]
 
 
 def chinese_jsonl(photos: Path) -> Path:
@@ -52,6 +53,11 @@ def test_chinese_photos_import_train_caption_evaluate(tmp_path, photos, capsys):
     raw = torch.load(run / "best.pt", weights_only=True)
     assert raw["tokenizer"] == "chars"
     assert {"猫", "狗", "桌"} <= set(raw["vocab"]) and "一只猫坐在桌子上" not in raw["vocab"]
+    # Resuming keeps the checkpoint's tokenizer and vocabulary.
+    assert captioner_main(["train", "--resume", str(run), "--set", "optim.max_steps=44", "--quiet"]) == 0
+    resumed = torch.load(run / "last.pt", weights_only=True)
+    assert resumed["tokenizer"] == "chars" and resumed["vocab"] == raw["vocab"]
+    assert resumed["meta"]["step"] == 44
 
     # Caption: the JSON line is readable UTF-8 and the caption has no spaces between characters.
     out = tmp_path / "captions.jsonl"

@@ -119,7 +119,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard. The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_positive, default=20, help="most words per caption (default 20)")
+    p.add_argument("--max-len", type=_positive, default=None,
+                   help="most tokens per caption: words, or characters for a Chinese model (default: the longest "
+                        "caption the model was trained on, 20 for models that do not say)")
     p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
@@ -220,7 +222,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
         again = len(todo_keys & resume.lacking) if resume is not None else 0
         pending = todo[ctx.rank::ctx.world]
         workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
-        options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
+        options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
+                                length_penalty=args.length_penalty,
                                 hard_attention=args.hard_attention)
         target = part_path(args.out, ctx.rank) if ctx.active else args.out
         out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
@@ -351,7 +354,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     demo_notice("evaluate", captioner)
     report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
-                      options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len,
+                      options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
                                             hard_attention=args.hard_attention),
                       batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
     print(format_table(report))

@@ -98,6 +98,14 @@ class Captioner:
         """True for a model that has seen the synthetic shapes and nothing else."""
         return self.bundled or (self.training_data or "").startswith(SYNTHETIC_SHAPES)
 
+    @property
+    def max_len(self) -> int:
+        """The longest caption, in tokens, the model was trained on (``meta["max_caption_len"]``):
+        the length limit of decoding unless one is asked for. 20 where the checkpoint does not
+        say (the English demos); a Chinese model counts characters, about twice as many."""
+        n = self.meta.get("max_caption_len")
+        return n if isinstance(n, int) and n > 0 else DecodeOptions.max_len
+
     def notice(self) -> str | None:
         """One sentence for the user of a shapes-only model (the demos); None for others."""
         if not self.shapes_only:

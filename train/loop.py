@@ -348,6 +348,7 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
             if model.config.attention == "hard" and scst is None else None)
     average = WeightAverage(model, o.ema) if o.ema else None
     meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
+            "max_caption_len": d.max_caption_len,  # decoding's default length limit (Captioner.max_len)
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, splits=splits,
                left_out=left_out, kept=kept, model=model, captioner=Captioner(model, vocab, preprocess),

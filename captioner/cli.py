@@ -116,7 +116,8 @@ def demo_notice(command: str, captioner) -> None:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
     p.add_argument("--weights", default=None,
-                   help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard. The demo "
+                   help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard, demo-zh (Chinese "
+                        "captions). The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
     p.add_argument("--max-len", type=_positive, default=None,

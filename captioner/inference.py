@@ -17,7 +17,7 @@ from .model import CaptionModel, ModelConfig
 from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
 
 BUNDLED_DIR = Path(__file__).parent / "weights"
-BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt"}
+BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt", "demo-zh": "demo-zh.pt"}  # demo-zh: Chinese
 DEFAULT_WEIGHTS = "demo-soft"
 # What the bundled demo models were trained on, and the start of the training-data name
 # that training writes into a checkpoint made from the shapes data (see ``training_data``).
@@ -26,7 +26,7 @@ SHAPES_ONLY = "trained on synthetic shapes only: it describes any picture, a pho
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
-    """A bundled model name (demo-soft, demo-hard) or a path to a checkpoint file."""
+    """A bundled model name (demo-soft, demo-hard, demo-zh) or a path to a checkpoint file."""
     name = str(weights or DEFAULT_WEIGHTS)
     if name in BUNDLED:
         path = BUNDLED_DIR / BUNDLED[name]

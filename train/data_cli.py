@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from captioner.data.coco import (
@@ -112,23 +113,24 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "import", help="turn own images and captions (CSV/TSV, JSON Lines, folder + .txt) into a data set",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Turn own images and captions into a data set that `data check`, `train` and `evaluate` "
-                    "read as they read COCO (with --set data.dir=DIR, or --data DIR).\n\n"
-                    "SOURCE is one of:\n"
-                    "  a CSV or TSV file with a header: an image column and a caption column, several rows per\n"
-                    f"    image allowed (usual names: {', '.join(IMAGE_KEYS[:4])}; {', '.join(CAPTION_KEYS[:2])})\n"
-                    "  a JSON Lines file: one object per line with an image (image, file_name) and caption/text\n"
-                    "    or a list captions (the metadata.jsonl of image-folder data sets)\n"
-                    "  a folder of images, each with a .txt file of the same name beside it (photo.jpg +\n"
-                    "    photo.txt), one caption per line\n\n"
-                    "Image paths are relative to the source file's folder unless absolute. Rows of one image are "
-                    "merged; empty captions are dropped (counted). Every image is checked to exist and decode. "
-                    "Writes DIR/dataset.json in Karpathy's split format: the images stay where they are, split "
-                    "into train/val/test by a seeded draw, with the tokenizer recorded (training puts it in the "
-                    "checkpoint). Captions in any language, UTF-8.\n\n"
-                    "Exit code: 0 written; 1 images missing or unreadable (up to 10 named, nothing written; "
-                    "--skip-unreadable leaves them out); 2 a source that cannot be read (not UTF-8, no image "
-                    "or caption column, ...), said in one line.")
+        description="\n\n".join([
+            _wrapped("Turn own images and captions into a data set that `data check`, `train` and `evaluate` "
+                     "read as they read COCO (with --set data.dir=DIR, or --data DIR)."),
+            "SOURCE is one of:\n"
+            "  a CSV or TSV file with a header: an image column and a caption column, several rows per\n"
+            f"    image allowed (usual names: {', '.join(IMAGE_KEYS[:4])}; {', '.join(CAPTION_KEYS[:2])})\n"
+            "  a JSON Lines file: one object per line with an image (image, file_name) and caption/text\n"
+            "    or a list captions (the metadata.jsonl of image-folder data sets)\n"
+            "  a folder of images, each with a .txt file of the same name beside it (photo.jpg +\n"
+            "    photo.txt), one caption per line",
+            _wrapped("Image paths are relative to the source file's folder unless absolute. Rows of one image are "
+                     "merged; empty captions are dropped (counted). Every image is checked to exist and decode. "
+                     "Writes DIR/dataset.json in Karpathy's split format: the images stay where they are, split "
+                     "into train/val/test by a seeded draw, with the tokenizer recorded (training puts it in the "
+                     "checkpoint). Captions in any language, UTF-8."),
+            _wrapped("Exit code: 0 written; 1 images missing or unreadable (up to 10 named, nothing written; "
+                     "--skip-unreadable leaves them out); 2 a source that cannot be read (not UTF-8, no image "
+                     "or caption column, ...), said in one line.")]))
     c.add_argument("source", type=Path, metavar="SOURCE", help="CSV/TSV file, JSON Lines file, or folder")
     c.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="folder for dataset.json (missing folders are made; an older dataset.json is replaced)")
@@ -159,6 +161,11 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 MAX_NAMED = 10  # unusable images named by import; the rest are counted
+
+
+def _wrapped(text: str) -> str:
+    """A paragraph of --help (raw formatting keeps the source list's lines) cut to lines."""
+    return textwrap.fill(text, width=92)
 
 
 def cmd_import(args: argparse.Namespace) -> int:

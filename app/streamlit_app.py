@@ -108,7 +108,9 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
         beam = st.slider("Beam size", 1, 10, 3,
                          help="How many candidate captions the search keeps at every step. 1 is greedy "
                               "decoding: fastest, sometimes worse.")
-        max_len = st.slider("Longest caption (words)", 1, 50, 20)
+        max_len = st.slider("Longest caption (words)", 1, 50, DecodeOptions.max_len,
+                            help=f"Left at {DecodeOptions.max_len}: the model's own longest training caption "
+                                 "when that is longer (a Chinese model counts characters).")
         st.markdown("The model follows *Show, Attend and Tell* "
                     "([Xu et al., 2015](https://arxiv.org/abs/1502.03044)): a CNN looks at the image, an LSTM "
                     "writes the caption, and an attention step picks the image regions for every word.")
@@ -147,7 +149,7 @@ def model_details(captioner: Captioner) -> str:
     cfg = captioner.model.config
     h, w = captioner.preprocess.size
     parts = [f"{cfg.attention} attention", f"{cfg.encoder} encoder", f"{w}×{h} input",
-             f"{len(captioner.vocab):,} words"]
+             f"{len(captioner.vocab):,} {'characters' if captioner.vocab.tokenizer.name == 'chars' else 'words'}"]
     if "step" in captioner.meta:
         steps = captioner.meta["step"]
         parts.append(f"trained {steps:,} step{'s' if steps != 1 else ''}")
@@ -277,6 +279,8 @@ def main() -> None:
             help="A hard-attention model picks one region per word. At inference it can use the expected "
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)
+    if options.max_len == DecodeOptions.max_len and captioner.max_len > options.max_len:
+        options = replace(options, max_len=captioner.max_len)  # the slider left alone: the model's own limit
     model_card(captioner)
     # The stylesheet of the preview and the result: style only, so it takes no place on the page; sent
     # with the page, it stays while the fragment below reruns.

@@ -1,7 +1,9 @@
 """Checkpoints: one file, tensors and plain data only.
 
-A checkpoint holds the model's state_dict, its config, the vocabulary and the
-preprocessing as plain data, so it rebuilds its model with no other file. It is read with
+A checkpoint holds the model's state_dict, its config, the vocabulary, the name of the
+tokenizer that made it (``"tokenizer"``: "ptb", "chars", "whitespace"; files that predate
+it are "ptb") and the preprocessing as plain data, so it rebuilds its model with no other
+file. It is read with
 ``torch.load(weights_only=True)``: a file that would need to run code to unpickle is refused.
 Writes are atomic (temporary file in the same folder, fsync, rename), so a crash during a
 save leaves the previous checkpoint intact.
@@ -84,12 +86,13 @@ def _write_error(e: BaseException) -> OSError | None:
 
 
 def make_checkpoint(*, model_state: dict, model_config: dict, vocab: list[str], preprocess: dict,
-                    meta: dict | None = None, train_state: dict | None = None) -> dict:
+                    meta: dict | None = None, train_state: dict | None = None, tokenizer: str = "ptb") -> dict:
     ckpt = {
         "format": FORMAT,
         "version": VERSION,
         "model_config": model_config,
         "vocab": list(vocab),
+        "tokenizer": tokenizer,
         "preprocess": preprocess,
         "state_dict": model_state,
         "meta": dict(meta or {}),

@@ -23,9 +23,10 @@ training needs them fixed, from the training split's references, whatever is sco
 :class:`CiderD` computes them once from a given corpus and keeps them. :func:`cider_d`
 is pycocoevalcap's corpus-level form (df from the scored images' own references).
 
-Captions are tokenised with :func:`captioner.vocab.tokenize`, as the metrics tokenise
-them. An n-gram seen in one corpus image only has the idf of an unseen one (log N), so
-only n-grams of df >= 2 are stored: most 4-grams of COCO are seen once.
+Captions are tokenised as the metrics tokenise them: with the data set's tokenizer
+(:func:`captioner.vocab.tokenize`, PTB, unless another is given). An n-gram seen in one
+corpus image only has the idf of an unseen one (log N), so only n-grams of df >= 2 are
+stored: most 4-grams of COCO are seen once.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .vocab import tokenize
+from .vocab import PTB, Tokenizer
 
 NGRAMS = 4
 SIGMA = 6.0
@@ -66,14 +67,16 @@ class CiderD:
     reference captions (raw text) per image. Empty references are dropped, and an image
     with none does not count in N."""
 
-    def __init__(self, corpus: Iterable[Sequence[str]], *, n: int = NGRAMS, sigma: float = SIGMA):
+    def __init__(self, corpus: Iterable[Sequence[str]], *, n: int = NGRAMS, sigma: float = SIGMA,
+                 tokenizer: Tokenizer = PTB):
         self.n, self.sigma = n, sigma
+        self.tokenize = tokenizer.tokenize
         df: Counter[Ngram] = Counter()
         images = 0
         for captions in corpus:
             seen = set()
             for caption in captions:
-                seen.update(ngram_counts(tokenize(caption), n))
+                seen.update(ngram_counts(self.tokenize(caption), n))
             if seen:
                 images += 1
                 df.update(seen)
@@ -101,7 +104,7 @@ class CiderD:
         weights: dict[Ngram, list[tuple[int, float]]] = {}
         norms, lengths = [], []
         for caption in captions:
-            tokens = tokenize(caption)
+            tokens = self.tokenize(caption)
             if not tokens:
                 continue
             j = len(lengths)
@@ -116,7 +119,7 @@ class CiderD:
 
     def score(self, candidate: str | Sequence[str], refs: References) -> float:
         """CIDEr-D of one candidate (raw text, or tokens as :func:`tokenize` gives them)."""
-        tokens = tokenize(candidate) if isinstance(candidate, str) else candidate
+        tokens = self.tokenize(candidate) if isinstance(candidate, str) else candidate
         vec, norm = self.vector(tokens)
         m, n = len(refs), self.n
         dots = [[0.0] * n for _ in range(m)]  # (m, n): sum_w min(g_c, g_s) g_s

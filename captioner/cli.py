@@ -130,11 +130,13 @@ def demo_notice(command: str, captioner) -> None:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
     p.add_argument("--weights", default=None,
-                   help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard. The demo "
+                   help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard, demo-zh (Chinese "
+                        "captions). The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_max_len, default=20,
-                   help=f"most words per caption (default 20, at most {MAX_WORDS})")
+    p.add_argument("--max-len", type=_max_len, default=None,
+                   help="most tokens per caption: words, or characters for a Chinese model (default: the longest "
+                        f"caption the model was trained on, 20 for models that do not say; at most {MAX_WORDS})")
     p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
@@ -244,7 +246,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
         again = len(todo_keys & resume.lacking) if resume is not None else 0
         pending = todo[ctx.rank::ctx.world]
         workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
-        options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
+        options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
+                                length_penalty=args.length_penalty,
                                 hard_attention=args.hard_attention)
         target = part_path(args.out, ctx.rank) if ctx.active else args.out
         out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
@@ -299,6 +302,9 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-to-bottom", action="store_true",
                    help="also caption images of 2-3 objects \"from top to bottom: ...\" (same images; "
                         "off by default, as the test sets are made)")
+    p.add_argument("--language", choices=("en", "zh"), default="en",
+                   help="the captions' language: en (default) or zh, Chinese (\"一个红色的大圆形和一个蓝色的三角形\"); "
+                        "the images and objects are the same for the same seed")
     p.set_defaults(func=cmd_shapes)
 
 
@@ -312,7 +318,7 @@ def cmd_shapes(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out} is a file, not a folder")
     try:
         summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True,
-                                   top_to_bottom=args.top_to_bottom)
+                                   top_to_bottom=args.top_to_bottom, language=args.language)
     except ValueError as e:  # e.g. an image size too small to draw shapes in
         raise UsageError(str(e)) from e
     except OSError as e:
@@ -338,7 +344,8 @@ def shapes_summary(summary: dict) -> str:
 def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="caption metrics (BLEU, METEOR, ROUGE-L, CIDEr) and attention grounding",
                        description="Decode a split with real decoding (no teacher forcing) and score it: "
-                                   "BLEU-1..4, METEOR (when java is on PATH), ROUGE-L, CIDEr; on shapes data also "
+                                   "BLEU-1..4, METEOR (English models, when java is on PATH), ROUGE-L, CIDEr, on "
+                                   "the tokens of the model's tokenizer (characters for Chinese); on shapes data also "
                                    "object accuracy and the attention pointing game with its chance level.")
     p.add_argument("--data", type=Path, required=True, help="folder with captions_<split>.json and images/")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
@@ -377,7 +384,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     demo_notice("evaluate", captioner)
     report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
-                      options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len,
+                      options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
                                             hard_attention=args.hard_attention),
                       batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
     print(format_table(report))

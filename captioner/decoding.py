@@ -39,6 +39,9 @@ class CaptionResult:
     # (T, h, H, W) each head's map, h = 1 for one head; the decoder always gives them, and a
     # result made without them has its one map as its one head
     alphas_heads: torch.Tensor | None = None
+    # The caption as its language writes it (the vocabulary's tokenizer joins the words: no
+    # spaces in Chinese); None: the words joined with spaces
+    text: str | None = None
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -46,7 +49,7 @@ class CaptionResult:
 
     @property
     def caption(self) -> str:
-        return " ".join(self.words)
+        return " ".join(self.words) if self.text is None else self.text
 
     def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4,
                 heads: bool = False) -> dict:

@@ -20,6 +20,7 @@ from .data.coco import ImageDataset, ImageRecord, load_split, require_images
 from .decoding import CaptionResult
 from .images import Preprocess
 from .inference import Captioner, DecodeOptions
+from .vocab import PTB, Tokenizer
 
 
 @dataclass
@@ -32,6 +33,7 @@ class EvalReport:
     grounding: dict | None = None
     attention: dict | None = None  # how peaked the maps are: mean entropy, share of exact zeros
     captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
+    tokenizer: str = "ptb"  # the tokens the metrics count: the model's (characters for "chars")
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -56,16 +58,18 @@ def decode_records(captioner: Captioner, records: list[ImageRecord], options: De
 
 
 def score(records: list[ImageRecord], results: list[CaptionResult], instances: Path | None = None,
-          meteor: bool | None = None, preprocess: Preprocess | None = None) -> tuple[dict[str, float], dict | None]:
-    """Caption metrics, and grounding figures when an instances file (shapes data) is given.
-    ``preprocess``: the captioner's; with a centre crop the attention grid covers only the
-    crop, and the pointing game maps it there (None: the whole image)."""
+          meteor: bool | None = None, preprocess: Preprocess | None = None,
+          tokenizer: Tokenizer = PTB) -> tuple[dict[str, float], dict | None]:
+    """Caption metrics on the tokens of ``tokenizer`` (the model's), and grounding figures
+    when an instances file (shapes data) is given. ``preprocess``: the captioner's; with a
+    centre crop the attention grid covers only the crop, and the pointing game maps it there
+    (None: the whole image)."""
     from .metrics import caption_metrics
 
     scored = [(r, res) for r, res in zip(records, results) if r.captions]
     refs = {r.image_id: r.captions for r, _ in scored}
     cands = {r.image_id: res.caption for r, res in scored}
-    metrics = caption_metrics(refs, cands, meteor=meteor) if scored else {}
+    metrics = caption_metrics(refs, cands, meteor=meteor, tokenizer=tokenizer) if scored else {}
     grounding = None
     if instances is not None and instances.is_file():
         from .grounding import evaluate_caption, load_shape_objects, summarize_grounding
@@ -111,16 +115,23 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
         results = decode_records(captioner, records, options, batch_size, workers, progress)
     seconds = time.perf_counter() - start
     instances = data_dir / f"instances_{split}.json"
+    tokenizer = captioner.vocab.tokenizer
+    if tokenizer is not PTB and meteor:
+        meteor = False  # English only: the table says so
     metrics, grounding = score(records, results, instances if karpathy is None else None, meteor,
-                               captioner.preprocess)
+                               captioner.preprocess, tokenizer)
     return EvalReport(split, len(records), options.beam_size, round(seconds, 2), metrics, grounding,
-                      attention_stats(results), {r.image_id: res.caption for r, res in zip(records, results)})
+                      attention_stats(results), {r.image_id: res.caption for r, res in zip(records, results)},
+                      tokenizer.name)
 
 
 def format_table(report: EvalReport) -> str:
     rows = [("images", str(report.n_images)), ("beam size", str(report.beam_size)),
             ("decoding seconds", f"{report.seconds:.1f}")]
     rows += [(k, f"{v:.4f}") for k, v in report.metrics.items()]
+    if report.tokenizer != "ptb" and report.metrics:
+        rows += [("METEOR", "not computed: it scores English only"),
+                 ("tokens scored", "characters" if report.tokenizer == "chars" else "words split at spaces")]
     if report.grounding:
         g = report.grounding
         def fmt(key: str) -> str:
@@ -159,6 +170,9 @@ def write_report(report: EvalReport, out: Path) -> Path:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     results_path = out.with_name(out.stem + ".results.json")
-    out.write_text(json.dumps({**report.summary(), "results_file": results_path.name}, indent=2) + "\n")
-    results_path.write_text(json.dumps(coco_results_json(report.captions)) + "\n")
+    # UTF-8, unescaped: a Chinese caption stays readable in the file.
+    out.write_text(json.dumps({**report.summary(), "results_file": results_path.name}, indent=2,
+                              ensure_ascii=False) + "\n", encoding="utf-8")
+    results_path.write_text(json.dumps(coco_results_json(report.captions), ensure_ascii=False) + "\n",
+                            encoding="utf-8")
     return results_path

@@ -18,7 +18,6 @@ import torch
 from .data.coco import ImageDataset, ImageRecord
 from .inference import Captioner
 from .model import DecoderOutput
-from .vocab import tokenize
 
 
 def forced_outputs(cap: Captioner, records: Sequence[ImageRecord],
@@ -31,7 +30,7 @@ def forced_outputs(cap: Captioner, records: Sequence[ImageRecord],
     for start in range(0, len(records), batch_size):
         idx = range(start, min(start + batch_size, len(records)))
         images = torch.stack([data[i][0] for i in idx]).to(cap.device)
-        words = [tokenize(records[i].captions[0]) for i in idx]
+        words = [cap.vocab.tokenizer.tokenize(records[i].captions[0]) for i in idx]
         ids = [cap.vocab.encode(w) for w in words]
         lengths = torch.tensor([len(x) for x in ids])
         tokens = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from captioner.data.shapes import COLORS, SHAPES, SIZES
+from captioner.data.shapes import COLORS, SHAPES, SIZES, english_words
 
 _SHAPES = frozenset(SHAPES)
 _COLORS = frozenset(COLORS)
@@ -386,7 +386,11 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
 def evaluate_caption(words: Sequence[str], alphas: Any, image: ImageObjects,
                      crop: Crop | None = None) -> tuple[list[PointingRecord], dict[str, Any]]:
     """Pointing records, and object and relation accuracy, of one generated caption.
-    ``crop``: the region of the image the attention grid covers (None: all of it)."""
+    ``crop``: the region of the image the attention grid covers (None: all of it). A
+    Chinese caption's characters are read as English words, each with the map of the step
+    of its first character (``captioner.data.shapes.english_words``)."""
+    words, steps = english_words(words)
+    alphas = _as_array(alphas)[steps]
     return (pointing_game(words, alphas, image.objects, image.size, crop),
             {**object_accuracy(words, image.objects), **relation_accuracy(words, image.objects)})
 

@@ -13,10 +13,10 @@ from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_chec
 from .decoding import CaptionResult, DecodedIds, beam_search, greedy
 from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from .model import CaptionModel, ModelConfig
-from .vocab import Vocabulary
+from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
 
 BUNDLED_DIR = Path(__file__).parent / "weights"
-BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt"}
+BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt", "demo-zh": "demo-zh.pt"}  # demo-zh: Chinese
 DEFAULT_WEIGHTS = "demo-soft"
 # What the bundled demo models were trained on, and the start of the training-data name
 # that training writes into a checkpoint made from the shapes data (see ``training_data``).
@@ -25,7 +25,7 @@ SHAPES_ONLY = "trained on synthetic shapes only: it describes any picture, a pho
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
-    """A bundled model name (demo-soft, demo-hard) or a path to a checkpoint file."""
+    """A bundled model name (demo-soft, demo-hard, demo-zh) or a path to a checkpoint file."""
     name = str(weights or DEFAULT_WEIGHTS)
     if name in BUNDLED:
         path = BUNDLED_DIR / BUNDLED[name]
@@ -97,6 +97,14 @@ class Captioner:
         """True for a model that has seen the synthetic shapes and nothing else."""
         return self.bundled or (self.training_data or "").startswith(SYNTHETIC_SHAPES)
 
+    @property
+    def max_len(self) -> int:
+        """The longest caption, in tokens, the model was trained on (``meta["max_caption_len"]``):
+        the length limit of decoding unless one is asked for. 20 where the checkpoint does not
+        say (the English demos); a Chinese model counts characters, about twice as many."""
+        n = self.meta.get("max_caption_len")
+        return n if isinstance(n, int) and n > 0 else DecodeOptions.max_len
+
     def notice(self) -> str | None:
         """One sentence for the user of a shapes-only model (the demos); None for others."""
         if not self.shapes_only:
@@ -135,7 +143,11 @@ class Captioner:
             model.load_state_dict(ckpt["state_dict"])
         except RuntimeError as e:
             raise CheckpointError(f"checkpoint weights do not fit its own config: {e}") from e
-        vocab = Vocabulary(list(ckpt["vocab"]))
+        try:
+            tokenizer = tokenizer_named(ckpt.get("tokenizer", DEFAULT_TOKENIZER))
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint names an {e}") from e
+        vocab = Vocabulary(list(ckpt["vocab"]), tokenizer)
         if len(vocab) != cfg.vocab_size:
             raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
@@ -151,7 +163,8 @@ class Captioner:
 
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
-                               vocab=self.vocab.to_list(), preprocess=self.preprocess.to_dict(),
+                               vocab=self.vocab.to_list(), tokenizer=self.vocab.tokenizer.name,
+                               preprocess=self.preprocess.to_dict(),
                                meta={**self.meta, **(meta or {})}, train_state=train_state)
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
@@ -180,7 +193,7 @@ class Captioner:
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
-                             heads)
+                             heads, text=self.vocab.join(words))
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,
                        max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:

@@ -10,6 +10,12 @@ differences from its ``COCOEvalCap`` driver:
   against java in the tests), so the scores are the official script's.
 - SPICE is left out: it needs a separate model download.
 
+Other languages are scored on the tokens of their data set's tokenizer (the one the
+model's vocabulary was built with): BLEU, ROUGE-L and CIDEr count n-grams of whatever
+tokens they are given, so on Chinese they are character n-gram scores (comparable only
+with other character-level figures). METEOR matches English stems, synonyms
+and paraphrases: it is computed for the "ptb" tokenizer only.
+
 BLEU is corpus-level (clipped n-gram counts and lengths are summed over all images
 before the precision and brevity penalty are computed), as in the COCO evaluation;
 ROUGE-L is the mean over images; CIDEr's IDF weights come from the references passed in,
@@ -26,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .vocab import tokenize
+from .vocab import PTB, Tokenizer
 
 METRIC_NAMES: tuple[str, ...] = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
 
@@ -45,23 +51,26 @@ def java_available() -> bool:
 
 
 def caption_metrics(references: Mapping[int, Sequence[str]], candidates: Mapping[int, str],
-                    meteor: bool | None = None) -> dict[str, float]:
+                    meteor: bool | None = None, tokenizer: Tokenizer = PTB) -> dict[str, float]:
     """Score ``candidates`` (one caption per image id) against ``references`` (several per id).
 
     Both dicts must have the same image ids: a candidate with no references cannot be
     scored, and a reference image without a candidate usually means decoding skipped it.
-    ``meteor``: None runs METEOR when java is available, True requires it, False skips it.
+    ``meteor``: None runs METEOR when java is available and the captions are English
+    (``tokenizer`` "ptb"), True requires it, False skips it. ``tokenizer``: the data set's.
 
     Returns floats under the keys of :data:`METRIC_NAMES`, in that order ("METEOR" only
     when it ran).
     """
+    if meteor and tokenizer is not PTB:
+        raise ValueError(f"METEOR scores English only; these captions are tokenised as {tokenizer.name}")
     if meteor is None:
-        meteor = java_available()
+        meteor = tokenizer is PTB and java_available()
     elif meteor and not java_available():
         raise RuntimeError("METEOR needs java on PATH (it runs pycocoevalcap's meteor-1.5.jar); "
                            "install a Java runtime or pass meteor=False")
 
-    gts, res = _prepare(references, candidates)
+    gts, res = _prepare(references, candidates, tokenizer)
 
     # Imported where scoring needs it, not with this module.
     try:
@@ -109,8 +118,8 @@ def coco_results_json(candidates: Mapping[int, str]) -> list[dict[str, Any]]:
     return [{"image_id": int(image_id), "caption": caption} for image_id, caption in sorted(candidates.items())]
 
 
-def _prepare(references: Mapping[int, Sequence[str]],
-             candidates: Mapping[int, str]) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+def _prepare(references: Mapping[int, Sequence[str]], candidates: Mapping[int, str],
+             tokenizer: Tokenizer = PTB) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
     """Check the ids and tokenise both sides into pycocoevalcap's {id: [space-joined tokens]}."""
     if not candidates:
         raise ValueError("no candidates to score")
@@ -125,13 +134,13 @@ def _prepare(references: Mapping[int, Sequence[str]],
     gts: dict[int, list[str]] = {}
     res: dict[int, list[str]] = {}
     for image_id in sorted(candidates):
-        refs = [" ".join(tokenize(r)) for r in references[image_id]]
+        refs = [" ".join(tokenizer.tokenize(r)) for r in references[image_id]]
         # A reference with no words would make ROUGE-L match the empty string; drop it.
         refs = [r for r in refs if r]
         if not refs:
             raise ValueError(f"image {image_id} has no non-empty reference caption")
         gts[image_id] = refs
-        res[image_id] = [" ".join(tokenize(candidates[image_id]))]
+        res[image_id] = [" ".join(tokenizer.tokenize(candidates[image_id]))]
     return gts, res
 
 

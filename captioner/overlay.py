@@ -4,10 +4,17 @@ Overlays are drawn on the image the model saw: the whole image when its preproce
 resizes without cropping, else the centre crop (``Preprocess.seen``). Cell (r, c) of an
 H x W map then covers exactly rows r/H..(r+1)/H and columns c/W..(c+1)/W of that image.
 Maps are upsampled to the image's own size with that geometry, then smoothed.
+
+Labels use Pillow's own font, which has no Chinese or Japanese glyphs: a caption in those
+scripts is drawn with a font of the system that has them (:func:`cjk_font_file`; Debian's
+fonts-wqy-microhei or fonts-noto-cjk), never one fetched from elsewhere.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from functools import lru_cache
 
 import numpy as np
@@ -17,6 +24,7 @@ from PIL import Image, ImageChops, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
 from .decoding import CaptionResult
+from .vocab import has_cjk
 
 
 TINT = (255, 140, 26)  # warm orange at the peak of a map
@@ -118,7 +126,7 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
         for t, word in enumerate(result.words):
             panels.append((lit[t], f"{word}  beta {float(result.betas[t]):.2f}"))
         cols = min(columns, len(panels))
-    font = _font(max(12, panel // 14))
+    font = _font(max(12, panel // 14), cjk=has_cjk(result.caption + "".join(result.words)))
     label_h = font.size + 8 if hasattr(font, "size") else 20
     rows = -(-len(panels) // cols)
     pad = 6
@@ -161,7 +169,42 @@ def _fitted(draw: ImageDraw.ImageDraw, text: str, font, width: float) -> str:
     return text + "…"
 
 
-def _font(size: int):
+# Where Debian's packages put fonts with CJK glyphs, most compact first; fontconfig is asked
+# when none of them is there.
+CJK_FONT_FILES = (
+    "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc",  # fonts-wqy-microhei (5 MB)
+    "/usr/share/fonts/truetype/wqy/wqy-zenhei.ttc",  # fonts-wqy-zenhei
+    "/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc",  # fonts-noto-cjk
+    "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf",  # fonts-droid-fallback
+)
+
+
+@lru_cache(maxsize=1)
+def cjk_font_file() -> str | None:
+    """A font file with Chinese and Japanese glyphs: $CAPTIONER_CJK_FONT, one of
+    :data:`CJK_FONT_FILES`, or what fontconfig lists for Chinese; None when there is none."""
+    chosen = os.environ.get("CAPTIONER_CJK_FONT")
+    if chosen and os.path.isfile(chosen):
+        return chosen
+    for path in CJK_FONT_FILES:
+        if os.path.isfile(path):
+            return path
+    if shutil.which("fc-list"):
+        try:
+            listed = subprocess.run(["fc-list", ":lang=zh", "file"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        files = sorted(line.split(":")[0].strip() for line in listed.splitlines() if line.strip())
+        return files[0] if files else None
+    return None
+
+
+def _font(size: int, cjk: bool = False):
+    """Pillow's own font; for text with CJK characters a system font that has their glyphs
+    (Pillow's would draw each as the same empty box), when there is one."""
+    path = cjk_font_file() if cjk else None
+    if path is not None:
+        return ImageFont.truetype(path, size)
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow without scalable default font

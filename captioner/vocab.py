@@ -1,6 +1,16 @@
 """Vocabulary and tokenisation.
 
-Tokenisation is the COCO caption evaluation toolkit's, in pure Python: pycocoevalcap's
+A tokenizer is chosen per data set, by name, and recorded in the data set's split file and
+in the checkpoint (old checkpoints, which record none, are "ptb"):
+
+- ``ptb``: English, as the COCO caption evaluation toolkit tokenises (below);
+- ``chars``: Chinese and Japanese, which write no spaces between words: every Han, kana
+  or Hangul character is a token, a run of Latin letters or digits inside stays one
+  token ("T恤" -> "t", "恤"), punctuation goes; captions join back with no spaces;
+- ``whitespace``: other languages that put spaces between words: lower-cased words, with
+  the punctuation at their edges stripped.
+
+The PTB tokenisation is the COCO caption evaluation toolkit's, in pure Python: pycocoevalcap's
 PTBTokenizer runs Stanford's PTB tokenizer (java) lower-casing, then drops the tokens in
 its punctuation list. :func:`tokenize` gives the same tokens for captions (a table of
 tricky ones is checked against java in the tests), with nltk's TreebankWordTokenizer,
@@ -12,6 +22,7 @@ checkpoints as a plain list of strings.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -65,11 +76,109 @@ def _chunk_tokens(chunk: str) -> tuple[str, ...]:
     return tuple(t for t in tokens if t not in _DROPPED)
 
 
+# ------------------------------------------------------------------ tokenizers by name
+
+# Scripts written without spaces between words: kana, bopomofo, Hangul, the CJK
+# ideograph blocks (with extension A and the planes of extensions B onwards), compatibility
+# ideographs. Each such character is one token.
+_CJK = ("\u3040-\u30ff\u3100-\u312f\u31a0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
+        "\uf900-\ufaff\U00020000-\U0003134f")
+_CHAR_TOKEN = re.compile(f"[{_CJK}]|(?:(?![{_CJK}])[^\\W_])+")
+_IS_CJK = re.compile(f"[{_CJK}]")
+
+
+def has_cjk(text: str) -> bool:
+    """Whether ``text`` holds a character of a script written without spaces (Chinese,
+    Japanese, Korean): such text needs a font with CJK glyphs."""
+    return _IS_CJK.search(text) is not None
+
+
+class Tokenizer:
+    """Text -> tokens, and tokens -> the text a caption shows."""
+
+    name: str = ""
+
+    def tokenize(self, text: str) -> list[str]:
+        raise NotImplementedError
+
+    def join(self, tokens: Sequence[str]) -> str:
+        return " ".join(tokens)
+
+
+class PTBTokenizer(Tokenizer):
+    """English: the COCO evaluation toolkit's tokens (:func:`tokenize`)."""
+
+    name = "ptb"
+
+    def tokenize(self, text: str) -> list[str]:
+        return tokenize(text)
+
+
+class CharTokenizer(Tokenizer):
+    """Chinese, Japanese: one token per character of a script written without spaces.
+
+    Text is NFKC-normalised first (full-width "ＡＢＣ１" is "ABC1") and lower-cased.
+    """
+
+    name = "chars"
+
+    def tokenize(self, text: str) -> list[str]:
+        return _CHAR_TOKEN.findall(unicodedata.normalize("NFKC", text).lower())
+
+    def join(self, tokens: Sequence[str]) -> str:
+        """No space between characters; one between two Latin words or numbers ("iphone 12")."""
+        out: list[str] = []
+        for tok in tokens:
+            if out and not _IS_CJK.match(tok) and not _IS_CJK.match(out[-1][-1]):
+                out.append(" ")
+            out.append(tok)
+        return "".join(out)
+
+
+class WhitespaceTokenizer(Tokenizer):
+    """Languages that put spaces between words: lower-cased words, punctuation at their
+    edges stripped ("«бежит»," -> "бежит"), a word of punctuation alone dropped."""
+
+    name = "whitespace"
+
+    def tokenize(self, text: str) -> list[str]:
+        words = (_strip_punctuation(w) for w in unicodedata.normalize("NFC", text).lower().split())
+        return [w for w in words if w]
+
+
+def _strip_punctuation(word: str) -> str:
+    start, end = 0, len(word)
+    while start < end and unicodedata.category(word[start]).startswith("P"):
+        start += 1
+    while end > start and unicodedata.category(word[end - 1]).startswith("P"):
+        end -= 1
+    return word[start:end]
+
+
+PTB = PTBTokenizer()
+TOKENIZERS: dict[str, Tokenizer] = {t.name: t for t in (PTB, CharTokenizer(), WhitespaceTokenizer())}
+DEFAULT_TOKENIZER = PTB.name  # what a data set or checkpoint that names none was made with
+
+
+def tokenizer_named(name: str) -> Tokenizer:
+    """The tokenizer called ``name``; a ValueError naming the known ones otherwise."""
+    try:
+        return TOKENIZERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)} (ptb for English, "
+                         "chars for Chinese and Japanese, whitespace for other languages)") from None
+
+
+# -------------------------------------------------------------------------- vocabulary
+
+
 @dataclass
 class Vocabulary:
-    """Index <-> word mapping; indices 0..3 are the special tokens."""
+    """Index <-> word mapping; indices 0..3 are the special tokens. Its tokenizer turns a
+    caption into words, and words back into the caption shown."""
 
     words: list[str]
+    tokenizer: Tokenizer = PTB
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,19 +189,21 @@ class Vocabulary:
         self._index = {w: i for i, w in enumerate(self.words)}
 
     @classmethod
-    def build(cls, captions: Iterable[str], min_count: int = 5, max_size: int | None = None) -> "Vocabulary":
+    def build(cls, captions: Iterable[str], min_count: int = 5, max_size: int | None = None,
+              tokenizer: Tokenizer = PTB) -> "Vocabulary":
         """Words seen at least ``min_count`` times, most frequent first (ties alphabetical)."""
-        return cls.from_counts(Counter(tok for caption in captions for tok in tokenize(caption)),
-                               min_count=min_count, max_size=max_size)
+        return cls.from_counts(Counter(tok for caption in captions for tok in tokenizer.tokenize(caption)),
+                               min_count=min_count, max_size=max_size, tokenizer=tokenizer)
 
     @classmethod
-    def from_counts(cls, counts: Counter, min_count: int = 5, max_size: int | None = None) -> "Vocabulary":
+    def from_counts(cls, counts: Counter, min_count: int = 5, max_size: int | None = None,
+                    tokenizer: Tokenizer = PTB) -> "Vocabulary":
         """Words counted at least ``min_count`` times, most frequent first (ties alphabetical)."""
         kept = sorted((w for w, c in counts.items() if c >= min_count and w not in SPECIALS),
                       key=lambda w: (-counts[w], w))
         if max_size is not None:
             kept = kept[: max(0, max_size - len(SPECIALS))]
-        return cls(list(SPECIALS) + kept)
+        return cls(list(SPECIALS) + kept, tokenizer)
 
     def __len__(self) -> int:
         return len(self.words)
@@ -121,7 +232,7 @@ class Vocabulary:
 
     def encode(self, caption: str | Sequence[str], max_len: int | None = None) -> list[int]:
         """<start> w1 .. wn <end>, with at most ``max_len`` words (the end token is always kept)."""
-        tokens = tokenize(caption) if isinstance(caption, str) else list(caption)
+        tokens = self.tokenizer.tokenize(caption) if isinstance(caption, str) else list(caption)
         if max_len is not None:
             tokens = tokens[:max_len]
         return [self.start] + [self.index(t) for t in tokens] + [self.end]
@@ -137,6 +248,10 @@ class Vocabulary:
                 continue
             out.append(self.words[i])
         return out
+
+    def join(self, words: Sequence[str]) -> str:
+        """The caption these words make, as its language writes it (no spaces in Chinese)."""
+        return self.tokenizer.join(words)
 
     def to_list(self) -> list[str]:
         return list(self.words)

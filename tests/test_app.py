@@ -629,3 +629,13 @@ def test_a_file_taken_without_its_callback_leaves_a_fresh_uploader(app, monkeypa
     assert app.file_uploader[0].value is None  # a fresh uploader, holding nothing
     app.file_uploader[0].set_value(("second.png", _png(seed=22), "image/png")).run()
     assert _details(app).startswith("second.png · ")
+
+
+def test_the_model_card_counts_a_chinese_vocabulary_in_characters():
+    from captioner.app.streamlit_app import model_details
+    from captioner.vocab import Vocabulary, tokenizer_named
+
+    cap = tiny_captioner()
+    assert "words" in model_details(cap) and "characters" not in model_details(cap)
+    cap.vocab = Vocabulary(cap.vocab.words, tokenizer_named("chars"))
+    assert f"{len(cap.vocab):,} characters" in model_details(cap)

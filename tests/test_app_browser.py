@@ -222,6 +222,34 @@ def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_pat
         context.close()
 
 
+@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-zh"]).is_file(),
+                    reason="the bundled Chinese demo model is not installed")
+def test_the_chinese_demo_captions_in_chinese_in_the_browser(browser, server, tmp_path):
+    """demo-zh picked in the sidebar: the first example's caption in Chinese characters without
+    spaces, its word picker one character a pill. The screenshot is docs/app-demo-zh.png."""
+    import re
+
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(90_000)
+        page.goto(server)
+        page.get_by_text(" · demo-soft · beam ").wait_for()
+        page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
+        page.get_by_role("option", name="demo-zh", exact=True).click()
+        page.get_by_text(" · demo-zh · beam ").wait_for()
+        _wait_idle(page)
+        caption = page.locator(".st-key-caption").inner_text().strip()
+        assert re.fullmatch(r"[\u4e00-\u9fff]{6,}", caption), caption  # characters, no spaces
+        page.locator("label.cell").first.wait_for()
+        page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
+        shot = Path(os.environ.get("CAPTIONER_DEMO_ZH_SCREENSHOT") or tmp_path / "app-demo-zh.png")
+        _screenshot(page, shot)
+        print(f"screenshot: {shot}")
+        assert shot.stat().st_size > 10_000
+    finally:
+        context.close()
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 
 

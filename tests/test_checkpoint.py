@@ -177,3 +177,44 @@ def test_a_pytorch_file_of_another_program_is_told_apart(tmp_path):
     torch.save({"fc.weight": torch.zeros(2, 2)}, path)
     with pytest.raises(CheckpointError, match=r"is not a captioner checkpoint \(a PyTorch file"):
         load_checkpoint(path)
+
+
+def chinese_captioner() -> Captioner:
+    """tiny_captioner with a character vocabulary of the same size."""
+    from captioner.vocab import SPECIALS, Vocabulary, tokenizer_named
+
+    cap = tiny_captioner(seed=3)
+    chars = "一个红色的大圆形蓝小三角"[: len(cap.vocab) - len(SPECIALS)]
+    cap.vocab = Vocabulary(list(SPECIALS) + list(chars), tokenizer_named("chars"))
+    return cap
+
+
+def test_the_checkpoint_records_its_tokenizer_and_captions_join_as_the_language_writes(tmp_path):
+    cap = chinese_captioner()
+    path = tmp_path / "zh.pt"
+    cap.save(path)
+    raw = torch.load(path, weights_only=True)
+    assert raw["tokenizer"] == "chars"  # plain data
+    again = Captioner.load(path)
+    assert again.vocab.tokenizer.name == "chars"
+    result = again.caption(tiny_image(0), DecodeOptions(beam_size=2, max_len=6))
+    assert result.words and all(len(w) == 1 for w in result.words)
+    assert result.caption == "".join(result.words)  # no spaces between characters
+    assert result.to_json()["caption"] == result.caption
+
+
+def test_checkpoints_without_a_tokenizer_are_ptb(tmp_path):
+    for name in ("demo-soft", "demo-hard"):
+        cap = Captioner.load(name)
+        assert cap.vocab.tokenizer.name == "ptb"
+        result = cap.caption(tiny_image(1), DecodeOptions(beam_size=1, max_len=5))
+        assert result.caption == " ".join(result.words)
+
+
+def test_a_checkpoint_naming_an_unknown_tokenizer_is_refused_in_one_line(tmp_path):
+    ckpt = tiny_captioner().checkpoint()
+    ckpt["tokenizer"] = "mecab"
+    path = tmp_path / "odd.pt"
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointError, match="unknown tokenizer 'mecab'"):
+        Captioner.load(path)

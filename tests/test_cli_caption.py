@@ -296,3 +296,22 @@ def test_the_python_api_takes_a_path_a_pil_image_of_any_mode_or_an_array(tmp_pat
                                                                                       options).words
     with pytest.raises(ImageTooLargeError):
         cap.caption(rgb, options, max_pixels=100)
+
+
+def test_the_default_length_limit_is_the_models_own(tmp_path, capsys):
+    """A model says how long its training captions were (a Chinese one counts characters, about
+    twice its words); caption and evaluate decode up to that unless --max-len says otherwise."""
+    import json
+
+    from tiny import tiny_captioner, tiny_image
+
+    cap = tiny_captioner(seed=5)
+    image = tmp_path / "x.png"
+    tiny_image(0).save(image)
+    assert len(cap.caption(tiny_image(0)).words) == 2  # this model's caption at the old default of 20
+    cap.meta["max_caption_len"] = 1
+    cap.save(tmp_path / "short.pt")
+    assert main(["caption", str(image), "--weights", str(tmp_path / "short.pt"), "--quiet"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["words"]) == 1
+    assert main(["caption", str(image), "--weights", str(tmp_path / "short.pt"), "--max-len", "5", "--quiet"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["words"]) == 2

@@ -89,3 +89,25 @@ def test_demo_hard_looks_through_demo_softs_frozen_encoder():
     encoder = [k for k in soft if k.startswith("encoder.")]
     assert encoder and all(torch.equal(soft[k], hard[k]) for k in encoder)
     assert not all(torch.equal(soft[k], hard[k]) for k in soft if k not in encoder)
+
+
+def test_demo_zh_captions_in_chinese_through_demo_softs_frozen_encoder():
+    """demo-zh is trained as train/configs/shapes-zh-soft.toml says: a Chinese decoder over
+    demo-soft's frozen encoder. It names the example's shapes in Chinese, without spaces."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    from captioner.data.shapes import english_words
+    from captioner.grounding import parse_mentions
+
+    soft = Captioner.load("demo-soft").model.state_dict()
+    zh = Captioner.load("demo-zh")
+    encoder = [k for k in soft if k.startswith("encoder.")]
+    assert encoder and all(torch.equal(soft[k], zh.model.state_dict()[k]) for k in encoder)
+    assert zh.vocab.tokenizer.name == "chars" and zh.max_len == 40 and zh.bundled and NOTE in zh.notice()
+    image = Image.open(Path(__file__).parent.parent / "app" / "examples" / "three-shapes.png")
+    result = zh.caption(image, inference.DecodeOptions(beam_size=3, max_len=zh.max_len))
+    assert " " not in result.caption and result.caption == "".join(result.words)
+    mentions = parse_mentions(english_words(result.words)[0])
+    assert len(mentions) == 3 and all(m.color is not None for m in mentions), result.caption

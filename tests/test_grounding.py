@@ -256,3 +256,16 @@ def test_a_box_outside_the_crop_is_not_scored_but_counted_apart() -> None:
     assert summary["alpha_mass_in_box"] == pytest.approx(1 / 16)  # the unseen words' zeros are not in it
     whole, _ = evaluate_caption(words, maps, image)  # no crop: every box is in view
     assert all(r.seen for r in whole) and len(whole) == 4
+
+
+def test_a_chinese_caption_points_with_the_map_of_each_words_first_character() -> None:
+    # "红色" is chosen at step 2 (红), "圆形" at 5 (圆), "蓝色" at 10, "正方形" at 13 (正).
+    words = list("一个红色的圆形和一个蓝色的正方形")
+    cells = [(1, 1)] * len(words)
+    cells[2], cells[5] = (0, 0), (0, 0)  # 红, 圆: the red circle's quadrant
+    cells[10], cells[13] = (1, 1), (0, 1)  # 蓝: the blue square's; 正: elsewhere
+    image = ImageObjects(1, "x.png", 64, 64, [RED_CIRCLE, BLUE_SQUARE])
+    records, accuracy = evaluate_caption(words, _peaked(len(words), cells), image)
+    assert accuracy["exact_color_shape"] and accuracy["n_mentions"] == 2
+    assert [(r.word, r.hit) for r in records] == [("red", True), ("circle", True), ("blue", True),
+                                                   ("square", False)]

@@ -118,3 +118,24 @@ def test_coco_results_json() -> None:
         {"image_id": 3, "caption": "a dog"},
         {"image_id": 7, "caption": "a cat"},
     ]
+
+
+def test_chinese_is_scored_on_characters() -> None:
+    from captioner.vocab import tokenizer_named
+
+    refs = {1: ["一个红色的圆形", "红色的大圆形"], 2: ["一个蓝色的小方形", "蓝色方形"]}
+    cands = {1: "红色的圆形", 2: "一个蓝色的方形"}
+    chars = caption_metrics(refs, cands, meteor=False, tokenizer=tokenizer_named("chars"))
+    # Whole captions as single "words" (the PTB tokenizer on text without spaces) share nothing.
+    assert caption_metrics(refs, cands, meteor=False)["BLEU-1"] < 1e-6
+    assert chars["BLEU-1"] > 0.8 and chars["BLEU-4"] > 0.3 and chars["CIDEr"] > 0.5
+
+
+def test_meteor_is_english_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from captioner.vocab import tokenizer_named
+
+    monkeypatch.setattr(metrics, "java_available", lambda: True)
+    refs, cands = {1: ["红色的圆形"]}, {1: "红色的圆形"}
+    assert "METEOR" not in caption_metrics(refs, cands, tokenizer=tokenizer_named("chars"))  # skipped, not run
+    with pytest.raises(ValueError, match="English"):
+        caption_metrics(refs, cands, meteor=True, tokenizer=tokenizer_named("chars"))

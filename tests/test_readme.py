@@ -58,7 +58,7 @@ def test_links_lead_to_files_that_exist():
 
 
 def test_the_readme_reads_in_minutes():
-    assert len(README.split()) < 2500
+    assert len(README.split()) < 2600  # 2,500 before the section on own images and languages
     assert "### Train on COCO" in README  # the place the COCO and Flickr8k instructions go
 
 

@@ -420,3 +420,13 @@ def test_an_scst_section_the_objective_cannot_use_is_refused_when_the_config_loa
     with pytest.raises(ValueError, match=message):
         tiny_train_config(tmp_path, **dict([setting.split("=")]))
     assert tiny_train_config(tmp_path, **{"scst.samples": 1, "scst.baseline": "greedy"}).scst.samples == 1
+
+
+def test_cider_d_of_chinese_counts_characters():
+    from captioner.vocab import tokenizer_named
+
+    corpus = [["一个红色的圆形", "红色的大圆形"], ["一个蓝色的方形", "蓝色的小方形"], ["绿色的星形", "一个绿色的星形"]]
+    chars = CiderD(corpus, tokenizer=tokenizer_named("chars"))
+    refs = chars.references(corpus[0])
+    assert chars.score("红色的圆形", refs) > chars.score("红色的方形", refs) > chars.score("蓝色的方形", refs)
+    assert chars.score("红 色 的 圆 形", refs) == chars.score("红色的圆形", refs)  # words joined as SCST joins them

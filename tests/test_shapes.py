@@ -146,3 +146,65 @@ def test_pixels_match_boxes(dataset: Path) -> None:
             covered[y:y + h, x:x + w] = True
         # Outside the boxes there is only dark background.
         assert pixels[~covered].max() < 100
+
+
+# ------------------------------------------------------------------------------ Chinese
+
+@pytest.fixture(scope="module")
+def chinese(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shapes-zh")
+    generate_dataset(out, COUNTS, seed=3, language="zh", top_to_bottom=True)
+    return out
+
+
+def test_chinese_shapes_are_the_same_images_and_objects_with_chinese_captions(dataset: Path, chinese: Path) -> None:
+    files, zh = _files(dataset), _files(chinese)
+    assert {k: v for k, v in files.items() if k.startswith("images")} == \
+        {k: v for k, v in zh.items() if k.startswith("images")}
+    assert _load(dataset, "instances", "train")["annotations"] == _load(chinese, "instances", "train")["annotations"]
+    caps = _load(chinese, "captions", "train")
+    assert caps["info"]["tokenizer"] == "chars" and caps["info"]["description"].startswith("synthetic shapes")
+    texts = [a["caption"] for a in caps["annotations"]]
+    assert all(not any(c.isascii() and c.isalpha() for c in t) for t in texts)
+    assert len(texts) == 5 * COUNTS["train"]
+    assert len(set(texts)) > 0.8 * len(texts)  # several phrasings, as the English ones have
+    assert any("的大" in t for t in texts) and any("从左到右" in t for t in texts)
+
+
+def test_every_chinese_caption_parses_to_its_objects_and_true_relations(chinese: Path) -> None:
+    from captioner.data.shapes import english_words
+    from captioner.grounding import object_accuracy, relation_accuracy
+    from captioner.vocab import tokenizer_named
+
+    chars = tokenizer_named("chars")
+    objects = load_shape_objects(chinese / "instances_train.json")
+    relations = 0
+    for ann in _load(chinese, "captions", "train")["annotations"]:
+        image = objects[ann["image_id"]]
+        words, steps = english_words(chars.tokenize(ann["caption"]))
+        accuracy = object_accuracy(words, image.objects)
+        assert accuracy["exact_color_shape"] and accuracy["exact_full"], ann["caption"]
+        stated = relation_accuracy(words, image.objects)
+        assert stated["relations_true"] == stated["n_relations_named"] == stated["n_relations"], ann["caption"]
+        relations += stated["n_relations"]
+        assert steps == sorted(steps)  # each English word at the step of its first character
+    assert relations > 10
+
+
+def test_english_words_keep_each_words_first_character_step() -> None:
+    from captioner.data.shapes import english_words
+
+    words, steps = english_words(list("一个红色的大圆形在一个蓝色的三角形的左边"))
+    assert words == ["一", "个", "red", "large", "circle", "在", "一", "个", "blue", "triangle", "left"]
+    assert steps == [0, 1, 2, 5, 6, 8, 9, 10, 11, 14, 18]
+    assert english_words(["a", "red", "circle"]) == (["a", "red", "circle"], [0, 1, 2])
+
+
+def test_shapes_command_writes_chinese_captions_that_name_their_tokenizer(tmp_path: Path) -> None:
+    from captioner.cli import main as captioner_main
+    from captioner.data.coco import dataset_tokenizer
+
+    assert captioner_main(["shapes", "--out", str(tmp_path), "--train", "2", "--val", "0", "--test", "1",
+                           "--language", "zh"]) == 0
+    assert dataset_tokenizer(tmp_path) == "chars" and dataset_tokenizer(tmp_path, split="test") == "chars"
+    assert "形" in _load(tmp_path, "captions", "test")["annotations"][0]["caption"]

@@ -62,7 +62,7 @@ def test_the_variants_state_only_what_differs_from_their_base():
     assert {name: raw.get("base") for name, raw in variants.items() if "base" in raw} == {
         "shapes-mean": "shapes-soft.toml", "shapes-hard": "shapes-soft.toml",
         "shapes-hard-scratch": "shapes-soft.toml", "shapes-scst": "shapes-soft.toml",
-        "shapes-soft-frozen": "shapes-soft.toml",
+        "shapes-soft-frozen": "shapes-soft.toml", "shapes-zh-soft": "shapes-soft.toml",
         "coco-vgg19-hard": "coco-vgg19-soft.toml", "coco-vgg19-scst": "coco-vgg19-soft.toml",
         "flickr8k-vgg19-soft": "coco-vgg19-soft.toml"}
     for name, raw in variants.items():

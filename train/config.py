@@ -64,6 +64,8 @@ class DataConfig:
     # Shapes only: add a "from top to bottom: ..." caption to the templates of images with two
     # or three objects (the test sets' generator leaves it out; docs/attention-comparison.md).
     shapes_top_to_bottom: bool = False
+    # Shapes only: the captions' language, "en" or "zh" (Chinese; the same images and objects).
+    shapes_language: Literal["en", "zh"] = "en"
 
     @property
     def split_file(self) -> Path | None:

@@ -1,4 +1,11 @@
-"""``captioner data check --config FILE``: is the data of a training config all there?
+"""``captioner data import SOURCE --out DIR``: own images and captions into a data set;
+``captioner data check --config FILE``: is the data of a training config all there?
+
+Import reads a CSV/TSV file, a JSON Lines file or a folder of images with sidecar .txt
+captions (``captioner.data.own``), checks that every image exists and decodes, and writes
+``DIR/dataset.json`` (Karpathy's format, images left in place, a seeded train/val/test
+draw, the tokenizer's name). Exit 0 written, 1 images missing or unreadable (nothing
+written; ``--skip-unreadable`` leaves them out), 2 a source that cannot be read.
 
 Reads the config's split file or annotations, checks that every image exists and decodes
 (worker processes, progress bar), and prints what a run would train on: images per split,
@@ -15,17 +22,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from captioner.data.coco import (
     ImageRecord,
     SplitNotFoundError,
     build_vocab,
+    dataset_tokenizer,
     load_split,
     load_splits,
     require_images,
     training_captions,
 )
+
+from captioner.vocab import tokenizer_named
 
 from .config import TrainConfig, load_config
 from .datainfo import summary_lines
@@ -57,9 +68,11 @@ def require_data(cfg: TrainConfig) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="check a data set before training on it",
-                       description="Data set tools. `data check --config FILE` checks that the data of a "
-                                   "training config is complete and readable.")
+    p = sub.add_parser("data", help="import own images and captions; check a data set before training on it",
+                       description="Data set tools. `data import SOURCE --out DIR` turns own images and captions "
+                                   "(CSV/TSV, JSON Lines, or a folder with .txt captions) into a data set; "
+                                   "`data check --config FILE` checks that the data of a training config is "
+                                   "complete and readable.")
     _add_subcommands(p)
 
 
@@ -81,6 +94,147 @@ def _add_subcommands(p: argparse.ArgumentParser) -> None:
                         "per CPU core)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_check)
+    _add_import(sub)
+
+
+def _count_or_share(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not (x >= 0 and (x < 1 or x == int(x))):
+        raise argparse.ArgumentTypeError(f"give a count (0, 1, 2, ...) or a share below 1 (0.1), got {value}")
+    return x
+
+
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    from captioner.data.own import CAPTION_KEYS, CAPTION_LIST_KEYS, FORMATS, IMAGE_KEYS
+    from captioner.vocab import TOKENIZERS
+
+    c = sub.add_parser(
+        "import", help="turn own images and captions (CSV/TSV, JSON Lines, folder + .txt) into a data set",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="\n\n".join([
+            _wrapped("Turn own images and captions into a data set that `data check`, `train` and `evaluate` "
+                     "read as they read COCO (with --set data.dir=DIR, or --data DIR)."),
+            "SOURCE is one of:\n"
+            "  a CSV or TSV file with a header: an image column and a caption column, several rows per\n"
+            f"    image allowed (usual names: {', '.join(IMAGE_KEYS[:4])}; {', '.join(CAPTION_KEYS[:2])})\n"
+            "  a JSON Lines file: one object per line with an image (image, file_name) and caption/text\n"
+            "    or a list captions (the metadata.jsonl of image-folder data sets)\n"
+            "  a folder of images, each with a .txt file of the same name beside it (photo.jpg +\n"
+            "    photo.txt), one caption per line",
+            _wrapped("Image paths are relative to the source file's folder unless absolute. Rows of one image are "
+                     "merged; empty captions are dropped (counted). Every image is checked to exist and decode. "
+                     "Writes DIR/dataset.json in Karpathy's split format: the images stay where they are, split "
+                     "into train/val/test by a seeded draw, with the tokenizer recorded (training puts it in the "
+                     "checkpoint). Captions in any language, UTF-8."),
+            _wrapped("Exit code: 0 written; 1 images missing or unreadable (up to 10 named, nothing written; "
+                     "--skip-unreadable leaves them out); 2 a source that cannot be read (not UTF-8, no image "
+                     "or caption column, ...), said in one line.")]))
+    c.add_argument("source", type=Path, metavar="SOURCE", help="CSV/TSV file, JSON Lines file, or folder")
+    c.add_argument("--out", type=Path, required=True, metavar="DIR",
+                   help="folder for dataset.json (missing folders are made; an older dataset.json is replaced)")
+    c.add_argument("--format", choices=FORMATS, default=None,
+                   help="the source's format (default: from its name: a folder, .jsonl, .tsv, else CSV)")
+    c.add_argument("--image-column", default=None, metavar="NAME",
+                   help=f"CSV/TSV column or JSON key of the image (default: the first of {', '.join(IMAGE_KEYS)})")
+    c.add_argument("--caption-column", default=None, metavar="NAME",
+                   help="CSV/TSV column or JSON key of the caption, or of a list of captions (default: the first "
+                        f"of {', '.join(CAPTION_KEYS + CAPTION_LIST_KEYS)})")
+    c.add_argument("--tokenizer", choices=tuple(TOKENIZERS), default=None,
+                   help="how captions split into tokens: ptb (English, the COCO toolkit's), chars (Chinese, "
+                        "Japanese: one token per character), whitespace (other languages). Default: chars when "
+                        "most captions hold Chinese or Japanese characters, ptb when they are ASCII, else "
+                        "whitespace")
+    c.add_argument("--val", type=_count_or_share, default=None, metavar="N",
+                   help="validation images: a count, or a share below 1 (default 10%%, at least 1)")
+    c.add_argument("--test", type=_count_or_share, default=None, metavar="N",
+                   help="test images: a count, or a share below 1 (default 10%%, at least 1)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the split draw (default 0)")
+    c.add_argument("--name", default=None,
+                   help="the data set's name, shown on the model card (default: the source's name)")
+    c.add_argument("--skip-unreadable", action="store_true",
+                   help="leave missing or undecodable images out (counted) instead of stopping")
+    c.add_argument("--workers", type=int, default=2, help="image-decoding worker processes (default 2)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_import)
+
+
+MAX_NAMED = 10  # unusable images named by import; the rest are counted
+
+
+def _wrapped(text: str) -> str:
+    """A paragraph of --help (raw formatting keeps the source list's lines) cut to lines."""
+    return textwrap.fill(text, width=92)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from captioner.cli import EXIT_SOME_FAILED, UsageError, make_folders
+    from captioner.data.check import unreadable_images
+    from captioner.data.own import SourceError, draw_splits, guess_tokenizer, read_source, split_sizes, write_dataset
+    from captioner.images import Preprocess
+    from captioner.vocab import tokenizer_named
+
+    try:
+        source = read_source(args.source, args.format, args.image_column, args.caption_column)
+    except SourceError as e:
+        raise UsageError(str(e)) from e
+    except OSError as e:
+        raise UsageError(f"cannot read {args.source}: {e.strerror or e}") from e
+    if not source.images:
+        raise UsageError(f"{args.source}: no images with captions found")
+    problems = unreadable_images([im.path for im in source.images], Preprocess(size=(32, 32)),
+                                 workers=max(0, args.workers), progress=not args.quiet)
+    if problems and not args.skip_unreadable:
+        print(f"{len(problems):,} of {len(source.images):,} images cannot be used:")
+        for path, reason in list(problems.items())[:MAX_NAMED]:
+            print(f"  {path}: {reason}")
+        if len(problems) > MAX_NAMED:
+            print(f"  ... and {len(problems) - MAX_NAMED:,} more")
+        print("nothing written: fix the paths, or pass --skip-unreadable to leave these images out")
+        return EXIT_SOME_FAILED
+    images = [im for im in source.images if im.path not in problems and im.captions]
+    no_caption = sum(1 for im in source.images if im.path not in problems and not im.captions)
+    captions = [c for im in images for c in im.captions]
+    tokenizer = args.tokenizer or guess_tokenizer(captions)
+    try:
+        n_val, n_test = split_sizes(len(images), args.val, args.test)
+    except SourceError as e:
+        raise UsageError(str(e)) from e
+    splits = draw_splits(len(images), n_val, n_test, args.seed)
+    make_folders(args.out)
+    name = args.name or (args.source.name if source.format == "folder" else args.source.stem)
+    path = write_dataset(args.out, images, splits, tokenizer, name)
+
+    columns = f" (image: {source.columns[0]!r}, caption: {source.columns[1]!r})" if source.columns else ""
+    print(f"read {args.source} as {source.format}{columns}: {source.rows:,} rows")
+    left_out = [(source.empty_captions, "empty caption", "empty captions", "dropped"),
+                (no_caption, "image with only empty captions", "images with only empty captions", "left out"),
+                (source.without_captions, "image without a caption file", "images without a caption file",
+                 "left out"),
+                (len(problems), "unreadable image", "unreadable images", "left out")]
+    for n, one, many, verb in left_out:
+        if n:
+            print(f"  {n:,} {one if n == 1 else many} {verb}")
+    print(f"{len(images):,} images, {len(captions):,} captions ({len(captions) / len(images):.1f} per image): "
+          f"train {splits.count('train'):,}, val {n_val:,}, test {n_test:,} (seed {args.seed})")
+    why = "chosen with --tokenizer" if args.tokenizer else "chosen from the captions; --tokenizer sets another"
+    example = tokenizer_named(tokenizer).tokenize(captions[0])
+    print(f"tokenizer: {tokenizer} ({why}); e.g. {captions[0]!r} -> {' | '.join(example[:12])}"
+          f"{' ...' if len(example) > 12 else ''}")
+    print(f"wrote {path}")
+    print(f"next: captioner train --config {_shown(Path(__file__).parent / 'configs' / 'own-soft.toml')} "
+          f"--set data.dir={args.out}")
+    return 0
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working folder when it lies inside it."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -94,8 +248,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(str(e)) from e
     d = cfg.data
-    kept = training_captions(splits[d.train_split], d.max_caption_len)
-    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
+    try:
+        tokenizer = tokenizer_named(dataset_tokenizer(d.dir, d.split_file, d.train_split))
+    except ValueError as e:
+        raise UsageError(f"{d.split_file or d.dir} names an {e}") from e
+    kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
+    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
+                        tokenizer=tokenizer)
     for line in summary_lines(d, splits, len(vocab), kept):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})

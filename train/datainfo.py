@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from captioner.data.coco import ImageRecord, TrainingCaptions
+from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, TrainingCaptions, dataset_tokenizer
 from captioner.inference import SYNTHETIC_SHAPES
 
 from .config import DataConfig
@@ -60,6 +60,8 @@ def training_data_name(d: DataConfig) -> str:
         return SYNTHETIC_SHAPES
     if d.split_file is not None:
         dataset = _karpathy_dataset(d.split_file)
+        if d.split_file.name == OWN_SPLIT_FILE:  # what `captioner data import` wrote: a seeded split of its own
+            return f"{dataset or folder.resolve().name} (own data)"
         return KARPATHY_DATASETS.get(dataset.lower(), f"{dataset or d.split_file.stem}, Karpathy split")
     name = re.sub(r"\s+dataset\b", "", description, flags=re.I).strip() or folder.resolve().name
     return f"{name}, split {d.train_split}"
@@ -89,7 +91,10 @@ def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab_siz
             line += f"; {_count(unreadable[name], 'unreadable image')} left out"
         lines.append(line)
     limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
-    lines.append(f"vocabulary: {vocab_size:,} words (min_count {d.min_count}{limit}, with 4 special tokens)")
+    tokenizer = dataset_tokenizer(d.dir, d.split_file, d.train_split)
+    tokens = {"chars": "characters", "whitespace": "words split at spaces"}.get(tokenizer, "words")
+    lines.append(f"vocabulary: {vocab_size:,} {tokens} (tokenizer {tokenizer}, min_count {d.min_count}{limit}, "
+                 "with 4 special tokens)")
     return lines
 
 

@@ -142,7 +142,7 @@ class CachedCaptionDataset(Dataset):
             raise ValueError(f"feature cache has {len(cache)} rows for {len(records)} images")
         self.cache = cache
         # captions over max_len words left out, not cut; ``captions``: the caller's, if computed already
-        kept = captions if captions is not None else training_captions(records, max_len)
+        kept = captions if captions is not None else training_captions(records, max_len, vocab.tokenizer)
         self.too_long = kept.too_long
         self.items = [(i, vocab.encode(tokens)) for i, tokens in kept.items]
 

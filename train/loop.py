@@ -43,7 +43,7 @@ from .datainfo import summary_lines, training_data_name
 from .losses import LossParts
 from .objectives import Objective, choose_objective
 from .precision import MixedPrecision
-from .startup import StartupError, build_model, on_main, prepare_data, readable_splits, take_back
+from .startup import StartupError, build_model, data_tokenizer, on_main, prepare_data, readable_splits, take_back
 
 
 class RunWriteError(Exception):
@@ -346,8 +346,9 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
     ctx.barrier()
 
     preprocess, splits, left_out = readable_splits(cfg, ctx, progress)
-    kept = training_captions(splits[d.train_split], d.max_caption_len)
-    model, vocab = build_model(cfg, splits[d.train_split], kept, ckpt, ctx.device)
+    tokenizer = data_tokenizer(cfg, ckpt)
+    kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
+    model, vocab = build_model(cfg, splits[d.train_split], kept, ckpt, ctx.device, tokenizer)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
 
@@ -362,6 +363,7 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
                                  ctx)
     average = WeightAverage(model, o.ema) if o.ema else None
     meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
+            "max_caption_len": d.max_caption_len,  # decoding's default length limit (Captioner.max_len)
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, splits=splits,
                left_out=left_out, kept=kept, model=model, captioner=Captioner(model, vocab, preprocess),

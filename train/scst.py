@@ -174,7 +174,7 @@ class ScstObjective:
         self.cfg = cfg
         self.vocab = vocab
         self.references = [list(r) for r in references]
-        self.cider = CiderD(self.references)
+        self.cider = CiderD(self.references, tokenizer=vocab.tokenizer)  # the data set's tokens
         self.generator = torch.Generator(device=device).manual_seed(1_000_003 * (seed + 1) + rank)
 
     def state_dict(self) -> dict:

@@ -19,13 +19,13 @@ import torch
 
 import captioner
 from captioner.checkpoint import CheckpointError, load_checkpoint
-from captioner.data.coco import ImageRecord, TrainingCaptions, build_vocab, load_splits
+from captioner.data.coco import ImageRecord, TrainingCaptions, build_vocab, dataset_tokenizer, load_splits
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from captioner.inference import BUNDLED, resolve_weights
 from captioner.model import CaptionModel, ModelConfig
-from captioner.vocab import SPECIALS, Vocabulary
+from captioner.vocab import DEFAULT_TOKENIZER, PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 
 from .config import DataConfig, TrainConfig, grounding_metrics, model_config
 
@@ -143,7 +143,7 @@ def prepare_data(cfg: TrainConfig) -> None:
         print(f"generating the shapes dataset in {d.dir}", file=sys.stderr)
         generate_dataset(Path(d.dir), {d.train_split: d.shapes_train, d.val_split: d.shapes_val},
                          seed=d.shapes_seed, image_size=d.shapes_image_size, progress=True,
-                         top_to_bottom=d.shapes_top_to_bottom)
+                         top_to_bottom=d.shapes_top_to_bottom, language=d.shapes_language)
 
 
 def readable_splits(cfg: TrainConfig, ctx: DistContext,
@@ -167,17 +167,31 @@ def readable_splits(cfg: TrainConfig, ctx: DistContext,
     return preprocess, readable, left_out
 
 
+def data_tokenizer(cfg: TrainConfig, ckpt: dict | None = None) -> Tokenizer:
+    """The tokenizer a run trains with: the checkpoint's when resuming, else the one its data
+    set names (the split file's or the captions file's; "ptb" when none)."""
+    d = cfg.data
+    name = (ckpt.get("tokenizer", DEFAULT_TOKENIZER) if ckpt is not None
+            else dataset_tokenizer(d.dir, d.split_file, d.train_split))
+    try:
+        return tokenizer_named(name)
+    except ValueError as e:
+        raise StartupError(f"{d.split_file or d.dir} names an {e}") from e
+
+
 def build_model(cfg: TrainConfig, train_records: list[ImageRecord], kept: TrainingCaptions, ckpt: dict | None,
-                 device: torch.device) -> tuple[CaptionModel, Vocabulary]:
+                 device: torch.device, tokenizer: Tokenizer = PTB) -> tuple[CaptionModel, Vocabulary]:
     """The model and its vocabulary: the checkpoint's when resuming, else built from the
-    training captions, the weights fresh or from ``model.init_from`` / ``model.encoder_from``."""
+    training captions (``kept``, tokens of ``tokenizer``), the weights fresh or from
+    ``model.init_from`` / ``model.encoder_from``."""
     d, m = cfg.data, cfg.model
     if ckpt is not None:
-        vocab = Vocabulary(list(ckpt["vocab"]))
+        vocab = Vocabulary(list(ckpt["vocab"]), tokenizer)
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
     else:
-        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None, captions=kept)
+        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
+                            tokenizer=tokenizer)
         if len(vocab) <= len(SPECIALS):
             raise StartupError(f"the vocabulary has no words: none of the training captions' words is seen "
                                f"data.min_count = {d.min_count} times; lower it (--set data.min_count=1)")

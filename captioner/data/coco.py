@@ -9,7 +9,13 @@ Two on-disk layouts are understood by :func:`load_split`:
 
 With a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``,
 ``dataset_flickr30k.json``) the split membership and the captions come from that file
-instead, and image paths are ``DIR/<filepath>/<filename>``.
+instead, and image paths are ``DIR/<filepath>/<filename>``. A folder that holds no
+captions file but a ``dataset.json`` (what ``captioner data import`` writes) is read
+through that file, with no need to name it.
+
+Each data set has a tokenizer (``captioner.vocab``): the split file's top-level
+``"tokenizer"``, or the captions file's ``info.tokenizer``; "ptb" (English) when neither
+names one. :func:`dataset_tokenizer` reads it.
 
 Annotation files are read with pycocotools, so anything it accepts works here.
 """
@@ -20,6 +26,7 @@ import contextlib
 import io
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +36,10 @@ import torch
 from torch.utils.data import Dataset
 
 from ..images import ImageLoadError, Preprocess
-from ..vocab import Vocabulary, tokenize
+from ..vocab import DEFAULT_TOKENIZER, PTB, Tokenizer, Vocabulary
+
+# The split file ``captioner data import`` writes: a folder holding it is read through it.
+OWN_SPLIT_FILE = "dataset.json"
 
 # Karpathy's "restval" images (COCO val2014 images outside his val/test) are training data
 # in every published result that uses his splits.
@@ -122,6 +132,7 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
 def load_splits(data_dir: str | os.PathLike, splits: Sequence[str],
                 karpathy: str | os.PathLike | None = None) -> dict[str, list[ImageRecord]]:
     """:func:`load_split` for several splits; a Karpathy split file is read once."""
+    karpathy = karpathy if karpathy is not None else own_split_file(data_dir)
     if karpathy is not None:
         return load_karpathy_splits(karpathy, data_dir, splits)
     return {split: load_split(data_dir, split) for split in splits}
@@ -142,6 +153,7 @@ def load_split(data_dir: str | os.PathLike, split: str,
     when the split does not exist.
     """
     data_dir = Path(data_dir)
+    karpathy = karpathy if karpathy is not None else own_split_file(data_dir)
     if karpathy is not None:
         return load_karpathy(karpathy, data_dir, split)
 
@@ -159,6 +171,39 @@ def load_split(data_dir: str | os.PathLike, split: str,
     raise SplitNotFoundError(
         f"no split {split!r} in {data_dir}: expected {candidates[0][0].name} there "
         f"(or annotations/{candidates[1][0].name}); splits present: {listing}{hint}")
+
+
+def own_split_file(data_dir: str | os.PathLike) -> Path | None:
+    """``data_dir/dataset.json`` when the folder has it and no COCO captions file of its own."""
+    path = Path(data_dir) / OWN_SPLIT_FILE
+    return path if path.is_file() and not available_splits(data_dir) else None
+
+
+def dataset_tokenizer(data_dir: str | os.PathLike, karpathy: str | os.PathLike | None = None,
+                      split: str = "train") -> str:
+    """The name of the tokenizer a data set names (see the module docstring), else "ptb".
+
+    Only the ends of the file are read: the importer writes the split file's key last and
+    the shapes generator the captions file's ``info`` first, and COCO's own files, which
+    name none, are too large to parse once more for nothing. A key in JSON text cannot be
+    faked by a caption (its quotes would be escaped).
+    """
+    data_dir = Path(data_dir)
+    karpathy = Path(karpathy) if karpathy is not None else own_split_file(data_dir)
+    files = [karpathy] if karpathy is not None else [data_dir / f"captions_{split}.json",
+                                                       data_dir / "annotations" / f"captions_{split}.json"]
+    for path in files:
+        if path.is_file():
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+                f.seek(max(0, f.seek(0, 2) - 4096))
+                tail = f.read()
+            for text in (tail, head):
+                found = re.search(rb'"tokenizer"\s*:\s*"([^"\\]*)"', text)
+                if found is not None:
+                    return found.group(1).decode("utf-8", errors="replace")
+            break
+    return DEFAULT_TOKENIZER
 
 
 def available_splits(data_dir: str | os.PathLike) -> list[str]:
@@ -243,8 +288,9 @@ class TrainingCaptions:
     empty: int  # captions with no words after tokenisation
 
 
-def training_captions(records: Sequence[ImageRecord], max_len: int | None = None) -> TrainingCaptions:
-    """Every caption of every record with at most ``max_len`` words.
+def training_captions(records: Sequence[ImageRecord], max_len: int | None = None,
+                      tokenizer: Tokenizer = PTB) -> TrainingCaptions:
+    """Every caption of every record with at most ``max_len`` words (tokens of ``tokenizer``).
 
     A longer caption is left out rather than cut: a cut caption followed by ``<end>``
     would teach the model to stop mid-sentence.
@@ -252,7 +298,7 @@ def training_captions(records: Sequence[ImageRecord], max_len: int | None = None
     items, too_long, empty = [], 0, 0
     for i, record in enumerate(records):
         for caption in record.captions:
-            tokens = tokenize(caption)
+            tokens = tokenizer.tokenize(caption)
             if not tokens:
                 empty += 1
             elif max_len is not None and max_len > 0 and len(tokens) > max_len:
@@ -264,16 +310,17 @@ def training_captions(records: Sequence[ImageRecord], max_len: int | None = None
 
 def build_vocab(train_records: Sequence[ImageRecord], min_count: int = 5,
                 max_size: int | None = None, max_len: int | None = None,
-                captions: TrainingCaptions | None = None) -> Vocabulary:
+                captions: TrainingCaptions | None = None, tokenizer: Tokenizer = PTB) -> Vocabulary:
     """Vocabulary from the given (training) records' captions only, those the model trains
     on (at most ``max_len`` words); ``captions``: ``training_captions`` of those records
-    when the caller has them already (tokenising COCO's captions takes a while).
+    (by the same ``tokenizer``) when the caller has them already (tokenising COCO's
+    captions takes a while).
 
     Passing validation or test records here would leak their words into the model.
     """
-    captions = captions if captions is not None else training_captions(train_records, max_len)
+    captions = captions if captions is not None else training_captions(train_records, max_len, tokenizer)
     counts = Counter(t for _, tokens in captions.items for t in tokens)
-    return Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size)
+    return Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size, tokenizer=tokenizer)
 
 
 # --------------------------------------------------------------------------- datasets
@@ -326,7 +373,7 @@ class CaptionDataset(Dataset):
         self.vocab = vocab
         self.max_len = max_len
         self._images = _ImageSource(self.records, preprocess, cache_images)
-        kept = captions if captions is not None else training_captions(self.records, max_len)
+        kept = captions if captions is not None else training_captions(self.records, max_len, vocab.tokenizer)
         self.too_long = kept.too_long
         # Encoded once up front: cheap, and it keeps __getitem__ to image work only.
         self.items: list[tuple[int, list[int]]] = [(i, vocab.encode(tokens)) for i, tokens in kept.items]

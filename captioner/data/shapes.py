@@ -1,7 +1,10 @@
 """The synthetic "shapes" dataset, written in COCO format.
 
 Each image shows 1-3 flat-coloured shapes on a dark, mildly noisy background, with five
-English captions that name every object as "[size] colour shape". Because the objects and
+English captions that name every object as "[size] colour shape", or with ``language="zh"``
+five Chinese ones ("一个红色的大圆形和一个蓝色的三角形") of the same images and objects.
+:func:`english_words` reads a Chinese caption's characters as the English words they
+spell, so that object accuracy and the pointing game parse both languages. Because the objects and
 their boxes are known exactly, the dataset lets us measure what a captioner says (object
 accuracy) and where its attention looks (pointing game), see ``captioner.grounding``.
 
@@ -229,20 +232,123 @@ def _top_to_bottom(p: list[str]) -> str:
     return "from top to bottom: " + _join(p)
 
 
+# ------------------------------------------------------------------ Chinese captions
+
+ZH_SHAPES = {"circle": "圆形", "square": "正方形", "triangle": "三角形", "star": "星形", "cross": "十字形"}
+ZH_COLORS = {"red": "红色", "green": "绿色", "blue": "蓝色", "yellow": "黄色", "purple": "紫色", "white": "白色"}
+ZH_SIZES = {"small": "小", "large": "大"}
+
+
+def _zh_phrase(obj: _Object, with_size: bool, counted: bool = True) -> str:
+    """"一个红色的大圆形" ("a large red circle"); without the count "红色的大圆形" (relations)."""
+    size = ZH_SIZES[obj.size] if with_size else ""
+    return ("一个" if counted else "") + f"{ZH_COLORS[obj.color]}的{size}{ZH_SHAPES[obj.shape]}"
+
+
+def _zh_join(phrases: Sequence[str]) -> str:
+    return phrases[0] if len(phrases) == 1 else "、".join(phrases[:-1]) + "和" + phrases[-1]
+
+
+# The English templates' counterparts, as many of each kind, so that both languages draw
+# their five captions from pools of the same sizes.
+_ZH_LIST_TEMPLATES: list[_Template] = [
+    lambda p: _zh_join(p),
+    lambda p: "有" + _zh_join(p),
+    lambda p: "一张有" + _zh_join(p) + "的图片",
+    lambda p: "图片上是" + _zh_join(p),
+    lambda p: _zh_join(p) + "在深色的背景上",
+    lambda p: "深色背景上有" + _zh_join(p),
+    lambda p: "这张图片里有" + _zh_join(p),
+]
+_ZH_SINGLE_TEMPLATES: list[_Template] = [
+    lambda p: "只有" + p[0],
+    lambda p: "只有一个物体：" + p[0],
+]
+_ZH_MULTI_TEMPLATES: list[_Template] = [
+    lambda p: "从左到右：" + _zh_join(p),
+    lambda p: ("两" if len(p) == 2 else "三") + "个物体：" + _zh_join(p),
+]
+
+
+def _zh_relation_templates(a: _Object, b: _Object) -> list[Callable[[Callable[[_Object], str]], str]]:
+    """:func:`_relation_templates` in Chinese: "X在Y的上面", "X在Y的左边", ..."""
+    (ax, ay), (bx, by) = a.centre, b.centre
+    if abs(by - ay) > abs(bx - ax):
+        up, down = (a, b) if ay < by else (b, a)
+        return [
+            lambda ph: f"{ph(up)}在{ph(down)}的上面",
+            lambda ph: f"{ph(down)}在{ph(up)}的下面",
+            lambda ph: f"一张图片，{ph(up)}在{ph(down)}的上面",
+        ]
+    left, right = (a, b) if ax <= bx else (b, a)
+    return [
+        lambda ph: f"{ph(left)}在{ph(right)}的左边",
+        lambda ph: f"{ph(right)}在{ph(left)}的右边",
+        lambda ph: f"一张图片，{ph(left)}在{ph(right)}的左边",
+    ]
+
+
+# Chinese character runs -> the English words of the grounding parser; "的" ("of", between a
+# colour and a size) says nothing there and goes. Anything else stays as it is.
+_ZH_TO_ENGLISH: dict[str, tuple[str, ...]] = {
+    **{zh: (en,) for en, zh in {**ZH_SHAPES, **ZH_COLORS, **ZH_SIZES}.items()},
+    "左边": ("left",), "右边": ("right",), "上面": ("above",), "下面": ("below",),
+    "从左到右": ("from", "left", "to", "right"), "从上到下": ("from", "top", "to", "bottom"),
+    "的": (),
+}
+_ZH_LONGEST = max(len(k) for k in _ZH_TO_ENGLISH)
+
+
+def english_words(words: Sequence[str]) -> tuple[list[str], list[int]]:
+    """A caption's tokens with Chinese shape, colour, size and relation words (characters
+    as the ``chars`` tokenizer gives them) replaced by the English words, and for each word
+    the step of its first character (the step at which the model chose that word): index
+    the attention maps with it. English captions come back as they are."""
+    out: list[str] = []
+    steps: list[int] = []
+    i = 0
+    while i < len(words):
+        for n in range(min(_ZH_LONGEST, len(words) - i), 0, -1):
+            english = _ZH_TO_ENGLISH.get("".join(words[i:i + n]))
+            if english is not None:
+                out += english
+                steps += [i] * len(english)
+                i += n
+                break
+        else:
+            out.append(words[i])
+            steps.append(i)
+            i += 1
+    return out, steps
+
+
 def _captions(rng: np.random.Generator, objects: list[_Object], n: int = 5,
-              top_to_bottom: bool = False) -> list[str]:
+              top_to_bottom: bool = False, language: str = "en") -> list[str]:
+    zh = language == "zh"
+    phrase = _zh_phrase if zh else _phrase
     ordered = sorted(objects, key=lambda o: o.centre[0])
     pool: list[Callable[[bool], str]] = []
-    extra = _SINGLE_TEMPLATES if len(ordered) == 1 else _MULTI_TEMPLATES
-    for t in _LIST_TEMPLATES + extra:
-        pool.append(lambda ws, t=t: t([_phrase(o, ws) for o in ordered]))
+    if zh:
+        extra = _ZH_SINGLE_TEMPLATES if len(ordered) == 1 else _ZH_MULTI_TEMPLATES
+        templates = _ZH_LIST_TEMPLATES + extra
+    else:
+        templates = _LIST_TEMPLATES + (_SINGLE_TEMPLATES if len(ordered) == 1 else _MULTI_TEMPLATES)
+    for t in templates:
+        pool.append(lambda ws, t=t: t([phrase(o, ws) for o in ordered]))
     if top_to_bottom and len(ordered) > 1:
         # The vertical twin of "from left to right": the objects named highest first.
         downward = sorted(objects, key=lambda o: o.centre[1])
-        pool.append(lambda ws: _top_to_bottom([_phrase(o, ws) for o in downward]))
+        if zh:
+            pool.append(lambda ws: "从上到下：" + _zh_join([phrase(o, ws) for o in downward]))
+        else:
+            pool.append(lambda ws: _top_to_bottom([phrase(o, ws) for o in downward]))
     if len(ordered) == 2:
-        for r in _relation_templates(*ordered):
-            pool.append(lambda ws, r=r: r(lambda o: _phrase(o, ws)))
+        if zh:  # relations name the objects without the count: "红色的圆形在蓝色的正方形的左边"
+            for r in _zh_relation_templates(*ordered):
+                pool.append(lambda ws, r=r: r(lambda o: _zh_phrase(o, ws, counted=False)))
+        else:
+            for r in _relation_templates(*ordered):
+                pool.append(lambda ws, r=r: r(lambda o: _phrase(o, ws)))
     chosen = rng.choice(len(pool), size=n, replace=False)
     # Sizes are named in about half the captions, for all objects of that caption.
     return [pool[int(i)](bool(rng.integers(2))) for i in chosen]
@@ -259,11 +365,16 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+LANGUAGES = {"en": "ptb", "zh": "chars"}  # caption language -> the tokenizer its data set names
+
+
 def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
-                   image_size: int = 128, progress: bool = False, top_to_bottom: bool = False) -> dict:
+                   image_size: int = 128, progress: bool = False, top_to_bottom: bool = False,
+                   language: str = "en") -> dict:
     """Write one split; returns {"images", "objects", "captions"} counts. ``top_to_bottom``
     adds a "from top to bottom: ..." caption to the templates an image with two or three
-    objects draws its five from (the images stay the same; off, the captions do too)."""
+    objects draws its five from (the images stay the same; off, the captions do too).
+    ``language``: "en" or "zh", the captions' (the images and objects are the same)."""
     out_dir = Path(out_dir)
     image_dir = out_dir / "images" / split
     image_dir.mkdir(parents=True, exist_ok=True)
@@ -280,7 +391,7 @@ def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
         image.save(out_dir / "images" / file_name, format="PNG")
         image_id = i + 1  # COCO ids start at 1; 0 is easy to mistake for "missing"
         images.append({"id": image_id, "file_name": file_name, "width": image_size, "height": image_size})
-        for text in _captions(rng, objects, top_to_bottom=top_to_bottom):
+        for text in _captions(rng, objects, top_to_bottom=top_to_bottom, language=language):
             captions.append({"id": len(captions) + 1, "image_id": image_id, "caption": text})
         for obj in objects:
             x, y, w, h = obj.bbox
@@ -292,6 +403,8 @@ def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
             })
     categories = [{"id": k + 1, "name": name, "supercategory": "shape"} for k, name in enumerate(SHAPES)]
     info = {"description": f"synthetic shapes, split {split}, seed {seed}"}
+    if language != "en":
+        info = {"description": f"{info['description']}, captions in {language}", "tokenizer": LANGUAGES[language]}
     _write_json(out_dir / f"captions_{split}.json", {"info": info, "images": images, "annotations": captions})
     _write_json(out_dir / f"instances_{split}.json",
                 {"info": info, "images": images, "categories": categories, "annotations": instances})
@@ -299,13 +412,16 @@ def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
 
 
 def generate_dataset(out_dir: Path, counts: dict[str, int], seed: int = 0,
-                     image_size: int = 128, progress: bool = False, top_to_bottom: bool = False) -> dict:
+                     image_size: int = 128, progress: bool = False, top_to_bottom: bool = False,
+                     language: str = "en") -> dict:
     """Generate every split in ``counts`` (e.g. {"train": 3000, "val": 200, "test": 500}).
 
     Returns a summary: {"out_dir", "seed", "image_size", "splits": {split: counts}}.
     """
     if image_size < _MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be at least {_MIN_IMAGE_SIZE}, got {image_size}")
+    if language not in LANGUAGES:
+        raise ValueError(f"captions in {', '.join(LANGUAGES)} only, not {language!r}")
     for split, count in counts.items():
         if not _SPLIT_NAME.match(split):
             raise ValueError(f"split names may use letters, digits, '_' and '-' only: {split!r}")
@@ -313,6 +429,6 @@ def generate_dataset(out_dir: Path, counts: dict[str, int], seed: int = 0,
             raise ValueError(f"count for split {split!r} must be a non-negative int, got {count!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    splits = {split: generate_split(out_dir, split, count, seed, image_size, progress, top_to_bottom)
+    splits = {split: generate_split(out_dir, split, count, seed, image_size, progress, top_to_bottom, language)
               for split, count in counts.items()}
     return {"out_dir": str(out_dir), "seed": seed, "image_size": image_size, "splits": splits}

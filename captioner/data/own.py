@@ -1,0 +1,301 @@
+"""Own images and captions -> a Karpathy-format split file (``dataset.json``).
+
+Three sources are read, each giving (image path, caption) pairs:
+
+- a CSV or TSV file with a header: an image column and a caption column (found from the
+  usual names, or named by the caller), several rows per image allowed;
+- a JSON Lines file: one object per line with an image (``image``, ``file_name``, ...)
+  and ``caption``/``text``, or a list ``captions`` (the ``metadata.jsonl`` of image-folder
+  data sets);
+- a folder of images, each with a text file of the same name beside it (``photo.jpg`` +
+  ``photo.txt``), one caption per line.
+
+Image paths are relative to the source file's folder (the folder itself for a folder
+source) unless absolute. Rows of the same image are merged, captions without a word are
+dropped (counted). :func:`write_dataset` writes Karpathy's format with the images where
+they are (paths relative to the output folder), a seeded train/val/test draw, and the
+tokenizer's name, which training records in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import random
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..images import IMAGE_EXTENSIONS
+from ..vocab import tokenizer_named
+
+# Column or key names tried in this order when the caller names none (case-insensitive).
+IMAGE_KEYS = ("image", "file_name", "filename", "path", "image_path", "file", "img")
+CAPTION_KEYS = ("caption", "text", "sentence", "description")
+CAPTION_LIST_KEYS = ("captions", "texts", "sentences")
+FORMATS = ("csv", "tsv", "jsonl", "folder")
+SPLIT_FILE = "dataset.json"
+
+_CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
+
+
+class SourceError(ValueError):
+    """The source cannot be read as captions; the message says why, in one line."""
+
+
+@dataclass
+class OwnImage:
+    """One image of the source and all of its captions, in the order they came."""
+
+    path: Path
+    captions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Source:
+    """What a source holds: its images (first-seen order), and what was left out."""
+
+    format: str
+    images: list[OwnImage]
+    rows: int  # (image, caption) pairs read
+    empty_captions: int  # captions without a letter or digit: dropped
+    columns: tuple[str, str] | None = None  # the image and caption column (or key) used
+    without_captions: int = 0  # folder source: images with no .txt beside them
+
+    @property
+    def captions(self) -> int:
+        return sum(len(im.captions) for im in self.images)
+
+
+def source_format(source: Path) -> str:
+    """"folder", "jsonl", "tsv" or "csv", from what ``source`` is."""
+    if source.is_dir():
+        return "folder"
+    suffix = source.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix in (".tsv", ".tab"):
+        return "tsv"
+    return "csv"
+
+
+def read_source(source: str | os.PathLike, fmt: str | None = None, image_key: str | None = None,
+                caption_key: str | None = None) -> Source:
+    """The images and captions of ``source`` (see the module docstring); a one-line
+    :class:`SourceError` when it cannot be read."""
+    source = Path(source)
+    if not source.exists():
+        raise SourceError(f"no such file or folder: {source}")
+    fmt = fmt or source_format(source)
+    if fmt == "folder":
+        if not source.is_dir():
+            raise SourceError(f"{source} is not a folder")
+        return _read_folder(source)
+    if not source.is_file():
+        raise SourceError(f"{source} is a folder; give a CSV, TSV or JSON Lines file, or --format folder")
+    text = _utf8(source)
+    base = source.parent
+    if fmt == "jsonl":
+        pairs, columns = _jsonl_pairs(text, source, image_key, caption_key)
+    elif fmt in ("csv", "tsv"):
+        pairs, columns = _table_pairs(text, source, "\t" if fmt == "tsv" else None, image_key, caption_key)
+    else:
+        raise SourceError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    return _merged(fmt, ((_resolve(base, image), caption) for image, caption in pairs), columns)
+
+
+def _utf8(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark (Excel's "CSV UTF-8") is no header text
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise SourceError(f"{path} is not UTF-8 (byte 0x{data[e.start]:02x} on line {line}): save it as UTF-8, "
+                          "e.g. iconv -f GB18030 -t UTF-8 or your spreadsheet's \"CSV UTF-8\"") from None
+
+
+def _resolve(base: Path, image: str) -> Path:
+    path = Path(image.strip()).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _pick(names: Sequence[str], wanted: str | None, usual: Sequence[str]) -> str | None:
+    """The name among ``names`` equal to ``wanted`` (or else to one of ``usual``), any case."""
+    lowered = {n.strip().lower(): n for n in names}
+    for candidate in ([wanted] if wanted else usual):
+        if candidate.lower() in lowered:
+            return lowered[candidate.lower()]
+    return None
+
+
+def _table_pairs(text: str, source: Path, delimiter: str | None, image_key: str | None,
+                 caption_key: str | None) -> tuple[list[tuple[str, str]], tuple[str, str]]:
+    if not text.strip():
+        raise SourceError(f"{source} is empty")
+    if delimiter is None:
+        try:
+            delimiter = csv.Sniffer().sniff(text[:8192], delimiters=",;\t|").delimiter
+        except csv.Error:
+            delimiter = ","
+    reader = csv.reader(io.StringIO(text), delimiter=delimiter)
+    header = next(reader)
+    image_col = _pick(header, image_key, IMAGE_KEYS)
+    caption_col = _pick(header, caption_key, CAPTION_KEYS)
+    _require_columns(source, header, image_col, caption_col, image_key, caption_key, "column")
+    i, c = header.index(image_col), header.index(caption_col)
+    pairs = []
+    for row in reader:
+        if not any(cell.strip() for cell in row):
+            continue
+        image = row[i] if i < len(row) else ""
+        if not image.strip():
+            raise SourceError(f"{source}, line {reader.line_num}: no image in column {image_col!r}")
+        pairs.append((image, row[c] if c < len(row) else ""))
+    return pairs, (image_col, caption_col)
+
+
+def _require_columns(source: Path, seen: Sequence[str], image_col: str | None, caption_col: str | None,
+                     image_key: str | None, caption_key: str | None, what: str) -> None:
+    listing = ", ".join(s.strip() for s in seen) or "none"
+    for found, wanted, usual, option, kind in ((image_col, image_key, IMAGE_KEYS, "--image-column", "image"),
+                                                (caption_col, caption_key, CAPTION_KEYS, "--caption-column",
+                                                 "caption")):
+        if found is None:
+            looked = repr(wanted) if wanted else "the usual names (" + ", ".join(usual) + ")"
+            raise SourceError(f"{source}: no {kind} {what} ({looked}); its {what}s: {listing}; "
+                              f"name it with {option}")
+
+
+def _jsonl_pairs(text: str, source: Path, image_key: str | None,
+                 caption_key: str | None) -> tuple[list[tuple[str, str]], tuple[str, str]]:
+    pairs: list[tuple[str, str]] = []
+    columns = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise SourceError(f"{source}, line {number} is not JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise SourceError(f"{source}, line {number} is not a JSON object")
+        image_col = _pick(list(obj), image_key, IMAGE_KEYS)
+        caption_col = _pick(list(obj), caption_key, CAPTION_KEYS + CAPTION_LIST_KEYS)
+        try:
+            _require_columns(source, list(obj), image_col, caption_col, image_key, caption_key, "key")
+        except SourceError as e:
+            raise SourceError(str(e).replace(f"{source}:", f"{source}, line {number}:", 1)) from None
+        image, captions = obj[image_col], obj[caption_col]
+        if not isinstance(image, str) or not image.strip():
+            raise SourceError(f"{source}, line {number}: {image_col!r} is not a file name")
+        for caption in captions if isinstance(captions, list) else [captions]:
+            pairs.append((image, caption if isinstance(caption, str) else ""))
+        columns = columns or (image_col, caption_col)
+    if columns is None:
+        raise SourceError(f"{source} holds no JSON lines")
+    return pairs, columns
+
+
+def _read_folder(folder: Path) -> Source:
+    pairs, without = [], 0
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(root) / name
+            if path.suffix.lower() not in IMAGE_EXTENSIONS:
+                continue
+            text_file = path.with_suffix(".txt")
+            if not text_file.is_file():
+                without += 1
+                continue
+            for line in _utf8(text_file).splitlines():
+                pairs.append((path, line))
+    source = _merged("folder", pairs, None)
+    source.without_captions = without
+    return source
+
+
+def _merged(fmt: str, pairs: Iterable[tuple[Path, str]], columns: tuple[str, str] | None) -> Source:
+    """Rows of one image merged (the same file however its path is spelled), empty captions dropped."""
+    images: dict[str, OwnImage] = {}
+    rows = empty = 0
+    for path, caption in pairs:
+        rows += 1
+        key = os.path.normpath(os.path.abspath(path))
+        image = images.setdefault(key, OwnImage(Path(key)))
+        caption = " ".join(caption.split())  # a line break inside a cell is a space
+        if any(ch.isalnum() for ch in caption):
+            image.captions.append(caption)
+        else:
+            empty += 1
+    return Source(fmt, list(images.values()), rows, empty, columns)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def guess_tokenizer(captions: Iterable[str]) -> str:
+    """"chars" when over half the captions hold Chinese or Japanese characters, "ptb" when
+    they are mostly ASCII (English, as far as one can tell), else "whitespace"."""
+    n = cjk = ascii_only = 0
+    for caption in captions:
+        n += 1
+        cjk += bool(_CJK.search(caption))
+        ascii_only += caption.isascii()
+    if n and cjk * 2 > n:
+        return "chars"
+    return "ptb" if ascii_only * 10 >= n * 9 else "whitespace"
+
+
+def split_sizes(n: int, val: float | None, test: float | None) -> tuple[int, int]:
+    """Validation and test images out of ``n``: a whole number is a count, a number below 1 a
+    share; None is 10% (at least one while at least three images are left for training)."""
+    def size(x: float | None) -> int:
+        if x is None:
+            return max(1, round(0.1 * n)) if n >= 5 else (1 if n >= 3 else 0)
+        return round(x * n) if 0 < x < 1 else int(x)
+
+    n_val, n_test = size(val), size(test)
+    if n_val + n_test >= n:
+        raise SourceError(f"{n} image{'s' if n != 1 else ''} cannot give {n_val} validation and {n_test} test "
+                          "images and still leave one to train on: lower --val or --test")
+    return n_val, n_test
+
+
+def draw_splits(n: int, n_val: int, n_test: int, seed: int) -> list[str]:
+    """"train", "val" or "test" for each of n images: a seeded draw, the same for the same seed."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    splits = ["train"] * n
+    for rank, i in enumerate(order[: n_val + n_test]):
+        splits[i] = "val" if rank < n_val else "test"
+    return splits
+
+
+def write_dataset(out_dir: str | os.PathLike, images: Sequence[OwnImage], splits: Sequence[str], tokenizer: str,
+                  name: str) -> Path:
+    """``out_dir/dataset.json`` in Karpathy's format: images where they are (paths relative
+    to ``out_dir``), every sentence's raw text and tokens, the data set's name and the
+    tokenizer's, written last like Karpathy's ``dataset`` so that a reader finds them in the
+    file's tail. UTF-8, unescaped."""
+    tok = tokenizer_named(tokenizer)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries, sentid = [], 0
+    for imgid, (image, split) in enumerate(zip(images, splits)):
+        relative = Path(os.path.relpath(image.path, out_dir.resolve()))
+        sentences = []
+        for raw in image.captions:
+            sentences.append({"raw": raw, "tokens": tok.tokenize(raw), "imgid": imgid, "sentid": sentid})
+            sentid += 1
+        entries.append({"filepath": str(relative.parent), "filename": relative.name, "imgid": imgid,
+                        "split": split, "sentids": [s["sentid"] for s in sentences], "sentences": sentences})
+    path = out_dir / SPLIT_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"images": entries, "dataset": name, "tokenizer": tok.name}, ensure_ascii=False) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -58,15 +58,15 @@ def test_length_buckets_change_the_batches_training_sees(tiny_coco, tmp_path, mo
     """The switch reaches the loop. Batches cut from one sorted run span disjoint ranges of
     lengths, so within an epoch their spreads (longest - shortest) add up to at most the
     spread of all the lengths seen; random batches each span most of it."""
-    import captioner.train.loop as loop
+    import captioner.train.objectives as objectives
 
-    seen, real = [], loop.soft_loss
+    seen, real = [], objectives.soft_loss
 
     def recording(model, images, tokens, lengths, lam):
         seen.append(lengths.tolist())
         return real(model, images, tokens, lengths, lam)
 
-    monkeypatch.setattr(loop, "soft_loss", recording)
+    monkeypatch.setattr(objectives, "soft_loss", recording)
     # 6 steps of 2 captions: all within the first epoch (12 or more captions).
     train(tiny_config(tiny_coco, **{"data.length_buckets": "true", "optim.batch_size": 2, "optim.max_steps": 6,
                                     "val.every_epochs": 0}), tmp_path / "run", progress=False)

@@ -1,7 +1,8 @@
 """Checkpoints: one file, tensors and plain data only.
 
 A checkpoint holds the model's state_dict, its config, the vocabulary and the
-preprocessing as plain data, so it rebuilds its model with no other file. It is read with
+preprocessing as plain data, so it rebuilds its model with no other file; and, optionally,
+a description of its training images' features as plain tensors (``familiarity``). It is read with
 ``torch.load(weights_only=True)``: a file that would need to run code to unpickle is refused.
 Writes are atomic (temporary file in the same folder, fsync, rename), so a crash during a
 save leaves the previous checkpoint intact.
@@ -84,7 +85,10 @@ def _write_error(e: BaseException) -> OSError | None:
 
 
 def make_checkpoint(*, model_state: dict, model_config: dict, vocab: list[str], preprocess: dict,
-                    meta: dict | None = None, train_state: dict | None = None) -> dict:
+                    meta: dict | None = None, train_state: dict | None = None,
+                    familiarity: dict | None = None) -> dict:
+    """``familiarity``: the training images' features (familiarity.TrainingFeatures.to_dict),
+    optional: a checkpoint without them loads, its images' familiarity unknown."""
     ckpt = {
         "format": FORMAT,
         "version": VERSION,
@@ -96,6 +100,8 @@ def make_checkpoint(*, model_state: dict, model_config: dict, vocab: list[str], 
     }
     if train_state is not None:
         ckpt["train_state"] = train_state
+    if familiarity is not None:
+        ckpt["familiarity"] = familiarity
     return ckpt
 
 

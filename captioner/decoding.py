@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .encoders import Annotations
+from .familiarity import Familiarity
 from .model import Decoder
 
 
@@ -39,6 +40,7 @@ class CaptionResult:
     # (T, h, H, W) each head's map, h = 1 for one head; the decoder always gives them, and a
     # result made without them has its one map as its one head
     alphas_heads: torch.Tensor | None = None
+    familiarity: Familiarity | None = None  # how like the model's training images; None: unknown
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -53,6 +55,9 @@ class CaptionResult:
         """``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
         out: dict = {} if image is None else {"image": image}
         out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
+        fam = self.familiarity
+        out.update(familiarity=None if fam is None else round(fam.value, digits),
+                   unfamiliar=None if fam is None else fam.unfamiliar)
         # Rounded in float64: a float32 0.0012 is 0.0012000000569969416 once it is a Python float.
         if with_attention or heads:
             out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()

@@ -12,6 +12,7 @@ from PIL import Image
 
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
 from .decoding import CaptionResult, DecodedIds, beam_search, greedy
+from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from .images import Preprocess
 from .model import CaptionModel, ModelConfig
 from .vocab import Vocabulary
@@ -66,11 +67,14 @@ class DecodeOptions:
     # (half of its minibatches); "argmax": the single most likely location (what a hard
     # look at one place means, also deterministic); "sample": s_t ~ Multinoulli(alpha_t).
     hard_attention: str = "expected"
+    # An image whose familiarity (the share of training images at least as far from their
+    # distribution) is below this is reported as unfamiliar.
+    unfamiliar_below: float = DEFAULT_THRESHOLD
 
 
 class Captioner:
     def __init__(self, model: CaptionModel, vocab: Vocabulary, preprocess: Preprocess, meta: dict | None = None,
-                 *, name: str | None = None, bundled: bool = False):
+                 *, name: str | None = None, bundled: bool = False, familiarity: TrainingFeatures | None = None):
         self.model = model.eval()
         self.vocab = vocab
         self.preprocess = preprocess
@@ -78,6 +82,7 @@ class Captioner:
         self.precision = "fp32"
         self.name = name  # what the user chose: a bundled model's name or the file's name
         self.bundled = bundled  # one of the demo models shipped in the package
+        self.familiarity = familiarity  # its training images' features; None: familiarity unknown
 
     @property
     def training_data(self) -> str | None:
@@ -139,8 +144,12 @@ class Captioner:
         vocab = Vocabulary(list(ckpt["vocab"]))
         if len(vocab) != cfg.vocab_size:
             raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
+        try:
+            familiarity = TrainingFeatures.from_dict(ckpt["familiarity"]) if "familiarity" in ckpt else None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint's familiarity record is unusable: {e}") from e
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
-                   name=name, bundled=bundled)
+                   name=name, bundled=bundled, familiarity=familiarity)
 
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
@@ -153,7 +162,8 @@ class Captioner:
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
                                vocab=self.vocab.to_list(), preprocess=self.preprocess.to_dict(),
-                               meta={**self.meta, **(meta or {})}, train_state=train_state)
+                               meta={**self.meta, **(meta or {})}, train_state=train_state,
+                               familiarity=self.familiarity.to_dict() if self.familiarity is not None else None)
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
         atomic_save(self.checkpoint(meta), path)
@@ -174,7 +184,11 @@ class Captioner:
                 decoded = beam_search(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad,
                                       beam_size=opt.beam_size, max_len=opt.max_len,
                                       length_penalty=opt.length_penalty, hard=opt.hard_attention)
-        return [self.to_result(d, ann.grid) for d in decoded]
+        results = [self.to_result(d, ann.grid) for d in decoded]
+        if self.familiarity is None:
+            return results
+        known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
+        return [replace(r, familiarity=f) for r, f in zip(results, known)]
 
     def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:
         words = self.vocab.decode(d.ids)

@@ -19,7 +19,7 @@ itself cannot come (its probability is 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,18 @@ import torch.nn.functional as F
 from .encoders import Annotations
 from .familiarity import Familiarity
 from .model import Decoder
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One of the beam's finished captions, with its log-probability."""
+
+    words: tuple[str, ...]
+    score: float  # log p of the caption, its <end> included
+
+    @property
+    def caption(self) -> str:
+        return " ".join(self.words)
 
 
 @dataclass
@@ -41,6 +53,9 @@ class CaptionResult:
     # result made without them has its one map as its one head
     alphas_heads: torch.Tensor | None = None
     familiarity: Familiarity | None = None  # how like the model's training images; None: unknown
+    word_probs: tuple[float, ...] = ()  # (T,) p of each word given the image and the words before it
+    # with several captions asked for: the beam's best finished captions, best first (the first is this one)
+    alternatives: tuple[Alternative, ...] = ()
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -57,7 +72,10 @@ class CaptionResult:
         out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
         fam = self.familiarity
         out.update(familiarity=None if fam is None else round(fam.value, digits),
-                   unfamiliar=None if fam is None else fam.unfamiliar)
+                   unfamiliar=None if fam is None else fam.unfamiliar,
+                   word_probs=[round(p, digits) for p in self.word_probs])
+        if self.alternatives:
+            out["alternatives"] = [{"caption": a.caption, "score": round(a.score, digits)} for a in self.alternatives]
         # Rounded in float64: a float32 0.0012 is 0.0012000000569969416 once it is a Python float.
         if with_attention or heads:
             out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
@@ -75,6 +93,9 @@ class DecodedIds:
     alphas_heads: torch.Tensor  # (len(ids), h, L) each head's map; h = 1 for one head
     betas: torch.Tensor  # (len(ids),)
     score: float
+    log_probs: torch.Tensor | None = None  # (len(ids),) log p of each token given those before it
+    # beam search's next best finished captions, best first (num_captions - 1 at most)
+    runners_up: list["DecodedIds"] = field(default_factory=list)
 
     @property
     def alphas(self) -> torch.Tensor:
@@ -132,15 +153,19 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
             break
     ids_t = torch.stack(ids, 1)  # (B, T)
     heads_t, betas_t = torch.stack(heads, 1), torch.stack(betas, 1)  # (B, T, h, L), (B, T)
-    total = torch.stack(logps, 1).sum(1)
-    return [_trim(ids_t[i].tolist(), heads_t[i], betas_t[i], float(total[i]), end, pad) for i in range(b)]
+    logps_t = torch.stack(logps, 1)  # (B, T)
+    total = logps_t.sum(1)
+    return [_trim(ids_t[i].tolist(), heads_t[i], betas_t[i], float(total[i]), end, pad, logps_t[i])
+            for i in range(b)]
 
 
 @torch.no_grad()
 def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
-                max_len: int, length_penalty: float = 0.0, hard: str = "expected") -> list[DecodedIds]:
+                max_len: int, length_penalty: float = 0.0, hard: str = "expected",
+                num_captions: int = 1) -> list[DecodedIds]:
     """The caption of highest rank per image: rank = log p, or with ``length_penalty`` > 0
-    log p / length**length_penalty (length counts the <end> token).
+    log p / length**length_penalty (length counts the <end> token). With ``num_captions``
+    N > 1 (at most k), also the pool's next N - 1 finished captions (``runners_up``).
 
     Each image keeps k open beams and, apart from them, a pool of the best k captions that
     ended. Every step ranks the k*V extensions of the open beams: an extension ending in
@@ -152,7 +177,9 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     is no reason to stop. After the ``max_len``-th word only <end> may come: at that step
     the extensions that end are the only candidates, and each joins the pool if it ranks
     among its best k. It returns the pool's best; a caption cut off at ``max_len`` words is
-    returned only when none ended (where <end> has probability 0).
+    returned only when none ended (where <end> has probability 0). For N captions the rule
+    is the same with the pool's N-th best in place of its best: no open beam can still
+    beat it (the best is the same either way).
 
     B images x k beams run as one tensor program; the k beams of an image share one copy of
     its annotations and keys. Each step records, per beam, its word, the beam it extends and
@@ -161,6 +188,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
+    if not 1 <= num_captions <= beam_size:
+        raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
     _check_max_len(max_len)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
     a = ann.vectors
@@ -185,6 +214,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     # (its parent) and the maps and gates each beam's step computed (indexed by that beam).
     words = torch.full((steps, b, k), pad, dtype=torch.long, device=dev)
     parents = torch.zeros(steps, b, k, dtype=torch.long, device=dev)
+    score_steps = torch.zeros(steps, b, k, device=dev)  # each open beam's log p after its word
     head_steps = torch.zeros(steps, b, k, decoder.attention.num_heads, n, device=dev)  # each head's map
     beta_steps = torch.zeros(steps, b, k, device=dev)
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
@@ -193,27 +223,40 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     best_possible = steps ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
     width = 2 * k  # k may end, k go on
 
-    def emit(rows: torch.Tensor, last: int) -> None:
-        """Store the best caption of these (batch-relative) images; none ends after step ``last``."""
+    def read_back(rows: torch.Tensor, last: int, place: int) -> list[DecodedIds | None]:
+        """The pool's entry ``place`` (0: its best) of these (batch-relative) images; none ends
+        after step ``last``. Without a finished caption there: for place 0 the best open beam,
+        cut off by the length limit; None for the others."""
         img = active[rows]
         cut = min(last, max_len - 1)  # the last step whose open beams are kept
-        ended = torch.isfinite(pool_rank[rows, 0])  # the pool is sorted: entry 0 is its best
-        slot = scores[rows].argmax(1)  # else the best open beam, cut off by the length limit
-        step = torch.where(ended, pool_step[rows, 0], torch.full_like(slot, cut))
+        ended = torch.isfinite(pool_rank[rows, place])  # the pool is sorted: entry 0 is its best
+        slot = scores[rows].argmax(1)
+        step = torch.where(ended, pool_step[rows, place], torch.full_like(slot, cut))
         word = torch.where(ended, torch.full_like(slot, end), words[cut, img, slot])
-        j = torch.where(ended, pool_parent[rows, 0], parents[cut, img, slot])
-        score = torch.where(ended, pool_score[rows, 0], scores[rows].gather(1, slot[:, None]).squeeze(1))
+        j = torch.where(ended, pool_parent[rows, place], parents[cut, img, slot])
+        score = torch.where(ended, pool_score[rows, place], scores[rows].gather(1, slot[:, None]).squeeze(1))
         ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
         heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:])  # (b', T, h, L)
         betas = torch.zeros(len(img), last + 1, device=dev)
+        running = torch.zeros(len(img), last + 1, device=dev)  # log p of the caption up to each step
         for t in range(last, -1, -1):
             before = step > t  # rows whose caption goes on after step t
             ids[:, t] = torch.where(step == t, word, torch.where(before, words[t, img, j], ids[:, t]))
+            running[:, t] = torch.where(step == t, score, torch.where(before, score_steps[t, img, j], running[:, t]))
             j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
             heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
+        logps = running - F.pad(running[:, :-1], (1, 0))  # (b', T) each token's log p
         m = (step + 1).tolist()
-        for r, i in enumerate(img.tolist()):
-            out[i] = _trim(ids[r, :m[r]].tolist(), heads[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad)
+        return [_trim(ids[r, :m[r]].tolist(), heads[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad,
+                      logps[r, :m[r]]) if place == 0 or ended[r] else None for r in range(len(img))]
+
+    def emit(rows: torch.Tensor, last: int) -> None:
+        """Store the best caption of these (batch-relative) images, and its runners-up."""
+        found = [read_back(rows, last, place) for place in range(num_captions)]
+        for r, i in enumerate(active[rows].tolist()):
+            best = found[0][r]
+            best.runners_up = [f[r] for f in found[1:] if f[r] is not None]
+            out[i] = best
 
     for t in range(steps):
         bb = len(active)
@@ -245,11 +288,11 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         position = torch.arange(cand.shape[1], device=dev).expand_as(cand)
         go_on = torch.sort(position + cand.shape[1] * ended.long(), dim=1).values[:, :k] % cand.shape[1]  # (b', k)
         scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
-        words[t, active], parents[t, active] = word, beam
+        words[t, active], parents[t, active], score_steps[t, active] = word, beam, scores
         rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
-        best = pool_rank[:, 0]
+        best = pool_rank[:, num_captions - 1]  # the worst of the captions asked for
         done = torch.isfinite(best) & (best >= scores[:, 0] / best_possible)  # no open beam can beat it
         if bool(done.any()):
             emit(done.nonzero().flatten(), t)
@@ -278,8 +321,9 @@ def _only_end(logp: torch.Tensor, end: int) -> torch.Tensor:
     return out
 
 
-def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int) -> DecodedIds:
+def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int,
+          log_probs: torch.Tensor) -> DecodedIds:
     """Up to and with the first <end>; a caption cut off at the length limit stops before
-    its first <pad> (never a word of a caption). heads (T, h, L)."""
+    its first <pad> (never a word of a caption). heads (T, h, L), log_probs (T,)."""
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
-    return DecodedIds(ids[:m], heads[:m], betas[:m], score)
+    return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m].float().cpu())

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
-from .decoding import CaptionResult, DecodedIds, beam_search, greedy
+from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
 from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from .images import Preprocess
 from .model import CaptionModel, ModelConfig
@@ -70,6 +70,13 @@ class DecodeOptions:
     # An image whose familiarity (the share of training images at least as far from their
     # distribution) is below this is reported as unfamiliar.
     unfamiliar_below: float = DEFAULT_THRESHOLD
+    # How many of the beam's best finished captions to return (CaptionResult.alternatives), at most beam_size.
+    num_captions: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.num_captions <= self.beam_size:
+            raise ValueError(f"num_captions must be from 1 to the beam size ({self.beam_size}), "
+                             f"got {self.num_captions}")
 
 
 class Captioner:
@@ -177,25 +184,30 @@ class Captioner:
         v = self.vocab
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             ann = self.model.encode(images.to(self.device))
-            if opt.beam_size == 1 and opt.length_penalty == 0:
+            if opt.beam_size == 1 and opt.length_penalty == 0:  # num_captions is 1
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
                                  hard=opt.hard_attention)
             else:
                 decoded = beam_search(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad,
                                       beam_size=opt.beam_size, max_len=opt.max_len,
-                                      length_penalty=opt.length_penalty, hard=opt.hard_attention)
-        results = [self.to_result(d, ann.grid) for d in decoded]
+                                      length_penalty=opt.length_penalty, hard=opt.hard_attention,
+                                      num_captions=opt.num_captions)
+        results = [self.to_result(d, ann.grid, alternatives=opt.num_captions > 1) for d in decoded]
         if self.familiarity is None:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
         return [replace(r, familiarity=f) for r, f in zip(results, known)]
 
-    def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:
+    def to_result(self, d: DecodedIds, grid: tuple[int, int], alternatives: bool = False) -> CaptionResult:
+        """``alternatives``: the result lists ``d`` and its runners-up as Alternatives."""
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
+        probs = tuple(d.log_probs[:t].double().exp().tolist()) if d.log_probs is not None else ()
+        alts = tuple(Alternative(tuple(self.vocab.decode(x.ids)), x.score)
+                     for x in (d, *d.runners_up)) if alternatives else ()
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
-                             heads)
+                             heads, word_probs=probs, alternatives=alts)
 
     def caption_images(self, images: list[Image.Image], options: DecodeOptions | None = None) -> list[CaptionResult]:
         if not images:

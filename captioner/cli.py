@@ -146,17 +146,21 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
         "caption", help="caption image files and folders, one JSON line per image",
         description="Caption images. PATHs are image files or folders (searched recursively for image "
                     "extensions; symlink loops are safe). Each image gives one JSON line: "
-                    '{"image", "caption", "words", "score", "familiarity", "unfamiliar"} or {"image", "error"} '
-                    "for a file that cannot be read; the run goes on. With --out FILE that already holds "
-                    "results, the run resumes: images already captioned there (found by their real "
-                    "location, however the folder is spelled) are skipped, images that failed before are "
-                    "tried again, and images captioned without the attention asked for now are captioned "
-                    "again; the file keeps one line per image. Exit code: 0 all captioned, 1 some failed "
-                    "(this run), 2 usage error. The default model is a demo trained on synthetic shapes only.")
+                    '{"image", "caption", "words", "score", "familiarity", "unfamiliar", "word_probs"}, or '
+                    '{"image", "error"} for a file that cannot be read; the run goes on. With --out FILE '
+                    "that already holds results, the run resumes: images already captioned there (found by "
+                    "their real location, however the folder is spelled) are skipped, images that failed "
+                    "before are tried again, and images captioned without the attention (or the "
+                    "alternatives) asked for now are captioned again; the file keeps one line per image. "
+                    "Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. The default model "
+                    "is a demo trained on synthetic shapes only.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     _add_model_args(p)
     p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
+    p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
+                   help='also write "alternatives": the beam\'s N best distinct finished captions with their '
+                        "scores, best first (the first is the caption); N at most --beam-size (default 1: none)")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--workers", type=_non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
@@ -196,6 +200,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .inference import Captioner, DecodeOptions
 
     check_device(args.device)
+    if args.num_captions > args.beam_size:
+        raise UsageError(f"--num-captions {args.num_captions} is more than --beam-size {args.beam_size}: the "
+                         "alternatives are the beam's finished captions (raise --beam-size)")
     if args.out is not None:
         check_out_file(args.out)
     if args.attention_dir is not None:
@@ -221,7 +228,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
             merge_parts(args.out)  # parts left by an earlier, killed distributed run
         ctx.barrier()
         resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
-                              heads=args.attention_heads)
+                              heads=args.attention_heads, alternatives=args.num_captions > 1)
                   if args.out is not None else None)
         todo, keys, todo_keys, real_folders = [], set(), set(), {}
         for path in found.images:  # each image once, however often it was named
@@ -237,7 +244,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
         pending = todo[ctx.rank::ctx.world]
         workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
         options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len, length_penalty=args.length_penalty,
-                                hard_attention=args.hard_attention, unfamiliar_below=args.unfamiliar_below)
+                                hard_attention=args.hard_attention, unfamiliar_below=args.unfamiliar_below,
+                                num_captions=args.num_captions)
         target = part_path(args.out, ctx.rank) if ctx.active else args.out
         out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
         try:

@@ -165,7 +165,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
                 num_captions: int = 1) -> list[DecodedIds]:
     """The caption of highest rank per image: rank = log p, or with ``length_penalty`` > 0
     log p / length**length_penalty (length counts the <end> token). With ``num_captions``
-    N > 1 (at most k), also the pool's next N - 1 finished captions (``runners_up``).
+    N > 1 (at most k), also the pool's next N - 1 finished captions when the image is done
+    (``runners_up``): the search is the same, and so is its best.
 
     Each image keeps k open beams and, apart from them, a pool of the best k captions that
     ended. Every step ranks the k*V extensions of the open beams: an extension ending in
@@ -177,9 +178,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     is no reason to stop. After the ``max_len``-th word only <end> may come: at that step
     the extensions that end are the only candidates, and each joins the pool if it ranks
     among its best k. It returns the pool's best; a caption cut off at ``max_len`` words is
-    returned only when none ended (where <end> has probability 0). For N captions the rule
-    is the same with the pool's N-th best in place of its best: no open beam can still
-    beat it (the best is the same either way).
+    returned only when none ended (where <end> has probability 0).
 
     B images x k beams run as one tensor program; the k beams of an image share one copy of
     its annotations and keys. Each step records, per beam, its word, the beam it extends and
@@ -223,18 +222,18 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     best_possible = steps ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
     width = 2 * k  # k may end, k go on
 
-    def read_back(rows: torch.Tensor, last: int, place: int) -> list[DecodedIds | None]:
-        """The pool's entry ``place`` (0: its best) of these (batch-relative) images; none ends
-        after step ``last``. Without a finished caption there: for place 0 the best open beam,
-        cut off by the length limit; None for the others."""
+    def read_back(rows: torch.Tensor, places: torch.Tensor, last: int) -> list[DecodedIds]:
+        """Entry ``places[r]`` of the pool (0: its best) of image ``rows[r]`` (batch-relative;
+        an image may come several times); none ends after step ``last``. Where no caption
+        ended: the best open beam, cut off by the length limit."""
         img = active[rows]
         cut = min(last, max_len - 1)  # the last step whose open beams are kept
-        ended = torch.isfinite(pool_rank[rows, place])  # the pool is sorted: entry 0 is its best
+        ended = torch.isfinite(pool_rank[rows, places])  # the pool is sorted: entry 0 is its best
         slot = scores[rows].argmax(1)
-        step = torch.where(ended, pool_step[rows, place], torch.full_like(slot, cut))
+        step = torch.where(ended, pool_step[rows, places], torch.full_like(slot, cut))
         word = torch.where(ended, torch.full_like(slot, end), words[cut, img, slot])
-        j = torch.where(ended, pool_parent[rows, place], parents[cut, img, slot])
-        score = torch.where(ended, pool_score[rows, place], scores[rows].gather(1, slot[:, None]).squeeze(1))
+        j = torch.where(ended, pool_parent[rows, places], parents[cut, img, slot])
+        score = torch.where(ended, pool_score[rows, places], scores[rows].gather(1, slot[:, None]).squeeze(1))
         ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
         heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:])  # (b', T, h, L)
         betas = torch.zeros(len(img), last + 1, device=dev)
@@ -245,17 +244,20 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
             running[:, t] = torch.where(step == t, score, torch.where(before, score_steps[t, img, j], running[:, t]))
             j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
             heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
-        logps = running - F.pad(running[:, :-1], (1, 0))  # (b', T) each token's log p
-        m = (step + 1).tolist()
-        return [_trim(ids[r, :m[r]].tolist(), heads[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad,
-                      logps[r, :m[r]]) if place == 0 or ended[r] else None for r in range(len(img))]
+        logps = (running - F.pad(running[:, :-1], (1, 0))).cpu()  # (b', T) each token's log p
+        m, ids_, score_ = (step + 1).tolist(), ids.tolist(), score.tolist()  # one transfer each, not one per row
+        return [_trim(ids_[r][:m[r]], heads[r, :m[r]], betas[r, :m[r]], score_[r], end, pad, logps[r, :m[r]])
+                for r in range(len(img))]
 
     def emit(rows: torch.Tensor, last: int) -> None:
-        """Store the best caption of these (batch-relative) images, and its runners-up."""
-        found = [read_back(rows, last, place) for place in range(num_captions)]
-        for r, i in enumerate(active[rows].tolist()):
-            best = found[0][r]
-            best.runners_up = [f[r] for f in found[1:] if f[r] is not None]
+        """Store the best caption of these (batch-relative) images, and its runners-up: the
+        pool's next finished captions, up to num_captions in all, read back in one pass."""
+        found = torch.isfinite(pool_rank[rows, :num_captions]).sum(1).clamp_min(1).tolist()  # (b',)
+        places = torch.cat([torch.arange(f, device=dev) for f in found])
+        captions = iter(read_back(rows.repeat_interleave(torch.tensor(found, device=dev)), places, last))
+        for i, f in zip(active[rows].tolist(), found):
+            best = next(captions)
+            best.runners_up = [next(captions) for _ in range(f - 1)]
             out[i] = best
 
     for t in range(steps):
@@ -292,7 +294,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
-        best = pool_rank[:, num_captions - 1]  # the worst of the captions asked for
+        best = pool_rank[:, 0]
         done = torch.isfinite(best) & (best >= scores[:, 0] / best_possible)  # no open beam can beat it
         if bool(done.any()):
             emit(done.nonzero().flatten(), t)
@@ -326,4 +328,4 @@ def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float
     """Up to and with the first <end>; a caption cut off at the length limit stops before
     its first <pad> (never a word of a caption). heads (T, h, L), log_probs (T,)."""
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
-    return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m].float().cpu())
+    return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m].cpu())

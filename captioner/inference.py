@@ -155,6 +155,9 @@ class Captioner:
             familiarity = TrainingFeatures.from_dict(ckpt["familiarity"]) if "familiarity" in ckpt else None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"checkpoint's familiarity record is unusable: {e}") from e
+        if familiarity is not None and len(familiarity.mean) != model.encoder.dim:
+            raise CheckpointError(f"checkpoint's familiarity record describes {len(familiarity.mean)}-dimensional "
+                                  f"features, its encoder gives {model.encoder.dim}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
                    name=name, bundled=bundled, familiarity=familiarity)
 

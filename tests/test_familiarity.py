@@ -91,6 +91,16 @@ def test_an_old_checkpoint_loads_and_says_its_familiarity_is_unknown(tmp_path):
     assert line["familiarity"] is None and line["unfamiliar"] is None
 
 
+def test_a_record_that_does_not_fit_the_encoder_is_refused_in_one_line(tmp_path):
+    from captioner.checkpoint import CheckpointError
+
+    cap = tiny_captioner(seed=1)
+    cap.familiarity = TrainingFeatures.fit(_gaussian(50, seed=0, dim=7))  # the tiny encoder gives 128
+    cap.save(tmp_path / "m.pt")
+    with pytest.raises(CheckpointError, match="familiarity record describes 7-dimensional"):
+        Captioner.load(tmp_path / "m.pt")
+
+
 def test_caption_json_reports_familiarity_with_the_threshold_asked_for(tmp_path, tiny_coco):
     path = _with_familiarity(tmp_path, tiny_coco)
     image = tmp_path / "noise.png"

@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from captioner import inference
 from captioner.cli import main

@@ -113,7 +113,8 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
         # A slider needs two values at least: with beam 1 there is one caption to list.
         num = st.slider("Captions to list", 1, beam, min(3, beam),
                         help="The beam's best finished captions, with their log-probabilities; the first is "
-                             "the caption. At most the beam size.") if beam > 1 else 1
+                             "the caption. Up to this many: those that had ended when the search stopped."
+                        ) if beam > 1 else 1
         st.markdown("The model follows *Show, Attend and Tell* "
                     "([Xu et al., 2015](https://arxiv.org/abs/1502.03044)): a CNN looks at the image, an LSTM "
                     "writes the caption, and an attention step picks the image regions for every word.")

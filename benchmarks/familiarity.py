@@ -160,6 +160,7 @@ def cost(cap: Captioner, paths: list[str], repeats: int = 6) -> dict:
     batches = list(image_loader(paths, cap.preprocess, 16, 0))
     load = time.perf_counter() - start
     total = dict.fromkeys(modes, 0.0)
+    found = [0] * 4  # images with 0..3 alternatives (the pool's finished captions when the search stopped)
     for batch in batches:
         fastest = dict.fromkeys(modes, float("inf"))
         for r in range(repeats):
@@ -170,13 +171,16 @@ def cost(cap: Captioner, paths: list[str], repeats: int = 6) -> dict:
                 for i, res in zip(batch.loaded, results):
                     json.dumps(res.to_json(paths[i]))
                 fastest[mode] = min(fastest[mode], time.perf_counter() - start)
+                if mode == "with" and r == 0:
+                    for res in results:
+                        found[len(res.alternatives)] += 1
         for mode in modes:
             total[mode] += fastest[mode]
     cap.familiarity = record
     ms = {mode: 1000 * (load + t) / len(paths) for mode, t in total.items()}
     return {"images": len(paths), "ms_per_image_loading": round(1000 * load / len(paths), 2),
             "ms_per_image_without": round(ms["without"], 2), "ms_per_image_with": round(ms["with"], 2),
-            "added": round(ms["with"] / ms["without"] - 1, 4)}
+            "added": round(ms["with"] / ms["without"] - 1, 4), "images_with_1_2_3_alternatives": found[1:]}
 
 
 def study(name: str, data: Path, photos: list[Image.Image], variants: dict[str, list[Image.Image]],

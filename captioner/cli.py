@@ -159,8 +159,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
     p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
-                   help='also write "alternatives": the beam\'s N best distinct finished captions with their '
-                        "scores, best first (the first is the caption); N at most --beam-size (default 1: none)")
+                   help='also write "alternatives": the beam\'s best distinct finished captions with their '
+                        "scores, best first (the first is the caption), up to N: those that had ended when the "
+                        "search stopped; N at most --beam-size (default 1: none)")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--workers", type=_non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")

@@ -70,7 +70,8 @@ class DecodeOptions:
     # An image whose familiarity (the share of training images at least as far from their
     # distribution) is below this is reported as unfamiliar.
     unfamiliar_below: float = DEFAULT_THRESHOLD
-    # How many of the beam's best finished captions to return (CaptionResult.alternatives), at most beam_size.
+    # At most how many of the beam's finished captions to return (CaptionResult.alternatives; those the
+    # pool holds when the search stops), at most beam_size.
     num_captions: int = 1
 
     def __post_init__(self):

@@ -26,7 +26,7 @@ MODEL = "tiny.pt"
 @pytest.fixture(scope="module")
 def weights_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("weights")
-    tiny_captioner(seed=5).save(folder / MODEL)
+    tiny_captioner(seed=6).save(folder / MODEL)  # a model whose beam finishes 3 captions of these images
     return folder
 
 
@@ -78,6 +78,7 @@ def test_each_word_shows_its_probability_and_the_beams_captions_are_listed(weigh
     assert [html.unescape(w) for _, _, w in shaded] == line["words"]
     assert [float(p) for p, _, _ in shaded] == pytest.approx(line["word_probs"], abs=0.006)
     assert all(f"p = {float(p):.2f}" in title for p, title, _ in shaded)
+    assert len(line["alternatives"]) == 3
     listed = [m.value for m in at.main.markdown if "log p" in m.value]
     assert len(listed) == 1
     for alt in line["alternatives"]:

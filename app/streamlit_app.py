@@ -21,6 +21,7 @@ from captioner.app.serving import (Shown, app_device, app_precision, caption_gat
                                    forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
 from captioner import inference
 from captioner.checkpoint import CheckpointError
+from captioner.decoding import CaptionResult
 from captioner.images import ImageLoadError, ImageTooLargeError
 from captioner.inference import Captioner, DecodeOptions
 
@@ -111,10 +112,15 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
         max_len = st.slider("Longest caption (words)", 1, 50, DecodeOptions.max_len,
                             help=f"Left at {DecodeOptions.max_len}: the model's own longest training caption "
                                  "when that is longer (a Chinese model counts characters).")
+        # A slider needs two values at least: with beam 1 there is one caption to list.
+        num = st.slider("Captions to list", 1, beam, min(3, beam),
+                        help="The beam's best finished captions, with their log-probabilities; the first is "
+                             "the caption. Up to this many: those that had ended when the search stopped."
+                        ) if beam > 1 else 1
         st.markdown("The model follows *Show, Attend and Tell* "
                     "([Xu et al., 2015](https://arxiv.org/abs/1502.03044)): a CNN looks at the image, an LSTM "
                     "writes the caption, and an attention step picks the image regions for every word.")
-    return label, DecodeOptions(beam_size=beam, max_len=max_len)
+    return label, DecodeOptions(beam_size=beam, max_len=max_len, num_captions=num)
 
 
 SHAPES = "coloured circles, squares, triangles, stars and crosses on a dark background"
@@ -128,6 +134,31 @@ def shapes_notice(captioner: Captioner, label: str) -> str | None:
     return (f"**{who} is trained on synthetic shapes only** ({SHAPES}). It describes any picture, a "
             "photograph too, as coloured shapes. For photographs, train a model on photographs "
             "(see the README) and put its checkpoint in the weights folder.")
+
+
+def unfamiliar_notice(result: CaptionResult, label: str) -> str | None:
+    """What to say when the image in front of the user is unlike the model's training images."""
+    fam = result.familiarity
+    if fam is None or not fam.unfamiliar:
+        return None
+    return (f"**This picture is unlike the pictures {_markdown_text(label)} was trained on** (familiarity "
+            f"{fam.value:.3f}: the share of its training pictures that are at least as unusual; below "
+            f"{fam.threshold:g} is unfamiliar). Its caption says more about the training pictures than about "
+            "this one.")
+
+
+def familiarity_text(result: CaptionResult) -> str:
+    fam = result.familiarity
+    return "familiarity unknown" if fam is None else f"familiarity {fam.value:.2f}"
+
+
+def alternatives_list(result: CaptionResult) -> str | None:
+    """The beam's best captions as a numbered list, best first; None when there is one."""
+    if len(result.alternatives) < 2:
+        return None
+    rows = [f"{i}. {_markdown_text(a.caption) or '(no words)'} · log p {a.score:.2f}"
+            for i, a in enumerate(result.alternatives, 1)]
+    return "The beam's best captions:\n\n" + "\n".join(rows)
 
 
 def model_card(captioner: Captioner) -> None:
@@ -208,12 +239,21 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     result = shown.result
     with st.container(key="caption"):
         st.header(_markdown_text(result.caption) if result.words else "(no words)", anchor=False)
+    if result.words:  # each word shaded by how doubtful it is, its probability in a tooltip
+        st.html(Html(page.word_probs_html(result.words, result.word_probs)))
+    unlike = unfamiliar_notice(result, model_label)
+    if unlike:  # this image, beside the fixed notice of a shapes-only model
+        st.warning(unlike)
     if notice:  # right under the caption, where a photograph's "three objects ..." is read
         st.warning(notice)
     hard = f" · hard attention: {options.hard_attention}" if hard_model else ""
     waited = f" (after {shown.waited:.1f} s waiting for the model)" if shown.waited >= 0.05 else ""
     st.caption(f"{shown.name} · {model_label} · beam {options.beam_size} · up to {options.max_len} words{hard} · "
-               f"{shown.seconds * 1000:.0f} ms{waited} · log-probability {result.score:.2f}")
+               f"{shown.seconds * 1000:.0f} ms{waited} · log-probability {result.score:.2f} · "
+               f"{familiarity_text(result)}")
+    others = alternatives_list(result)
+    if others:
+        st.markdown(others)
     if not result.words:
         st.info("The model ended the caption before its first word, so there is no attention to show.")
         return

@@ -116,15 +116,15 @@ class Resume:
 
     done: set[str] = field(default_factory=set)  # a line this run accepts: not captioned again
     failed: set[str] = field(default_factory=set)  # only error lines: tried again
-    lacking: set[str] = field(default_factory=set)  # captioned, without the attention this run asks for
+    lacking: set[str] = field(default_factory=set)  # captioned, without the attention (alternatives) asked for
 
 
 def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: Path | None = None,
-                heads: bool = False) -> Resume:
+                heads: bool = False, alternatives: bool = False) -> Resume:
     """Sort the images of ``out_path`` into done, failed before, and captioned without the
     attention asked for now (``alphas`` for --with-attention, ``alphas_heads`` for
-    --attention-heads, an existing ``attention_png`` for --attention-dir): the last two are
-    captioned again."""
+    --attention-heads, an existing ``attention_png`` for --attention-dir) or without the
+    ``alternatives`` asked for (--num-captions): the last two are captioned again."""
     ok: set[str] = set()
     good: set[str] = set()
     errors: set[str] = set()
@@ -138,7 +138,8 @@ def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: 
             continue
         good.add(key)
         enough = (not with_attention or "alphas" in rec) and (not heads or "alphas_heads" in rec) and \
-            (attention_dir is None or os.path.isfile(str(rec.get("attention_png", ""))))
+            (attention_dir is None or os.path.isfile(str(rec.get("attention_png", "")))) and \
+            (not alternatives or "alternatives" in rec)
         if enough:
             ok.add(key)
     return Resume(done=ok, failed=errors - good, lacking=good - ok)

@@ -3,7 +3,8 @@
 A checkpoint holds the model's state_dict, its config, the vocabulary, the name of the
 tokenizer that made it (``"tokenizer"``: "ptb", "chars", "whitespace"; files that predate
 it are "ptb") and the preprocessing as plain data, so it rebuilds its model with no other
-file. It is read with
+file; and, optionally, a description of its training images' features as plain tensors
+(``familiarity``). It is read with
 ``torch.load(weights_only=True)``: a file that would need to run code to unpickle is refused.
 Writes are atomic (temporary file in the same folder, fsync, rename), so a crash during a
 save leaves the previous checkpoint intact.
@@ -86,7 +87,10 @@ def _write_error(e: BaseException) -> OSError | None:
 
 
 def make_checkpoint(*, model_state: dict, model_config: dict, vocab: list[str], preprocess: dict,
-                    meta: dict | None = None, train_state: dict | None = None, tokenizer: str = "ptb") -> dict:
+                    meta: dict | None = None, train_state: dict | None = None, tokenizer: str = "ptb",
+                    familiarity: dict | None = None) -> dict:
+    """``familiarity``: the training images' features (familiarity.TrainingFeatures.to_dict),
+    optional: a checkpoint without them loads, its images' familiarity unknown."""
     ckpt = {
         "format": FORMAT,
         "version": VERSION,
@@ -99,6 +103,8 @@ def make_checkpoint(*, model_state: dict, model_config: dict, vocab: list[str], 
     }
     if train_state is not None:
         ckpt["train_state"] = train_state
+    if familiarity is not None:
+        ckpt["familiarity"] = familiarity
     return ckpt
 
 

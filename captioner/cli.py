@@ -74,6 +74,17 @@ def _penalty(value: str) -> float:
     return x
 
 
+def _share(value: str) -> float:
+    """A share of images, from 0 to 1."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {value}")
+    return x
+
+
 def check_device(name: str) -> str:
     """``name`` if this machine has that device ("auto": the GPU if there is one, else the CPU)."""
     import torch
@@ -140,6 +151,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
+    p.add_argument("--unfamiliar-below", type=_share, default=0.01, metavar="SHARE",
+                   help='report an image as "unfamiliar" when its "familiarity" (the share of the model\'s '
+                        "training images at least as far from their distribution: 1 typical, near 0 unlike all "
+                        "of them) is below SHARE (default 0.01). Checkpoints without a record of their training "
+                        "images (captioner familiarity adds one) report both as null")
 
 
 def add_caption_parser(sub: argparse._SubParsersAction) -> None:
@@ -147,17 +163,22 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
         "caption", help="caption image files and folders, one JSON line per image",
         description="Caption images. PATHs are image files or folders (searched recursively for image "
                     "extensions; symlink loops are safe). Each image gives one JSON line: "
-                    '{"image", "caption", "words", "score"} or {"image", "error"} for a file that cannot be '
-                    "read; the run goes on. With --out FILE that already holds results, the run resumes: "
-                    "images already captioned there (found by their real location, however the folder is "
-                    "spelled) are skipped, images that failed before are tried again, and images captioned "
-                    "without the attention asked for now are captioned again; the file keeps one line per "
-                    "image. Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. "
-                    "The default model is a demo trained on synthetic shapes only.")
+                    '{"image", "caption", "words", "score", "familiarity", "unfamiliar", "word_probs"}, or '
+                    '{"image", "error"} for a file that cannot be read; the run goes on. With --out FILE '
+                    "that already holds results, the run resumes: images already captioned there (found by "
+                    "their real location, however the folder is spelled) are skipped, images that failed "
+                    "before are tried again, and images captioned without the attention (or the "
+                    "alternatives) asked for now are captioned again; the file keeps one line per image. "
+                    "Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. The default model "
+                    "is a demo trained on synthetic shapes only.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     _add_model_args(p)
     p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
+    p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
+                   help='also write "alternatives": the beam\'s best distinct finished captions with their '
+                        "scores, best first (the first is the caption), up to N: those that had ended when the "
+                        "search stopped; N at most --beam-size (default 1: none)")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--workers", type=_non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
@@ -199,6 +220,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from .vocab import UNK
 
     check_device(args.device)
+    if args.num_captions > args.beam_size:
+        raise UsageError(f"--num-captions {args.num_captions} is more than --beam-size {args.beam_size}: the "
+                         "alternatives are the beam's finished captions (raise --beam-size)")
     if args.out is not None:
         check_out_file(args.out)
     if args.attention_dir is not None:
@@ -231,7 +255,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
             merge_parts(args.out)  # parts left by an earlier, killed distributed run
         ctx.barrier()
         resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
-                              heads=args.attention_heads)
+                              heads=args.attention_heads, alternatives=args.num_captions > 1)
                   if args.out is not None else None)
         todo, keys, todo_keys, real_folders = [], set(), set(), {}
         for path in found.images:  # each image once, however often it was named
@@ -247,8 +271,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
         pending = todo[ctx.rank::ctx.world]
         workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
         options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
-                                length_penalty=args.length_penalty,
-                                hard_attention=args.hard_attention)
+                                length_penalty=args.length_penalty, hard_attention=args.hard_attention,
+                                unfamiliar_below=args.unfamiliar_below, num_captions=args.num_captions)
         target = part_path(args.out, ctx.rank) if ctx.active else args.out
         out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
         try:
@@ -385,12 +409,71 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     demo_notice("evaluate", captioner)
     report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
                       options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
-                                            hard_attention=args.hard_attention),
+                                            hard_attention=args.hard_attention,
+                                            unfamiliar_below=args.unfamiliar_below),
                       batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
     print(format_table(report))
     if args.out is not None:
         write_report(report, args.out)
         print(f"wrote {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "familiarity", help="record in a checkpoint its training images' features, for familiarity",
+        description="Add to CHECKPOINT (in place, atomically, or to --out) a description of the features of "
+                    "the images it was trained on: the mean and shrunk covariance of their pooled annotation "
+                    "vectors, and their distances. With it, caption, evaluate, the API and the app report each "
+                    "image's familiarity. `captioner train` records it at the end of a run; this is for "
+                    "checkpoints made before, with the data they were trained on. Exit code: 0 done, 2 usage "
+                    "error.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file, or a bundled demo model's name")
+    p.add_argument("--data", type=Path, required=True, help="the folder the model was trained on")
+    p.add_argument("--split", default="train", help="the split it was trained on (default train)")
+    p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file, if it was trained with one")
+    p.add_argument("--limit", type=_positive, default=None, help="the first N images only")
+    p.add_argument("--data-name", default=None,
+                   help="what the data is, in words, kept with the record (default: what the checkpoint says "
+                        "it was trained on, or the folder's name); the split and the image count are added")
+    p.add_argument("--batch-size", type=_positive, default=64, help="images per batch (default 64)")
+    p.add_argument("--out", type=Path, default=None, help="write the checkpoint here instead of in place")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
+    p.set_defaults(func=cmd_familiarity)
+
+
+def cmd_familiarity(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, atomic_save, load_checkpoint
+    from .data.coco import load_split, require_images
+    from .familiarity import training_features
+    from .inference import Captioner, resolve_weights
+
+    device = check_device(args.device)
+    if args.out is not None:
+        check_out_file(args.out)
+    try:
+        records = load_split(args.data, args.split, args.karpathy)[:args.limit]
+        require_images(records, args.split)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    try:
+        path = resolve_weights(args.checkpoint)
+        ckpt = load_checkpoint(path)
+        captioner = Captioner.from_checkpoint(ckpt, device)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
+    data = f"{args.data_name or captioner.training_data or args.data.name}, split {args.split}, {len(records)} images"
+    try:
+        record = training_features(captioner, records, data=data, batch_size=args.batch_size,
+                                   progress=not args.quiet)
+    except ValueError as e:  # too few images
+        raise UsageError(str(e)) from e
+    ckpt["familiarity"] = record.to_dict()
+    target = args.out or path
+    atomic_save(ckpt, target)
+    if not args.quiet:
+        print(f"wrote {target}: familiarity from {data}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -405,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_caption_parser(sub)
     add_evaluate_parser(sub)
+    add_familiarity_parser(sub)
     add_shapes_parser(sub)
     for ep in sorted(entry_points(group="captioner.commands"), key=lambda e: e.name):
         try:

@@ -19,13 +19,27 @@ itself cannot come (its probability is 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from .encoders import Annotations
+from .familiarity import Familiarity
 from .model import Decoder
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One of the beam's finished captions, with its log-probability."""
+
+    words: tuple[str, ...]
+    score: float  # log p of the caption, its <end> included
+    text: str | None = None  # as its language writes it (CaptionResult.text); None: words joined with spaces
+
+    @property
+    def caption(self) -> str:
+        return " ".join(self.words) if self.text is None else self.text
 
 
 @dataclass
@@ -42,6 +56,10 @@ class CaptionResult:
     # The caption as its language writes it (the vocabulary's tokenizer joins the words: no
     # spaces in Chinese); None: the words joined with spaces
     text: str | None = None
+    familiarity: Familiarity | None = None  # how like the model's training images; None: unknown
+    word_probs: tuple[float, ...] = ()  # (T,) p of each word given the image and the words before it
+    # with several captions asked for: the beam's best finished captions, best first (the first is this one)
+    alternatives: tuple[Alternative, ...] = ()
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -56,6 +74,12 @@ class CaptionResult:
         """``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
         out: dict = {} if image is None else {"image": image}
         out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
+        fam = self.familiarity
+        out.update(familiarity=None if fam is None else round(fam.value, digits),
+                   unfamiliar=None if fam is None else fam.unfamiliar,
+                   word_probs=[round(p, digits) for p in self.word_probs])
+        if self.alternatives:
+            out["alternatives"] = [{"caption": a.caption, "score": round(a.score, digits)} for a in self.alternatives]
         # Rounded in float64: a float32 0.0012 is 0.0012000000569969416 once it is a Python float.
         if with_attention or heads:
             out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
@@ -73,6 +97,9 @@ class DecodedIds:
     alphas_heads: torch.Tensor  # (len(ids), h, L) each head's map; h = 1 for one head
     betas: torch.Tensor  # (len(ids),)
     score: float
+    log_probs: torch.Tensor | None = None  # (len(ids),) log p of each token given those before it
+    # beam search's next best finished captions, best first (num_captions - 1 at most)
+    runners_up: list["DecodedIds"] = field(default_factory=list)
 
     @property
     def alphas(self) -> torch.Tensor:
@@ -130,15 +157,20 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
             break
     ids_t = torch.stack(ids, 1)  # (B, T)
     heads_t, betas_t = torch.stack(heads, 1), torch.stack(betas, 1)  # (B, T, h, L), (B, T)
-    total = torch.stack(logps, 1).sum(1)
-    return [_trim(ids_t[i].tolist(), heads_t[i], betas_t[i], float(total[i]), end, pad) for i in range(b)]
+    logps_t = torch.stack(logps, 1)  # (B, T)
+    total = logps_t.sum(1)
+    return [_trim(ids_t[i].tolist(), heads_t[i], betas_t[i], float(total[i]), end, pad, logps_t[i])
+            for i in range(b)]
 
 
 @torch.no_grad()
 def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
-                max_len: int, length_penalty: float = 0.0, hard: str = "expected") -> list[DecodedIds]:
+                max_len: int, length_penalty: float = 0.0, hard: str = "expected",
+                num_captions: int = 1) -> list[DecodedIds]:
     """The caption of highest rank per image: rank = log p, or with ``length_penalty`` > 0
-    log p / length**length_penalty (length counts the <end> token).
+    log p / length**length_penalty (length counts the <end> token). With ``num_captions``
+    N > 1 (at most k), also the pool's next N - 1 finished captions when the image is done
+    (``runners_up``): the search is the same, and so is its best.
 
     Each image keeps k open beams and, apart from them, a pool of the best k captions that
     ended. Every step ranks the k*V extensions of the open beams: an extension ending in
@@ -159,6 +191,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
+    if not 1 <= num_captions <= beam_size:
+        raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
     _check_max_len(max_len)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
     a = ann.vectors
@@ -183,6 +217,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     # (its parent) and the maps and gates each beam's step computed (indexed by that beam).
     words = torch.full((steps, b, k), pad, dtype=torch.long, device=dev)
     parents = torch.zeros(steps, b, k, dtype=torch.long, device=dev)
+    score_steps = torch.zeros(steps, b, k, device=dev)  # each open beam's log p after its word
     head_steps = torch.zeros(steps, b, k, decoder.attention.num_heads, n, device=dev)  # each head's map
     beta_steps = torch.zeros(steps, b, k, device=dev)
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
@@ -191,27 +226,43 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     best_possible = steps ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
     width = 2 * k  # k may end, k go on
 
-    def emit(rows: torch.Tensor, last: int) -> None:
-        """Store the best caption of these (batch-relative) images; none ends after step ``last``."""
+    def read_back(rows: torch.Tensor, places: torch.Tensor, last: int) -> list[DecodedIds]:
+        """Entry ``places[r]`` of the pool (0: its best) of image ``rows[r]`` (batch-relative;
+        an image may come several times); none ends after step ``last``. Where no caption
+        ended: the best open beam, cut off by the length limit."""
         img = active[rows]
         cut = min(last, max_len - 1)  # the last step whose open beams are kept
-        ended = torch.isfinite(pool_rank[rows, 0])  # the pool is sorted: entry 0 is its best
-        slot = scores[rows].argmax(1)  # else the best open beam, cut off by the length limit
-        step = torch.where(ended, pool_step[rows, 0], torch.full_like(slot, cut))
+        ended = torch.isfinite(pool_rank[rows, places])  # the pool is sorted: entry 0 is its best
+        slot = scores[rows].argmax(1)
+        step = torch.where(ended, pool_step[rows, places], torch.full_like(slot, cut))
         word = torch.where(ended, torch.full_like(slot, end), words[cut, img, slot])
-        j = torch.where(ended, pool_parent[rows, 0], parents[cut, img, slot])
-        score = torch.where(ended, pool_score[rows, 0], scores[rows].gather(1, slot[:, None]).squeeze(1))
+        j = torch.where(ended, pool_parent[rows, places], parents[cut, img, slot])
+        score = torch.where(ended, pool_score[rows, places], scores[rows].gather(1, slot[:, None]).squeeze(1))
         ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
         heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:])  # (b', T, h, L)
         betas = torch.zeros(len(img), last + 1, device=dev)
+        running = torch.zeros(len(img), last + 1, device=dev)  # log p of the caption up to each step
         for t in range(last, -1, -1):
             before = step > t  # rows whose caption goes on after step t
             ids[:, t] = torch.where(step == t, word, torch.where(before, words[t, img, j], ids[:, t]))
+            running[:, t] = torch.where(step == t, score, torch.where(before, score_steps[t, img, j], running[:, t]))
             j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
             heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
-        m = (step + 1).tolist()
-        for r, i in enumerate(img.tolist()):
-            out[i] = _trim(ids[r, :m[r]].tolist(), heads[r, :m[r]], betas[r, :m[r]], float(score[r]), end, pad)
+        logps = (running - F.pad(running[:, :-1], (1, 0))).cpu()  # (b', T) each token's log p
+        m, ids_, score_ = (step + 1).tolist(), ids.tolist(), score.tolist()  # one transfer each, not one per row
+        return [_trim(ids_[r][:m[r]], heads[r, :m[r]], betas[r, :m[r]], score_[r], end, pad, logps[r, :m[r]])
+                for r in range(len(img))]
+
+    def emit(rows: torch.Tensor, last: int) -> None:
+        """Store the best caption of these (batch-relative) images, and its runners-up: the
+        pool's next finished captions, up to num_captions in all, read back in one pass."""
+        found = torch.isfinite(pool_rank[rows, :num_captions]).sum(1).clamp_min(1).tolist()  # (b',)
+        places = torch.cat([torch.arange(f, device=dev) for f in found])
+        captions = iter(read_back(rows.repeat_interleave(torch.tensor(found, device=dev)), places, last))
+        for i, f in zip(active[rows].tolist(), found):
+            best = next(captions)
+            best.runners_up = [next(captions) for _ in range(f - 1)]
+            out[i] = best
 
     for t in range(steps):
         bb = len(active)
@@ -243,7 +294,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         position = torch.arange(cand.shape[1], device=dev).expand_as(cand)
         go_on = torch.sort(position + cand.shape[1] * ended.long(), dim=1).values[:, :k] % cand.shape[1]  # (b', k)
         scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
-        words[t, active], parents[t, active] = word, beam
+        words[t, active], parents[t, active], score_steps[t, active] = word, beam, scores
         rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
@@ -276,8 +327,9 @@ def _only_end(logp: torch.Tensor, end: int) -> torch.Tensor:
     return out
 
 
-def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int) -> DecodedIds:
+def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int,
+          log_probs: torch.Tensor) -> DecodedIds:
     """Up to and with the first <end>; a caption cut off at the length limit stops before
-    its first <pad> (never a word of a caption). heads (T, h, L)."""
+    its first <pad> (never a word of a caption). heads (T, h, L), log_probs (T,)."""
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
-    return DecodedIds(ids[:m], heads[:m], betas[:m], score)
+    return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m].cpu())

@@ -32,6 +32,7 @@ class EvalReport:
     metrics: dict[str, float]
     grounding: dict | None = None
     attention: dict | None = None  # how peaked the maps are: mean entropy, share of exact zeros
+    familiarity: dict | None = None  # images, mean familiarity, how many unfamiliar; None: unknown
     captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
     tokenizer: str = "ptb"  # the tokens the metrics count: the model's (characters for "chars")
 
@@ -99,6 +100,16 @@ def attention_stats(results: list[CaptionResult]) -> dict:
             dtype=torch.float64))), 4), "zero_share": round(float((a == 0).double().mean()), 4)}
 
 
+def familiarity_stats(results: list[CaptionResult]) -> dict | None:
+    """How familiar the images were to the model: their mean familiarity and how many were
+    unfamiliar; None when the model has no record of its training images."""
+    known = [r.familiarity for r in results if r.familiarity is not None]
+    if not known:
+        return None
+    return {"images": len(known), "mean": round(sum(f.value for f in known) / len(known), 4),
+            "unfamiliar": sum(f.unfamiliar for f in known), "threshold": known[0].threshold}
+
+
 def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy: str | Path | None = None,
              options: DecodeOptions | None = None, batch_size: int = 32, limit: int | None = None,
              meteor: bool | None = None, progress: bool = True, workers: int = 0,
@@ -121,8 +132,8 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
     metrics, grounding = score(records, results, instances if karpathy is None else None, meteor,
                                captioner.preprocess, tokenizer)
     return EvalReport(split, len(records), options.beam_size, round(seconds, 2), metrics, grounding,
-                      attention_stats(results), {r.image_id: res.caption for r, res in zip(records, results)},
-                      tokenizer.name)
+                      attention_stats(results), familiarity_stats(results),
+                      {r.image_id: res.caption for r, res in zip(records, results)}, tokenizer.name)
 
 
 def format_table(report: EvalReport) -> str:
@@ -160,6 +171,10 @@ def format_table(report: EvalReport) -> str:
         at = report.attention
         rows.append(("attention entropy (nats)", f"{at['entropy']:.3f}  (uniform {at['uniform_entropy']:.3f})"))
         rows.append(("attention exact zeros", f"{at['zero_share']:.3f}"))
+    fam = report.familiarity
+    rows.append(("unfamiliar images", "unknown (no familiarity record: captioner familiarity adds one)" if fam is None
+                 else f"{fam['unfamiliar']} of {fam['images']} (familiarity below {fam['threshold']:g}; "
+                      f"mean familiarity {fam['mean']:.3f})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

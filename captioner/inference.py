@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
-from .decoding import CaptionResult, DecodedIds, beam_search, greedy
+from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
+from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from .model import CaptionModel, ModelConfig
 from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
@@ -65,11 +66,22 @@ class DecodeOptions:
     # (half of its minibatches); "argmax": the single most likely location (what a hard
     # look at one place means, also deterministic); "sample": s_t ~ Multinoulli(alpha_t).
     hard_attention: str = "expected"
+    # An image whose familiarity (the share of training images at least as far from their
+    # distribution) is below this is reported as unfamiliar.
+    unfamiliar_below: float = DEFAULT_THRESHOLD
+    # At most how many of the beam's finished captions to return (CaptionResult.alternatives; those the
+    # pool holds when the search stops), at most beam_size.
+    num_captions: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.num_captions <= self.beam_size:
+            raise ValueError(f"num_captions must be from 1 to the beam size ({self.beam_size}), "
+                             f"got {self.num_captions}")
 
 
 class Captioner:
     def __init__(self, model: CaptionModel, vocab: Vocabulary, preprocess: Preprocess, meta: dict | None = None,
-                 *, name: str | None = None, bundled: bool = False):
+                 *, name: str | None = None, bundled: bool = False, familiarity: TrainingFeatures | None = None):
         self.model = model.eval()
         self.vocab = vocab
         self.preprocess = preprocess
@@ -77,6 +89,7 @@ class Captioner:
         self.precision = "fp32"
         self.name = name  # what the user chose: a bundled model's name or the file's name
         self.bundled = bundled  # one of the demo models shipped in the package
+        self.familiarity = familiarity  # its training images' features; None: familiarity unknown
 
     @property
     def training_data(self) -> str | None:
@@ -150,8 +163,15 @@ class Captioner:
         vocab = Vocabulary(list(ckpt["vocab"]), tokenizer)
         if len(vocab) != cfg.vocab_size:
             raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
+        try:
+            familiarity = TrainingFeatures.from_dict(ckpt["familiarity"]) if "familiarity" in ckpt else None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint's familiarity record is unusable: {e}") from e
+        if familiarity is not None and len(familiarity.mean) != model.encoder.dim:
+            raise CheckpointError(f"checkpoint's familiarity record describes {len(familiarity.mean)}-dimensional "
+                                  f"features, its encoder gives {model.encoder.dim}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
-                   name=name, bundled=bundled)
+                   name=name, bundled=bundled, familiarity=familiarity)
 
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
@@ -165,7 +185,8 @@ class Captioner:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
                                vocab=self.vocab.to_list(), tokenizer=self.vocab.tokenizer.name,
                                preprocess=self.preprocess.to_dict(),
-                               meta={**self.meta, **(meta or {})}, train_state=train_state)
+                               meta={**self.meta, **(meta or {})}, train_state=train_state,
+                               familiarity=self.familiarity.to_dict() if self.familiarity is not None else None)
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
         atomic_save(self.checkpoint(meta), path)
@@ -179,21 +200,30 @@ class Captioner:
         v = self.vocab
         with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             ann = self.model.encode(images.to(self.device))
-            if opt.beam_size == 1 and opt.length_penalty == 0:
+            if opt.beam_size == 1 and opt.length_penalty == 0:  # num_captions is 1
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
                                  hard=opt.hard_attention)
             else:
                 decoded = beam_search(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad,
                                       beam_size=opt.beam_size, max_len=opt.max_len,
-                                      length_penalty=opt.length_penalty, hard=opt.hard_attention)
-        return [self.to_result(d, ann.grid) for d in decoded]
+                                      length_penalty=opt.length_penalty, hard=opt.hard_attention,
+                                      num_captions=opt.num_captions)
+        results = [self.to_result(d, ann.grid, alternatives=opt.num_captions > 1) for d in decoded]
+        if self.familiarity is None:
+            return results
+        known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
+        return [replace(r, familiarity=f) for r, f in zip(results, known)]
 
-    def to_result(self, d: DecodedIds, grid: tuple[int, int]) -> CaptionResult:
+    def to_result(self, d: DecodedIds, grid: tuple[int, int], alternatives: bool = False) -> CaptionResult:
+        """``alternatives``: the result lists ``d`` and its runners-up as Alternatives."""
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
+        probs = tuple(d.log_probs[:t].double().exp().tolist()) if d.log_probs is not None else ()
+        alts = tuple(Alternative(tuple(w), x.score, self.vocab.join(w))
+                     for x in (d, *d.runners_up) for w in [self.vocab.decode(x.ids)]) if alternatives else ()
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
-                             heads, text=self.vocab.join(words))
+                             heads, text=self.vocab.join(words), word_probs=probs, alternatives=alts)
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,
                        max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:

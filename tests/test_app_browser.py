@@ -250,6 +250,41 @@ def test_the_chinese_demo_captions_in_chinese_in_the_browser(browser, server, tm
     finally:
         context.close()
 
+
+PHOTO = Path(__file__).parent / "fixtures" / "photos" / "coco" / "train2014" / "COCO_train2014_000000000009.jpg"
+
+
+@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]).is_file(),
+                    reason="the bundled demo model is not installed")
+def test_a_photograph_is_flagged_unfamiliar_beside_the_notice_in_the_browser(browser, server, tmp_path):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(90_000)
+        page.goto(server)  # demo-soft, the first example: shapes, familiar
+        page.get_by_text(" · demo-soft · beam ").wait_for()
+        _wait_idle(page)
+        unlike = page.get_by_test_id("stAlertContentWarning").filter(has_text="unlike the pictures")
+        assert unlike.count() == 0
+        _upload(page, PHOTO)
+        page.get_by_text(f"{PHOTO.name} · demo-soft · beam ").wait_for()
+        _wait_idle(page)
+        assert unlike.count() == 1 and unlike.is_visible() and "familiarity 0.000" in unlike.inner_text()
+        notice = page.get_by_test_id("stAlertContentWarning").filter(has_text="trained on synthetic shapes only")
+        assert notice.count() == 1  # the fixed notice stays
+        shaded = page.locator(".captioner-probs .word-prob")
+        assert shaded.count() == len(page.locator(".st-key-caption h2").inner_text().split())
+        assert shaded.first.get_attribute("title").startswith("p = ")
+        page.locator("label.cell").first.wait_for()
+        page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
+        shot = Path(os.environ.get("CAPTIONER_PHOTO_SCREENSHOT") or tmp_path / "app-photo.png")
+        _screenshot(page, shot)
+        print(f"screenshot: {shot}")
+        assert shot.stat().st_size > 10_000
+    finally:
+        context.close()
+
+
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 
 

@@ -249,3 +249,18 @@ def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     log = [json.loads(line) for line in (tmp_path / "validated" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "val" in r] == [4, 8, 9]
+
+
+def test_a_finished_run_records_its_training_images_features_with_each_checkpoint_s_encoder(tiny_coco, tmp_path):
+    from captioner.data.coco import load_split
+    from captioner.familiarity import TrainingFeatures, training_features
+
+    run = tmp_path / "run"
+    train(tiny_config(tiny_coco, **{"optim.epochs": 2, "val.every_epochs": 1}), run, progress=False)
+    records = load_split(tiny_coco, "train")
+    for name in ("best.pt", "last.pt"):
+        ckpt = load_checkpoint(run / name)
+        record = TrainingFeatures.from_dict(ckpt["familiarity"])
+        assert record.images == len(records) and "split train" in record.data
+        again = training_features(Captioner.from_checkpoint(ckpt), records, progress=False)
+        assert torch.allclose(record.reference, again.reference, rtol=1e-4)

@@ -33,6 +33,7 @@ from captioner.data.coco import CaptionDataset, ImageRecord, TrainingCaptions, c
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
+from captioner.familiarity import training_features
 from captioner.images import Preprocess
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel
@@ -330,7 +331,33 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
             return TrainOutcome(run_dir, state.step, state.epoch, done, state.best, state.train_seconds)
     open_run(run, resumed_at=state.step if ckpt is not None else None)
     reason = run_epochs(run, state)
+    if reason != "interrupted" and ctx.is_main:
+        record_familiarity(run)
     return TrainOutcome(run_dir, state.step, state.epoch, reason, state.best, state.train_seconds)
+
+
+def record_familiarity(run: Run) -> None:
+    """Add to best.pt and last.pt their training images' features (captioner.familiarity),
+    each through its own encoder (best.pt's may be an earlier one): what the familiarity of
+    an image is measured against. A write that fails leaves the checkpoint as it was."""
+    data = f"{run.meta['training_data']}, split {run.cfg.data.train_split}, {len(run.train_records)} images"
+    done: list[tuple[dict, dict]] = []  # (encoder weights, record): one pass per distinct encoder
+    for path in (run.run_dir / "best.pt", run.run_dir / "last.pt"):
+        if not path.is_file():
+            continue
+        ckpt = load_checkpoint(path)
+        encoder = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("encoder.")}
+        record = next((r for e, r in done if all(torch.equal(e[k], v) for k, v in encoder.items())), None)
+        if record is None:
+            cap = Captioner.from_checkpoint(ckpt, run.ctx.device)
+            record = training_features(cap, run.train_records, data=data, progress=run.progress).to_dict()
+            done.append((encoder, record))
+        ckpt["familiarity"] = record
+        try:
+            atomic_save(ckpt, path)
+        except OSError as e:
+            print(f"could not add the familiarity record to {path} ({e.strerror or e}); `captioner familiarity` "
+                  "adds it later", file=sys.stderr)
 
 
 def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool) -> Run:

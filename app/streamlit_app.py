@@ -19,7 +19,7 @@ from captioner.app import page
 from captioner.app.pictures import Picture
 from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
                                    forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
-from captioner import inference
+from captioner import bundled, inference
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult
 from captioner.images import ImageLoadError, ImageTooLargeError
@@ -51,7 +51,7 @@ STYLE = Html(page.STYLE)
 
 def available_models() -> dict[str, str]:
     """Label -> weights for Captioner.load: the installed bundled models, then *.pt in the weights folder."""
-    models = {name: name for name, file in inference.BUNDLED.items() if (inference.BUNDLED_DIR / file).is_file()}
+    models = {m.name: m.name for m in bundled.installed()}
     folder = Path(os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights"))
     if folder.is_dir():
         for path in sorted(folder.glob("*.pt")):
@@ -84,10 +84,11 @@ def _unreadable(error: ImageLoadError) -> str:
 
 def no_model_message() -> None:
     folder = os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights")
+    demos = ", ".join(f"`{name}`" for name in bundled.DEMOS)
     st.warning("No captioning model is available yet.")
     st.markdown(
         f"""
-The page offers the bundled demo models (`demo-soft`, `demo-hard`) when they are installed,
+The page offers the bundled demo models ({demos}) when they are installed,
 and every checkpoint (`*.pt`) in the folder `{folder}` (set `CAPTIONER_WEIGHTS_DIR` to use another).
 
 To get one, train the small demo model on the synthetic shapes data (about half an hour on a CPU),
@@ -123,15 +124,12 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
     return label, DecodeOptions(beam_size=beam, max_len=max_len, num_captions=num)
 
 
-SHAPES = "coloured circles, squares, triangles, stars and crosses on a dark background"
-
-
 def shapes_notice(captioner: Captioner, label: str) -> str | None:
     """What to show beside the caption of a model that knows the synthetic shapes only (the demos)."""
     if not captioner.shapes_only:
         return None
     who = f"{'Demo model: ' if captioner.bundled else ''}{_markdown_text(label)}"
-    return (f"**{who} is trained on synthetic shapes only** ({SHAPES}). It describes any picture, a "
+    return (f"**{who} is trained on synthetic shapes only** ({bundled.SHAPES}). It describes any picture, a "
             "photograph too, as coloured shapes. For photographs, train a model on photographs "
             "(see the README) and put its checkpoint in the weights folder.")
 
@@ -166,8 +164,9 @@ def model_card(captioner: Captioner) -> None:
     with st.sidebar.container(key="model_card"):
         st.subheader("Model card", anchor=False)
         data = captioner.training_data
-        if captioner.bundled:
-            trained = f"synthetic shapes only ({SHAPES}): a demo model shipped with captioner"
+        if captioner.demo is not None:
+            trained = (f"{captioner.demo.training_data} only ({captioner.demo.description}): a demo model shipped "
+                       "with captioner")
         elif data is None:
             trained = "not recorded in this checkpoint"
         else:

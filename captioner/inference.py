@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from .bundled import DEFAULT, DEMOS, SHAPES_ONLY, SYNTHETIC_SHAPES, BundledModel, bundled_at
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
 from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
 from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
@@ -16,26 +17,17 @@ from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from .model import CaptionModel, ModelConfig
 from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
 
-BUNDLED_DIR = Path(__file__).parent / "weights"
-BUNDLED = {"demo-soft": "demo-soft.pt", "demo-hard": "demo-hard.pt", "demo-zh": "demo-zh.pt"}  # demo-zh: Chinese
-DEFAULT_WEIGHTS = "demo-soft"
-# What the bundled demo models were trained on, and the start of the training-data name
-# that training writes into a checkpoint made from the shapes data (see ``training_data``).
-SYNTHETIC_SHAPES = "synthetic shapes"
-SHAPES_ONLY = "trained on synthetic shapes only: it describes any picture, a photograph too, as coloured shapes"
-
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
     """A bundled model name (demo-soft, demo-hard, demo-zh) or a path to a checkpoint file."""
-    name = str(weights or DEFAULT_WEIGHTS)
-    if name in BUNDLED:
-        path = BUNDLED_DIR / BUNDLED[name]
-        if not path.is_file():
-            raise CheckpointError(f"the bundled model {name!r} is missing from this installation ({path})")
-        return path
+    name = str(weights or DEFAULT)
+    if name in DEMOS:
+        if not DEMOS[name].installed:
+            raise CheckpointError(f"the bundled model {name!r} is missing from this installation ({DEMOS[name].path})")
+        return DEMOS[name].path
     path = Path(name).expanduser()
     if not path.is_file():
-        raise CheckpointError(f"no such checkpoint: {name} (use a file path, or one of {', '.join(BUNDLED)})")
+        raise CheckpointError(f"no such checkpoint: {name} (use a file path, or one of {', '.join(DEMOS)})")
     return path
 
 
@@ -81,14 +73,15 @@ class DecodeOptions:
 
 class Captioner:
     def __init__(self, model: CaptionModel, vocab: Vocabulary, preprocess: Preprocess, meta: dict | None = None,
-                 *, name: str | None = None, bundled: bool = False, familiarity: TrainingFeatures | None = None):
+                 *, name: str | None = None, demo: BundledModel | None = None,
+                 familiarity: TrainingFeatures | None = None):
         self.model = model.eval()
         self.vocab = vocab
         self.preprocess = preprocess
         self.meta = dict(meta or {})
         self.precision = "fp32"
         self.name = name  # what the user chose: a bundled model's name or the file's name
-        self.bundled = bundled  # one of the demo models shipped in the package
+        self.demo = demo  # the record of the demo model shipped in the package that this is, if one
         self.familiarity = familiarity  # its training images' features; None: familiarity unknown
 
     @property
@@ -100,10 +93,15 @@ class Captioner:
         for key in ("training_data", "trained_on"):
             if isinstance(self.meta.get(key), str) and self.meta[key]:
                 return _without_paths(self.meta[key])
-        if self.bundled:
-            return SYNTHETIC_SHAPES
+        if self.demo is not None:
+            return self.demo.training_data
         data = self.meta.get("data")
         return f"the data in a folder named {Path(data).name}" if isinstance(data, str) and data else None
+
+    @property
+    def bundled(self) -> bool:
+        """One of the demo models shipped in the package."""
+        return self.demo is not None
 
     @property
     def shapes_only(self) -> bool:
@@ -122,8 +120,10 @@ class Captioner:
         """One sentence for the user of a shapes-only model (the demos); None for others."""
         if not self.shapes_only:
             return None
-        what = f"{self.name} is a demo model" if self.bundled and self.name else f"{self.name or 'this model'} is"
-        return f"{what} {SHAPES_ONLY} (for photographs, train a model on photographs: see the README)"
+        if self.demo is not None:
+            return self.demo.notice()
+        return (f"{self.name or 'this model'} is {SHAPES_ONLY} (for photographs, train a model on photographs: "
+                "see the README)")
 
     def use_precision(self, precision: str) -> "Captioner":
         """"fp32" (default), or "bf16"/"fp16" autocast for encoder and decoder (a GPU's fast
@@ -145,7 +145,7 @@ class Captioner:
 
     @classmethod
     def from_checkpoint(cls, ckpt: dict, device: str | torch.device = "cpu", *, name: str | None = None,
-                        bundled: bool = False) -> "Captioner":
+                        demo: BundledModel | None = None) -> "Captioner":
         cfg = ModelConfig.from_dict(ckpt["model_config"])
         # The checkpoint holds every encoder weight: build the encoder without asking
         # torchvision for ImageNet weights (no network, no hub cache needed), and keep the
@@ -171,15 +171,15 @@ class Captioner:
             raise CheckpointError(f"checkpoint's familiarity record describes {len(familiarity.mean)}-dimensional "
                                   f"features, its encoder gives {model.encoder.dim}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
-                   name=name, bundled=bundled, familiarity=familiarity)
+                   name=name, demo=demo, familiarity=familiarity)
 
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
         path = resolve_weights(weights)
         # A shipped file is a demo however it is named: "demo-soft" or its path in the package.
-        bundled = path.resolve().parent == BUNDLED_DIR.resolve()
-        name = path.stem if bundled else path.name
-        return cls.from_checkpoint(load_checkpoint(path, map_location=device), device, name=name, bundled=bundled)
+        demo = bundled_at(path)
+        name = demo.name if demo is not None else path.name
+        return cls.from_checkpoint(load_checkpoint(path, map_location=device), device, name=name, demo=demo)
 
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from captioner.app.serving import figure_png, result_json
-from captioner import inference
+from captioner import bundled, inference
 from captioner.cli import build_parser, main
 from tiny import tiny_captioner, tiny_image
 
@@ -221,14 +221,14 @@ def test_repeated_words_get_labels_the_picker_can_tell_apart():
 def test_models_offered_are_installed_bundled_ones_and_the_weights_folder(tmp_path, monkeypatch):
     from captioner.app.streamlit_app import available_models
 
-    bundled = tmp_path / "bundled"
-    bundled.mkdir()
-    (bundled / inference.BUNDLED["demo-hard"]).write_bytes(b"")  # only demo-hard is installed
+    demos = tmp_path / "bundled"
+    demos.mkdir()
+    (demos / bundled.DEMOS["demo-hard"].file).write_bytes(b"")  # only demo-hard is installed
     folder = tmp_path / "mine"
     folder.mkdir()
     for name in ("b.pt", "a.pt", "notes.txt"):
         (folder / name).write_bytes(b"")
-    monkeypatch.setattr(inference, "BUNDLED_DIR", bundled)
+    monkeypatch.setattr(bundled, "WEIGHTS_DIR", demos)
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(folder))
     assert available_models() == {"demo-hard": "demo-hard", "a.pt": str(folder / "a.pt"),
                                   "b.pt": str(folder / "b.pt")}
@@ -273,7 +273,7 @@ def test_app_command_passes_its_pixel_limit_to_the_page(monkeypatch):
 
 
 def test_no_model_says_how_to_get_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setattr(bundled, "WEIGHTS_DIR", tmp_path / "none")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path / "empty"))
     at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
@@ -282,7 +282,7 @@ def test_no_model_says_how_to_get_one(tmp_path, monkeypatch):
 
 
 def test_an_unusable_checkpoint_shows_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setattr(bundled, "WEIGHTS_DIR", tmp_path / "none")
     (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path))
     at = AppTest.from_file(str(APP), default_timeout=180).run()
@@ -355,7 +355,7 @@ def _model_card(at: AppTest) -> str:
     return re.sub(r"\\(.)", r"\1", " ".join(m.value for m in at.sidebar.markdown))
 
 
-@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]).is_file(),
+@pytest.mark.skipif(not (bundled.DEMOS["demo-soft"].path).is_file(),
                     reason="the bundled demo model is not installed")
 def test_a_demo_model_shows_a_notice_beside_the_caption_and_in_its_card(weights_dir, monkeypatch):
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
@@ -399,7 +399,7 @@ def test_the_model_card_never_shows_the_trainers_paths(weights_dir, tmp_path, mo
     folder = tmp_path / "weights"
     folder.mkdir()
     tiny_captioner(seed=SEED).save(folder / "old.pt", meta=meta)
-    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setattr(bundled, "WEIGHTS_DIR", tmp_path / "none")
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(folder))
     at = AppTest.from_file(str(APP), default_timeout=180).run()
     assert not at.exception
@@ -532,7 +532,7 @@ def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, m
     model is loaded they are set aside, and it walks only what the runs make."""
     import gc
 
-    monkeypatch.setattr(inference, "BUNDLED_DIR", tmp_path / "none")
+    monkeypatch.setattr(bundled, "WEIGHTS_DIR", tmp_path / "none")
     tiny_captioner(seed=SEED).save(tmp_path / "fresh.pt")  # a model this process has not loaded yet
     monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path))
     at = AppTest.from_file(str(APP), default_timeout=180).run()

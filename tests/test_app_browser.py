@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from captioner import inference
+from captioner import bundled
 from captioner.cli import main
 from tiny import tiny_captioner, tiny_image
 
@@ -194,7 +194,7 @@ def test_a_broken_upload_shows_an_error_not_a_traceback(page, tmp_path):
     assert page.get_by_test_id("stAlertContentError").count() == 0
 
 
-@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]).is_file(),
+@pytest.mark.skipif(not (bundled.DEMOS["demo-soft"].path).is_file(),
                     reason="the bundled demo model is not installed")
 def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_path):
     context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
@@ -222,7 +222,7 @@ def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_pat
         context.close()
 
 
-@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-zh"]).is_file(),
+@pytest.mark.skipif(not (bundled.DEMOS["demo-zh"].path).is_file(),
                     reason="the bundled Chinese demo model is not installed")
 def test_the_chinese_demo_captions_in_chinese_in_the_browser(browser, server, tmp_path):
     """demo-zh picked in the sidebar: the first example's caption in Chinese characters without
@@ -254,7 +254,7 @@ def test_the_chinese_demo_captions_in_chinese_in_the_browser(browser, server, tm
 PHOTO = Path(__file__).parent / "fixtures" / "photos" / "coco" / "train2014" / "COCO_train2014_000000000009.jpg"
 
 
-@pytest.mark.skipif(not (inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]).is_file(),
+@pytest.mark.skipif(not (bundled.DEMOS["demo-soft"].path).is_file(),
                     reason="the bundled demo model is not installed")
 def test_a_photograph_is_flagged_unfamiliar_beside_the_notice_in_the_browser(browser, server, tmp_path):
     context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner import inference
+from captioner import bundled
 from captioner.cli import main
 from tiny import tiny_captioner, tiny_image
 
@@ -19,7 +19,7 @@ AppTest = pytest.importorskip("streamlit.testing.v1").AppTest
 
 APP = Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"
 PHOTO = Path(__file__).parent / "fixtures" / "photos" / "coco" / "train2014" / "COCO_train2014_000000000009.jpg"
-DEMO = inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]
+DEMO = bundled.DEMOS["demo-soft"].path
 MODEL = "tiny.pt"
 
 

@@ -4,13 +4,13 @@ a user's own checkpoint says what it was trained on."""
 import pytest
 import torch
 
-from captioner import inference
+from captioner import bundled, inference
 from captioner.cli import build_parser, main
 from captioner.inference import Captioner
 from tiny import tiny_captioner, tiny_image
 
 NOTE = "trained on synthetic shapes only"
-DEMOS = [n for n, f in inference.BUNDLED.items() if (inference.BUNDLED_DIR / f).is_file()]
+DEMOS = [m.name for m in bundled.installed()]
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def test_caption_with_a_demo_model_says_so_once_on_stderr(name, images, capsys):
 
 
 def test_the_demo_file_by_its_path_is_recognised_too(images, capsys):
-    path = inference.BUNDLED_DIR / inference.BUNDLED["demo-soft"]
+    path = bundled.DEMOS["demo-soft"].path
     assert main(["caption", images[0], "--weights", str(path), "--max-len", "4", "--quiet"]) == 0
     assert NOTE in capsys.readouterr().err  # even with --quiet
 
@@ -111,3 +111,17 @@ def test_demo_zh_captions_in_chinese_through_demo_softs_frozen_encoder():
     assert " " not in result.caption and result.caption == "".join(result.words)
     mentions = parse_mentions(english_words(result.words)[0])
     assert len(mentions) == 3 and all(m.color is not None for m in mentions), result.caption
+
+
+def test_each_demo_is_one_record_read_by_the_api_and_the_app():
+    """A demo's file, language and training data live in its record (captioner.bundled); the
+    API's notice and the app's model card read them from there, not from copies."""
+    from captioner.app.streamlit_app import shapes_notice
+
+    for demo in bundled.installed():
+        cap = inference.Captioner.load(demo.name)
+        assert cap.demo is demo and cap.bundled and cap.name == demo.name
+        assert cap.training_data.startswith(demo.training_data) and cap.notice() == demo.notice()
+        assert demo.description in shapes_notice(cap, demo.name)
+    assert [m.language for m in bundled.DEMOS.values()] == ["en", "en", "zh"]
+    assert bundled.bundled_at(bundled.DEMOS["demo-hard"].path) is bundled.DEMOS["demo-hard"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner import inference
+from captioner import bundled
 from captioner.checkpoint import load_checkpoint
 from captioner.cli import main
 from captioner.data.coco import load_split
@@ -18,7 +18,7 @@ from tiny import tiny_captioner, tiny_image
 
 PHOTOS = Path(__file__).parent / "fixtures" / "photos" / "coco"
 SHAPES = Path(__file__).parent.parent / "app" / "examples"
-DEMOS = [n for n, f in inference.BUNDLED.items() if (inference.BUNDLED_DIR / f).is_file()]
+DEMOS = [m.name for m in bundled.installed()]
 
 
 def _gaussian(n: int, seed: int, dim: int = 12) -> torch.Tensor:

@@ -182,9 +182,10 @@ DEMO_CAPTIONS = {
 def test_grid_layers_zero_is_todays_model(tmp_path):
     from captioner.data.shapes import generate_dataset
     from captioner.images import load_image
-    from captioner.inference import BUNDLED, BUNDLED_DIR, resolve_weights
+    from captioner.bundled import DEMOS
+    from captioner.inference import resolve_weights
 
-    if not (BUNDLED_DIR / BUNDLED["demo-soft"]).is_file():
+    if not DEMOS["demo-soft"].installed:
         pytest.skip("demo-soft's weights are not here")
     saved = load_checkpoint(resolve_weights("demo-soft"))
     assert "grid_layers" not in saved["model_config"]  # written before the field existed

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, TrainingCaptions, dataset_tokenizer
-from captioner.inference import SYNTHETIC_SHAPES
+from captioner.bundled import SYNTHETIC_SHAPES
 
 from .config import DataConfig
 

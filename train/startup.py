@@ -23,7 +23,8 @@ from captioner.data.coco import ImageRecord, TrainingCaptions, build_vocab, data
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
-from captioner.inference import BUNDLED, resolve_weights
+from captioner.bundled import DEMOS
+from captioner.inference import resolve_weights
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import DEFAULT_TOKENIZER, PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 
@@ -99,7 +100,7 @@ def resolve_checkpoint(key: str, value: str, config_path: Path | None) -> str:
     model's name as it is; a relative path found in the working folder, beside the config file,
     or in the installed package (``captioner/weights/demo-soft.pt``), made absolute; else a
     one-line StartupError. Empty stays empty."""
-    if not value or value in BUNDLED:
+    if not value or value in DEMOS:
         return value
     path = Path(value).expanduser()
     places = [Path.cwd()] if not path.is_absolute() else [Path("/")]
@@ -111,7 +112,7 @@ def resolve_checkpoint(key: str, value: str, config_path: Path | None) -> str:
             return str((place / path).resolve())
     looked = "" if path.is_absolute() else f" (looked in {', '.join(str(p) for p in dict.fromkeys(places))})"
     raise StartupError(f"{key}: no such checkpoint {value}{looked}; give a file, or a bundled model: "
-                       f"{', '.join(BUNDLED)}")
+                       f"{', '.join(DEMOS)}")
 
 
 def _require_pretrained(encoder: str) -> None:

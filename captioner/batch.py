@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -143,6 +143,33 @@ def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: 
         if enough:
             ok.add(key)
     return Resume(done=ok, failed=errors - good, lacking=good - ok)
+
+
+@dataclass
+class ResumePlan:
+    """Which of the images found to caption this run: each image once, however often it was
+    named, less those the output file already holds as asked for."""
+
+    todo: list[str]  # in the order found
+    already: int  # done before: not captioned again
+    retried: int  # of todo: failed before
+    again: int  # of todo: captioned before without the attention (or alternatives) asked for
+
+
+def plan_resume(images: Sequence[str], resume: Resume | None) -> ResumePlan:
+    """The images to caption, given what ``resume`` (read_resume of the output file, None
+    without one) says is there."""
+    todo, keys, todo_keys, real_folders = [], set(), set(), {}
+    for path in images:
+        key = resume_key(path, real_folders)
+        if key not in keys:
+            keys.add(key)
+            if resume is None or key not in resume.done:
+                todo.append(path)
+                todo_keys.add(key)
+    return ResumePlan(todo, len(keys) - len(todo),
+                      len(todo_keys & resume.failed) if resume is not None else 0,
+                      len(todo_keys & resume.lacking) if resume is not None else 0)
 
 
 def compact(out_path: Path) -> int:

@@ -211,8 +211,7 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
-    from .batch import (BatchSummary, caption_paths, compact, discover, merge_parts, part_path, read_resume,
-                        resume_key)
+    from .batch import BatchSummary, caption_paths, compact, discover, merge_parts, part_path, plan_resume, read_resume
     from .checkpoint import CheckpointError
     from .distributed import DeviceError, setup, teardown, work_done
     from .images import DEFAULT_MAX_PIXELS
@@ -257,18 +256,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
         resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
                               heads=args.attention_heads, alternatives=args.num_captions > 1)
                   if args.out is not None else None)
-        todo, keys, todo_keys, real_folders = [], set(), set(), {}
-        for path in found.images:  # each image once, however often it was named
-            key = resume_key(path, real_folders)
-            if key not in keys:
-                keys.add(key)
-                if resume is None or key not in resume.done:
-                    todo.append(path)
-                    todo_keys.add(key)
-        already = len(keys) - len(todo)
-        retried = len(todo_keys & resume.failed) if resume is not None else 0
-        again = len(todo_keys & resume.lacking) if resume is not None else 0
-        pending = todo[ctx.rank::ctx.world]
+        plan = plan_resume(found.images, resume)
+        already, retried, again = plan.already, plan.retried, plan.again
+        pending = plan.todo[ctx.rank::ctx.world]
         workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
         options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
                                 length_penalty=args.length_penalty, hard_attention=args.hard_attention,

@@ -123,3 +123,26 @@ def test_compact_keeps_the_caption_whichever_order_the_lines_came_in(tmp_path):
         out.write_text("".join(json.dumps(r) + "\n" for r in order))
         compact(out)
         assert [json.loads(x) for x in out.read_text().splitlines()] == [caption]
+
+
+def test_the_resume_plan_takes_each_image_once_and_counts_what_it_retries(tmp_path):
+    """batch.plan_resume: the bookkeeping `captioner caption` does before it captions."""
+    import json
+
+    from captioner.batch import plan_resume, read_resume
+
+    images = [tmp_path / f"{n}.png" for n in ("a", "b", "c", "d")]
+    for p in images:
+        p.write_bytes(b"")
+    out = tmp_path / "out.jsonl"
+    out.write_text("\n".join(json.dumps(r) for r in (
+        {"image": str(images[0]), "caption": "x", "words": ["x"], "score": 0.0, "alphas": [[1.0]]},
+        {"image": str(images[1]), "error": "broken"},
+        {"image": str(images[2]), "caption": "y", "words": ["y"], "score": 0.0},
+    )) + "\n")
+    named = [str(p) for p in images] + [str(images[3]), str(tmp_path / "." / "d.png")]  # d named thrice
+    plan = plan_resume(named, read_resume(out, with_attention=True))
+    assert plan.todo == [str(images[1]), str(images[2]), str(images[3])]
+    assert (plan.already, plan.retried, plan.again) == (1, 1, 1)
+    fresh = plan_resume(named, None)
+    assert fresh.todo == [str(p) for p in images] and (fresh.already, fresh.retried, fresh.again) == (0, 0, 0)

@@ -240,10 +240,10 @@ def test_a_missing_or_malformed_base_is_one_line(tmp_path, capsys):
 
 def test_shapes_soft_frozen_trains_what_the_comparison_found_robust():
     """train/configs/shapes-soft-frozen.toml is the comparison's frozen-sparsemax-8k-coords-ttb
-    row (benchmarks/attention/rows.toml, recipe "full"), the recipe whose every seed named,
+    row (studies/attention/rows.toml, recipe "full"), the recipe whose every seed named,
     pointed and related: every resolved value the same but the run's name, its seed and its
     thread count, which choose a run, not the recipe."""
-    from benchmarks.attention.plan import DEFAULT_ROWS, load_plan, training_config
+    from studies.attention.plan import DEFAULT_ROWS, load_plan, training_config
 
     plan = load_plan(DEFAULT_ROWS)
     row = next(r for r in plan.rows if r.name == "frozen-sparsemax-8k-coords-ttb")

@@ -1,4 +1,4 @@
-"""benchmarks.attention: the statistics its table rests on, the row checks, the whole
+"""studies.attention: the statistics its table rests on, the row checks, the whole
 pipeline (train, score, table, rerun) on a tiny recipe, its subcommands, and its results
 file."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attention import cli, plan, runner, scoring, store
-from benchmarks.attention import stats as cs
-from benchmarks.attention import table as ct
+from studies.attention import cli, plan, runner, scoring, store
+from studies.attention import stats as cs
+from studies.attention import table as ct
 from captioner.train.checkpoints import last_step, last_step_model
 
 
@@ -145,7 +145,7 @@ def test_check_ranking_reports_agreement_and_the_top_variant():
 # ------------------------------------------------------------------------ pipeline
 
 def _rows_file(tmp_path: Path, extra_rows: str = "") -> Path:
-    config = Path(__file__).resolve().parent.parent / "train" / "configs" / "shapes-soft.toml"
+    config = Path(__file__).resolve().parents[2] / "train" / "configs" / "shapes-soft.toml"
     data = tmp_path / "shapes-train"
     path = tmp_path / "rows.toml"
     path.write_text(f'''reference = "additive"
@@ -657,7 +657,7 @@ def test_each_subcommand_explains_itself(command, capsys):
         cli.main([command, "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: python -m benchmarks.attention {command} ") and len(out.splitlines()) > 5
+    assert out.startswith(f"usage: python -m studies.attention {command} ") and len(out.splitlines()) > 5
 
 
 def test_the_help_names_every_subcommand_and_an_unknown_one_is_refused_in_one_line(capsys):

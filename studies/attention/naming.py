@@ -13,7 +13,7 @@ against the objects'), decoded as the comparison decodes (beam 3), is told by on
     pairing           the colours and the shapes each right, paired wrong ("a blue circle and
                       a red square" for a red circle and a blue square)
 
-    python -m benchmarks.attention naming demo-soft runs/a --data data/shapes-test7001-1000 \\
+    python -m studies.attention naming demo-soft runs/a --data data/shapes-test7001-1000 \\
         --data data/shapes-test7002-1000
 """
 

@@ -22,7 +22,7 @@ opposite ("above" against "below", "left" against "right"). Near 1: the model kn
 from down and its decoded captions go wrong in the order it names the objects; near 0.5:
 it does not know.
 
-    python -m benchmarks.attention relation demo-soft runs/a --data data/shapes-test7001-1000 \
+    python -m studies.attention relation demo-soft runs/a --data data/shapes-test7001-1000 \
         --data data/shapes-test7002-1000
 """
 

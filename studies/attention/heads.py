@@ -3,7 +3,7 @@ every head's own map and for their mean (the map the overlay shows by default), 
 reference words as the attention comparison (each test image's first reference caption fed
 to the model; its colour and shape words that name an object uniquely present).
 
-    python -m benchmarks.attention heads runs/attention-comparison/full-3752steps/heads4/seed0 \\
+    python -m studies.attention heads runs/attention-comparison/full-3752steps/heads4/seed0 \\
         --data data/shapes-test7001-1000 --images 1000
 
 The weights are a checkpoint file or a run folder (its last.pt, with the moving average of the
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from captioner.data.coco import load_split
-from captioner.forced import forced_outputs
+from .forced import forced_outputs
 from captioner.grounding import load_shape_objects, pointing_game
 from captioner.inference import Captioner
 

@@ -1,4 +1,4 @@
-"""benchmarks.attention.heads: each head's map and their mean scored on the same words."""
+"""studies.attention.heads: each head's map and their mean scored on the same words."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.attention import cli
-from benchmarks.attention import heads as hp
+from studies.attention import cli
+from studies.attention import heads as hp
 from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
-from captioner.forced import forced_maps
+from studies.attention.forced import forced_maps
 from captioner.grounding import load_shape_objects, pointing_game
 from tests.tiny import tiny_captioner
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: configs are named from it
 DEFAULT_ROWS = Path(__file__).resolve().parent / "rows.toml"
-PROG = "python -m benchmarks.attention"
+PROG = "python -m studies.attention"
 # Held by every training of the comparison: a fixed step count, no validation on the way
 # (the loop still validates once at the end; that figure is kept in the result record), unless
 # a row validates to choose its checkpoint (Row.validate); never an early stop.
@@ -181,7 +181,7 @@ def prepare_training_data(recipe: dict, steps: int, row: Row) -> None:
 
 
 def child_env(**more: str) -> dict[str, str]:
-    """A child process imports this tree's packages (captioner, train, benchmarks), as this
+    """A child process imports this tree's packages (captioner, train, studies), as this
     one does."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **more}

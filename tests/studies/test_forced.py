@@ -1,4 +1,4 @@
-"""captioner.forced: each image's first reference caption fed to the model, batched, gives
+"""studies.attention.forced: each image's first reference caption fed to the model, batched, gives
 the maps the model gives that caption image by image."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from captioner.data.coco import ImageDataset, load_split
 from captioner.data.shapes import generate_dataset
 from captioner.encoders import Annotations
-from captioner.forced import forced_maps, forced_outputs
+from studies.attention.forced import forced_maps, forced_outputs
 from captioner.vocab import tokenize
 from tests.tiny import tiny_captioner
 

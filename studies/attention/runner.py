@@ -2,7 +2,7 @@
 resumed from its last.pt), then every row that uses it scored on the test sets, a pool of
 jobs at a time, one thread each.
 
-Each job is a child process (`python -m benchmarks.attention run-one ...`) that trains,
+Each job is a child process (`python -m studies.attention run-one ...`) that trains,
 scores and hands its records over in its run folder; this process alone adds them to the
 table's results file (store.py). A rerun skips every (row, seed) the results file has, and
 resumes a stopped training.
@@ -147,7 +147,7 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
 
 def job_command(key: str, seed: int, rows: list[Row], args) -> list[str]:
     """The child process of one job: the same plan, data and folders as this one's."""
-    cmd = [sys.executable, "-m", "benchmarks.attention", "run-one", "--training", key, "--seed", str(seed),
+    cmd = [sys.executable, "-m", "studies.attention", "run-one", "--training", key, "--seed", str(seed),
            "--rows", ",".join(r.name for r in rows), "--rows-file", str(args.rows_file), "--recipe", args.recipe,
            "--test-seeds", args.test_seeds, "--test-images", str(args.test_images), "--test-root",
            str(args.test_root), "--runs", str(args.runs), "--beam-size", str(args.beam_size)]

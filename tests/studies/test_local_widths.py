@@ -1,10 +1,10 @@
-"""benchmarks.attention.widths: the half-widths a learned local window predicts."""
+"""studies.attention.widths: the half-widths a learned local window predicts."""
 
 import pytest
 import torch
 
-from benchmarks.attention import cli
-from benchmarks.attention import widths as local_widths
+from studies.attention import cli
+from studies.attention import widths as local_widths
 from captioner.inference import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image
 

@@ -1,13 +1,13 @@
-"""Where the maps of words that miss their object look (benchmarks/attention/misses.py)."""
+"""Where the maps of words that miss their object look (studies/attention/misses.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from benchmarks.attention import cli, misses, scoring
+from studies.attention import cli, misses, scoring
 from captioner.grounding import ShapeObject
-from tiny import tiny_captioner
+from tests.tiny import tiny_captioner
 
 # A 4 x 4 grid over 64 x 64 px (16-px cells, centres at 8, 24, 40, 56).
 # The circle's box (x, y 12-32) holds cell (1, 1)'s centre and overlaps cell (0, 0)'s corner.

@@ -1,4 +1,4 @@
-"""benchmarks.attention.stats and the table's intervals: a variant is compared with the
+"""studies.attention.stats and the table's intervals: a variant is compared with the
 reference by a bootstrap over training seeds and test images together, and by the seed
 means with a Welch t interval, so that a seed effect is not taken for a variant effect."""
 
@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.attention import stats as cs
-from benchmarks.attention import table as ct
+from studies.attention import stats as cs
+from studies.attention import table as ct
 
 N_IMAGES = 3000
 WORDS = 3  # scored words per image

@@ -1,13 +1,13 @@
-"""What a model names wrong (benchmarks/attention/naming.py): each caption that does not name
+"""What a model names wrong (studies/attention/naming.py): each caption that does not name
 exactly the image's objects is told by one kind of error."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.attention import cli, naming, scoring
+from studies.attention import cli, naming, scoring
 from captioner.grounding import ShapeObject
-from tiny import tiny_captioner
+from tests.tiny import tiny_captioner
 
 RED_CIRCLE = ShapeObject("circle", "red", "small", (10.0, 10.0, 20.0, 20.0))
 BLUE_SQUARE = ShapeObject("square", "blue", "small", (70.0, 80.0, 20.0, 20.0))

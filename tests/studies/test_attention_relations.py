@@ -1,18 +1,18 @@
-"""Why a model states a relation wrong (benchmarks/attention/relations.py)."""
+"""Why a model states a relation wrong (studies/attention/relations.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.attention import cli, relations, scoring
+from studies.attention import cli, relations, scoring
 from captioner.data.coco import ImageRecord
 from captioner.grounding import ShapeObject
 from captioner.images import Preprocess
 from captioner.inference import Captioner
 from captioner.model import CaptionModel
 from captioner.vocab import Vocabulary
-from tiny import tiny_captioner, tiny_config, tiny_image
+from tests.tiny import tiny_captioner, tiny_config, tiny_image
 
 # 128 x 128 px. The red circle is up and to the left of the blue square; the green star sits
 # level with the circle (centres 4 px apart in y, far apart in x).

@@ -1,4 +1,4 @@
-"""The attention comparison's command line: `python -m benchmarks.attention SUBCOMMAND`,
+"""The attention comparison's command line: `python -m studies.attention SUBCOMMAND`,
 run from the repository root. Each subcommand's --help says what it does and its options.
 """
 
@@ -20,7 +20,7 @@ for the same number of steps, several seeds, scored on three fresh test sets, wi
 against a reference variant (a bootstrap over seeds and images, paired over images, and
 Welch's interval of the seed means) and an A/A noise floor. See docs/attention-comparison.md.
 
-Rows and recipes are data (benchmarks/attention/rows.toml): a row is `--set` overrides of the
+Rows and recipes are data (studies/attention/rows.toml): a row is `--set` overrides of the
 recipe's config (demo-soft's). Each (training, seed) runs to a fixed step count with no
 validation on the way; the model scored is the one at that last step (the moving average of
 the weights, as the recipe keeps one), the same rule for every variant, unless a row says
@@ -29,23 +29,23 @@ otherwise (validate = true: validation every epoch; checkpoint = "best": the one
 results.jsonl.gz; a rerun skips what is finished and resumes a stopped training from its
 last.pt.
 
-  python -m benchmarks.attention train                  # the full table (long: see the docs)
-  python -m benchmarks.attention train --recipe quarter --rows mean,additive,concat,dot,sparsemax
-  python -m benchmarks.attention table                  # the table again, from the results alone
-  python -m benchmarks.attention goal --rows frozen-soft  # does every seed reach the demo's floors?
-  python -m benchmarks.attention table --check-ranking quarter --rows mean,additive,concat,dot,sparsemax
-  python -m benchmarks.attention timing                 # training steps/s alone (an idle machine)
-  python -m benchmarks.attention score demo-soft        # the scoring alone, on any checkpoint
-  python -m benchmarks.attention score CANDIDATE.pt --against demo-soft --test-seeds 9001,9002,9003
-  python -m benchmarks.attention score runs/a/best.pt runs/b/best.pt runs/c/best.pt --against demo-soft
-  python -m benchmarks.attention score runs/a runs/b runs/c --against demo-soft   # run folders
+  python -m studies.attention train                  # the full table (long: see the docs)
+  python -m studies.attention train --recipe quarter --rows mean,additive,concat,dot,sparsemax
+  python -m studies.attention table                  # the table again, from the results alone
+  python -m studies.attention goal --rows frozen-soft  # does every seed reach the demo's floors?
+  python -m studies.attention table --check-ranking quarter --rows mean,additive,concat,dot,sparsemax
+  python -m studies.attention timing                 # training steps/s alone (an idle machine)
+  python -m studies.attention score demo-soft        # the scoring alone, on any checkpoint
+  python -m studies.attention score CANDIDATE.pt --against demo-soft --test-seeds 9001,9002,9003
+  python -m studies.attention score runs/a/best.pt runs/b/best.pt runs/c/best.pt --against demo-soft
+  python -m studies.attention score runs/a runs/b runs/c --against demo-soft   # run folders
 
 Trained on a GPU machine, scored on another (one without the evaluation's packages, say):
 
-  python -m benchmarks.attention train --rows heads4 --device cuda --train-only --jobs 12  # there
-  python -m benchmarks.attention pack packs --rows heads4                                  # there
-  python -m benchmarks.attention unpack packs/runs-*.tar                                   # here
-  python -m benchmarks.attention train --rows heads4                                       # here: scores
+  python -m studies.attention train --rows heads4 --device cuda --train-only --jobs 12  # there
+  python -m studies.attention pack packs --rows heads4                                  # there
+  python -m studies.attention unpack packs/runs-*.tar                                   # here
+  python -m studies.attention train --rows heads4                                       # here: scores
 """
 
 
@@ -93,7 +93,7 @@ def _options(*groups: str) -> argparse.ArgumentParser:
         p.add_argument("--seeds", type=_seeds, default=[0, 1, 2],
                        help="training seeds (optim.seed), comma-separated, at least 3 for a ranking (default 0,1,2)")
     if "out" in groups:
-        p.add_argument("--out", type=Path, default=Path("benchmarks/results/attention-comparison"),
+        p.add_argument("--out", type=Path, default=Path("studies/attention/results"),
                        help="results (small, meant to be committed) go under OUT/<recipe>-<steps>steps/")
     if "runs" in groups:
         p.add_argument("--runs", type=Path, default=Path("runs/attention-comparison"),

@@ -2,7 +2,7 @@
 figures are built from (stats.py): whether the caption names its objects and states its
 relations right, CIDEr-D and BLEU counts, and the pointing game and entropy of the maps of
 each image's first reference caption fed to the model (teacher forcing,
-``captioner.forced``), the same words for every model.
+forced.py), the same words for every model.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
 
     from captioner.data.coco import load_split
     from captioner.evaluation import decode_records
-    from captioner.forced import forced_maps
+    from .forced import forced_maps
     from captioner.grounding import load_shape_objects
     from captioner.inference import DecodeOptions
 

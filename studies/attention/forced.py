@@ -15,9 +15,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from .data.coco import ImageDataset, ImageRecord
-from .inference import Captioner
-from .model import DecoderOutput
+from captioner.data.coco import ImageDataset, ImageRecord
+from captioner.inference import Captioner
+from captioner.model import DecoderOutput
 
 
 def forced_outputs(cap: Captioner, records: Sequence[ImageRecord],

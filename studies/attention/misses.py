@@ -13,7 +13,7 @@ told by the cell its map peaks on:
 A seed that points badly because it looks one object ahead (or behind) shows a large
 "next" (or "previous"); one whose maps wander, a large "background".
 
-    python -m benchmarks.attention misses runs/a/last.pt runs/b/last.pt --data data/shapes-test7001-1000
+    python -m studies.attention misses runs/a/last.pt runs/b/last.pt --data data/shapes-test7001-1000
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def shares(places: Sequence[str]) -> dict[str, float]:
 @torch.inference_mode()
 def places_of(cap, folder: Path, images: int) -> list[str]:
     from captioner.data.coco import load_split
-    from captioner.forced import forced_maps
+    from .forced import forced_maps
 
     records = load_split(folder, "test")[:images]
     objects = load_shape_objects(folder / "instances_test.json")

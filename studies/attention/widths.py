@@ -3,7 +3,7 @@ records, for every word of the captions, the window's half-width (cells of the a
 that the centre network predicted. A fixed window (model.local_width = fixed) has one
 half-width, model.local_window; a learned one starts there and moves where training takes it.
 
-    python -m benchmarks.attention widths runs/attention-comparison/full-3752steps/local-learned/seed0 \\
+    python -m studies.attention widths runs/attention-comparison/full-3752steps/local-learned/seed0 \\
         data/shapes-test7001-1000/images/test --images 200
 
 The weights are a checkpoint file or a run folder (its last.pt, with the moving average of the

@@ -5,7 +5,7 @@ against a floor, and for each figure the row whose worst seed comes closest.
 A mean over seeds can hide a seed that fails (the demo must work for whoever retrains it),
 so the verdict is per seed: a row meets the goal when its every seed reaches every floor.
 
-    python -m benchmarks.attention goal --rows frozen-soft,frozen-sparsemax \\
+    python -m studies.attention goal --rows frozen-soft,frozen-sparsemax \\
         --floor object_accuracy=0.97 --floor BLEU-4=0.81
 """
 

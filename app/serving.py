@@ -87,7 +87,7 @@ def forget_upload(upload) -> None:
     memory until its session ends. Streamlit has no public call for it: this is the one place
     that uses its private runtime (the script run's context and its uploaded-file manager). If a
     Streamlit release moves them, this does nothing and the page still works, each session then
-    holding its uploads until it ends; tests/test_app.py checks that the store is left empty."""
+    holding its uploads until it ends; tests/app/test_app.py checks that the store is left empty."""
     try:
         from streamlit.runtime.scriptrunner import get_script_run_ctx
 

@@ -1,1 +1,1 @@
-"""Benchmark scripts, and the attention comparison (benchmarks.attention)."""
+"""Benchmark scripts: speed figures (the attention comparison is in studies.attention)."""

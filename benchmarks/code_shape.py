@@ -2,7 +2,7 @@
 and lines per folder, the longest files and functions, `sys.path` edits, and pairs of places
 that share six or more consecutive lines (blank lines and comments ignored).
 
-    python benchmarks/code_shape.py            # captioner/ train/ app/ benchmarks/ tests/
+    python benchmarks/code_shape.py            # captioner/ train/ app/ benchmarks/ studies/ tests/
     python benchmarks/code_shape.py --json     # the same as data
 """
 
@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("captioner", "train", "app", "benchmarks", "tests")
+FOLDERS = ("captioner", "train", "app", "benchmarks", "studies", "tests")
 WINDOW = 6
 
 

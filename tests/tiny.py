@@ -1,6 +1,9 @@
-"""Tiny random models and images for fast CPU tests."""
+"""Tiny random models and images, and a tiny COCO-format data set, for fast CPU tests."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -48,3 +51,45 @@ def token_batch(vocab: Vocabulary, captions: list[str]) -> tuple[torch.Tensor, t
     for i, x in enumerate(ids):
         tokens[i, : len(x)] = torch.tensor(x)
     return tokens, lengths
+
+
+# split -> [(image_id, file_name, (width, height), rgb colour, captions)]. Image ids are
+# unique across splits, as in COCO. "zebra" appears only in a validation caption and
+# "giraffe" only in a test caption, so tests can check that neither leaks into the
+# training vocabulary.
+TINY_COCO: dict[str, list[tuple[int, str, tuple[int, int], tuple[int, int, int], list[str]]]] = {
+    "train": [
+        (101, "train_101.png", (20, 16), (255, 0, 0), ["A red square on a table.", "a red box", "red square"]),
+        (102, "train_102.png", (18, 16), (0, 255, 0), ["A green circle.", "a green ball on grass"]),
+        (103, "train_103.png", (16, 20), (0, 0, 255), ["a blue square", "the blue box is small", "blue"]),
+        (104, "train_104.png", (16, 16), (255, 255, 0), ["A yellow star in the sky.", "a yellow star"]),
+        (105, "train_105.png", (24, 16), (255, 0, 255), ["a purple circle", "purple ball on a table"]),
+        (106, "train_106.png", (16, 24), (0, 255, 255), ["a cyan square and a red circle", "two shapes"]),
+    ],
+    "val": [
+        (201, "val_201.png", (16, 16), (128, 0, 0), ["a zebra on a table", "a dark red square"]),
+        (202, "val_202.png", (16, 16), (0, 128, 0), ["a dark green circle", "a green ball", "green"]),
+    ],
+    "test": [
+        (301, "test_301.png", (16, 16), (0, 0, 128), ["a giraffe and a dark blue square", "a blue box"]),
+        (302, "test_302.png", (16, 16), (128, 128, 128), ["a grey circle", "a grey ball on a table"]),
+    ],
+}
+
+
+def write_tiny_coco(root: Path) -> Path:
+    """Write TINY_COCO under ``root`` as images/ + captions_<split>.json; return ``root``."""
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    ann_id = 1
+    for split, entries in TINY_COCO.items():
+        images, annotations = [], []
+        for image_id, file_name, (w, h), colour, captions in entries:
+            Image.new("RGB", (w, h), colour).save(root / "images" / file_name)
+            images.append({"id": image_id, "file_name": file_name, "width": w, "height": h})
+            for caption in captions:
+                annotations.append({"id": ann_id, "image_id": image_id, "caption": caption})
+                ann_id += 1
+        data = {"info": {"description": f"tiny test set, {split}"}, "licenses": [],
+                "images": images, "annotations": annotations}
+        (root / f"captions_{split}.json").write_text(json.dumps(data), encoding="utf-8")
+    return root

@@ -1,7 +1,0 @@
-"""`python -m benchmarks.attention SUBCOMMAND`: the attention comparison (cli.py)."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

@@ -1,0 +1,340 @@
+"""The app's shared machinery: the model gate, the results cache, overlays drawn in one go."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.overlay import overlays, upsample_alpha
+from tests.tiny import tiny_image
+
+
+def _one_overlay(image: Image.Image, alpha: torch.Tensor) -> np.ndarray:
+    """The overlay of one map, computed on its own with the formula of the paper's figures."""
+    rgb = np.asarray(image, dtype=np.float32) / 255.0
+    m = upsample_alpha(alpha, image.size)  # (h, w)
+    m = ((m - m.min()) / (m.max() - m.min()))[..., None]
+    out = rgb * (0.2 + 0.8 * m) * (1 - 0.35 * m) + np.array([1.0, 0.55, 0.1]) * 0.35 * m
+    return np.clip(out * 255.0 + 0.5, 0, 255).astype(np.uint8)
+
+
+
+def _next_job_gets_a_turn(gate) -> bool:
+    """Whether a job started now on another thread gets its turn within 5 s."""
+    done = threading.Event()
+    threading.Thread(target=gate.run, args=(None, 0, lambda items: done.set() or items), daemon=True).start()
+    return done.wait(5)
+
+
+def _hold(gate, slots: int = 1) -> threading.Event:
+    """Start ``slots`` jobs that each hold a slot of ``gate`` until the returned event is set;
+    return once they all hold one."""
+    release, held = threading.Event(), threading.Semaphore(0)
+
+    def work(items):
+        held.release()
+        release.wait(10)
+        return items
+
+    for i in range(slots):
+        threading.Thread(target=gate.run, args=(None, i, work), daemon=True).start()
+    for _ in range(slots):
+        assert held.acquire(timeout=5)
+    return release
+
+
+def test_overlays_in_one_go_equal_one_at_a_time():
+    image = tiny_image(3, (90, 60))
+    alphas = torch.softmax(torch.randn(5, 7, 7, generator=torch.Generator().manual_seed(0)).flatten(1), 1)
+    alphas = alphas.view(5, 7, 7)
+    together = overlays(image, alphas)
+    assert len(together) == 5
+    for a, im in zip(alphas, together):
+        assert im.size == image.size
+        diff = np.abs(np.asarray(im, dtype=int) - _one_overlay(image, a).astype(int))
+        assert diff.max() <= 3  # 8-bit masks and products: within 3 levels of 255
+
+
+def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
+    from captioner.app.gate import Gate
+
+    gate = Gate(slots=2)
+    running, most, order, told, waited = [0], [0], [], {}, {}
+    lock = threading.Lock()
+    done = {i: threading.Event() for i in range(6)}  # each job holds its slot until told to finish
+
+    def work(items):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            order.extend(items)
+        for i in items:
+            done[i].wait(10)
+        with lock:
+            running[0] -= 1
+        return items
+
+    def job(i: int) -> None:
+        waited[i] = gate.run(None, i, work, on_wait=lambda ahead: told.__setitem__(i, ahead)).waited
+
+    def until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    threads = []
+    for i in range(6):
+        threads.append(threading.Thread(target=job, args=(i,)))
+        threads[-1].start()
+        until(lambda: i in order if i < 2 else i in told)  # arrive in order: running or waiting first
+    assert told == {2: 2, 3: 3, 4: 4, 5: 5}  # jobs ahead, running included
+    for i in range(4):  # each finished job lets in the first in line, and only it
+        done[i].set()
+        until(lambda: i + 2 in order)
+        assert order == list(range(i + 3))
+    done[4].set()
+    done[5].set()
+    for t in threads:
+        t.join(10)
+    assert most[0] == 2 and order == list(range(6))
+    assert all(w >= 0 for w in waited.values()) and waited[5] > waited[0]
+
+
+def test_a_job_that_fails_gives_its_turn_back():
+    from captioner.app.gate import Gate
+
+    gate = Gate(slots=1)
+
+    def work(items):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        gate.run(None, 0, work)
+    assert _next_job_gets_a_turn(gate)
+
+
+def _queue_behind(gate, jobs: list[tuple[object, int]], work, out: dict) -> list[threading.Thread]:
+    """Start gate.run(key, item, work) for each (key, item) in order, each on its own thread, each
+    once the one before is in line (the gate's slots are held). ``out[item]``: what each got, or its error."""
+    threads, queued = [], threading.Semaphore(0)
+    for key, item in jobs:
+        def job(key=key, item=item):
+            try:
+                out[item] = gate.run(key, item, work, on_wait=lambda ahead: queued.release())
+            except Exception as e:
+                out[item] = e
+        threads.append(threading.Thread(target=job))
+        threads[-1].start()
+        assert queued.acquire(timeout=5)  # in line before the next one comes
+    return threads
+
+
+def test_jobs_waiting_with_the_same_key_run_together_in_order():
+    from captioner.app.gate import Gate
+
+    gate = Gate(slots=1, batch=3)
+    calls, out = [], {}
+
+    def work(items):
+        calls.append(list(items))
+        return [10 * i for i in items]
+
+    release = _hold(gate)  # the slot is busy: everything below queues
+    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("a", 6)], work, out)
+    release.set()
+    for t in threads:
+        t.join(10)
+    # The first in line takes along the next two "a"s; "b" runs alone; the "a"s left after it together.
+    assert calls == [[1, 2, 4], [3], [5, 6]]
+    assert {i: o.result for i, o in out.items()} == {i: 10 * i for i in range(1, 7)}  # each its own result
+    assert all(o.waited >= 0 and o.cpu >= 0 for o in out.values())
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back():
+    from captioner.app.gate import Gate
+
+    gate = Gate(slots=1, batch=4)
+    out = {}
+
+    def work(items):
+        raise RuntimeError("out of memory")
+
+    release = _hold(gate)
+    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("a", 3)], work, out)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(out[i], RuntimeError) and "out of memory" in str(out[i]) for i in (1, 2, 3))
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_captions_made_together_are_each_image_s_own():
+    """Four uploads queued behind a busy model are captioned in one batch, each as it is alone."""
+    import io
+
+    from captioner.app.gate import Gate
+    from captioner.app.serving import caption_image
+    from captioner.inference import DecodeOptions
+    from tests.tiny import tiny_captioner
+
+    cap = tiny_captioner(3)
+    options = DecodeOptions(beam_size=3, max_len=8)
+    uploads = []
+    for seed in range(4):
+        buf = io.BytesIO()
+        tiny_image(20 + seed, (64, 48)).save(buf, "PNG")
+        uploads.append(buf.getvalue())
+    alone = [cap.caption(cap.preprocess.load(data), options) for data in uploads]
+    gate, shown, queued = Gate(slots=1, batch=4), {}, threading.Semaphore(0)
+    sizes = []
+    original = cap.caption_images
+    cap.caption_images = lambda images, opt: sizes.append(len(images)) or original(images, opt)
+
+    def upload(i):
+        shown[i] = caption_image(cap, gate, ("k", i), f"{i}.png", uploads[i], options,
+                                 on_wait=lambda ahead: queued.release())
+
+    release = _hold(gate)
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=upload, args=(i,)))
+        threads[-1].start()
+        assert queued.acquire(timeout=10)  # in line before the next one comes
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert sizes == [4]  # one batch
+    for i, own in enumerate(alone):
+        r = shown[i].result
+        assert r.words == own.words and r.score == pytest.approx(own.score, abs=1e-5)
+        assert torch.allclose(r.alphas, own.alphas, atol=1e-5) and torch.allclose(r.betas, own.betas, atol=1e-5)
+        assert shown[i].view and shown[i].cpu > 0
+
+
+def test_the_results_cache_keeps_the_most_recently_used():
+    from captioner.app.serving import ResultCache
+
+    cache = ResultCache(max_entries=3)
+    for k in "abcd":
+        cache.put(k, k.upper())
+    assert cache.get("a") is None
+    assert cache.get("b") == "B"  # now the freshest
+    cache.put("e", "E")
+    assert cache.get("c") is None
+    assert [cache.get(k) for k in "dbe"] == ["D", "B", "E"]  # three kept
+
+
+def test_decode_options_are_their_own_cache_key():
+    """Equal settings are one key for the results cache and the gate's batches: frozen, hashable."""
+    from dataclasses import FrozenInstanceError
+
+    from captioner.inference import DecodeOptions
+
+    a, b = DecodeOptions(beam_size=3, max_len=8), DecodeOptions(beam_size=3, max_len=8)
+    assert a == b and hash(a) == hash(b) and {("photo", a): 1}[("photo", b)] == 1
+    assert a != DecodeOptions(beam_size=3, max_len=8, hard_attention="argmax")
+    with pytest.raises(FrozenInstanceError):
+        a.beam_size = 5
+
+
+@pytest.mark.parametrize("size, grid", [((560, 420), (14, 14)), ((240, 180), (7, 7)), ((300, 500), (8, 6))])
+def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
+    from captioner.overlay import _gaussian_blur
+
+    alpha = torch.softmax(torch.randn(grid[0] * grid[1], generator=torch.Generator().manual_seed(1)), 0)
+    alpha = alpha.view(*grid)
+    w, h = size
+    full = torch.nn.functional.interpolate(alpha[None, None], size=(h, w), mode="bilinear", align_corners=False)
+    sigma = max(h / grid[0], w / grid[1]) / 3.0
+    exact = _gaussian_blur(full, sigma)[0, 0].numpy()  # every pixel blurred: the definition
+    fast = upsample_alpha(alpha, size)
+    assert fast.shape == (h, w)
+    assert np.abs(fast - exact).max() <= 1e-4 * exact.max()
+
+
+def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
+    """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
+    waiting message itself may raise. The queued job's place must not be lost with it."""
+    from captioner.app.gate import Gate
+
+    gate = Gate(slots=1)
+    release = _hold(gate)
+
+    def stopped(ahead: int) -> None:
+        raise KeyboardInterrupt("the page was closed")
+
+    with pytest.raises(KeyboardInterrupt):
+        gate.run(None, 1, lambda items: items, on_wait=stopped)
+    release.set()
+    assert _next_job_gets_a_turn(gate)
+
+
+@pytest.mark.parametrize("size, grid", [((96, 64), (7, 7)), ((560, 420), (14, 14)), ((300, 500), (8, 6))])
+def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
+    """The page lays each word's RGBA layer over the one photo and lets the browser blend it
+    (out = photo (1 - a) + colour a): that must be the overlay the figure and the CLI draw."""
+    import io
+
+    from captioner.app.pictures import attention_layers, layer_size, png
+
+    alphas = torch.softmax(torch.randn(3, grid[0] * grid[1], generator=torch.Generator().manual_seed(2)), 1)
+    alphas = alphas.view(3, *grid)
+    levels = attention_layers(alphas, size)  # (T, h, w)
+    lw, lh = layer_size(grid, size)
+    assert levels.shape == (3, lh, lw) and levels.dtype == np.uint8
+    layers = [np.asarray(Image.open(io.BytesIO(png(x))).convert("RGBA")) for x in levels]  # as the browser reads them
+    assert abs(lw / lh - size[0] / size[1]) < 0.05 and lw <= size[0]  # the photo's shape, no bigger
+    photo = tiny_image(4, (lw, lh))  # the photo as the browser scales it under the layer
+    rgb = np.asarray(photo, dtype=np.float32)
+    for layer, drawn in zip(layers, overlays(photo, alphas)):
+        a = layer[..., 3:].astype(np.float32) / 255.0
+        blended = rgb * (1 - a) + layer[..., :3].astype(np.float32) * a
+        assert np.abs(blended - np.asarray(drawn, dtype=np.float32)).max() <= 4  # 8-bit rounding of both
+    assert not np.array_equal(layers[0], layers[1])
+
+
+def test_the_pictures_of_a_result_are_small():
+    """A result travels inside the page: one photo and one small layer per word."""
+    from captioner.app.pictures import attention_layers, png
+
+    alphas = torch.softmax(torch.randn(20, 196, generator=torch.Generator().manual_seed(3)), 1).view(20, 14, 14)
+    layers = attention_layers(alphas, (560, 420))
+    assert max(layers.shape[1:3]) <= 14 * 8
+    assert sum(len(png(layer)) for layer in layers) < 20 * 6_000
+
+
+def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picker():
+    """caption_image with a two-head model: a layer per word for the mean and for each head,
+    each head's layer drawn from that head's own maps, and the picker offers the heads."""
+    import io
+
+    from captioner.app.gate import Gate
+    from captioner.app.pictures import attention_layers, data_uri, png
+    from captioner.app.serving import caption_image
+    from captioner.inference import DecodeOptions
+    from tests.tiny import tiny_captioner
+
+    cap = tiny_captioner(3, heads=2)
+    buf = io.BytesIO()
+    tiny_image(5, (64, 48)).save(buf, "PNG")
+    shown = caption_image(cap, Gate(slots=1), ("k",), "x.png", buf.getvalue(), DecodeOptions(beam_size=2, max_len=6))
+    r = shown.result
+    assert r.words and r.alphas_heads is not None and r.alphas_heads.shape[1] == 2
+    size = Image.open(io.BytesIO(shown.seen)).size
+    for j in (0, 1):
+        levels = attention_layers(r.alphas_heads[:, j], size)
+        for t in range(len(r.words)):
+            assert f"--l{t}h{j}: url({data_uri(png(levels[t]), 'image/png')})" in shown.view  # head j's own map
+    assert not torch.allclose(r.alphas_heads[:, 0], r.alphas_heads[:, 1])  # two different maps to show
+    assert shown.view.count('class="head-group"') == 3  # mean, 1, 2
+    assert re.findall(r'<div class="heads"><span>Head</span>(?:<label[^>]*>(\w+)</label>)', shown.view)[0] == "mean"
+    # Made without the page's preview: the result defines its photo itself, once.
+    assert shown.view.count(f"--photo: url({data_uri(shown.seen, 'image/jpeg')})") == 1
+    assert "var(--img-" not in shown.view

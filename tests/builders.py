@@ -1,0 +1,93 @@
+"""Builders shared by the test modules: a tiny training config, a config for the photo
+fixture, a run's NLL log, JSON Lines read back, and two processes trained against one
+under torchrun. (The tiny model, vocabulary, images and COCO-format data set are in
+tiny.py; fixtures in conftest.py.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from captioner.checkpoint import load_checkpoint
+from captioner.train.config import load_config, to_toml
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def tiny_train_config(data_dir, **sets):
+    """A TrainConfig of the tiny model on ``data_dir`` (the tiny COCO fixture), ``sets``
+    given as `--set` overrides (``tiny.tiny_config`` is the ModelConfig alone)."""
+    base = [
+        f"data.dir={data_dir}", "data.min_count=1", "data.workers=0", "data.cache_images=true",
+        "model.encoder=small", "model.image_size=32", "model.embed_dim=16", "model.hidden_dim=24",
+        "model.attention_dim=12", "model.dropout=0.2", "optim.batch_size=4", "optim.lr=0.01",
+        "optim.encoder_lr=0.01", "optim.log_every=1", "optim.save_every=2", "optim.epochs=50",
+        "optim.lr_decay_every=1", "optim.lr_decay=0.9", "val.metric=BLEU-1", "val.max_len=8", "val.patience=0",
+    ]
+    return load_config(None, base + [f"{k}={v}" for k, v in sets.items()])
+
+
+def coco_config(tmp_path: Path, photos: Path, **extra: object) -> Path:
+    """A training config file on the photo fixture in COCO's layout; ``extra`` as
+    section__name=value."""
+    coco = photos / "coco"
+    lines = ['name = "photos"', "[data]", f'dir = "{coco}"', f'karpathy = "{coco / "dataset_coco.json"}"',
+             "min_count = 1", "max_caption_len = 20", "workers = 0",
+             "[model]", 'encoder = "small"', "image_size = 32", "embed_dim = 8", "hidden_dim = 8",
+             "attention_dim = 8",
+             "[optim]", "max_steps = 2", "batch_size = 4", "threads = 1", "[val]", "limit = 1", "max_len = 4"]
+    for key, value in extra.items():
+        section, name = key.split("__")
+        lines.insert(lines.index(f"[{section}]") + 1, f"{name} = {json.dumps(value)}")
+    path = tmp_path / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def nll_log(run_dir):
+    """The NLL of every logged step of a run (its metrics.jsonl)."""
+    return [r["nll"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "nll" in r]
+
+
+def read_jsonl(path):
+    """The records of a JSON Lines file (`captioner caption --out`)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def run_ok(args, **kw):
+    """Run a command; fail the test with its stderr's end unless it exits 0."""
+    res = subprocess.run(args, capture_output=True, text=True, timeout=600, **kw)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+# What lets two ranks train exactly as one process over the same global batch: dropout off
+# (each rank draws its own masks); a frozen encoder read through the feature cache
+# (batch-norm statistics would otherwise be per rank); SGD, because Adam divides by the
+# gradient's own size and so turns rounding noise in near-zero gradients (the score's bias,
+# which softmax ignores) into full-size steps.
+SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0, "optim.optimizer": "sgd",
+               "optim.lr": 0.05, "model.freeze_encoder": True, "data.feature_cache": True,
+               "val.every_epochs": 0, "optim.save_every": 0}
+
+
+def one_and_two_ranks(tiny_coco, tmp_path, **sets):
+    """Train the tiny config (SAME_AS_ONE and ``sets``) in one process (run folder
+    tmp_path/single) and on two ranks (tmp_path/multi); check that they end with the same
+    weights; return the config and the two last checkpoints."""
+    cfg = tiny_train_config(tiny_coco, **{**SAME_AS_ONE, **sets})
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(to_toml(cfg))
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_ok([sys.executable, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(single),
+            "--quiet"])
+    run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"])
+    a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
+    assert b["train_state"]["step"] == 6 and len(b["train_state"]["rng_per_rank"]) == 2
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5)
+    return cfg, a, b

@@ -1,0 +1,99 @@
+"""Several scored captions (the beam's finished pool, best first) and each word's probability
+given the words before it, checked against teacher-forced re-scores of the same captions."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner.cli import main
+from captioner.inference import DecodeOptions
+from tests.tiny import tiny_captioner, tiny_image, token_batch
+
+
+def _rescore(cap, image, words: list[str]) -> torch.Tensor:
+    """log p of each token of ``words`` + <end>, teacher-forced: (len(words) + 1,)."""
+    tokens, lengths = token_batch(cap.vocab, [" ".join(words)])
+    ended = cap.vocab.encode(words)  # <start> w_1 .. w_n <end>
+    assert tokens[0].tolist() == ended
+    with torch.no_grad():
+        out = cap.model.eval()(cap.preprocess(image)[None], tokens, lengths)
+    logp = F.log_softmax(out.logits.float(), -1)[0]  # (T, V)
+    return logp.gather(1, tokens[0, 1:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_each_word_probability_matches_a_teacher_forced_rescore(beam_size):
+    cap = tiny_captioner(seed=3)
+    for i in range(4):
+        image = tiny_image(i)
+        r = cap.caption(image, DecodeOptions(beam_size=beam_size, max_len=8))
+        assert len(r.word_probs) == len(r.words)
+        ref = _rescore(cap, image, r.words)
+        torch.testing.assert_close(torch.tensor(r.word_probs, dtype=torch.float64), ref[:-1].exp().double(),
+                                   rtol=1e-4, atol=1e-6)
+        # The score is log p of the words and of <end> (of the words alone for a caption cut off).
+        assert r.score == pytest.approx(float(ref.sum()), abs=1e-4) or len(r.words) == 8
+
+
+def test_alternatives_are_distinct_sorted_scored_and_led_by_the_beam_s_caption():
+    cap = tiny_captioner(seed=3)
+    seen_several = 0
+    for i in range(6):
+        image = tiny_image(i)
+        best = cap.caption(image, DecodeOptions(beam_size=5, max_len=6))
+        r = cap.caption(image, DecodeOptions(beam_size=5, max_len=6, num_captions=5))
+        alts = r.alternatives
+        assert 1 <= len(alts) <= 5
+        assert r.words == best.words and alts[0].words == tuple(best.words)
+        assert alts[0].score == pytest.approx(best.score)
+        assert len({a.words for a in alts}) == len(alts)  # distinct
+        assert [a.score for a in alts] == sorted((a.score for a in alts), reverse=True)
+        for a in alts:  # each is what the model gives that caption, <end> included
+            assert a.score == pytest.approx(float(_rescore(cap, image, list(a.words)).sum()), abs=1e-4)
+        seen_several += len(alts) > 1
+    assert seen_several >= 3
+
+
+def test_without_num_captions_there_are_no_alternatives_in_the_json():
+    cap = tiny_captioner(seed=3)
+    r = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6))
+    line = r.to_json("x.png")
+    assert "alternatives" not in line and len(line["word_probs"]) == len(line["words"])
+
+
+def test_num_captions_cannot_exceed_the_beam():
+    with pytest.raises(ValueError, match="num_captions"):
+        DecodeOptions(beam_size=2, num_captions=3)
+
+
+def test_caption_command_writes_alternatives_and_word_probabilities(tmp_path, capsys):
+    path = tmp_path / "m.pt"
+    tiny_captioner(seed=3).save(path)
+    image = tmp_path / "a.png"
+    tiny_image(1).save(image)
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", str(image), "--weights", str(path), "--out", str(out), "--quiet", "--max-len", "6",
+                 "--beam-size", "4", "--num-captions", "3"]) == 0
+    line = json.loads(out.read_text().splitlines()[0])
+    alts = line["alternatives"]
+    assert alts[0] == {"caption": line["caption"], "score": line["score"]} and 1 <= len(alts) <= 3
+    assert all(0 < p <= 1 for p in line["word_probs"]) and len(line["word_probs"]) == len(line["words"])
+    assert main(["caption", str(image), "--weights", str(path), "--beam-size", "2", "--num-captions", "3"]) == 2
+    assert "--num-captions" in capsys.readouterr().err
+
+
+def test_resuming_with_num_captions_captions_again_the_images_without_alternatives(tmp_path):
+    path = tmp_path / "m.pt"
+    tiny_captioner(seed=3).save(path)
+    images = []
+    for i in range(2):
+        images.append(str(tmp_path / f"{i}.png"))
+        tiny_image(i).save(images[-1])
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", *images, "--weights", str(path), "--out", str(out), "--quiet", "--max-len", "6"]) == 0
+    assert main(["caption", *images, "--weights", str(path), "--out", str(out), "--quiet", "--max-len", "6",
+                 "--num-captions", "2"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 2 and all("alternatives" in x for x in lines)

@@ -1,0 +1,458 @@
+"""Greedy and batched beam search."""
+
+import math
+
+import pytest
+
+import torch
+import torch.nn.functional as F
+
+from captioner.decoding import beam_search, greedy
+from captioner.encoders import Annotations
+from captioner.inference import Captioner, DecodeOptions
+from tests.tiny import tiny_captioner
+
+
+def _images(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _sequence_log_prob(cap, image: torch.Tensor, ids: list[int]) -> float:
+    """log p(ids | image) by teacher forcing, independent of the search code."""
+    tokens = torch.tensor([[cap.vocab.start] + ids])
+    out = cap.model(image[None], tokens, torch.tensor([len(ids) + 1]))
+    logp = F.log_softmax(out.logits[0], -1)
+    return float(logp.gather(1, torch.tensor(ids)[:, None]).sum())
+
+
+def test_beam_one_equals_greedy():
+    cap = tiny_captioner(seed=3)
+    images = _images(6)
+    ann = cap.model.encode(images)
+    v = cap.vocab
+    g = greedy(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=12)
+    b = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=1, max_len=12)
+    for x, y in zip(g, b):
+        assert x.ids == y.ids
+        assert abs(x.score - y.score) < 1e-4
+        torch.testing.assert_close(x.alphas, y.alphas)
+
+
+def test_batched_beam_equals_one_image_at_a_time():
+    cap = tiny_captioner(seed=1)
+    images = _images(5, seed=2)
+    opts = DecodeOptions(beam_size=4, max_len=10)
+    together = cap.caption_batch(images, opts)
+    for i in range(5):
+        alone = cap.caption_batch(images[i:i + 1], opts)[0]
+        assert alone.words == together[i].words
+        assert abs(alone.score - together[i].score) < 1e-4
+        torch.testing.assert_close(alone.alphas, together[i].alphas, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(alone.betas, together[i].betas, atol=1e-5, rtol=1e-4)
+
+
+def test_beam_score_is_the_caption_log_probability_and_alphas_follow_the_words():
+    cap = tiny_captioner(seed=4)
+    images = _images(3, seed=5)
+    ann = cap.model.encode(images)
+    v = cap.vocab
+    results = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=10)
+    for i, r in enumerate(results):
+        assert abs(r.score - _sequence_log_prob(cap, images[i], r.ids)) < 1e-3
+        # The alpha of each step is the one the teacher-forced pass gives for that prefix.
+        tokens = torch.tensor([[v.start] + r.ids])
+        out = cap.model(images[i:i + 1], tokens, torch.tensor([len(r.ids) + 1]))
+        torch.testing.assert_close(r.alphas, out.alphas[0], atol=1e-5, rtol=1e-4)
+
+
+def test_beam_as_wide_as_the_vocabulary_finds_the_best_short_caption():
+    """On a tiny space, enumerate every caption of at most one word: a beam of width V
+    keeps every one-word caption open, and after the one word only <end> may come, so it
+    must return the best finished caption of at most one word, never one cut off."""
+    cap = tiny_captioner(seed=7)
+    images = _images(4, seed=8)
+    ann = cap.model.encode(images)
+    v = cap.vocab
+    words = [v.unk] + list(range(4, len(v)))
+    results = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=len(v), max_len=1)
+    for i, r in enumerate(results):
+        finished = [[v.end]] + [[w, v.end] for w in words]
+        best = max(finished, key=lambda c: _sequence_log_prob(cap, images[i], c))
+        assert r.ids == best
+        assert abs(r.score - _sequence_log_prob(cap, images[i], best)) < 1e-4
+
+
+def test_no_end_token_within_the_limit_does_not_crash():
+    cap = tiny_captioner(seed=2)
+    with torch.no_grad():
+        cap.model.decoder.L_o.bias[cap.vocab.end] = float("-inf")  # <end> can never come
+    images = _images(3)
+    for k in (1, 3):
+        results = cap.caption_batch(images, DecodeOptions(beam_size=k, max_len=7))
+        for i, r in enumerate(results):
+            assert len(r.words) == 7
+            assert r.alphas.shape == (7, 2, 2)
+            assert r.betas.shape == (7,)
+            # The score is the cut-off caption's own log-probability (no <end> in it).
+            ids = [cap.vocab.index(w) for w in r.words]
+            assert abs(r.score - _sequence_log_prob(cap, images[i], ids)) < 1e-3
+
+
+def test_results_carry_one_map_per_word():
+    cap = tiny_captioner(seed=0)
+    for r in cap.caption_batch(_images(4), DecodeOptions(beam_size=3, max_len=9)):
+        assert r.alphas.shape == (len(r.words), 2, 2)
+        torch.testing.assert_close(r.alphas.sum((1, 2)), torch.ones(len(r.words)))
+        assert "<end>" not in r.words and "<start>" not in r.words
+
+
+def test_images_whose_beams_all_ended_leave_the_batch(tmp_path):
+    from captioner.data.shapes import generate_dataset
+    from captioner.images import load_image
+
+    generate_dataset(tmp_path, {"test": 6}, seed=99)  # 1-3 objects: captions of different lengths
+    images = [load_image(p) for p in sorted((tmp_path / "images" / "test").glob("*.png"))]
+    cap = Captioner.load("demo-soft")
+    opts = DecodeOptions(beam_size=3, max_len=20)
+    decoder = cap.model.decoder
+    rows, real_step = [], decoder.step
+
+    def counting_step(y, *args, **kw):
+        rows.append(y.shape[0])
+        return real_step(y, *args, **kw)
+
+    decoder.step = counting_step
+    try:
+        together = cap.caption_images(images, opts)
+    finally:
+        del decoder.step
+    lengths = sorted(len(r.words) for r in together)
+    assert lengths[0] < lengths[-1]  # the captions end at different steps ...
+    assert rows[0] == 6 * 3 and rows[-1] < rows[0]  # ... and the batch shrinks as they do
+    assert rows == sorted(rows, reverse=True)
+    for image, r in zip(images, together):  # leaving the batch changes no result
+        alone = cap.caption(image, opts)
+        assert alone.words == r.words and abs(alone.score - r.score) < 1e-4
+        torch.testing.assert_close(alone.alphas, r.alphas, atol=1e-5, rtol=1e-4)
+
+
+# --- the finished pool -------------------------------------------------------------------
+# A stub decoder whose next-word distribution depends only on the step: the searches below
+# are worked out by hand. Vocabulary: 0 <pad>, 1 <start>, 2 <end>, 3 A, 4 B, 5 C.
+PAD, START, END, A, B, C = range(6)
+
+
+class _StepTable:
+    """Stands in for a Decoder: p(w_t) = table[t] whatever came before; h carries t."""
+
+    def __init__(self, table: list[dict[int, float]]):
+        rows = []
+        for probs in table:
+            p = torch.zeros(6, dtype=torch.float64)
+            for w, q in probs.items():
+                p[w] = q
+            assert abs(float(p.sum()) - 1) < 1e-9
+            rows.append(torch.log(p))
+        self.logp = torch.stack(rows)  # (T, V); <pad> and <start> get -inf
+        self.attention = self
+        self.num_heads = 1
+
+    def annotate(self, ann):
+        return ann
+
+    def prepare(self, a):
+        return a
+
+    def init_state(self, a):
+        z = torch.zeros(a.shape[0], 1)
+        return z, z
+
+    def step(self, y, h, c, a, keys, grid, **kw):
+        from captioner.model import StepOutput
+
+        t = int(h[0, 0])
+        n = y.shape[0]
+        logits = self.logp[t].float().expand(n, -1)
+        return StepOutput(logits, h + 1, c, torch.full((n, 1, a.shape[1]), 1.0 / a.shape[1]), torch.ones(n))
+
+
+# Beam 2. Step 0: "A" (-0.105). Step 1: "A <end>" (-2.81) is second of the best two,
+# behind "A C" (-0.27). Step 2: "A C A", "A C B" (-1.18, -1.32) both beat it. Step 4: the
+# two best extensions end, at -2.95 and -3.09. Keeping "A <end>" among the beams loses it
+# at step 2 and returns "A C A A <end>" (-2.95); the pool keeps it.
+PUSHED_OUT = [
+    {A: 0.9, B: 0.05, C: 0.04, END: 0.01},
+    {C: 0.85, END: math.exp(-2.71), A: 0.04, B: 0.15 - math.exp(-2.71) - 0.04},
+    {A: 0.4, B: 0.35, C: 0.125, END: 0.125},
+    {A: 0.45, B: 0.35, END: 0.2},
+    {END: 0.38, A: 0.32, B: 0.3},
+]
+LONG = math.log(0.9 * 0.85 * 0.4 * 0.45 * 0.38)  # "A C A A <end>"
+
+
+def _stub_search(table, k, max_len, length_penalty=0.0):
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    return beam_search(_StepTable(table), ann, start=START, end=END, pad=PAD, beam_size=k, max_len=max_len,
+                       length_penalty=length_penalty)[0]
+
+
+def test_a_full_pool_does_not_stop_an_open_beam_that_can_still_win():
+    # Beam 2. Step 0: "<end>" (-2.30) joins the pool. Step 1: "A <end>" (-1.21) joins it
+    # and fills it, but the open "A A" (-0.67) can still beat it: step 2 ends it at -0.78.
+    table = [{A: 0.85, END: 0.10, B: 0.05}, {A: 0.6, END: 0.35, B: 0.05}, {END: 0.9, A: 0.1}]
+    r = _stub_search(table, k=2, max_len=2)
+    assert r.ids == [A, A, END]
+    assert abs(r.score - math.log(0.85 * 0.6 * 0.9)) < 1e-5
+
+
+def test_a_long_likely_caption_beats_an_early_unlikely_end():
+    # Twenty steps of {A .99, <end> .01}, then <end>: the early "<end>" (-4.61) and the
+    # short captions fill the pool of 3, but the open beam of A's stays above them until the
+    # twenty-word caption (-0.20), which greedy finds too.
+    table = [{A: 0.99, END: 0.01}] * 20 + [{END: 1.0}]
+    for k in (1, 3):
+        r = _stub_search(table, k=k, max_len=20)
+        assert r.ids == [A] * 20 + [END], k
+        assert abs(r.score - 20 * math.log(0.99)) < 1e-5
+    g = greedy(_StepTable(table), Annotations(torch.zeros(1, 4, 3), (2, 2)), start=START, end=END, pad=PAD,
+               max_len=20)[0]
+    assert g.ids == [A] * 20 + [END]
+
+
+def test_max_len_counts_words_and_a_caption_of_exactly_that_many_can_end():
+    table = [{A: 0.9, END: 0.1}] * 3 + [{END: 0.8, B: 0.2}, {A: 1.0}]
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    for k in (1, 2, 3):
+        r = _stub_search(table, k=k, max_len=3)
+        assert r.ids == [A, A, A, END], k  # three words, then <end>
+        assert r.alphas.shape == (4, 4)
+    g = greedy(_StepTable(table), ann, start=START, end=END, pad=PAD, max_len=3)[0]
+    assert g.ids == [A, A, A, END]
+    assert abs(g.score - math.log(0.9 ** 3 * 0.8)) < 1e-5
+    # No <end> before the fourth step and two words allowed: the caption is cut off at two
+    # words, its score without <end>.
+    never_early = [{A: 0.9, B: 0.1}] * 3 + [{END: 0.8, B: 0.2}]
+    for search in (lambda: _stub_search(never_early, k=2, max_len=2),
+                   lambda: greedy(_StepTable(never_early), ann, start=START, end=END, pad=PAD, max_len=2)[0]):
+        r = search()
+        assert r.ids == [A, A]
+        assert abs(r.score - 2 * math.log(0.9)) < 1e-5
+        assert r.alphas.shape == (2, 4)
+
+
+# Step 0 ranks A (-0.69) and B (-1.20) above <end> (-1.61); with one word allowed, step 1
+# can only end: "A <end>" (-5.30) is the best finished caption, though at step 1 "A A" and
+# "A B" outrank every extension that ends.
+ONLY_END_LAST = [{A: 0.5, B: 0.3, END: 0.2}, {A: 0.6, B: 0.39, END: 0.01}]
+
+
+def test_after_the_last_word_only_end_may_come():
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    searches = {k: (lambda k=k: _stub_search(ONLY_END_LAST, k=k, max_len=1)) for k in (1, 2)}
+    searches["greedy"] = lambda: greedy(_StepTable(ONLY_END_LAST), ann, start=START, end=END, pad=PAD, max_len=1)[0]
+    for name, search in searches.items():
+        r = search()
+        assert r.ids == [A, END], name  # not "A" cut off at the limit
+        assert abs(r.score - math.log(0.5 * 0.01)) < 1e-5, name
+        assert r.alphas.shape == (2, 4) and r.betas.shape == (2,)
+    # Three beams hold <end> at step 0 (-1.61) among their best: the empty caption wins.
+    assert _stub_search(ONLY_END_LAST, k=3, max_len=1).ids == [END]
+
+
+def test_max_len_must_allow_a_word():
+    with pytest.raises(ValueError, match="max_len"):
+        _stub_search([{END: 1.0}], k=2, max_len=0)
+
+
+def test_a_finished_caption_pushed_out_of_the_beams_is_still_returned():
+    r = _stub_search(PUSHED_OUT, k=2, max_len=4)
+    assert r.ids == [A, END]
+    assert abs(r.score - (math.log(0.9) - 2.71)) < 1e-5  # -2.81, not -2.95
+    assert r.alphas.shape == (2, 4) and r.betas.shape == (2,)
+
+
+def test_length_penalty_ranks_the_finished_pool_by_score_per_length():
+    # Same search: the pool ends with "A <end>" (-2.81, 2 tokens) and "A C A A <end>"
+    # (-2.95, 5 tokens). By score the short one wins; divided by the length, the long one.
+    assert _stub_search(PUSHED_OUT, k=2, max_len=4, length_penalty=0.0).ids == [A, END]
+    r = _stub_search(PUSHED_OUT, k=2, max_len=4, length_penalty=1.0)
+    assert r.ids == [A, C, A, A, END]
+    assert abs(r.score - LONG) < 1e-5  # the log p, not the rank
+
+
+def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption():
+    # Step 0: "<end>" alone has p 0.6; every open beam is already below it: done at once,
+    # even though the pool holds one caption of k = 3.
+    table = [{END: 0.6, A: 0.2, B: 0.1, C: 0.1}] + [{A: 0.5, END: 0.5}] * 5
+    calls = []
+    stub = _StepTable(table)
+    real = stub.step
+    stub.step = lambda *x, **kw: calls.append(1) or real(*x, **kw)
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    r = beam_search(stub, ann, start=START, end=END, pad=PAD, beam_size=3, max_len=5)[0]
+    assert r.ids == [END] and len(calls) == 1
+
+
+# --- against a plain search, one image and one beam at a time ------------------------------
+@torch.no_grad()
+def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
+    """Beam search of width k written plainly from DESIGN.md's definition, for one image:
+    Python lists of (log p, ids, state), every extension scored one at a time.
+
+    k open beams and a pool of finished captions. Each step takes the extensions of the
+    open beams, best first: after the ``max_len``-th word only <end> may come, so at that
+    step the extensions that end are the only ones. The ones among the best k that end
+    join the pool; the best k that do not end are the next open beams. The search stops
+    when no open beam can still beat the pool's best (an open caption's log p only falls;
+    its rank is best when it is as long as it can be), or after the step that can only
+    end. Returns (ids, log p) of the pool's best, or of the best open beam cut off at
+    ``max_len`` words when nothing ended (only where <end> cannot come), every finished
+    caption the pool held, as (rank, ids), and whether the search reached the last step."""
+    def rank(logp, n):
+        return logp / n ** length_penalty if length_penalty > 0 else logp
+
+    keys = decoder.attention.prepare(a)
+    h, c = decoder.init_state(a)
+    beams = [(0.0, [], (h, c))]
+    pool = []
+    for t in range(max_len + 1):
+        cands = []
+        for score, ids, (h, c) in beams:
+            o = decoder.step(torch.tensor([ids[-1] if ids else START]), h, c, a, keys, grid)
+            logp = F.log_softmax(o.logits.double(), -1)[0].tolist()
+            for w, lp in enumerate(logp):
+                if w in (START, PAD) or lp == -math.inf or (t == max_len and w != END):
+                    continue
+                cands.append((score + lp, ids + [w], (o.h, o.c)))
+        cands.sort(key=lambda x: -x[0])
+        pool += [(rank(score, len(ids)), score, ids) for score, ids, _ in cands[:k] if ids[-1] == END]
+        if t == max_len:
+            break
+        beams = [x for x in cands if x[1][-1] != END][:k]
+        best = max(pool, default=None, key=lambda x: x[0])
+        if best is not None and best[0] >= rank(beams[0][0], max_len + 1):
+            break
+    held = [(r, ids) for r, _, ids in pool]
+    if pool:
+        best = max(pool, key=lambda x: x[0])
+        return best[2], best[1], held, t == max_len
+    return beams[0][1], beams[0][0], held, t == max_len
+
+
+def _random_decoder(seed, **variant):
+    from captioner.model import Decoder, ModelConfig
+
+    torch.manual_seed(seed)
+    decoder = Decoder(ModelConfig(vocab_size=6, annotation_dim=5, embed_dim=6, hidden_dim=7, attention_dim=4,
+                                  dropout=0.0, **variant)).double().eval()
+    with torch.no_grad():  # sharper or flatter word distributions, and <end> more or less likely
+        decoder.L_o.weight.mul_(1 + 5 * torch.rand(()).item())
+        decoder.L_o.bias[END] += 2 * torch.randn(()).item()
+    return decoder
+
+
+def test_batched_search_equals_the_plain_search_on_random_tiny_models():
+    """500 images over 100 random decoders (vocabulary 6, k 2-4, max_len 4-8, some with a
+    length penalty): the batched search returns exactly what the plain one does, and
+    always a finished caption (<end> can always come here)."""
+    differs_from_best_beam = reached_the_limit = 0
+    for seed in range(100):
+        decoder = _random_decoder(seed)
+        k, max_len = 2 + seed % 3, 4 + seed % 5
+        length_penalty = 0.7 if seed % 5 == 3 else 0.0
+        a = torch.randn(5, 4, 5, dtype=torch.float64)
+        got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
+                          max_len=max_len, length_penalty=length_penalty)
+        for i, r in enumerate(got):
+            ids, score, held, limit = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                                        length_penalty=length_penalty)
+            assert r.ids == ids, (seed, i)
+            assert abs(r.score - score) < 1e-4
+            assert r.ids[-1] == END and len(r.ids) <= max_len + 1, (seed, i)
+            mine = r.score / len(r.ids) ** length_penalty if length_penalty > 0 else r.score
+            assert all(mine >= rank - 1e-5 for rank, _ in held)  # never below a caption it held
+            differs_from_best_beam += any(ids != h for _, h in held)
+            reached_the_limit += limit
+    assert differs_from_best_beam > 0  # the pool held other captions than the one returned
+    assert reached_the_limit > 25  # the step that can only end was tested, often
+
+
+def test_greedy_ends_at_the_limit_and_equals_beam_one_on_random_tiny_models():
+    """Short limits, so that many captions reach the step after the last word: greedy
+    ends them there (never cut off), as beam search of width 1 and the plain search do."""
+    reached_the_limit = 0
+    for seed in range(40):
+        decoder = _random_decoder(seed)
+        max_len = 2 + seed % 3
+        a = torch.randn(5, 4, 5, dtype=torch.float64)
+        ann = Annotations(a, (2, 2))
+        g = greedy(decoder, ann, start=START, end=END, pad=PAD, max_len=max_len)
+        b = beam_search(decoder, ann, start=START, end=END, pad=PAD, beam_size=1, max_len=max_len)
+        for i, (x, y) in enumerate(zip(g, b)):
+            ids, score, _, limit = _reference_search(decoder, a[i:i + 1], (2, 2), k=1, max_len=max_len,
+                                                     length_penalty=0.0)
+            assert x.ids == y.ids == ids, (seed, i)
+            assert abs(x.score - score) < 1e-4 and abs(y.score - score) < 1e-4
+            assert x.ids[-1] == END
+            reached_the_limit += limit
+    assert reached_the_limit > 20
+
+
+MULTI_HEAD = [{"heads": 2}, {"heads": 2, "local_window": 1.5, "local_width": "learned"},
+              {"heads": 3, "score": "cosine", "normalizer": "sparsemax"}]
+
+
+@pytest.mark.parametrize("variant", MULTI_HEAD, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_batched_search_with_several_heads_equals_the_plain_search(variant):
+    """The k beams of an image share its keys (prepared once per image, for every head)."""
+    for seed in range(8):
+        decoder = _random_decoder(seed, **variant)
+        k, max_len = 2 + seed % 3, 4 + seed % 3
+        a = torch.randn(4, 4, 5, dtype=torch.float64)
+        got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
+                          max_len=max_len)
+        for i, r in enumerate(got):
+            ids, score, _, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                                  length_penalty=0.0)
+            assert r.ids == ids, (seed, i)
+            assert abs(r.score - score) < 1e-4
+            # Each word's head maps are the ones teacher forcing gives for that prefix.
+            tokens = torch.tensor([[START] + r.ids])
+            out = decoder(Annotations(a[i:i + 1], (2, 2)), tokens, torch.tensor([len(r.ids) + 1]))
+            torch.testing.assert_close(r.alphas_heads, out.alphas_heads[0].float(), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(r.alphas, out.alphas[0].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_results_of_a_multi_head_model_carry_each_heads_maps():
+    cap = tiny_captioner(seed=5, heads=2)
+    images = _images(4, seed=6)
+    for opts in (DecodeOptions(beam_size=1, max_len=8), DecodeOptions(beam_size=3, max_len=8)):
+        together = cap.caption_batch(images, opts)
+        for i, r in enumerate(together):
+            assert r.alphas_heads.shape == (len(r.words), 2, *r.alphas.shape[1:])
+            torch.testing.assert_close(r.alphas_heads.mean(1), r.alphas)
+            torch.testing.assert_close(r.alphas_heads.sum((2, 3)), torch.ones(len(r.words), 2))
+            alone = cap.caption_batch(images[i:i + 1], opts)[0]
+            assert alone.words == r.words
+            torch.testing.assert_close(alone.alphas_heads, r.alphas_heads, atol=1e-5, rtol=1e-4)
+    spread = max(float((r.alphas_heads[:, 0] - r.alphas_heads[:, 1]).abs().max()) for r in together if r.words)
+    assert spread > 1e-3  # the heads look at different places
+    one = tiny_captioner(seed=5).caption_batch(images, DecodeOptions(beam_size=3, max_len=8))
+    for r in one:
+        assert r.alphas_heads.shape == (len(r.words), 1, *r.alphas.shape[1:])  # one head: its map
+        assert torch.equal(r.alphas_heads[:, 0], r.alphas)
+
+
+def test_greedy_and_beam_one_agree_on_the_head_maps():
+    cap = tiny_captioner(seed=7, heads=2, attention="hard")
+    ann = cap.model.encode(_images(5, seed=8))
+    v = cap.vocab
+    for hard in ("expected", "argmax"):
+        g = greedy(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=9, hard=hard)
+        b = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=1, max_len=9,
+                        hard=hard)
+        for x, y in zip(g, b):
+            assert x.ids == y.ids
+            assert x.alphas_heads.shape == (len(x.ids), 2, 4)
+            torch.testing.assert_close(x.alphas_heads, y.alphas_heads)

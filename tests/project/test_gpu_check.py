@@ -1,0 +1,60 @@
+"""The prepared GPU check cannot rot between runs on a GPU: its quick mode runs every step on
+the CPU at tiny sizes, and a machine without a package is told which, in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_missing_package_is_named_in_one_line_before_any_step(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "PACKAGES", ("torch", "no_such_package_here"))
+    assert gpu_check.main(["--out", str(tmp_path / "logs"), "--device", "cpu", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no_such_package_here" in err and "\n" not in err and not (tmp_path / "logs").exists()
+
+
+def test_a_tutorial_folder_that_is_not_there_is_refused_in_one_line(tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path / "logs"), "--device", "cpu", "--quick",
+                           "--tutorial", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--tutorial" in err and "\n" not in err
+
+
+def test_a_summary_line_counts_tracebacks_and_recompilations(tmp_path):
+    script = ("import sys; print('Recompiling function _step in x'); print('Recompiling function _step in x');"
+              "print('Traceback (most recent call last):'); print('RESULT 3/4 captions identical'); sys.exit(1)")
+    o = gpu_check.run_step(gpu_check.Step("demo", [sys.executable, "-c", script], 60), 1, tmp_path)
+    assert (o.code, o.tracebacks, o.recompiles, o.note, o.ok) == (1, 1, 2, "3/4 captions identical", False)
+    assert o.line().startswith("FAIL demo") and (tmp_path / "01-demo.log").is_file()
+    slow = gpu_check.run_step(gpu_check.Step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 1),
+                              2, tmp_path)
+    assert slow.code is None and not slow.ok and "timeout" in slow.line()
+
+
+@pytest.mark.slow
+def test_the_quick_mode_runs_every_step_on_the_cpu(tmp_path):
+    logs = tmp_path / "logs"
+    res = subprocess.run([str(ROOT / "benchmarks" / "gpu_check.sh"), "--out", str(logs), "--device", "cpu",
+                          "--quick", "--budget", "1800"], capture_output=True, text=True, timeout=2000,
+                         env={**os.environ, "PYTHON": sys.executable})
+    summary = (logs / "summary.txt").read_text()
+    assert res.returncode == 0, summary + res.stderr[-2000:]
+    lines = summary.splitlines()
+    names = [line.split()[1] for line in lines[1:-1]]
+    for step in ("train-soft-fp32", "train-soft-bf16-compile", "train-soft-fp16", "train-hard-fp32",
+                 "train-hard-bf16-compile", "train-scst-bf16", "train-resume", "torchrun-1-process",
+                 "compare-beam1", "compare-beam3", "caption-bf16-compile", "app-captioning", "bench-decoder",
+                 "bench-precision", "bench-caption", "bench-coco-train"):
+        assert step in names, step
+    assert all(line.startswith("ok") for line in lines[1:-1]), summary
+    assert "8/8 captions identical" in summary
+    assert "1 process (gloo)" in next(logs.glob("*-torchrun-1-process.log")).read_text()

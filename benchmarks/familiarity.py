@@ -127,9 +127,9 @@ def confidence(cap: Captioner, data: Path, records) -> dict:
     for i in range(0, len(images), 32):
         for rec, res in zip(records[i:i + 32], cap.caption_images(images[i:i + 32], DecodeOptions(beam_size=3))):
             acc = object_accuracy(res.words, objects[rec.image_id].objects)
-            right.append(acc["exact_color_shape"])
-            counted.append(acc["n_mentions"] == acc["n_objects"])
-            n_objects.append(acc["n_objects"])
+            right.append(acc.exact_color_shape)
+            counted.append(acc.n_mentions == acc.n_objects)
+            n_objects.append(acc.n_objects)
             logp.append(res.score)
             mean_logp.append(res.score / (len(res.words) + 1))
             named = [j for m in parse_mentions(res.words)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from .data.coco import ImageDataset, ImageRecord, load_split, require_images
 from .decoding import CaptionResult
+from .grounding import GroundingSummary
 from .images import Preprocess
 from .inference import Captioner, DecodeOptions
 from .vocab import PTB, Tokenizer
@@ -30,7 +31,7 @@ class EvalReport:
     beam_size: int
     seconds: float
     metrics: dict[str, float]
-    grounding: dict | None = None
+    grounding: GroundingSummary | None = None  # shapes data only
     attention: dict | None = None  # how peaked the maps are: mean entropy, share of exact zeros
     familiarity: dict | None = None  # images, mean familiarity, how many unfamiliar; None: unknown
     captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
@@ -60,7 +61,7 @@ def decode_records(captioner: Captioner, records: list[ImageRecord], options: De
 
 def score(records: list[ImageRecord], results: list[CaptionResult], instances: Path | None = None,
           meteor: bool | None = None, preprocess: Preprocess | None = None,
-          tokenizer: Tokenizer = PTB) -> tuple[dict[str, float], dict | None]:
+          tokenizer: Tokenizer = PTB) -> tuple[dict[str, float], GroundingSummary | None]:
     """Caption metrics on the tokens of ``tokenizer`` (the model's), and grounding figures
     when an instances file (shapes data) is given. ``preprocess``: the captioner's; with a
     centre crop the attention grid covers only the crop, and the pointing game maps it there
@@ -146,15 +147,15 @@ def format_table(report: EvalReport) -> str:
     if report.grounding:
         g = report.grounding
         def fmt(key: str) -> str:
-            v = g.get(key)
+            v = getattr(g, key)
             return "n/a" if v is None else f"{v:.4f}"
         rows += [
             ("object accuracy (colour+shape)", fmt("object_accuracy")),
             ("object accuracy (with size)", fmt("object_accuracy_with_size")),
             ("relation direction accuracy", f"{fmt('relation_accuracy')}  (chance {fmt('relation_chance')}, over "
-                                            f"{g.get('n_relations', 0) - g.get('n_relations_misnamed', 0)} relations "
+                                            f"{g.n_relations - g.n_relations_misnamed} relations "
                                             f"between rightly named objects)"),
-            ("relations with a misnamed object", f"{g.get('n_relations_misnamed')} of {g.get('n_relations')} stated"),
+            ("relations with a misnamed object", f"{g.n_relations_misnamed} of {g.n_relations} stated"),
             ("pointing game (shape+colour words)", f"{fmt('pointing_accuracy')}  (chance {fmt('pointing_chance')})"),
             ("pointing game, argmax cell touches the box", f"{fmt('pointing_accuracy_touch')}  "
                                                            f"(chance {fmt('pointing_chance_touch')})"),
@@ -163,9 +164,9 @@ def format_table(report: EvalReport) -> str:
             ("alpha mass in box", f"{fmt('alpha_mass_in_box')}  (uniform map {fmt('alpha_mass_chance')})"),
             ("alpha mass on cells touching the box", fmt("alpha_mass_touch")),
             ("map entropy on those words (nats)", fmt("alpha_entropy_named")),
-            ("scored words", str(g.get("n_words")) + (
-                f"  ({g['n_words_unseen']} more named an object outside the centre crop: not scored)"
-                if g.get("n_words_unseen") else "")),
+            ("scored words", str(g.n_words) + (
+                f"  ({g.n_words_unseen} more named an object outside the centre crop: not scored)"
+                if g.n_words_unseen else "")),
         ]
     if report.attention and report.attention["entropy"] is not None:
         at = report.attention

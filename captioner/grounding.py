@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,28 +176,40 @@ def _fits_full(m: Mention, o: ShapeObject) -> bool:
     return _fits_color_shape(m, o) and (m.size is None or m.size == o.size)
 
 
-def object_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, Any]:
-    """Does the caption name exactly the image's objects?
+@dataclass(frozen=True)
+class ObjectAccuracy:
+    """Does one caption name exactly the image's objects?
 
     ``exact_color_shape``: the multiset of (colour, shape) mentions equals the objects'.
     ``exact_full``: the same, and every size the caption gives is right.
     ``matched``/``matched_full``: mentions matched one-to-one to objects, for precision
     (matched / n_mentions) and recall (matched / n_objects).
     """
+
+    exact_color_shape: bool
+    exact_full: bool
+    n_mentions: int
+    n_objects: int
+    matched: int
+    matched_full: int
+
+    @property
+    def precision(self) -> float | None:
+        return self.matched / self.n_mentions if self.n_mentions else None
+
+    @property
+    def recall(self) -> float | None:
+        return self.matched / self.n_objects if self.n_objects else None
+
+
+def object_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> ObjectAccuracy:
+    """Mentions parsed from ``words``, matched against ``objects`` (ObjectAccuracy)."""
     mentions = parse_mentions(words)
     matched = _max_matching(mentions, objects, _fits_color_shape)
     matched_full = _max_matching(mentions, objects, _fits_full)
     n_m, n_o = len(mentions), len(objects)
-    return {
-        "exact_color_shape": matched == n_m == n_o,
-        "exact_full": matched_full == n_m == n_o,
-        "n_mentions": n_m,
-        "n_objects": n_o,
-        "matched": matched,
-        "matched_full": matched_full,
-        "precision": matched / n_m if n_m else None,
-        "recall": matched / n_o if n_o else None,
-    }
+    return ObjectAccuracy(exact_color_shape=matched == n_m == n_o, exact_full=matched_full == n_m == n_o,
+                          n_mentions=n_m, n_objects=n_o, matched=matched, matched_full=matched_full)
 
 
 # --------------------------------------------------------------- spatial relations
@@ -272,17 +284,26 @@ def stands(rel: Relation, o1: ShapeObject, o2: ShapeObject) -> bool:
     return centre(o1)[axis] < centre(o2)[axis]
 
 
-def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> dict[str, int]:
-    """How many relations the caption states, how many of them name two objects of the
+@dataclass(frozen=True)
+class RelationAccuracy:
+    """How many relations one caption states, how many of them name two objects of the
     image (distinct ones, by colour and shape, and size where the caption gives one), and
     how many of those stand as stated (a true relation is always named)."""
+
+    n_relations: int
+    n_relations_named: int
+    relations_true: int
+
+
+def relation_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> RelationAccuracy:
+    """The relations ``words`` state, checked against ``objects`` (RelationAccuracy)."""
     relations = parse_relations(words)
     named = true = 0
     for rel in relations:
         pairs = list(named_pairs(rel, objects))
         named += bool(pairs)
         true += any(stands(rel, o1, o2) for o1, o2 in pairs)
-    return {"n_relations": len(relations), "n_relations_named": named, "relations_true": true}
+    return RelationAccuracy(n_relations=len(relations), n_relations_named=named, relations_true=true)
 
 
 # ------------------------------------------------------------------- pointing game
@@ -383,8 +404,16 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
     return records
 
 
+@dataclass(frozen=True)
+class CaptionAccuracy:
+    """What one caption names right: its objects and its relations."""
+
+    objects: ObjectAccuracy
+    relations: RelationAccuracy
+
+
 def evaluate_caption(words: Sequence[str], alphas: Any, image: ImageObjects,
-                     crop: Crop | None = None) -> tuple[list[PointingRecord], dict[str, Any]]:
+                     crop: Crop | None = None) -> tuple[list[PointingRecord], CaptionAccuracy]:
     """Pointing records, and object and relation accuracy, of one generated caption.
     ``crop``: the region of the image the attention grid covers (None: all of it). A
     Chinese caption's characters are read as English words, each with the map of the step
@@ -392,7 +421,7 @@ def evaluate_caption(words: Sequence[str], alphas: Any, image: ImageObjects,
     words, steps = english_words(words)
     alphas = _as_array(alphas)[steps]
     return (pointing_game(words, alphas, image.objects, image.size, crop),
-            {**object_accuracy(words, image.objects), **relation_accuracy(words, image.objects)})
+            CaptionAccuracy(object_accuracy(words, image.objects), relation_accuracy(words, image.objects)))
 
 
 # -------------------------------------------------------------------- aggregation
@@ -401,50 +430,83 @@ def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(values)) if len(values) else None
 
 
-def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
-                        accuracies_per_image: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Aggregate over a split. Means over no items are None (e.g. no scorable words).
+@dataclass(frozen=True)
+class GroundingSummary:
+    """A split's grounding figures. Means over no items are None (e.g. no scorable words).
 
     Pointing means are over words (micro-averaged), object accuracies over images;
     precision and recall are micro-averaged over mentions and objects. Words whose object
     lay outside the crop are left out of the pointing means: ``n_words_unseen`` counts them.
+    Directions are micro-averaged over the relations, in every image, whose two objects are
+    named right; the others are counted apart, as naming errors. A uniform map puts exactly
+    the in-box cell fraction of its mass in the box (``alpha_mass_chance``).
     """
+
+    n_images: int
+    object_accuracy: float | None
+    object_accuracy_with_size: float | None
+    object_precision: float | None
+    object_recall: float | None
+    relation_accuracy: float | None
+    relation_chance: float
+    n_relations: int
+    n_relations_misnamed: int
+    pointing_accuracy: float | None
+    pointing_accuracy_shape: float | None
+    pointing_accuracy_color: float | None
+    pointing_chance: float | None
+    pointing_accuracy_touch: float | None
+    pointing_chance_touch: float | None
+    alpha_mass_in_box: float | None
+    alpha_mass_chance: float | None
+    alpha_mass_touch: float | None
+    alpha_entropy_named: float | None  # how sharp the maps are where it matters: on words naming an object
+    n_words: int
+    n_words_shape: int
+    n_words_color: int
+    n_words_unseen: int
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        """The figures by name: the JSON of reports and logs, and the names validation metrics use."""
+        return asdict(self)
+
+
+def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
+                        accuracies_per_image: Sequence[CaptionAccuracy]) -> GroundingSummary:
+    """Aggregate a split's pointing records and caption accuracies (GroundingSummary)."""
     every = [r for per_image in records_per_image for r in per_image]
     records = [r for r in every if r.seen]
     by_kind = {k: [r for r in records if r.kind == k] for k in ("shape", "color")}
-    acc = list(accuracies_per_image)
-    n_mentions = sum(a["n_mentions"] for a in acc)
-    n_objects = sum(a["n_objects"] for a in acc)
-    matched = sum(a["matched"] for a in acc)
+    objects = [a.objects for a in accuracies_per_image]
+    relations = [a.relations for a in accuracies_per_image]
+    n_mentions = sum(o.n_mentions for o in objects)
+    n_objects = sum(o.n_objects for o in objects)
+    matched = sum(o.matched for o in objects)
     chance = _mean([r.chance for r in records])
-    n_relations = sum(a.get("n_relations", 0) for a in acc)
-    n_named = sum(a.get("n_relations_named", 0) for a in acc)
-    return {
-        "n_images": len(acc),
-        "object_accuracy": _mean([float(a["exact_color_shape"]) for a in acc]),
-        "object_accuracy_with_size": _mean([float(a["exact_full"]) for a in acc]),
-        "object_precision": matched / n_mentions if n_mentions else None,
-        "object_recall": matched / n_objects if n_objects else None,
-        # Directions are micro-averaged over the relations, in every image, whose two objects
-        # are named right; the others are counted apart, as naming errors.
-        "relation_accuracy": sum(a.get("relations_true", 0) for a in acc) / n_named if n_named else None,
-        "relation_chance": RELATION_CHANCE,
-        "n_relations": n_relations,
-        "n_relations_misnamed": n_relations - n_named,
-        "pointing_accuracy": _mean([float(r.hit) for r in records]),
-        "pointing_accuracy_shape": _mean([float(r.hit) for r in by_kind["shape"]]),
-        "pointing_accuracy_color": _mean([float(r.hit) for r in by_kind["color"]]),
-        "pointing_chance": chance,
-        "pointing_accuracy_touch": _mean([float(r.hit_touch) for r in records]),
-        "pointing_chance_touch": _mean([r.chance_touch for r in records]),
-        "alpha_mass_in_box": _mean([r.mass for r in records]),
-        # A uniform map puts exactly the in-box cell fraction of its mass in the box.
-        "alpha_mass_chance": chance,
-        "alpha_mass_touch": _mean([r.mass_touch for r in records]),
-        # How sharp the maps are where it matters: on the words that name an object.
-        "alpha_entropy_named": _mean([r.entropy for r in records]),
-        "n_words": len(records),
-        "n_words_shape": len(by_kind["shape"]),
-        "n_words_color": len(by_kind["color"]),
-        "n_words_unseen": len(every) - len(records),
-    }
+    n_relations = sum(r.n_relations for r in relations)
+    n_named = sum(r.n_relations_named for r in relations)
+    return GroundingSummary(
+        n_images=len(objects),
+        object_accuracy=_mean([float(o.exact_color_shape) for o in objects]),
+        object_accuracy_with_size=_mean([float(o.exact_full) for o in objects]),
+        object_precision=matched / n_mentions if n_mentions else None,
+        object_recall=matched / n_objects if n_objects else None,
+        relation_accuracy=sum(r.relations_true for r in relations) / n_named if n_named else None,
+        relation_chance=RELATION_CHANCE,
+        n_relations=n_relations,
+        n_relations_misnamed=n_relations - n_named,
+        pointing_accuracy=_mean([float(r.hit) for r in records]),
+        pointing_accuracy_shape=_mean([float(r.hit) for r in by_kind["shape"]]),
+        pointing_accuracy_color=_mean([float(r.hit) for r in by_kind["color"]]),
+        pointing_chance=chance,
+        pointing_accuracy_touch=_mean([float(r.hit_touch) for r in records]),
+        pointing_chance_touch=_mean([r.chance_touch for r in records]),
+        alpha_mass_in_box=_mean([r.mass for r in records]),
+        alpha_mass_chance=chance,
+        alpha_mass_touch=_mean([r.mass_touch for r in records]),
+        alpha_entropy_named=_mean([r.entropy for r in records]),
+        n_words=len(records),
+        n_words_shape=len(by_kind["shape"]),
+        n_words_color=len(by_kind["color"]),
+        n_words_unseen=len(every) - len(records),
+    )

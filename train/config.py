@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
 from captioner.encoders import encoder_names
-from captioner.grounding import summarize_grounding
+from captioner.grounding import GroundingSummary
 from captioner.metrics import METRIC_NAMES
 from captioner.model import ModelConfig
 
@@ -400,7 +400,8 @@ BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
 # What validation scores (train/loop.py's validate): the caption metrics but METEOR, which it
 # skips (a Java process per validation), and on data with objects (shapes) the grounding figures.
 CAPTION_FIGURES = tuple(n for n in METRIC_NAMES if n != "METEOR")
-GROUNDING_FIGURES = tuple(n for n in summarize_grounding([], []) if not n.startswith("n_") and "chance" not in n)
+GROUNDING_FIGURES = tuple(f.name for f in fields(GroundingSummary) if not f.name.startswith("n_")
+                          and "chance" not in f.name)
 
 
 def check_values(cfg: TrainConfig) -> None:

@@ -636,7 +636,8 @@ def _validate_here(run: Run, state: TrainState) -> bool:
                                                                      max_len=cfg.val.max_len),
                       limit=cfg.val.limit or None, meteor=False, progress=False)
     model.train()
-    value = validation_value(cfg.val.metric, {**report.metrics, **(report.grounding or {})})
+    grounding = report.grounding.to_dict() if report.grounding is not None else None
+    value = validation_value(cfg.val.metric, {**report.metrics, **(grounding or {})})
     previous = state.best
     improved = previous is None or value > previous
     if improved:
@@ -649,7 +650,7 @@ def _validate_here(run: Run, state: TrainState) -> bool:
         state.bad_vals += 1
         verdict = f"best so far {figure(previous)}"
     run.files.write({"step": state.step, "epoch": state.epoch, "val": report.metrics,
-                     "grounding": report.grounding, "improved": improved})
+                     "grounding": grounding, "improved": improved})
     print(f"epoch {state.epoch} step {state.step}: val {cfg.val.metric} {figure(value)} ({verdict})",
           file=sys.stderr)
     return cfg.val.patience > 0 and state.bad_vals >= cfg.val.patience

@@ -33,7 +33,7 @@ KINDS = ("count", "repeated shape", "other shape", "colour", "colour and shape",
 
 def kind(words: Sequence[str], objects: Sequence[ShapeObject]) -> str | None:
     """The kind of naming error of one caption; None when it names the objects right."""
-    if object_accuracy(words, objects)["exact_color_shape"]:
+    if object_accuracy(words, objects).exact_color_shape:
         return None
     mentions = parse_mentions(words)
     if len(mentions) != len(objects):

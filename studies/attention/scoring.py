@@ -89,11 +89,11 @@ def image_stats(records, results, forced, objects: dict, with_pointing: bool) ->
         cols.update({k: [] for k in ("pt_hit", "pt_n", "pt_mass", "pt_chance", "gen_hit", "gen_n")})
     for rec, res, (words, maps) in zip(records, results, forced):
         img = objects[rec.image_id]
-        cols["obj"].append(float(object_accuracy(res.words, img.objects)["exact_color_shape"]))
+        cols["obj"].append(float(object_accuracy(res.words, img.objects).exact_color_shape))
         rel = relation_accuracy(res.words, img.objects)
-        cols["rel_true"].append(rel["relations_true"])
-        cols["rel_named"].append(rel["n_relations_named"])
-        cols["rel_n"].append(rel["n_relations"])
+        cols["rel_true"].append(rel.relations_true)
+        cols["rel_named"].append(rel.n_relations_named)
+        cols["rel_n"].append(rel.n_relations)
         cols["ent_sum"].append(float(-(maps * np.log(np.clip(maps, 1e-30, None))).sum()))
         cols["ent_n"].append(len(words))
         if with_pointing:

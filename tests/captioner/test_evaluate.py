@@ -43,10 +43,10 @@ def test_perfect_captions_and_pointing_score_one(tmp_path, monkeypatch):
     report = evaluation.evaluate(tiny_captioner(), data, "test", meteor=False, progress=False)
     assert report.n_images == 6
     assert abs(report.metrics["BLEU-4"] - 1.0) < 1e-6
-    assert report.grounding["object_accuracy"] == 1.0
-    assert report.grounding["pointing_accuracy"] == 1.0
-    assert report.grounding["alpha_mass_in_box"] == 1.0
-    assert 0 < report.grounding["pointing_chance"] < 0.5
+    assert report.grounding.object_accuracy == 1.0
+    assert report.grounding.pointing_accuracy == 1.0
+    assert report.grounding.alpha_mass_in_box == 1.0
+    assert 0 < report.grounding.pointing_chance < 0.5
 
 
 def _cell_outside(image, grid=(8, 8)):
@@ -86,11 +86,11 @@ def test_wrong_captions_and_misplaced_attention_are_scored_as_such(tmp_path, mon
     monkeypatch.setattr(evaluation, "decode_records", lambda cap, recs, *a, **k: results)
     report = evaluation.evaluate(tiny_captioner(), data, "test", meteor=False, progress=False)
 
-    assert report.grounding["object_accuracy"] == 4 / 6
+    assert report.grounding.object_accuracy == 4 / 6
     scored = [len(_pointed_words(r.words, objects[rec.image_id])) for rec, r in zip(records, results)]
     assert scored[0] + scored[1] > 0 and sum(scored[2:]) > 0
-    assert abs(report.grounding["pointing_accuracy"] - (scored[0] + scored[1]) / sum(scored)) < 1e-9
-    assert report.grounding["n_words"] == sum(scored)
+    assert abs(report.grounding.pointing_accuracy - (scored[0] + scored[1]) / sum(scored)) < 1e-9
+    assert report.grounding.n_words == sum(scored)
     assert report.captions == {rec.image_id: r.caption for rec, r in zip(records, results)}
     assert 0 < report.metrics["BLEU-4"] < 1
 
@@ -154,6 +154,6 @@ def test_pointing_under_a_centre_crop_uses_the_region_the_model_saw(tmp_path, mo
         results.append(CaptionResult(words, alphas, torch.ones(len(words)), -1.0))
     monkeypatch.setattr(evaluation, "decode_records", lambda c, recs, *a, **k: results)
     g = evaluation.evaluate(cap, data, "test", meteor=False, progress=False).grounding
-    assert unseen > 0 and g["n_words"] > 20 and blind < 0.1 * g["n_words"]
-    assert g["n_words_unseen"] == unseen
-    assert g["pointing_accuracy"] == pytest.approx(1 - blind / g["n_words"])
+    assert unseen > 0 and g.n_words > 20 and blind < 0.1 * g.n_words
+    assert g.n_words_unseen == unseen
+    assert g.pointing_accuracy == pytest.approx(1 - blind / g.n_words)

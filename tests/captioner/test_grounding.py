@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from captioner.grounding import (
+    CaptionAccuracy,
     ImageObjects,
     Mention,
     ShapeObject,
@@ -19,6 +20,7 @@ from captioner.grounding import (
     object_accuracy,
     parse_mentions,
     pointing_game,
+    relation_accuracy,
     summarize_grounding,
 )
 from captioner.images import Preprocess
@@ -68,24 +70,28 @@ def test_parse_mentions_ignores_unattached_colours() -> None:
 ])
 def test_object_accuracy(caption: str, exact: bool, exact_full: bool, matched: int) -> None:
     acc = object_accuracy(caption.split(), [RED_CIRCLE, BLUE_SQUARE])
-    assert (acc["exact_color_shape"], acc["exact_full"], acc["matched"]) == (exact, exact_full, matched)
-    assert acc["n_objects"] == 2
-    assert acc["recall"] == matched / 2
-    assert acc["precision"] == matched / acc["n_mentions"]
+    assert (acc.exact_color_shape, acc.exact_full, acc.matched) == (exact, exact_full, matched)
+    assert acc.n_objects == 2
+    assert acc.recall == matched / 2
+    assert acc.precision == matched / acc.n_mentions
 
 
 def test_object_accuracy_duplicates_are_counted() -> None:
     two_red = [RED_CIRCLE, ShapeObject("circle", "red", "large", (40, 40, 20, 20))]
-    assert object_accuracy("a red circle and a red circle".split(), two_red)["exact_color_shape"]
+    assert object_accuracy("a red circle and a red circle".split(), two_red).exact_color_shape
     one = object_accuracy("a red circle".split(), two_red)
-    assert not one["exact_color_shape"] and one["recall"] == 0.5
+    assert not one.exact_color_shape and one.recall == 0.5
     three = object_accuracy("a red circle , a red circle and a red circle".split(), two_red)
-    assert not three["exact_color_shape"] and three["matched"] == 2
+    assert not three.exact_color_shape and three.matched == 2
     # Sizes must be assignable one-to-one: both "small" cannot match.
-    assert object_accuracy("a small red circle and a large red circle".split(), two_red)["exact_full"]
-    assert not object_accuracy("a small red circle and a small red circle".split(), two_red)["exact_full"]
+    assert object_accuracy("a small red circle and a large red circle".split(), two_red).exact_full
+    assert not object_accuracy("a small red circle and a small red circle".split(), two_red).exact_full
     # A mention without size can take the object a sized mention leaves over.
-    assert object_accuracy("a red circle and a small red circle".split(), two_red)["exact_full"]
+    assert object_accuracy("a red circle and a small red circle".split(), two_red).exact_full
+
+
+def _accuracy(words: list[str], objects: list[ShapeObject]) -> CaptionAccuracy:
+    return CaptionAccuracy(object_accuracy(words, objects), relation_accuracy(words, objects))
 
 
 # -------------------------------------------------------------------- pointing game
@@ -145,22 +151,22 @@ def test_summarize_grounding() -> None:
                             _peaked(7, [(0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (1, 1), (1, 1)]), image)
     bad = evaluate_caption("a red circle".split(), _peaked(3, [(0, 0), (1, 1), (1, 1)]), image)
     summary = summarize_grounding([good[0], bad[0]], [good[1], bad[1]])
-    assert summary["n_images"] == 2
-    assert summary["object_accuracy"] == 0.5
-    assert summary["object_recall"] == pytest.approx(3 / 4)
-    assert summary["object_precision"] == 1.0
+    assert summary.n_images == 2
+    assert summary.object_accuracy == 0.5
+    assert summary.object_recall == pytest.approx(3 / 4)
+    assert summary.object_precision == 1.0
     # Scored words: red, circle, blue, square (all hits); then red, circle (both misses).
-    assert summary["n_words"] == 6
-    assert summary["pointing_accuracy"] == pytest.approx(4 / 6)
-    assert summary["pointing_accuracy_color"] == pytest.approx(2 / 3)
-    assert summary["pointing_chance"] == summary["alpha_mass_chance"] == pytest.approx(0.25)
-    assert summary["alpha_mass_in_box"] == pytest.approx((4 * 0.7 + 2 * 0.1) / 6)
+    assert summary.n_words == 6
+    assert summary.pointing_accuracy == pytest.approx(4 / 6)
+    assert summary.pointing_accuracy_color == pytest.approx(2 / 3)
+    assert summary.pointing_chance == summary.alpha_mass_chance == pytest.approx(0.25)
+    assert summary.alpha_mass_in_box == pytest.approx((4 * 0.7 + 2 * 0.1) / 6)
 
 
 def test_summarize_empty_gives_none() -> None:
     summary = summarize_grounding([], [])
-    assert summary["n_words"] == 0 and summary["pointing_accuracy"] is None
-    assert summary["object_accuracy"] is None
+    assert summary.n_words == 0 and summary.pointing_accuracy is None
+    assert summary.object_accuracy is None
 
 
 def test_load_shape_objects(tmp_path: Path) -> None:
@@ -191,9 +197,9 @@ def test_pointing_touch_counts_a_cell_straddling_the_edge() -> None:
     assert [(r.hit, r.hit_touch) for r in rec] == [(False, True), (False, False)]
     assert rec[0].chance == pytest.approx(1 / 16)  # only (1, 1) has its centre inside
     assert rec[0].chance_touch == pytest.approx(4 / 16)  # (0..1, 0..1) overlap the box
-    summary = summarize_grounding([rec], [object_accuracy(["red", "circle"], [obj])])
-    assert summary["pointing_accuracy_touch"] == pytest.approx(0.5)
-    assert summary["pointing_chance_touch"] == pytest.approx(0.25)
+    summary = summarize_grounding([rec], [_accuracy(["red", "circle"], [obj])])
+    assert summary.pointing_accuracy_touch == pytest.approx(0.5)
+    assert summary.pointing_chance_touch == pytest.approx(0.25)
 
 
 def test_mass_on_touching_cells_and_entropy_of_the_maps_on_the_named_words() -> None:
@@ -208,9 +214,9 @@ def test_mass_on_touching_cells_and_entropy_of_the_maps_on_the_named_words() -> 
     assert [r.mass_touch for r in rec] == pytest.approx([1.0, 0.0])
     h = -(0.6 * np.log(0.6) + 0.4 * np.log(0.4))
     assert [r.entropy for r in rec] == pytest.approx([h, 0.0])
-    summary = summarize_grounding([rec], [object_accuracy(["red", "circle"], [obj])])
-    assert summary["alpha_mass_touch"] == pytest.approx(0.5)
-    assert summary["alpha_entropy_named"] == pytest.approx(h / 2)
+    summary = summarize_grounding([rec], [_accuracy(["red", "circle"], [obj])])
+    assert summary.alpha_mass_touch == pytest.approx(0.5)
+    assert summary.alpha_entropy_named == pytest.approx(h / 2)
 
 
 # ------------------------------------------------------------------ under a centre crop
@@ -252,8 +258,8 @@ def test_a_box_outside_the_crop_is_not_scored_but_counted_apart() -> None:
     records, _ = evaluate_caption(words, maps, image, crop=CROP)
     assert [(r.word, r.seen) for r in records] == [("red", True), ("circle", True), ("blue", False), ("star", False)]
     summary = summarize_grounding([records], [evaluate_caption(words, maps, image, crop=CROP)[1]])
-    assert summary["n_words"] == 2 and summary["n_words_unseen"] == 2
-    assert summary["alpha_mass_in_box"] == pytest.approx(1 / 16)  # the unseen words' zeros are not in it
+    assert summary.n_words == 2 and summary.n_words_unseen == 2
+    assert summary.alpha_mass_in_box == pytest.approx(1 / 16)  # the unseen words' zeros are not in it
     whole, _ = evaluate_caption(words, maps, image)  # no crop: every box is in view
     assert all(r.seen for r in whole) and len(whole) == 4
 
@@ -266,6 +272,6 @@ def test_a_chinese_caption_points_with_the_map_of_each_words_first_character() -
     cells[10], cells[13] = (1, 1), (0, 1)  # 蓝: the blue square's; 正: elsewhere
     image = ImageObjects(1, "x.png", 64, 64, [RED_CIRCLE, BLUE_SQUARE])
     records, accuracy = evaluate_caption(words, _peaked(len(words), cells), image)
-    assert accuracy["exact_color_shape"] and accuracy["n_mentions"] == 2
+    assert accuracy.objects.exact_color_shape and accuracy.objects.n_mentions == 2
     assert [(r.word, r.hit) for r in records] == [("red", True), ("circle", True), ("blue", True),
                                                    ("square", False)]

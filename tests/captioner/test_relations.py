@@ -13,6 +13,7 @@ import pytest
 from captioner.data.shapes import generate_split
 from captioner.grounding import (
     ImageObjects,
+    RelationAccuracy,
     ShapeObject,
     evaluate_caption,
     load_shape_objects,
@@ -51,8 +52,7 @@ OBJECTS = [RED_CIRCLE, BLUE_SQUARE, RED_STAR]
     ("a red star above", 0, 0, 0),
 ])
 def test_relations_stated_named_and_true(caption: str, stated: int, named: int, true: int) -> None:
-    assert relation_accuracy(tokenize(caption), OBJECTS) == {"n_relations": stated, "n_relations_named": named,
-                                                             "relations_true": true}
+    assert relation_accuracy(tokenize(caption), OBJECTS) == RelationAccuracy(stated, named, true)
 
 
 def test_relations_are_normalised_to_left_of_and_above() -> None:
@@ -66,8 +66,8 @@ def test_two_objects_of_one_kind_need_distinct_objects() -> None:
     left = ShapeObject("star", "red", "small", (0, 0, 10, 10))
     right = ShapeObject("star", "red", "small", (50, 0, 10, 10))
     words = tokenize("a red star to the left of a red star")
-    assert relation_accuracy(words, [left, right]) == {"n_relations": 1, "n_relations_named": 1, "relations_true": 1}
-    assert relation_accuracy(words, [left]) == {"n_relations": 1, "n_relations_named": 0, "relations_true": 0}
+    assert relation_accuracy(words, [left, right]) == RelationAccuracy(1, n_relations_named=1, relations_true=1)
+    assert relation_accuracy(words, [left]) == RelationAccuracy(1, n_relations_named=0, relations_true=0)
 
 
 def test_summary_micro_averages_relations_with_chance_and_count() -> None:
@@ -80,13 +80,13 @@ def test_summary_micro_averages_relations_with_chance_and_count() -> None:
     per_image = [evaluate_caption(words, np.full((len(words), 2, 2), 0.25), image)
                  for words in map(tokenize, captions)]
     summary = summarize_grounding([p for p, _ in per_image], [a for _, a in per_image])
-    assert summary["n_relations"] == 5
-    assert summary["n_relations_misnamed"] == 2
-    assert summary["relation_accuracy"] == pytest.approx(2 / 3)  # directions of the 3 rightly named
-    assert summary["relation_chance"] == 0.5
-    assert summarize_grounding([], [])["relation_accuracy"] is None
+    assert summary.n_relations == 5
+    assert summary.n_relations_misnamed == 2
+    assert summary.relation_accuracy == pytest.approx(2 / 3)  # directions of the 3 rightly named
+    assert summary.relation_chance == 0.5
+    assert summarize_grounding([], []).relation_accuracy is None
     only_misnamed = evaluate_caption(tokenize(captions[2]), np.full((7, 2, 2), 0.25), image)
-    assert summarize_grounding([only_misnamed[0]], [only_misnamed[1]])["relation_accuracy"] is None
+    assert summarize_grounding([only_misnamed[0]], [only_misnamed[1]]).relation_accuracy is None
 
 
 def test_a_random_direction_between_named_objects_scores_one_half() -> None:
@@ -103,8 +103,8 @@ def test_a_random_direction_between_named_objects_scores_one_half() -> None:
         per_image.append(evaluate_caption(tokenize(stated), np.full((20, 2, 2), 0.25),
                                           ImageObjects(1, "x.png", 64, 64, [a, b]))[1])
     summary = summarize_grounding([[]] * len(per_image), per_image)
-    assert summary["n_relations_misnamed"] == 400  # "a green star" names nothing
-    assert 0.43 < summary["relation_accuracy"] < 0.57
+    assert summary.n_relations_misnamed == 400  # "a green star" names nothing
+    assert 0.43 < summary.relation_accuracy < 0.57
 
 
 def test_generated_reference_captions_state_only_true_relations(tmp_path: Path) -> None:
@@ -114,15 +114,15 @@ def test_generated_reference_captions_state_only_true_relations(tmp_path: Path) 
     objects = load_shape_objects(tmp_path / "instances_val.json")
     captions = json.loads((tmp_path / "captions_val.json").read_text())["annotations"]
     own = [relation_accuracy(tokenize(c["caption"]), objects[c["image_id"]].objects) for c in captions]
-    stated = sum(r["n_relations"] for r in own)
+    stated = sum(r.n_relations for r in own)
     assert stated >= 20
-    assert sum(r["relations_true"] for r in own) == stated
+    assert sum(r.relations_true for r in own) == stated
     # The same captions with the image's objects mirrored left-right and top-bottom.
     mirrored = {i: [ShapeObject(o.shape, o.color, o.size, (64 - o.bbox[0] - o.bbox[2], 64 - o.bbox[1] - o.bbox[3],
                                                             o.bbox[2], o.bbox[3])) for o in im.objects]
                 for i, im in objects.items()}
     flipped = [relation_accuracy(tokenize(c["caption"]), mirrored[c["image_id"]]) for c in captions]
-    assert sum(r["relations_true"] for r in flipped) == 0
+    assert sum(r.relations_true for r in flipped) == 0
 
 
 def test_generated_top_to_bottom_captions_state_true_vertical_order(tmp_path: Path) -> None:
@@ -139,8 +139,8 @@ def test_generated_top_to_bottom_captions_state_true_vertical_order(tmp_path: Pa
                 if c["caption"].startswith("from top to bottom: ")]
     assert len(downward) >= 10
     scored = [relation_accuracy(tokenize(c["caption"]), objects[c["image_id"]].objects) for c in downward]
-    assert all(r["n_relations"] == len(objects[c["image_id"]].objects) - 1 for r, c in zip(scored, downward))
-    assert sum(r["relations_true"] for r in scored) == sum(r["n_relations"] for r in scored)
+    assert all(r.n_relations == len(objects[c["image_id"]].objects) - 1 for r, c in zip(scored, downward))
+    assert sum(r.relations_true for r in scored) == sum(r.n_relations for r in scored)
     # Off, the captions are byte for byte those made before the option existed (the
     # comparison's test sets are made this way and must not change).
     digest = hashlib.sha256((plain / "captions_val.json").read_bytes()).hexdigest()

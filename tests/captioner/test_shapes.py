@@ -183,10 +183,10 @@ def test_every_chinese_caption_parses_to_its_objects_and_true_relations(chinese:
         image = objects[ann["image_id"]]
         words, steps = english_words(chars.tokenize(ann["caption"]))
         accuracy = object_accuracy(words, image.objects)
-        assert accuracy["exact_color_shape"] and accuracy["exact_full"], ann["caption"]
+        assert accuracy.exact_color_shape and accuracy.exact_full, ann["caption"]
         stated = relation_accuracy(words, image.objects)
-        assert stated["relations_true"] == stated["n_relations_named"] == stated["n_relations"], ann["caption"]
-        relations += stated["n_relations"]
+        assert stated.relations_true == stated.n_relations_named == stated.n_relations, ann["caption"]
+        relations += stated.n_relations
         assert steps == sorted(steps)  # each English word at the step of its first character
     assert relations > 10
 

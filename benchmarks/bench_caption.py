@@ -81,12 +81,6 @@ def preprocessed_batches(captioner: Captioner, paths: list[str], batch_size: int
     return [torch.stack(tensors[i:i + batch_size]).to(captioner.device) for i in range(0, len(tensors), batch_size)]
 
 
-def autocast(captioner: Captioner):
-    """The autocast that Captioner.caption_batch uses for its precision."""
-    dtype = AUTOCAST_DTYPES[captioner.precision]
-    return torch.autocast(captioner.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
-
-
 def synchronize(captioner: Captioner) -> None:
     if captioner.device.type == "cuda":
         torch.cuda.synchronize(captioner.device)
@@ -105,17 +99,17 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
     beam search alone (on annotations already computed). Each is the best of ``repeats``
     timings, taken in turn, so that a slow moment of the machine does not skew one ratio."""
     options = DecodeOptions(beam_size=3, max_len=20)
-    with torch.inference_mode(), autocast(captioner):
+    with torch.inference_mode(), captioner.autocast():
         captioner.caption_batch(batches[0], options)  # warm-up
         anns = [captioner.model.encode(batch) for batch in batches]
 
     def encoder() -> None:
-        with torch.inference_mode(), autocast(captioner):
+        with torch.inference_mode(), captioner.autocast():
             for batch in batches:
                 captioner.model.encode(batch)
 
     def searches() -> None:
-        with torch.inference_mode(), autocast(captioner):
+        with torch.inference_mode(), captioner.autocast():
             for ann in anns:
                 search(captioner, ann)
 

@@ -50,16 +50,9 @@ class DistContext:
         """The mean of a per-rank number over all ranks."""
         return self.sum(value) / self.world
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when it is true on some rank (a stop request, say)."""
-        if not self.active:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self._comm_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
     def any_of(self, *flags: bool) -> list[bool]:
-        """``any`` of several flags at once: one collective, not one per flag."""
+        """Each flag, true on every rank when it is true on some rank (a stop request, say): one
+        collective for all of them."""
         if not self.active:
             return list(flags)
         t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self._comm_device)

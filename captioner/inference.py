@@ -191,14 +191,18 @@ class Captioner:
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
         atomic_save(self.checkpoint(meta), path)
 
+    def autocast(self) -> torch.autocast:
+        """The autocast of this captioner's precision (off for fp32), on its device."""
+        dtype = AUTOCAST_DTYPES[self.precision]
+        return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
     @torch.no_grad()
     def caption_batch(self, images: torch.Tensor, options: DecodeOptions | None = None) -> list[CaptionResult]:
         """Preprocessed images (B, 3, H, W) -> one CaptionResult each."""
         opt = options or DecodeOptions()
         self.model.eval()
-        dtype = AUTOCAST_DTYPES[self.precision]
         v = self.vocab
-        with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        with self.autocast():
             ann = self.model.encode(images.to(self.device))
             if opt.beam_size == 1 and opt.length_penalty == 0:  # num_captions is 1
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
@@ -220,10 +224,12 @@ class Captioner:
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
         probs = tuple(d.log_probs[:t].double().exp().tolist()) if d.log_probs is not None else ()
-        alts = tuple(Alternative(tuple(w), x.score, self.vocab.join(w))
-                     for x in (d, *d.runners_up) for w in [self.vocab.decode(x.ids)]) if alternatives else ()
+        text = self.vocab.join(words)
+        alts = ((Alternative(tuple(words), d.score, text),
+                 *(Alternative(tuple(w), x.score, self.vocab.join(w))
+                   for x in d.runners_up for w in [self.vocab.decode(x.ids)])) if alternatives else ())
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
-                             heads, text=self.vocab.join(words), word_probs=probs, alternatives=alts)
+                             heads, text=text, word_probs=probs, alternatives=alts)
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,
                        max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:

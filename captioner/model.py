@@ -183,14 +183,15 @@ class Decoder(nn.Module):
         """The annotations the decoder attends over, once per image: the encoder's (or the
         feature cache's), after self-attention over the grid when ``grid_layers`` > 0.
         Every entry point (teacher forcing, greedy, beam search) starts here. With
-        ``coords``, each cell's centre is appended (cell_centres)."""
+        ``coords``, each cell's centre is appended (cell_centres). A compiled decoder gets
+        them in one layout (``_plain``), once per decode rather than at every step."""
         if self.grid_attention is not None:
             ann = Annotations(self.grid_attention(ann.vectors, ann.grid), ann.grid)
         if self.coords:
             a = ann.vectors
             xy = cell_centres(ann.grid, a.device, a.dtype).expand(a.shape[0], -1, -1)
             ann = Annotations(torch.cat([a, xy], dim=2), ann.grid)
-        return ann
+        return Annotations(_plain(ann.vectors), ann.grid) if self._compiled_step is not None else ann
 
     def init_state(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = a.mean(dim=1)  # (B, D)
@@ -230,8 +231,6 @@ class Decoder(nn.Module):
         ann = self.annotate(ann)
         a = ann.vectors
         compiled = self._compiled_recur is not None
-        if compiled:
-            a = _plain(a)
         b, steps = a.shape[0], int(lengths.max()) - 1
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
         keys = self.attention.prepare(a)  # once per image
@@ -244,8 +243,8 @@ class Decoder(nn.Module):
         hs, zs, heads, betas, logps, ents = [], [], [], [], [], []
         # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
         for t, pre_t in enumerate(pre.unbind(0)):
-            if compiled:  # one layout for the compiler (see compile_step)
-                pre_t, h, c = _plain(pre_t), _plain(h), _plain(c)
+            if compiled:  # one layout for the compiler (see compile_step); pre_t is always a view of pre
+                h, c = _plain(h), _plain(c)
             h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
                                        product=product)
             hs.append(h)

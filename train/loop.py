@@ -113,8 +113,7 @@ class _BarLoss:
 
     def show(self, bar: tqdm, parts: LossParts, train_seconds: float) -> None:
         label, value = ("nll", parts.nll) if parts.reward is None else ("reward", parts.reward)
-        # A tensor stays on the device: only the text, once a second, waits for it.
-        value = value.detach() if isinstance(value, torch.Tensor) else value
+        # A (detached) tensor stays on the device: only the text, once a second, waits for it.
         self.average = value if self.average is None else 0.9 * self.average + 0.1 * value
         now = time.monotonic()
         if now - self.shown_at < 1.0 and bar is self.bar:  # a new epoch's bar gets it at once

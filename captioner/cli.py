@@ -375,9 +375,21 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_evaluate)
 
 
+def _split_records(args: argparse.Namespace) -> list:
+    """``args.split`` of ``args.data`` (with ``args.karpathy``), its first ``args.limit`` images,
+    each image file there: a missing file or image is a one-line usage error."""
+    from .data.coco import load_split, require_images
+
+    try:
+        records = load_split(args.data, args.split, args.karpathy)[:args.limit]
+        require_images(records, args.split)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    return records
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
-    from .data.coco import load_split, require_images
     from .evaluation import evaluate, format_table, write_report
     from .inference import Captioner, DecodeOptions
 
@@ -385,13 +397,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_out_file(args.out)
     # The data first: a missing file is the one line a user sees, before any model is loaded.
-    try:
-        records = load_split(args.data, args.split, args.karpathy)
-        if args.limit:
-            records = records[:args.limit]
-        require_images(records, args.split)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from e
+    records = _split_records(args)
     try:
         captioner = Captioner.load(args.weights, device=device)
     except CheckpointError as e:
@@ -435,18 +441,13 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_familiarity(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError, atomic_save, load_checkpoint
-    from .data.coco import load_split, require_images
     from .familiarity import training_features
     from .inference import Captioner, resolve_weights
 
     device = check_device(args.device)
     if args.out is not None:
         check_out_file(args.out)
-    try:
-        records = load_split(args.data, args.split, args.karpathy)[:args.limit]
-        require_images(records, args.split)
-    except FileNotFoundError as e:
-        raise UsageError(str(e)) from e
+    records = _split_records(args)
     try:
         path = resolve_weights(args.checkpoint)
         ckpt = load_checkpoint(path)

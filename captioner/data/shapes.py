@@ -209,18 +209,27 @@ _MULTI_TEMPLATES: list[_Template] = [
 ]
 
 
+def _relation_pair(a: _Object, b: _Object) -> tuple[bool, _Object, _Object]:
+    """(True, the upper, the lower) when the centres lie further apart vertically than
+    horizontally, else (False, the left, the right): the relation a caption states."""
+    (ax, ay), (bx, by) = a.centre, b.centre
+    if abs(by - ay) > abs(bx - ax):
+        return (True, a, b) if ay < by else (True, b, a)
+    return (False, a, b) if ax <= bx else (False, b, a)
+
+
 def _relation_templates(a: _Object, b: _Object) -> list[Callable[[Callable[[_Object], str]], str]]:
     """Captions stating a true spatial relation between exactly two objects; the axis
     with the larger separation of centres decides between left/right and above/below."""
-    (ax, ay), (bx, by) = a.centre, b.centre
-    if abs(by - ay) > abs(bx - ax):
-        up, down = (a, b) if ay < by else (b, a)
+    vertical, first, second = _relation_pair(a, b)
+    if vertical:
+        up, down = first, second
         return [
             lambda ph: f"{ph(up)} above {ph(down)}",
             lambda ph: f"{ph(down)} below {ph(up)}",
             lambda ph: f"an image with {ph(up)} above {ph(down)}",
         ]
-    left, right = (a, b) if ax <= bx else (b, a)
+    left, right = first, second
     return [
         lambda ph: f"{ph(left)} to the left of {ph(right)}",
         lambda ph: f"{ph(right)} to the right of {ph(left)}",
@@ -272,15 +281,15 @@ _ZH_MULTI_TEMPLATES: list[_Template] = [
 
 def _zh_relation_templates(a: _Object, b: _Object) -> list[Callable[[Callable[[_Object], str]], str]]:
     """:func:`_relation_templates` in Chinese: "X在Y的上面", "X在Y的左边", ..."""
-    (ax, ay), (bx, by) = a.centre, b.centre
-    if abs(by - ay) > abs(bx - ax):
-        up, down = (a, b) if ay < by else (b, a)
+    vertical, first, second = _relation_pair(a, b)
+    if vertical:
+        up, down = first, second
         return [
             lambda ph: f"{ph(up)}在{ph(down)}的上面",
             lambda ph: f"{ph(down)}在{ph(up)}的下面",
             lambda ph: f"一张图片，{ph(up)}在{ph(down)}的上面",
         ]
-    left, right = (a, b) if ax <= bx else (b, a)
+    left, right = first, second
     return [
         lambda ph: f"{ph(left)}在{ph(right)}的左边",
         lambda ph: f"{ph(right)}在{ph(left)}的右边",

@@ -155,12 +155,11 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
         done = done | (y == end)
         if bool(done.all()):
             break
-    ids_t = torch.stack(ids, 1)  # (B, T)
+    ids_l = torch.stack(ids, 1).tolist()  # (B, T)
     heads_t, betas_t = torch.stack(heads, 1), torch.stack(betas, 1)  # (B, T, h, L), (B, T)
-    logps_t = torch.stack(logps, 1)  # (B, T)
-    total = logps_t.sum(1)
-    return [_trim(ids_t[i].tolist(), heads_t[i], betas_t[i], float(total[i]), end, pad, logps_t[i])
-            for i in range(b)]
+    logps_t = torch.stack(logps, 1).cpu()  # (B, T): one transfer, not one per image
+    total = logps_t.sum(1).tolist()
+    return [_trim(ids_l[i], heads_t[i], betas_t[i], total[i], end, pad, logps_t[i]) for i in range(b)]
 
 
 @torch.no_grad()

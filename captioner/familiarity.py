@@ -53,11 +53,11 @@ def pooled(vectors: torch.Tensor) -> torch.Tensor:
 
 
 def _fit(x: torch.Tensor, shrink: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean (D,) and whitening W (D, D), with S^-1 = W W^T, of x (N, D), in float64."""
+    """Mean (D,) and whitening W (D, D), with S^-1 = W W^T, of x (N, D), N >= 2, in float64."""
     mu = x.mean(0)
-    cov = torch.cov((x - mu).T) if len(x) > 1 else torch.zeros(x.shape[1], x.shape[1], dtype=x.dtype)
-    cov = cov.reshape(x.shape[1], x.shape[1])
-    ridge = shrink * float(cov.diagonal().mean()) if float(cov.diagonal().mean()) > 0 else 1e-6
+    cov = torch.cov((x - mu).T).reshape(x.shape[1], x.shape[1])
+    scale = float(cov.diagonal().mean())
+    ridge = shrink * scale if scale > 0 else 1e-6
     cov = cov + ridge * torch.eye(len(cov), dtype=x.dtype)
     return mu, torch.linalg.cholesky(torch.linalg.inv(cov))
 

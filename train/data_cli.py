@@ -29,7 +29,6 @@ from captioner.data.coco import (
     ImageRecord,
     SplitNotFoundError,
     build_vocab,
-    dataset_tokenizer,
     load_split,
     load_splits,
     require_images,
@@ -174,7 +173,6 @@ def cmd_import(args: argparse.Namespace) -> int:
     from captioner.data.check import unreadable_images
     from captioner.data.own import SourceError, draw_splits, guess_tokenizer, read_source, split_sizes, write_dataset
     from captioner.images import Preprocess
-    from captioner.vocab import tokenizer_named
 
     try:
         source = read_source(args.source, args.format, args.image_column, args.caption_column)
@@ -184,7 +182,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot read {args.source}: {e.strerror or e}") from e
     if not source.images:
         raise UsageError(f"{args.source}: no images with captions found")
-    problems = unreadable_images([im.path for im in source.images], Preprocess(size=(32, 32)),
+    # Only images with a caption are kept: the others are not opened.
+    problems = unreadable_images([im.path for im in source.images if im.captions], Preprocess(size=(32, 32)),
                                  workers=max(0, args.workers), progress=not args.quiet)
     if problems and not args.skip_unreadable:
         print(f"{len(problems):,} of {len(source.images):,} images cannot be used:")
@@ -242,6 +241,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from captioner.data.check import unreadable_images
     from captioner.images import Preprocess
 
+    from .startup import StartupError, data_tokenizer
+
     try:
         cfg = load_config(args.config, args.overrides)
         splits = config_splits(cfg)
@@ -249,9 +250,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     d = cfg.data
     try:
-        tokenizer = tokenizer_named(dataset_tokenizer(d.dir, d.split_file, d.train_split))
-    except ValueError as e:
-        raise UsageError(f"{d.split_file or d.dir} names an {e}") from e
+        tokenizer = data_tokenizer(cfg)
+    except StartupError as e:
+        raise UsageError(str(e)) from e
     kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
     vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
                         tokenizer=tokenizer)

@@ -24,22 +24,19 @@ import io
 import json
 import os
 import random
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..images import IMAGE_EXTENSIONS
-from ..vocab import tokenizer_named
+from ..vocab import has_cjk, tokenizer_named
+from .coco import OWN_SPLIT_FILE
 
 # Column or key names tried in this order when the caller names none (case-insensitive).
 IMAGE_KEYS = ("image", "file_name", "filename", "path", "image_path", "file", "img")
 CAPTION_KEYS = ("caption", "text", "sentence", "description")
 CAPTION_LIST_KEYS = ("captions", "texts", "sentences")
 FORMATS = ("csv", "tsv", "jsonl", "folder")
-SPLIT_FILE = "dataset.json"
-
-_CJK = re.compile("[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af]")
 
 
 class SourceError(ValueError):
@@ -243,7 +240,7 @@ def guess_tokenizer(captions: Iterable[str]) -> str:
     n = cjk = ascii_only = 0
     for caption in captions:
         n += 1
-        cjk += bool(_CJK.search(caption))
+        cjk += has_cjk(caption)
         ascii_only += caption.isascii()
     if n and cjk * 2 > n:
         return "chars"
@@ -293,7 +290,7 @@ def write_dataset(out_dir: str | os.PathLike, images: Sequence[OwnImage], splits
             sentid += 1
         entries.append({"filepath": str(relative.parent), "filename": relative.name, "imgid": imgid,
                         "split": split, "sentids": [s["sentid"] for s in sentences], "sentences": sentences})
-    path = out_dir / SPLIT_FILE
+    path = out_dir / OWN_SPLIT_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({"images": entries, "dataset": name, "tokenizer": tok.name}, ensure_ascii=False) + "\n",
                    encoding="utf-8")

@@ -47,6 +47,8 @@ class Familiarity:
     threshold: float
 
 
+MIN_IMAGES = 3  # a mean and a covariance held out image by image need at least this many
+
 def pooled(vectors: torch.Tensor) -> torch.Tensor:
     """(B, L, D) annotation vectors -> (B, D) their mean over the L locations, in fp32."""
     return vectors.float().mean(1)
@@ -83,8 +85,8 @@ class TrainingFeatures:
         """From the pooled features (N, D) of the training images (``pooled``)."""
         x = features.double()
         n = len(x)
-        if n < 3:
-            raise ValueError(f"familiarity needs at least 3 training images, got {n}")
+        if n < MIN_IMAGES:
+            raise ValueError(f"familiarity needs at least {MIN_IMAGES} training images, got {n}")
         folds = min(folds, n)  # a handful of images: leave one out
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         reference = torch.empty(n, dtype=torch.float64)

@@ -33,7 +33,7 @@ from captioner.data.coco import CaptionDataset, ImageRecord, TrainingCaptions, c
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
-from captioner.familiarity import training_features
+from captioner.familiarity import MIN_IMAGES, training_features
 from captioner.images import Preprocess
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel
@@ -338,7 +338,12 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 def record_familiarity(run: Run) -> None:
     """Add to best.pt and last.pt their training images' features (captioner.familiarity),
     each through its own encoder (best.pt's may be an earlier one): what the familiarity of
-    an image is measured against. A write that fails leaves the checkpoint as it was."""
+    an image is measured against. A write that fails leaves the checkpoint as it was; with
+    too few training images to describe, the checkpoints stay without it, and it says so."""
+    if len(run.train_records) < MIN_IMAGES:
+        print(f"no familiarity record: {len(run.train_records)} training image"
+              f"{'s' if len(run.train_records) != 1 else ''}, it needs at least {MIN_IMAGES}", file=sys.stderr)
+        return
     data = f"{run.meta['training_data']}, split {run.cfg.data.train_split}, {len(run.train_records)} images"
     done: list[tuple[dict, dict]] = []  # (encoder weights, record): one pass per distinct encoder
     for path in (run.run_dir / "best.pt", run.run_dir / "last.pt"):

@@ -251,3 +251,18 @@ def test_a_finished_run_records_its_training_images_features_with_each_checkpoin
         assert record.images == len(records) and "split train" in record.data
         again = training_features(Captioner.from_checkpoint(ckpt), records, progress=False)
         assert torch.allclose(record.reference, again.reference, rtol=1e-4)
+
+
+def test_too_few_training_images_for_familiarity_end_the_run_with_a_note(tmp_path, capsys):
+    """Two training images cannot be described (a held-out covariance needs three): the run
+    still ends well, its checkpoints without the record, and says why in one line."""
+    from types import SimpleNamespace
+
+    from captioner.train.loop import record_familiarity
+
+    (tmp_path / "best.pt").write_bytes(b"untouched")
+    run = SimpleNamespace(train_records=[object(), object()], run_dir=tmp_path, meta={"training_data": "x"},
+                          cfg=SimpleNamespace(data=SimpleNamespace(train_split="train")), progress=False)
+    record_familiarity(run)
+    assert (tmp_path / "best.pt").read_bytes() == b"untouched"
+    assert "no familiarity record: 2 training images, it needs at least 3" in capsys.readouterr().err

@@ -167,7 +167,7 @@ def cost(cap: Captioner, paths: list[str], repeats: int = 6) -> dict:
             for mode in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
                 cap.familiarity, opts = modes[mode]
                 start = time.perf_counter()
-                results = cap.caption_batch(batch.tensors, opts)
+                results = cap.caption_batch(batch.pixels, opts)
                 for i, res in zip(batch.loaded, results):
                     json.dumps(res.to_json(paths[i]))
                 fastest[mode] = min(fastest[mode], time.perf_counter() - start)

@@ -226,7 +226,7 @@ def merge_parts(out_path: Path) -> int:
 @dataclass
 class Loaded:
     index: int
-    tensor: torch.Tensor | None
+    pixels: torch.Tensor | None  # (3, H, W) uint8 (Preprocess.pixels)
     error: str | None
 
 
@@ -240,7 +240,7 @@ class _ImageFiles(Dataset):
     def __getitem__(self, i: int) -> Loaded:
         try:
             image = self.preprocess.load(self.paths[i], self.max_pixels)
-            return Loaded(i, self.preprocess(image), None)
+            return Loaded(i, self.preprocess.pixels(image), None)
         except ImageTooLargeError as e:
             return Loaded(i, None, f"{e}; --max-pixels raises the limit")
         except ImageLoadError as e:
@@ -251,12 +251,13 @@ class _ImageFiles(Dataset):
 
 @dataclass
 class LoadedBatch:
-    """Consecutive images of ``paths``: those that loaded, stacked into one tensor (one
-    shared-memory transfer from a worker process per batch, not one per image), and why the
-    others could not be loaded."""
+    """Consecutive images of ``paths``: those that loaded, their 8-bit pixels stacked into one
+    tensor (one shared-memory transfer from a worker process per batch, not one per image, and
+    a quarter of the bytes of float pixels; ``Preprocess.normalize`` or ``Captioner.caption_batch``
+    normalise them where the model runs), and why the others could not be loaded."""
 
     indices: list[int]  # positions in ``paths`` of every image of the batch, in order
-    tensors: torch.Tensor | None  # (len(loaded), 3, H, W); None when none loaded
+    pixels: torch.Tensor | None  # (len(loaded), 3, H, W) uint8; None when none loaded
     errors: dict[int, str]  # position -> the reason
 
     @property
@@ -266,9 +267,9 @@ class LoadedBatch:
 
 
 def _collate(batch: list[Loaded]) -> LoadedBatch:
-    good = [item.tensor for item in batch if item.tensor is not None]
+    good = [item.pixels for item in batch if item.pixels is not None]
     return LoadedBatch([item.index for item in batch], torch.stack(good) if good else None,
-                       {item.index: item.error for item in batch if item.tensor is None})
+                       {item.index: item.error for item in batch if item.pixels is None})
 
 
 def image_loader(paths: list[str], preprocess: Preprocess, batch_size: int, workers: int,
@@ -308,8 +309,8 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     try:
         for batch in loader:
             results: dict[int, CaptionResult] = {}
-            if batch.tensors is not None:
-                results = dict(zip(batch.loaded, captioner.caption_batch(batch.tensors, options)))
+            if batch.pixels is not None:
+                results = dict(zip(batch.loaded, captioner.caption_batch(batch.pixels, options)))
             for index in batch.indices:
                 path = images[index]
                 if index in results:

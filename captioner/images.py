@@ -72,15 +72,26 @@ class Preprocess:
     resize: int = 0
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
-        """RGB PIL image -> (3, H, W) float tensor."""
+        """RGB PIL image -> (3, H, W) float tensor: ``normalize(pixels(image))``."""
+        return self.normalize(self.pixels(image))
+
+    def pixels(self, image: Image.Image) -> torch.Tensor:
+        """RGB PIL image -> its (3, H, W) 8-bit pixels at the input size, not yet normalised:
+        a quarter of the float tensor's bytes, for a worker process to hand over (see
+        :meth:`normalize`, which gives exactly the tensor ``__call__`` gives)."""
         h, w = self.size
         if self.resize:
             image = self._center_crop(image.resize(self._resized(image.size), Image.Resampling.BILINEAR))
         else:
             image = image.resize((w, h), Image.Resampling.BICUBIC)
-        x = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
-        mean = torch.tensor(self.mean).view(3, 1, 1)
-        std = torch.tensor(self.std).view(3, 1, 1)
+        return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+    def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """8-bit pixels (..., 3, H, W) -> the float tensor the model takes, on their device:
+        x / 255, less the mean, over the standard deviation, each in float32."""
+        x = pixels.float() / 255.0
+        mean = torch.tensor(self.mean, device=x.device).view(3, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(3, 1, 1)
         return (x - mean) / std
 
     def _resized(self, image_size: tuple[int, int]) -> tuple[int, int]:

@@ -198,12 +198,17 @@ class Captioner:
 
     @torch.no_grad()
     def caption_batch(self, images: torch.Tensor, options: DecodeOptions | None = None) -> list[CaptionResult]:
-        """Preprocessed images (B, 3, H, W) -> one CaptionResult each."""
+        """Preprocessed images (B, 3, H, W) -> one CaptionResult each. 8-bit pixels
+        (``Preprocess.pixels``, as the batch loader hands them over) are normalised here, on the
+        model's device."""
         opt = options or DecodeOptions()
         self.model.eval()
         v = self.vocab
+        images = images.to(self.device)
+        if images.dtype == torch.uint8:
+            images = self.preprocess.normalize(images)
         with self.autocast():
-            ann = self.model.encode(images.to(self.device))
+            ann = self.model.encode(images)
             if opt.beam_size == 1 and opt.length_penalty == 0:  # num_captions is 1
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
                                  hard=opt.hard_attention)

@@ -99,12 +99,24 @@ def test_worker_batches_cross_as_one_tensor_in_path_order(tmp_path):
     assert [b.loaded for b in batches] == [[0, 2], [3]]
     assert set(batches[0].errors) == {1} and set(batches[1].errors) == {4}
     assert "not an image" in batches[0].errors[1]
-    assert batches[0].tensors.shape == (2, 3, 16, 16)
-    for b in batches:  # the stacked rows are those images, preprocessed
+    assert batches[0].pixels.shape == (2, 3, 16, 16)
+    assert batches[0].pixels.dtype == torch.uint8  # a quarter of float pixels' bytes between processes
+    for b in batches:  # the stacked rows are those images' pixels, normalised to exactly what training sees
         for row, index in enumerate(b.loaded):
-            torch.testing.assert_close(b.tensors[row], prep(load_image(paths[index])))
+            assert torch.equal(prep.normalize(b.pixels[row]), prep(load_image(paths[index])))
     only_bad = list(image_loader([paths[1]], prep, batch_size=3, workers=0))
-    assert only_bad[0].tensors is None and only_bad[0].loaded == []
+    assert only_bad[0].pixels is None and only_bad[0].loaded == []
+
+
+def test_a_batch_of_8_bit_pixels_captions_as_its_normalised_tensor():
+    """caption_batch takes the loader's 8-bit pixels and normalises them on the model's device:
+    the same captions, scores and maps as the float tensor training's preprocessing gives."""
+    cap = tiny_captioner(seed=3)
+    images = [tiny_image(seed=i) for i in range(3)]
+    pixels = torch.stack([cap.preprocess.pixels(im) for im in images])
+    floats = torch.stack([cap.preprocess(im) for im in images])
+    for a, b in zip(cap.caption_batch(pixels), cap.caption_batch(floats)):
+        assert a.words == b.words and a.score == b.score and torch.equal(a.alphas, b.alphas)
 
 
 def test_max_pixels_raises_the_limit_above_pillows_own(tmp_path, weights, monkeypatch, capsys):

@@ -130,7 +130,7 @@ def test_training_evaluate_caption_and_app_see_the_same_pixels(photos, pre):
 
     path = _photo(photos)
     from_dataset = ImageDataset([ImageRecord(74, path, ["x"])], pre)[0][0]  # training and evaluate
-    from_batch = _ImageFiles([str(path)], pre, DEFAULT_MAX_PIXELS)[0].tensor  # captioner caption
+    from_batch = pre.normalize(_ImageFiles([str(path)], pre, DEFAULT_MAX_PIXELS)[0].pixels)  # captioner caption
     assert torch.equal(from_dataset, from_batch)
     from_upload = pre(pre.load(path.read_bytes()))  # the app: uploaded bytes
     assert torch.equal(from_dataset, from_upload)
@@ -141,3 +141,24 @@ def test_preprocess_round_trips_and_reads_older_checkpoints():
     assert Preprocess.from_dict(pre.to_dict()) == pre
     old = {"size": [128, 128], "mean": [0.5] * 3, "std": [0.25] * 3}  # saved before crop existed
     assert Preprocess.from_dict(old) == Preprocess(size=(128, 128), mean=(0.5,) * 3, std=(0.25,) * 3, resize=0)
+
+
+@pytest.mark.parametrize("pre", [Preprocess(size=(40, 56)), Preprocess(size=(40, 56), resize=61)],
+                         ids=["squash", "crop"])
+def test_pixels_then_normalize_is_the_plain_float_preprocessing(photos, pre):
+    """The batch loader hands over 8-bit pixels and normalises them where the model runs: the
+    result must be bit for bit the float recipe (x / 255 - mean) / std on the resized image."""
+    image = pre.load(_photo(photos))
+    h, w = pre.size
+    if pre.resize:
+        resized = pre._center_crop(image.resize(pre._resized(image.size), Image.Resampling.BILINEAR))
+    else:
+        resized = image.resize((w, h), Image.Resampling.BICUBIC)
+    x = torch.from_numpy(np.asarray(resized, dtype=np.float32).copy()).permute(2, 0, 1) / 255.0
+    plain = (x - torch.tensor(pre.mean).view(3, 1, 1)) / torch.tensor(pre.std).view(3, 1, 1)
+    pixels = pre.pixels(image)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, h, w)
+    assert torch.equal(pre.normalize(pixels), plain)
+    assert torch.equal(pre(image), plain)
+    batch = torch.stack([pixels, pixels.flip(-1)])  # a batch normalises row by row alike
+    assert torch.equal(pre.normalize(batch)[1], pre.normalize(pixels.flip(-1)))

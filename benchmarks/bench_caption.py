@@ -13,7 +13,9 @@
 
 Both halves run on ``--device`` (default: the CPU), the memory half through `captioner caption
 --device`; on a GPU the timings wait for its queue (torch.cuda.synchronize) before they stop.
-``--precision`` autocasts the encoder and the search alike, as `captioner caption --precision`.
+``--precision`` autocasts the encoder and the search alike, as `captioner caption --precision`;
+``--decode-on-device`` adds the pipeline with JPEGs decoded there (`captioner caption
+--decode-on-device`).
 """
 
 from __future__ import annotations
@@ -93,11 +95,14 @@ def search(captioner: Captioner, ann: Annotations) -> None:
 
 
 def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tensor], batch_size: int,
-                workers: int, repeats: int) -> dict[str, float]:
+                workers: int, repeats: int, on_device: bool = False) -> dict[str, float]:
     """Images/s of the whole caption pipeline, of the encoder's forward pass alone, and, to
     show where the rest goes, of loading alone (the same DataLoader, no model) and of the
     beam search alone (on annotations already computed). Each is the best of ``repeats``
-    timings, taken in turn, so that a slow moment of the machine does not skew one ratio."""
+    timings, taken in turn, so that a slow moment of the machine does not skew one ratio.
+    ``on_device``: also the pipeline and the loading with JPEGs decoded on the model's device
+    (--decode-on-device). "first batch" is the seconds until the loader's first batch (the
+    worker processes starting), which a short run pays in full."""
     options = DecodeOptions(beam_size=3, max_len=20)
     with torch.inference_mode(), captioner.autocast():
         captioner.caption_batch(batches[0], options)  # warm-up
@@ -113,17 +118,25 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
             for ann in anns:
                 search(captioner, ann)
 
-    def loading() -> None:
-        for _ in image_loader(paths, captioner.preprocess, batch_size, workers):
-            pass
+    first = [float("inf")]
 
-    def caption() -> None:
+    def loading(raw: bool = False) -> None:
+        t0 = time.perf_counter()
+        for i, batch in enumerate(image_loader(paths, captioner.preprocess, batch_size, workers, raw_jpegs=raw)):
+            if i == 0:
+                first[0] = min(first[0], time.perf_counter() - t0)
+            if raw:
+                batch.decoded_on(captioner.device, paths, captioner.preprocess)
+
+    def caption(raw: bool = False) -> None:
         out = io.StringIO()
         caption_paths(captioner, paths, out, options=options, batch_size=batch_size, workers=workers,
-                      progress=False)
+                      progress=False, decode_on_device=raw)
         assert out.getvalue().count("\n") == len(paths)
 
     jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading}
+    if on_device:
+        jobs |= {"caption, device decoding": lambda: caption(True), "loading, device decoding": lambda: loading(True)}
     best = {name: float("inf") for name in jobs}
     for _ in range(repeats):
         for name, job in jobs.items():
@@ -131,7 +144,7 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
             job()
             synchronize(captioner)
             best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: len(paths) / seconds for name, seconds in best.items()}
+    return {**{name: len(paths) / seconds for name, seconds in best.items()}, "first batch": first[0]}
 
 
 def flops_per_image(captioner: Captioner, batch: torch.Tensor) -> tuple[float, float]:
@@ -174,6 +187,8 @@ def main() -> None:
     ap.add_argument("--skip-resnet", action="store_true")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: both halves run there")
     ap.add_argument("--precision", choices=tuple(AUTOCAST_DTYPES), default="fp32")
+    ap.add_argument("--decode-on-device", action="store_true",
+                    help="also time the pipeline and the loading with JPEGs decoded on --device")
     args = ap.parse_args()
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     print(f"torch {torch.__version__}, {args.device} ({where}), {args.precision}, threads {torch.get_num_threads()}, "
@@ -188,7 +203,7 @@ def main() -> None:
         for name, cap in models:
             cap.use_precision(args.precision)
             batches = preprocessed_batches(cap, paths, args.batch_size)  # outside the encoder timing
-            r = bench_speed(cap, paths, batches, args.batch_size, args.workers, args.repeats)
+            r = bench_speed(cap, paths, batches, args.batch_size, args.workers, args.repeats, args.decode_on_device)
             print(f"{name}: caption {r['caption']:.1f} img/s, encoder alone {r['encoder']:.1f} img/s, "
                   f"caption time / encoder time = {r['encoder'] / r['caption']:.2f}")
             enc_flops, search_flops = flops_per_image(cap, batches[0])
@@ -196,7 +211,12 @@ def main() -> None:
                   f"{search_flops / 1e6:.0f} MFLOP ({search_flops / enc_flops:.2f} of the encoder's)")
             print(f"    of which: beam search alone {r['search']:.1f} img/s "
                   f"({r['encoder'] / r['search']:.2f} encoder times), loading alone ({args.workers} workers) "
-                  f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times)")
+                  f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times; first batch after "
+                  f"{r['first batch']:.2f} s)")
+            if args.decode_on_device:
+                dc, dl = r["caption, device decoding"], r["loading, device decoding"]
+                print(f"    JPEGs decoded on {args.device}: caption {dc:.1f} img/s (caption time / encoder time = "
+                      f"{r['encoder'] / dc:.2f}), loading alone {dl:.1f} img/s")
         if not args.skip_memory:
             big = Path(tmp) / "many"
             make_photos(big, 2000, seed=1)

@@ -25,6 +25,7 @@ from .decoding import CaptionResult
 from .images import (DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError, Preprocess, is_image_path,
                      load_image)
 from .inference import Captioner, DecodeOptions
+from .jpeg_device import decode_resize, plain_jpeg
 from .vocab import UNK
 
 
@@ -228,16 +229,21 @@ class Loaded:
     index: int
     pixels: torch.Tensor | None  # (3, H, W) uint8 (Preprocess.pixels)
     error: str | None
+    raw: torch.Tensor | None = None  # a JPEG's bytes, left to the model's device to decode (jpeg_device)
 
 
 class _ImageFiles(Dataset):
-    def __init__(self, paths: list[str], preprocess: Preprocess, max_pixels: int):
-        self.paths, self.preprocess, self.max_pixels = paths, preprocess, max_pixels
+    def __init__(self, paths: list[str], preprocess: Preprocess, max_pixels: int, raw_jpegs: bool = False):
+        self.paths, self.preprocess, self.max_pixels, self.raw_jpegs = paths, preprocess, max_pixels, raw_jpegs
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int) -> Loaded:
+        if self.raw_jpegs:
+            raw = plain_jpeg(self.paths[i], self.max_pixels)
+            if raw is not None:
+                return Loaded(i, None, None, raw)
         try:
             image = self.preprocess.load(self.paths[i], self.max_pixels)
             return Loaded(i, self.preprocess.pixels(image), None)
@@ -259,24 +265,49 @@ class LoadedBatch:
     indices: list[int]  # positions in ``paths`` of every image of the batch, in order
     pixels: torch.Tensor | None  # (len(loaded), 3, H, W) uint8; None when none loaded
     errors: dict[int, str]  # position -> the reason
+    raw: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> JPEG bytes not yet decoded
 
     @property
     def loaded(self) -> list[int]:
-        """Positions of the images in ``tensors``, in order."""
-        return [i for i in self.indices if i not in self.errors]
+        """Positions of the images in ``pixels``, in order."""
+        return [i for i in self.indices if i not in self.errors and i not in self.raw]
+
+    def decoded_on(self, device: torch.device, paths: Sequence[str], preprocess: Preprocess,
+                   max_pixels: int = DEFAULT_MAX_PIXELS) -> "LoadedBatch":
+        """This batch with its JPEG bytes decoded and resized on ``device`` (jpeg_device), every
+        loaded image's pixels there in one tensor. A JPEG the device's decoder refuses goes
+        through the CPU path here, which loads it or says why it cannot."""
+        if not self.raw:
+            return self
+        decoded = dict(zip(self.raw, decode_resize(list(self.raw.values()), preprocess, device)))
+        rows = dict(zip(self.loaded, self.pixels.to(device))) if self.pixels is not None else {}
+        errors = dict(self.errors)
+        for i, pixels in decoded.items():
+            if pixels is None:
+                item = _ImageFiles([paths[i]], preprocess, max_pixels)[0]
+                if item.pixels is None:
+                    errors[i] = item.error
+                    continue
+                pixels = item.pixels.to(device)
+            rows[i] = pixels
+        good = [rows[i] for i in self.indices if i in rows]
+        return LoadedBatch(self.indices, torch.stack(good) if good else None, errors)
 
 
 def _collate(batch: list[Loaded]) -> LoadedBatch:
     good = [item.pixels for item in batch if item.pixels is not None]
     return LoadedBatch([item.index for item in batch], torch.stack(good) if good else None,
-                       {item.index: item.error for item in batch if item.pixels is None})
+                       {item.index: item.error for item in batch if item.error is not None},
+                       {item.index: item.raw for item in batch if item.raw is not None})
 
 
 def image_loader(paths: list[str], preprocess: Preprocess, batch_size: int, workers: int,
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> DataLoader:
+                 max_pixels: int = DEFAULT_MAX_PIXELS, raw_jpegs: bool = False) -> DataLoader:
     """LoadedBatch after LoadedBatch, in the order of ``paths``. ``workers`` processes decode
-    ahead of the model."""
-    return DataLoader(_ImageFiles(paths, preprocess, max_pixels), batch_size=batch_size, num_workers=workers,
+    ahead of the model; with ``raw_jpegs`` they leave plain JPEGs' bytes for the model's device
+    to decode (LoadedBatch.decoded_on)."""
+    return DataLoader(_ImageFiles(paths, preprocess, max_pixels, raw_jpegs), batch_size=batch_size,
+                      num_workers=workers,
                       collate_fn=_collate, persistent_workers=False, prefetch_factor=4 if workers else None)
 
 
@@ -290,24 +321,27 @@ class BatchSummary:
 def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
                   batch_size: int = 16, workers: int = 0, with_attention: bool = False,
                   attention_dir: Path | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
-                  progress: bool | None = None, resolved: bool = False, heads: bool = False) -> BatchSummary:
+                  progress: bool | None = None, resolved: bool = False, heads: bool = False,
+                  decode_on_device: bool = False) -> BatchSummary:
     """Caption ``images`` in order, writing one JSON line per image to ``out``. With
     ``resolved``, each line also holds the image's resume key (for an output file that a
     later run resumes). ``heads``: each head's maps too, in the line and the figure. Each line
     names the model ("model", and "training_data" when known): several runs' captions in one
-    folder stay told apart."""
+    folder stay told apart. ``decode_on_device``: JPEGs are decoded on the model's device
+    (jpeg_device), everything else as before."""
     summary = BatchSummary()
     model = {"model": captioner.name, **({"training_data": captioner.training_data}
                                          if captioner.training_data else {})}
     if not images:
         return summary
     real_folders: dict[str, str] = {}
-    loader = image_loader(images, captioner.preprocess, batch_size, workers, max_pixels)
+    loader = image_loader(images, captioner.preprocess, batch_size, workers, max_pixels, decode_on_device)
     # progress=None: a bar only when stderr is a terminal.
     bar = tqdm(total=len(images), unit="img", file=sys.stderr, dynamic_ncols=True,
                disable=None if progress is None else not progress)
     try:
         for batch in loader:
+            batch = batch.decoded_on(captioner.device, images, captioner.preprocess, max_pixels)
             results: dict[int, CaptionResult] = {}
             if batch.pixels is not None:
                 results = dict(zip(batch.loaded, captioner.caption_batch(batch.pixels, options)))

@@ -179,7 +179,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help='also write "alternatives": the beam\'s best distinct finished captions with their '
                         "scores, best first (the first is the caption), up to N: those that had ended when the "
                         "search stopped; N at most --beam-size (default 1: none)")
-    p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
+    p.add_argument("--batch-size", type=_positive, default=None,
+                   help="images per batch (default 16 on a CPU, 64 on a GPU, where a batch of 32 images' beam "
+                        "search takes about the time of one image's)")
     p.add_argument("--workers", type=_non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
     p.add_argument("--out", type=Path, default=None,
@@ -205,9 +207,20 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help="torch.compile the decoder step, with torch's inductor backend unless another is "
                         "named (e.g. aot_eager: traces without generating code): pays off on a GPU for large "
                         "folders (the first batch waits for the compiler)")
+    p.add_argument("--decode-on-device", action="store_true",
+                   help="decode JPEGs on the model's device (nvJPEG on a GPU): the worker processes only read "
+                        "the files, for when they cannot keep up with the GPU; other formats, CMYK and "
+                        "EXIF-rotated JPEGs go through the usual path. Pixels differ from it by a level or two "
+                        "of 255 (full-scale decoding, torch's resampling), so a near tie may caption differently")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar or summary on stderr (the demo-model note is still printed)")
     p.set_defaults(func=cmd_caption)
+
+
+def default_batch_size(device) -> int:
+    """Images per batch of `captioner caption` without --batch-size: on a GPU a batch's beam
+    search costs about what one image's does (docs/benchmarks.md), so batches are larger there."""
+    return 64 if str(device).startswith("cuda") else 16
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
@@ -266,12 +279,14 @@ def cmd_caption(args: argparse.Namespace) -> int:
         target = part_path(args.out, ctx.rank) if ctx.active else args.out
         out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
         try:
-            summary = caption_paths(captioner, pending, out, options=options, batch_size=args.batch_size,
+            summary = caption_paths(captioner, pending, out, options=options,
+                                    batch_size=args.batch_size or default_batch_size(captioner.device),
                                     workers=workers, with_attention=args.with_attention,
                                     attention_dir=args.attention_dir,
                                     max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
                                     progress=False if args.quiet or not ctx.is_main else None,
-                                    resolved=args.out is not None, heads=args.attention_heads)
+                                    resolved=args.out is not None, heads=args.attention_heads,
+                                    decode_on_device=args.decode_on_device)
         finally:
             if out is not sys.stdout:
                 out.close()

@@ -21,6 +21,7 @@ from .decoding import CaptionResult
 from .grounding import GroundingSummary
 from .images import Preprocess
 from .inference import Captioner, DecodeOptions
+from .metrics import meteor_wanted
 from .vocab import PTB, Tokenizer
 
 
@@ -116,6 +117,8 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
              meteor: bool | None = None, progress: bool = True, workers: int = 0,
              records: list[ImageRecord] | None = None) -> EvalReport:
     options = options or DecodeOptions()
+    tokenizer = captioner.vocab.tokenizer
+    meteor = meteor_wanted(meteor, tokenizer)  # a request that cannot be met fails before decoding
     data_dir = Path(data_dir)
     if records is None:
         records = load_split(data_dir, split, karpathy)
@@ -127,9 +130,6 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
         results = decode_records(captioner, records, options, batch_size, workers, progress)
     seconds = time.perf_counter() - start
     instances = data_dir / f"instances_{split}.json"
-    tokenizer = captioner.vocab.tokenizer
-    if tokenizer is not PTB and meteor:
-        meteor = False  # English only: the table says so
     metrics, grounding = score(records, results, instances if karpathy is None else None, meteor,
                                captioner.preprocess, tokenizer)
     return EvalReport(split, len(records), options.beam_size, round(seconds, 2), metrics, grounding,

@@ -50,6 +50,21 @@ def java_available() -> bool:
     return shutil.which("java") is not None
 
 
+def meteor_wanted(meteor: bool | None, tokenizer: Tokenizer = PTB) -> bool:
+    """Whether METEOR runs for a request (``caption_metrics``'s ``meteor``) on captions
+    tokenised by ``tokenizer``: None, when java is available and the captions are English;
+    True, always, or ValueError (not English) / RuntimeError (no java); False, never. Asked
+    before a long decode too, so that a request that cannot be met fails at once."""
+    if meteor and tokenizer is not PTB:
+        raise ValueError(f"METEOR scores English only; these captions are tokenised as {tokenizer.name}")
+    if meteor is None:
+        return tokenizer is PTB and java_available()
+    if meteor and not java_available():
+        raise RuntimeError("METEOR needs java on PATH (it runs pycocoevalcap's meteor-1.5.jar); "
+                           "install a Java runtime or pass meteor=False")
+    return bool(meteor)
+
+
 def caption_metrics(references: Mapping[int, Sequence[str]], candidates: Mapping[int, str],
                     meteor: bool | None = None, tokenizer: Tokenizer = PTB) -> dict[str, float]:
     """Score ``candidates`` (one caption per image id) against ``references`` (several per id).
@@ -62,13 +77,7 @@ def caption_metrics(references: Mapping[int, Sequence[str]], candidates: Mapping
     Returns floats under the keys of :data:`METRIC_NAMES`, in that order ("METEOR" only
     when it ran).
     """
-    if meteor and tokenizer is not PTB:
-        raise ValueError(f"METEOR scores English only; these captions are tokenised as {tokenizer.name}")
-    if meteor is None:
-        meteor = tokenizer is PTB and java_available()
-    elif meteor and not java_available():
-        raise RuntimeError("METEOR needs java on PATH (it runs pycocoevalcap's meteor-1.5.jar); "
-                           "install a Java runtime or pass meteor=False")
+    meteor = meteor_wanted(meteor, tokenizer)
 
     gts, res = _prepare(references, candidates, tokenizer)
 

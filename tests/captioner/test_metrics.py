@@ -139,3 +139,24 @@ def test_meteor_is_english_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "METEOR" not in caption_metrics(refs, cands, tokenizer=tokenizer_named("chars"))  # skipped, not run
     with pytest.raises(ValueError, match="English"):
         caption_metrics(refs, cands, meteor=True, tokenizer=tokenizer_named("chars"))
+
+
+def test_evaluate_refuses_meteor_on_chinese_before_decoding(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rule for METEOR (metrics.meteor_wanted), asked by evaluate before its decode: a
+    request it cannot meet fails at once, instead of being dropped or failing minutes later."""
+    import captioner.evaluation as evaluation
+    from captioner.vocab import tokenizer_named
+    from tests.tiny import tiny_captioner
+
+    monkeypatch.setattr(metrics, "java_available", lambda: True)
+    cap = tiny_captioner(seed=0)
+    cap.vocab.tokenizer = tokenizer_named("chars")
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded before the METEOR request was checked")
+
+    monkeypatch.setattr(evaluation, "decode_records", no_decoding)
+    with pytest.raises(ValueError, match="English"):
+        evaluation.evaluate(cap, tmp_path, "test", meteor=True)
+    assert metrics.meteor_wanted(None, tokenizer_named("chars")) is False
+    assert metrics.meteor_wanted(None) is True and metrics.meteor_wanted(False) is False

@@ -69,12 +69,13 @@ def parse_variant(variant: str) -> tuple[str, bool, bool]:
     return precision, "compile" in extras, "cl" in extras
 
 
-def build(dev: torch.device, compile_step: bool) -> Captioner:
-    """The benchmark's model: ResNet-101 (random weights) at 224 px, decoder 512/512/512, V = 10,000,
-    with <end> pushed down so that every caption runs its full length."""
+def build(dev: torch.device, compile_step: bool, encoder: str = "resnet101") -> Captioner:
+    """The benchmark's model: ResNet-101 (random weights; ``encoder`` names another, for a quick
+    test) at 224 px, decoder 512/512/512, V = 10,000, with <end> pushed down so that every
+    caption runs its full length."""
     torch.manual_seed(0)
     vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
-    cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
+    cfg = ModelConfig(vocab_size=len(vocab), encoder=encoder, image_size=(224, 224), embed_dim=512,
                       hidden_dim=512, attention_dim=512, dropout=0.5, freeze_encoder=True)
     model = CaptionModel(cfg).to(dev)
     with torch.no_grad():
@@ -127,10 +128,11 @@ def make_caption(cap: Captioner, precision: str, images: torch.Tensor) -> Callab
     return caption
 
 
-def prepare(variant: str, dev: torch.device, batch: int) -> tuple[Callable[[], None], Callable[[], None]]:
+def prepare(variant: str, dev: torch.device, batch: int,
+            encoder: str = "resnet101") -> tuple[Callable[[], None], Callable[[], None]]:
     """(training step, captioning batch) of one variant, on a model of its own and random images."""
     precision, compile_step, channels_last = parse_variant(variant)
-    cap = build(dev, compile_step)
+    cap = build(dev, compile_step, encoder)
     images = torch.randn(batch, 3, 224, 224, device=dev)
     if channels_last:
         images = use_channels_last(cap.model, images)

@@ -192,6 +192,14 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
     return out
 
 
+def select_steps(steps: list[Step], only: str) -> list[Step]:
+    """The steps that ``--only`` names (comma-separated names or prefixes), in their order; all for ""."""
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    if not wanted:
+        return steps
+    return [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+
+
 def run_step(step: Step, index: int, logs: Path) -> Outcome:
     log = logs / f"{index:02d}-{step.name}.log"
     env = {**os.environ, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1", **(step.env or {})}
@@ -307,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = (train_steps(args.device, args.quick, logs, data / "shapes")
              + caption_steps(args.device, args.quick, logs, images)
              + ([] if args.skip_bench else bench_steps(args.device, args.quick, logs, args.tutorial)))
-    if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        steps = [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+    steps = select_steps(steps, args.only)
     head = environment_line(args.device)
     print(head, flush=True)
     lines = [head]

@@ -48,6 +48,7 @@ class Step:
     argv: list[str]
     timeout: float
     env: dict | None = None
+    needs: tuple[str, ...] = ()  # the steps whose output this one reads: --only runs them too
 
 
 @dataclass
@@ -105,11 +106,13 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
     runs = logs / "runs"
     soft = runs / "train-soft-fp32" / "best.pt"
 
-    def train(name: str, config: str, *sets: str, timeout: float = 150) -> Step:
+    def train(name: str, config: str, *sets: str, timeout: float = 150, needs: tuple[str, ...] = ()) -> Step:
         argv = captioner_cmd("train", "--config", f"train/configs/{config}", "--run-dir", str(runs / name), "--quiet")
         for s in (*common, *sets):
             argv += ["--set", s]
-        return Step(name, argv, timeout)
+        return Step(name, argv, timeout, needs=needs)
+
+    after_soft = ("train-soft-fp32",)
 
     out = [
         train("train-soft-fp32", "shapes-soft.toml", "optim.precision=fp32"),
@@ -117,15 +120,16 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
         train("train-soft-fp16", "shapes-soft.toml", f"optim.precision={fp16}"),
         # Hard attention and SCST start from the soft run above (their configs start from demo-soft,
         # whose vocabulary needs the whole shapes training set).
-        train("train-hard-fp32", "shapes-hard.toml", "optim.precision=fp32", f"model.init_from={soft}"),
+        train("train-hard-fp32", "shapes-hard.toml", "optim.precision=fp32", f"model.init_from={soft}",
+              needs=after_soft),
         train("train-hard-bf16-compile", "shapes-hard.toml", "optim.precision=bf16", f"optim.compile={backend}",
-              f"model.init_from={soft}"),
+              f"model.init_from={soft}", needs=after_soft),
         train("train-scst-bf16", "shapes-scst.toml", "optim.precision=bf16", f"scst.max_len={8 if quick else 20}",
-              f"model.init_from={soft}"),
+              f"model.init_from={soft}", needs=after_soft),
     ]
     resume = captioner_cmd("train", "--resume", str(runs / "train-soft-fp32"), "--quiet",
                            "--set", f"optim.max_steps={steps + 4}")
-    out.append(Step("train-resume", resume, 180))
+    out.append(Step("train-resume", resume, 180, needs=after_soft))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                 "-m", "captioner.cli", "train", "--config", "train/configs/shapes-soft.toml",
                 "--run-dir", str(runs / "torchrun"), "--quiet"]
@@ -139,17 +143,18 @@ def caption_steps(device: str, quick: bool, logs: Path, images: Path) -> list[St
     """Greedy and beam on the device against the CPU on the same images; bf16 + compile."""
     out = []
     for beam in (1, 3):
-        files = []
+        files, names = [], []
         # The CPU's reference run takes other batches (5 images), so that on a CPU the comparison
         # still checks something: that batching does not change a caption.
         for dev, batch in ((device, "16"), ("cpu", "5")):
             f = logs / f"captions-beam{beam}-{dev.replace(':', '')}-batch{batch}.jsonl"
             files.append(f)
-            out.append(Step(f"caption-beam{beam}-{dev}-b{batch}", captioner_cmd(
+            names.append(f"caption-beam{beam}-{dev}-b{batch}")
+            out.append(Step(names[-1], captioner_cmd(
                 "caption", str(images), "--beam-size", str(beam), "--device", dev, "--out", str(f),
                 "--workers", "0", "--quiet", "--batch-size", batch), 180))
         out.append(Step(f"compare-beam{beam}", [sys.executable, "-m", "benchmarks.gpu_check", "compare",
-                                                 *map(str, files)], 60))
+                                                 *map(str, files)], 60, needs=tuple(names)))
     f = logs / "captions-bf16-compile.jsonl"
     out.append(Step("caption-bf16-compile", captioner_cmd(
         "caption", str(images), "--device", device, "--precision", "bf16", "--compile",
@@ -193,11 +198,21 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
 
 
 def select_steps(steps: list[Step], only: str) -> list[Step]:
-    """The steps that ``--only`` names (comma-separated names or prefixes), in their order; all for ""."""
+    """The steps that ``--only`` names (comma-separated names or prefixes), with the steps they
+    need (Step.needs, and theirs), in their order; all for "". A step whose input no step of the
+    run makes would fail, as a compare step did without its two caption steps."""
     wanted = [w.strip() for w in only.split(",") if w.strip()]
     if not wanted:
         return steps
-    return [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+    chosen = {s.name for s in steps if any(s.name.startswith(w) for w in wanted)}
+    needs = {s.name: s.needs for s in steps}
+    todo = list(chosen)
+    while todo:
+        for name in needs[todo.pop()]:
+            if name not in chosen:
+                chosen.add(name)
+                todo.append(name)
+    return [s for s in steps if s.name in chosen]
 
 
 def run_step(step: Step, index: int, logs: Path) -> Outcome:
@@ -284,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes, torch.compile's eager backend, longer time boxes (a CPU test of the check)")
     ap.add_argument("--tutorial", type=Path, default=None, help="the tutorial's folder, for compare_tutorial")
-    ap.add_argument("--only", default="", help="comma-separated step names (or prefixes) to run; default all")
+    ap.add_argument("--only", default="",
+                    help="comma-separated step names (or prefixes) to run; default all. The steps a named one needs "
+                         "run too: compare-beamN's two caption steps, and the soft fp32 training that hard, SCST "
+                         "and resumed training start from")
     ap.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
     ap.add_argument("--budget", type=float, default=600,
                     help="seconds for the whole check (default 600): steps that would start later are skipped "

@@ -40,6 +40,29 @@ def test_a_summary_line_counts_tracebacks_and_recompilations(tmp_path):
     assert slow.code is None and not slow.ok and "timeout" in slow.line()
 
 
+def _all_steps(device: str = "cuda") -> list:
+    logs = Path("logs")  # nothing runs: the steps are only listed
+    return (gpu_check.train_steps(device, False, logs, logs / "shapes")
+            + gpu_check.caption_steps(device, False, logs, logs / "images")
+            + gpu_check.bench_steps(device, False, logs, None))
+
+
+def test_only_pulls_in_the_steps_a_selected_step_needs_and_keeps_their_order():
+    steps = _all_steps()
+
+    def names(only: str) -> list[str]:
+        return [s.name for s in gpu_check.select_steps(steps, only)]
+
+    assert names("compare-beam1") == ["caption-beam1-cuda-b16", "caption-beam1-cpu-b5", "compare-beam1"]
+    assert names("compare-beam3,app") == ["caption-beam3-cuda-b16", "caption-beam3-cpu-b5", "compare-beam3",
+                                          "app-captioning"]
+    # Hard attention, SCST and the resume start from the soft fp32 run.
+    assert names("train-resume") == ["train-soft-fp32", "train-resume"]
+    assert names("train-hard-fp32,train-scst") == ["train-soft-fp32", "train-hard-fp32", "train-scst-bf16"]
+    assert names("bench-decoder") == ["bench-decoder", "bench-decoder-256"]  # a prefix, as before
+    assert names("") == [s.name for s in steps]
+
+
 @pytest.mark.slow
 def test_the_quick_mode_runs_every_step_on_the_cpu(tmp_path):
     logs = tmp_path / "logs"

@@ -62,6 +62,9 @@ SPAN = "profile_step.workload"  # the profiled calls, told apart from the profil
 SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 SCALAR_READ = "aten::_local_scalar_dense"
 _VERSION = re.compile(r"_v\d+$")  # a CUDA API's versioned entry point, e.g. cudaLaunchKernel_v7000
+# Device-side records of a wait ("Stream Sync", "Context Sync", "Stream Wait Event"), where a
+# profiler records them: time the device spends waiting, not working.
+_DEVICE_WAIT = re.compile(r"Sync$|^Stream Wait Event")
 
 
 @dataclass
@@ -128,7 +131,7 @@ def figures(events, calls: int, wall_ms: float, on_cuda: bool) -> Figures:
     # no kernel, and it would fill the gaps that busy is to show.
     annotations = {SPAN} | {e.name for e in events if getattr(e, "is_user_annotation", False)}
     device = [e for e in events if e.device_type != DeviceType.CPU and e.name not in annotations
-              and not getattr(e, "is_user_annotation", False)]
+              and not getattr(e, "is_user_annotation", False) and not _DEVICE_WAIT.search(e.name)]
     kernels = sum(not e.name.startswith(("Memcpy", "Memset")) for e in device)
     busy_ms = _union_us((e.time_range.start, e.time_range.end) for e in device) / 1000
     syncs = sum(_VERSION.sub("", e.name) in SYNC_CALLS for e in host)

@@ -52,6 +52,7 @@ def test_on_a_gpu_busy_is_the_union_of_device_work_and_only_the_spans_syncs_coun
         _event("Memcpy DtoH (Device -> Pinned)", 50, 60, gpu),  # 10 us, no kernel
         _event(profile_step.SPAN, 10, 60, gpu),  # the annotation's device-side twin, gaps included
         _event("Optimizer.step#Adam.step", 0, 100, gpu, annotation=True),
+        _event("Stream Sync", 52, 60, gpu), _event("Context Sync", 210, 300, gpu),  # waits, where recorded
     ]
     f = profile_step.figures(events, calls=2, wall_ms=0.05, on_cuda=True)  # 2 calls of 50 us: 100 us
     assert (f.launches, f.syncs, f.verdict) == (1, 0.5, "launch-bound")

@@ -185,7 +185,7 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
         out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "1",
                                           "--batch", "2"], 300),
                Step("bench-precision", py + ["benchmarks.bench_precision", "--device", device, "--batch-size", "2",
-                                            "--repeats", "1", "--variants", "fp32,bf16"], 300),
+                                            "--repeats", "1", "--variants", "fp32,bf16,bf16+cl"], 300),
                Step("profile", py + ["benchmarks.profile_step", "--device", device, "--batch-size", "2",
                                      "--variants", "fp32,bf16", "--encoder", "small", "--out", traces], 150),
                Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "16",

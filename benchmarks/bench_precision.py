@@ -11,7 +11,10 @@ annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions.
   `captioner train` does them (train/precision.py), with training's optimiser (fused Adam);
 - captioning: images/s of encoder + batched beam search (k=3, 20 steps: <end> never wins,
   the worst case), as `captioner caption --precision P [--compile]` runs it.
-Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (inductor). Each variant
+Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (the decoder step
+compiled by inductor) and "+cl" (channels-last: the encoder's weights and the images in
+torch.channels_last memory format, the layout a GPU's convolutions prefer; a speed switch,
+off unless asked for), in any order: "bf16+cl", "bf16+cl+compile". Each variant
 builds its own model, and each model compiles its own copy of the decoder step (see
 Decoder.compile_step), so a later variant never runs on an earlier one's compiled graphs.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -52,10 +56,26 @@ def _best(fn, repeats: int, dev: torch.device) -> float:
     return best
 
 
-def build(dev: torch.device, compile_step: bool) -> Captioner:
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def parse_variant(variant: str) -> tuple[str, bool, bool]:
+    """"bf16+cl+compile" -> ("bf16", compiled step, channels-last): a precision, then any of
+    "+compile" and "+cl" in any order; anything else is refused before a model is built."""
+    precision, *extras = variant.strip().split("+")
+    unknown = [e for e in extras if e not in ("compile", "cl")]
+    if precision not in PRECISIONS or unknown:
+        raise ValueError(f"variant {variant!r}: a precision ({', '.join(PRECISIONS)}), optionally +compile and +cl")
+    return precision, "compile" in extras, "cl" in extras
+
+
+def build(dev: torch.device, compile_step: bool, encoder: str = "resnet101") -> Captioner:
+    """The benchmark's model: ResNet-101 (random weights; ``encoder`` names another, for a quick
+    test) at 224 px, decoder 512/512/512, V = 10,000, with <end> pushed down so that every
+    caption runs its full length."""
     torch.manual_seed(0)
     vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
-    cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
+    cfg = ModelConfig(vocab_size=len(vocab), encoder=encoder, image_size=(224, 224), embed_dim=512,
                       hidden_dim=512, attention_dim=512, dropout=0.5, freeze_encoder=True)
     model = CaptionModel(cfg).to(dev)
     with torch.no_grad():
@@ -66,11 +86,19 @@ def build(dev: torch.device, compile_step: bool) -> Captioner:
     return cap
 
 
-def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> tuple[float, float]:
-    precision, _, extra = variant.partition("+")
-    cap = build(dev, extra == "compile")
-    model = cap.model
-    images = torch.randn(batch, 3, 224, 224, device=dev)
+def use_channels_last(model: CaptionModel, images: torch.Tensor) -> torch.Tensor:
+    """Puts the encoder's weights in channels-last (NHWC) memory format and returns ``images`` in
+    it too: a GPU's convolutions (bf16 ones above all) run on NHWC natively, so the layout
+    transposes around each of them go away. The values do not change, only their order in memory."""
+    model.encoder.to(memory_format=torch.channels_last)
+    return images.contiguous(memory_format=torch.channels_last)
+
+
+def make_train_step(cap: Captioner, precision: str, images: torch.Tensor) -> Callable[[], None]:
+    """One training step on ``images`` as `captioner train` runs it: frozen encoder forward,
+    teacher-forced decoder forward and backward on random 20-word captions, doubly stochastic
+    penalty, training's fused Adam, autocast and gradient scaling (train/precision.py)."""
+    model, dev, batch = cap.model, images.device, images.shape[0]
     tokens = torch.randint(len(SPECIALS), len(cap.vocab), (batch, STEPS + 1), device=dev)
     tokens[:, 0] = cap.vocab.start
     lengths = torch.full((batch,), STEPS + 1, device=dev)
@@ -86,11 +114,33 @@ def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> 
         mp.backward(loss)
         mp.step(opt, model.decoder.parameters(), 5.0)
 
+    return train_step
+
+
+def make_caption(cap: Captioner, precision: str, images: torch.Tensor) -> Callable[[], None]:
+    """Captioning of ``images`` as `captioner caption --precision P` runs it: encoder, then
+    batched beam search (k = 3, 20 words)."""
     cap.use_precision(precision)
 
     def caption() -> None:
         cap.caption_batch(images, DecodeOptions(beam_size=3, max_len=STEPS))
 
+    return caption
+
+
+def prepare(variant: str, dev: torch.device, batch: int,
+            encoder: str = "resnet101") -> tuple[Callable[[], None], Callable[[], None]]:
+    """(training step, captioning batch) of one variant, on a model of its own and random images."""
+    precision, compile_step, channels_last = parse_variant(variant)
+    cap = build(dev, compile_step, encoder)
+    images = torch.randn(batch, 3, 224, 224, device=dev)
+    if channels_last:
+        images = use_channels_last(cap.model, images)
+    return make_train_step(cap, precision, images), make_caption(cap, precision, images)
+
+
+def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> tuple[float, float]:
+    train_step, caption = prepare(variant, dev, batch)
     t_train = _best(train_step, repeats, dev)
     t_cap = _best(caption, repeats, dev)
     return batch / t_train, batch / t_cap
@@ -102,16 +152,22 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
     ap.add_argument("--variants", default="fp32,bf16,fp16,fp32+compile,bf16+compile",
-                    help="comma-separated, from fp32, bf16, fp16, each optionally +compile")
+                    help="comma-separated, from fp32, bf16, fp16, each optionally +compile and +cl (channels-last)")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            ap.error(str(e))
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{name}; torch {torch.__version__}; ResNet-101 224 px, decoder 512/512/512, V=10k, "
           f"batch {args.batch_size}, {STEPS} steps, beam 3")
     print(f"{'variant':<14} {'train img/s':>12} {'caption img/s':>14}")
     base = None
-    for variant in args.variants.split(","):
-        tr, cp = bench_variant(variant.strip(), dev, args.batch_size, args.repeats)
+    for variant in variants:
+        tr, cp = bench_variant(variant, dev, args.batch_size, args.repeats)
         base = base or (tr, cp)
         print(f"{variant:<14} {tr:>12.1f} {cp:>14.1f}   ({tr / base[0]:.2f}x, {cp / base[1]:.2f}x the first)")
 

@@ -14,11 +14,22 @@ The steps: the environment (GPU name, missing packages); training fp32, bf16 + c
 (gradient scaling), soft and hard (hard over the feature cache, as its config trains it), a
 resume, SCST; greedy and beam captioning on the device compared caption for caption with the
 CPU's on the same images, and bf16 + compile captioning; torchrun on one process (NCCL on a
-GPU); the app's captioning path; then the benchmarks at the paper's sizes with small counts
-(bench_decoder, bench_precision, bench_caption with ResNet-101, bench_coco_train, compare_tutorial where
-``--tutorial`` names the tutorial's folder). ``--quick`` shrinks every count and compiles with
+GPU); the app's captioning path; then the benchmarks at the paper's sizes with small counts:
+bench_decoder at batch 32 and 256; bench_precision at batch 32 (fp32, bf16, fp16); profile_step
+at batch 32 (fp32, bf16, the compiled step: where a training step's and a captioning batch's
+time goes, launch-bound or device-bound, Chrome traces in ``LOGS/profile``); bench_precision at
+batch 128 (fp32, bf16, channels-last bf16, the compiled step); bench_caption with ResNet-101,
+bench_coco_train, and compare_tutorial where ``--tutorial`` names the tutorial's folder.
+``--quick`` shrinks every count (the profile runs on the small encoder) and compiles with
 torch.compile's eager backend (the compiler's capture and its guards, no code generation), so
 that a CPU test can run the whole check.
+
+The whole check is meant to fit ``--budget 480`` on a GPU. To make room for the profile and
+batch 128, bench_precision at batch 32 leaves its compiled variants to them (the profile times
+the compiled step at batch 32 without the profiler, beside fp32 and bf16; bf16 + compile was
+slower than fp32 + compile on the first GPU), and bench_coco_train takes 10 steps, not 15.
+Steps that would start after the budget is spent are skipped; the benchmarks measured on the
+first GPU (bench_caption, bench_coco_train) come last, so they are the first to go.
 The exit code is 0 when every step passed, 1 otherwise.
 """
 
@@ -48,6 +59,7 @@ class Step:
     argv: list[str]
     timeout: float
     env: dict | None = None
+    needs: tuple[str, ...] = ()  # the steps whose output this one reads: --only runs them too
 
 
 @dataclass
@@ -105,11 +117,13 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
     runs = logs / "runs"
     soft = runs / "train-soft-fp32" / "best.pt"
 
-    def train(name: str, config: str, *sets: str, timeout: float = 150) -> Step:
+    def train(name: str, config: str, *sets: str, timeout: float = 150, needs: tuple[str, ...] = ()) -> Step:
         argv = captioner_cmd("train", "--config", f"train/configs/{config}", "--run-dir", str(runs / name), "--quiet")
         for s in (*common, *sets):
             argv += ["--set", s]
-        return Step(name, argv, timeout)
+        return Step(name, argv, timeout, needs=needs)
+
+    after_soft = ("train-soft-fp32",)
 
     out = [
         train("train-soft-fp32", "shapes-soft.toml", "optim.precision=fp32"),
@@ -117,15 +131,16 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
         train("train-soft-fp16", "shapes-soft.toml", f"optim.precision={fp16}"),
         # Hard attention and SCST start from the soft run above (their configs start from demo-soft,
         # whose vocabulary needs the whole shapes training set).
-        train("train-hard-fp32", "shapes-hard.toml", "optim.precision=fp32", f"model.init_from={soft}"),
+        train("train-hard-fp32", "shapes-hard.toml", "optim.precision=fp32", f"model.init_from={soft}",
+              needs=after_soft),
         train("train-hard-bf16-compile", "shapes-hard.toml", "optim.precision=bf16", f"optim.compile={backend}",
-              f"model.init_from={soft}"),
+              f"model.init_from={soft}", needs=after_soft),
         train("train-scst-bf16", "shapes-scst.toml", "optim.precision=bf16", f"scst.max_len={8 if quick else 20}",
-              f"model.init_from={soft}"),
+              f"model.init_from={soft}", needs=after_soft),
     ]
     resume = captioner_cmd("train", "--resume", str(runs / "train-soft-fp32"), "--quiet",
                            "--set", f"optim.max_steps={steps + 4}")
-    out.append(Step("train-resume", resume, 180))
+    out.append(Step("train-resume", resume, 180, needs=after_soft))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                 "-m", "captioner.cli", "train", "--config", "train/configs/shapes-soft.toml",
                 "--run-dir", str(runs / "torchrun"), "--quiet"]
@@ -139,17 +154,18 @@ def caption_steps(device: str, quick: bool, logs: Path, images: Path) -> list[St
     """Greedy and beam on the device against the CPU on the same images; bf16 + compile."""
     out = []
     for beam in (1, 3):
-        files = []
+        files, names = [], []
         # The CPU's reference run takes other batches (5 images), so that on a CPU the comparison
         # still checks something: that batching does not change a caption.
         for dev, batch in ((device, "16"), ("cpu", "5")):
             f = logs / f"captions-beam{beam}-{dev.replace(':', '')}-batch{batch}.jsonl"
             files.append(f)
-            out.append(Step(f"caption-beam{beam}-{dev}-b{batch}", captioner_cmd(
+            names.append(f"caption-beam{beam}-{dev}-b{batch}")
+            out.append(Step(names[-1], captioner_cmd(
                 "caption", str(images), "--beam-size", str(beam), "--device", dev, "--out", str(f),
                 "--workers", "0", "--quiet", "--batch-size", batch), 180))
         out.append(Step(f"compare-beam{beam}", [sys.executable, "-m", "benchmarks.gpu_check", "compare",
-                                                 *map(str, files)], 60))
+                                                 *map(str, files)], 60, needs=tuple(names)))
     f = logs / "captions-bf16-compile.jsonl"
     out.append(Step("caption-bf16-compile", captioner_cmd(
         "caption", str(images), "--device", device, "--precision", "bf16", "--compile",
@@ -161,13 +177,17 @@ def caption_steps(device: str, quick: bool, logs: Path, images: Path) -> list[St
 
 
 def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> list[Step]:
-    """The speed benchmarks at the paper's sizes, with small counts."""
+    """The speed benchmarks at the paper's sizes, with small counts, and the profile of the
+    ResNet-101 workloads (profile_step; its Chrome traces in LOGS/profile)."""
     py = [sys.executable, "-m"]
+    traces = str(logs / "profile")
     if quick:
         out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "1",
                                           "--batch", "2"], 300),
                Step("bench-precision", py + ["benchmarks.bench_precision", "--device", device, "--batch-size", "2",
-                                            "--repeats", "1", "--variants", "fp32,bf16"], 300),
+                                            "--repeats", "1", "--variants", "fp32,bf16,bf16+cl"], 300),
+               Step("profile", py + ["benchmarks.profile_step", "--device", device, "--batch-size", "2",
+                                     "--variants", "fp32,bf16", "--encoder", "small", "--out", traces], 150),
                Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "16",
                                           "--batch-size", "8", "--workers", "0", "--repeats", "1",
                                           "--skip-memory", "--skip-resnet"], 300),
@@ -177,19 +197,43 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
         out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "2"], 120),
                Step("bench-decoder-256", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "2",
                                               "--batch", "256"], 120),
+               # The compiled variants at batch 32 are left to the profile (its wall times) and batch 128.
                Step("bench-precision", py + ["benchmarks.bench_precision", "--device", device, "--batch-size", "32",
-                                            "--repeats", "2"], 180),
+                                            "--repeats", "2", "--variants", "fp32,bf16,fp16"], 120),
+               Step("profile", py + ["benchmarks.profile_step", "--device", device, "--batch-size", "32",
+                                     "--variants", "fp32,bf16,fp32+compile", "--out", traces], 150),
+               Step("bench-precision-128", py + ["benchmarks.bench_precision", "--device", device,
+                                                "--batch-size", "128", "--repeats", "2",
+                                                "--variants", "fp32,bf16,bf16+cl,fp32+compile"], 180),
                Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "512",
                                           "--batch-size", "64", "--workers", str(min(16, os.cpu_count() or 1)),
                                           "--repeats", "1", "--skip-memory"], 150),
                Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "64",
-                                             "--steps", "15"], 150)]
+                                             "--steps", "10"], 150)]
     if tutorial is not None:
         out.append(Step("compare-tutorial", py + ["benchmarks.compare_tutorial", str(tutorial), "--device", device,
                                                   "--rounds", "1" if quick else "3"]
                         + (["--batch", "4", "--beam-images", "4", "--steps", "6", "--beam-steps", "6"]
                            if quick else []), 300))
     return out
+
+
+def select_steps(steps: list[Step], only: str) -> list[Step]:
+    """The steps that ``--only`` names (comma-separated names or prefixes), with the steps they
+    need (Step.needs, and theirs), in their order; all for "". A step whose input no step of the
+    run makes would fail, as a compare step did without its two caption steps."""
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    if not wanted:
+        return steps
+    chosen = {s.name for s in steps if any(s.name.startswith(w) for w in wanted)}
+    needs = {s.name: s.needs for s in steps}
+    todo = list(chosen)
+    while todo:
+        for name in needs[todo.pop()]:
+            if name not in chosen:
+                chosen.add(name)
+                todo.append(name)
+    return [s for s in steps if s.name in chosen]
 
 
 def run_step(step: Step, index: int, logs: Path) -> Outcome:
@@ -276,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes, torch.compile's eager backend, longer time boxes (a CPU test of the check)")
     ap.add_argument("--tutorial", type=Path, default=None, help="the tutorial's folder, for compare_tutorial")
-    ap.add_argument("--only", default="", help="comma-separated step names (or prefixes) to run; default all")
+    ap.add_argument("--only", default="",
+                    help="comma-separated step names (or prefixes) to run; default all. The steps a named one needs "
+                         "run too: compare-beamN's two caption steps, and the soft fp32 training that hard, SCST "
+                         "and resumed training start from")
     ap.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
     ap.add_argument("--budget", type=float, default=600,
                     help="seconds for the whole check (default 600): steps that would start later are skipped "
@@ -307,9 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = (train_steps(args.device, args.quick, logs, data / "shapes")
              + caption_steps(args.device, args.quick, logs, images)
              + ([] if args.skip_bench else bench_steps(args.device, args.quick, logs, args.tutorial)))
-    if args.only:
-        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-        steps = [s for s in steps if any(s.name.startswith(w) for w in wanted)]
+    steps = select_steps(steps, args.only)
     head = environment_line(args.device)
     print(head, flush=True)
     lines = [head]

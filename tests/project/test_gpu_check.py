@@ -40,6 +40,30 @@ def test_a_summary_line_counts_tracebacks_and_recompilations(tmp_path):
     assert slow.code is None and not slow.ok and "timeout" in slow.line()
 
 
+def _all_steps(device: str = "cuda") -> list:
+    logs = Path("logs")  # nothing runs: the steps are only listed
+    return (gpu_check.train_steps(device, False, logs, logs / "shapes")
+            + gpu_check.caption_steps(device, False, logs, logs / "images")
+            + gpu_check.bench_steps(device, False, logs, None))
+
+
+def test_only_pulls_in_the_steps_a_selected_step_needs_and_keeps_their_order():
+    steps = _all_steps()
+
+    def names(only: str) -> list[str]:
+        return [s.name for s in gpu_check.select_steps(steps, only)]
+
+    assert names("compare-beam1") == ["caption-beam1-cuda-b16", "caption-beam1-cpu-b5", "compare-beam1"]
+    assert names("compare-beam3,app") == ["caption-beam3-cuda-b16", "caption-beam3-cpu-b5", "compare-beam3",
+                                          "app-captioning"]
+    # Hard attention, SCST and the resume start from the soft fp32 run.
+    assert names("train-resume") == ["train-soft-fp32", "train-resume"]
+    assert names("train-hard-fp32,train-scst") == ["train-soft-fp32", "train-hard-fp32", "train-scst-bf16"]
+    assert names("bench-decoder") == ["bench-decoder", "bench-decoder-256"]  # a prefix, as before
+    assert names("profile,bench-precision-128") == ["profile", "bench-precision-128"]
+    assert names("") == [s.name for s in steps]
+
+
 @pytest.mark.slow
 def test_the_quick_mode_runs_every_step_on_the_cpu(tmp_path):
     logs = tmp_path / "logs"
@@ -53,8 +77,9 @@ def test_the_quick_mode_runs_every_step_on_the_cpu(tmp_path):
     for step in ("train-soft-fp32", "train-soft-bf16-compile", "train-soft-fp16", "train-hard-fp32",
                  "train-hard-bf16-compile", "train-scst-bf16", "train-resume", "torchrun-1-process",
                  "compare-beam1", "compare-beam3", "caption-bf16-compile", "app-captioning", "bench-decoder",
-                 "bench-precision", "bench-caption", "bench-coco-train"):
+                 "bench-precision", "profile", "bench-caption", "bench-coco-train"):
         assert step in names, step
     assert all(line.startswith("ok") for line in lines[1:-1]), summary
     assert "8/8 captions identical" in summary
     assert "1 process (gloo)" in next(logs.glob("*-torchrun-1-process.log")).read_text()
+    assert len(list((logs / "profile").glob("trace-*.json.gz"))) == 4  # fp32 and bf16, training and captioning

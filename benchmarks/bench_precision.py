@@ -12,9 +12,10 @@ annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions.
 - captioning: images/s of encoder + batched beam search (k=3, 20 steps: <end> never wins,
   the worst case), as `captioner caption --precision P [--compile]` runs it.
 Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (the decoder step
-compiled by inductor) and "+cl" (channels-last: the encoder's weights and the images in
-torch.channels_last memory format, the layout a GPU's convolutions prefer; a speed switch,
-off unless asked for), in any order: "bf16+cl", "bf16+cl+compile". Each variant
+compiled by inductor), "+static" (compiled for fixed shapes, ``dynamic=False``: what the
+dynamic batch dimension costs a compiled call) and "+cl" (channels-last: the encoder's weights
+and the images in torch.channels_last memory format, the layout a GPU's convolutions prefer;
+a speed switch, off unless asked for), in any order: "bf16+cl", "bf16+cl+compile". Each variant
 builds its own model, and each model compiles its own copy of the decoder step (see
 Decoder.compile_step), so a later variant never runs on an earlier one's compiled graphs.
 """
@@ -59,17 +60,21 @@ def _best(fn, repeats: int, dev: torch.device) -> float:
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-def parse_variant(variant: str) -> tuple[str, bool, bool]:
+def parse_variant(variant: str) -> tuple[str, bool | str, bool]:
     """"bf16+cl+compile" -> ("bf16", compiled step, channels-last): a precision, then any of
-    "+compile" and "+cl" in any order; anything else is refused before a model is built."""
+    "+compile", "+static" and "+cl" in any order; anything else is refused before a model is
+    built. The compiled step is False, True (dynamic batch, as `captioner` compiles it) or
+    "static" (fixed shapes)."""
     precision, *extras = variant.strip().split("+")
-    unknown = [e for e in extras if e not in ("compile", "cl")]
+    unknown = [e for e in extras if e not in ("compile", "static", "cl")]
     if precision not in PRECISIONS or unknown:
-        raise ValueError(f"variant {variant!r}: a precision ({', '.join(PRECISIONS)}), optionally +compile and +cl")
-    return precision, "compile" in extras, "cl" in extras
+        raise ValueError(f"variant {variant!r}: a precision ({', '.join(PRECISIONS)}), optionally +compile, "
+                         "+static and +cl")
+    compiled = "static" if "static" in extras else "compile" in extras
+    return precision, compiled, "cl" in extras
 
 
-def build(dev: torch.device, compile_step: bool, encoder: str = "resnet101") -> Captioner:
+def build(dev: torch.device, compile_step: bool | str, encoder: str = "resnet101") -> Captioner:
     """The benchmark's model: ResNet-101 (random weights; ``encoder`` names another, for a quick
     test) at 224 px, decoder 512/512/512, V = 10,000, with <end> pushed down so that every
     caption runs its full length."""
@@ -82,7 +87,7 @@ def build(dev: torch.device, compile_step: bool, encoder: str = "resnet101") -> 
         model.decoder.L_o.bias[vocab.end] = -1e4  # no caption ends early
     cap = Captioner(model, vocab, Preprocess(size=(224, 224)))
     if compile_step:
-        cap.compile()
+        cap.compile(**({"dynamic": False} if compile_step == "static" else {}))
     return cap
 
 
@@ -152,7 +157,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
     ap.add_argument("--variants", default="fp32,bf16,fp16,fp32+compile,bf16+compile",
-                    help="comma-separated, from fp32, bf16, fp16, each optionally +compile and +cl (channels-last)")
+                    help="comma-separated, from fp32, bf16, fp16, each optionally +compile, +static (compiled for "
+                         "fixed shapes) and +cl (channels-last)")
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:

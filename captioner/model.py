@@ -172,8 +172,9 @@ class Decoder(nn.Module):
         no views (``_plain``): a view and a copy of the same shape are different inputs to
         the compiler. What remains are one graph per kind of call (beam search, greedy,
         training) and per autocast setting."""
-        self._compiled_step = torch.compile(_own_copy(self._step), dynamic=True, **options)
-        self._compiled_recur = torch.compile(_own_copy(self._recur), dynamic=True, **options)
+        options = {"dynamic": True, **options}  # dynamic=False: one graph per batch size, for a comparison
+        self._compiled_step = torch.compile(_own_copy(self._step), **options)
+        self._compiled_recur = torch.compile(_own_copy(self._recur), **options)
 
     @property
     def compiled(self) -> bool:

@@ -14,6 +14,8 @@ def test_a_variant_is_a_precision_then_compile_and_channels_last_in_any_order():
     assert bench_precision.parse_variant(" bf16+cl ") == ("bf16", False, True)
     assert bench_precision.parse_variant("bf16+cl+compile") == ("bf16", True, True)
     assert bench_precision.parse_variant("fp16+compile+cl") == ("fp16", True, True)
+    assert bench_precision.parse_variant("fp32+static") == ("fp32", "static", False)
+    assert bench_precision.parse_variant("bf16+compile+static+cl") == ("bf16", "static", True)
     for bad in ("fp64", "bf16+fast", "cl+bf16", ""):
         with pytest.raises(ValueError, match="variant"):
             bench_precision.parse_variant(bad)
@@ -35,3 +37,25 @@ def test_channels_last_gives_the_encoders_output_within_float_tolerance():
     assert after.shape == before.shape == (2, 49, 2048)
     scale = before.abs().max()
     assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * scale), (after - before).abs().max() / scale
+
+
+def test_a_static_compile_reaches_torch_compile_and_captions_as_the_plain_step(monkeypatch):
+    """"+static" compiles the decoder step for fixed shapes (dynamic=False, captioner's own
+    compile is dynamic in the batch): the option must reach torch.compile, and the step must
+    still compute what the plain one does."""
+    from captioner.decoding import greedy
+    from tests.tiny import tiny_captioner
+
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or real(fn, **kw))
+    plain, static = tiny_captioner(seed=2), tiny_captioner(seed=2)
+    static.compile(backend="eager", dynamic=False)
+    tiny_captioner(seed=2).compile(backend="eager")
+    assert [kw["dynamic"] for kw in seen] == [False, False, True, True]
+    images = torch.randn(2, 3, *plain.preprocess.size)
+    v = plain.vocab
+    with torch.no_grad():
+        runs = [greedy(c.model.decoder, c.model.encode(images), start=v.start, end=v.end, pad=v.pad, max_len=6)
+                for c in (plain, static)]
+    assert [d.ids for d in runs[0]] == [d.ids for d in runs[1]]

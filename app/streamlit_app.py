@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,6 +60,16 @@ def available_models() -> dict[str, str]:
     return models
 
 
+def own_limit(weights: str) -> int:
+    """The longest caption a model was trained on (Captioner.max_len), the default length
+    limit; the usual default where it cannot be loaded (the page says why, further on)."""
+    try:
+        path = inference.resolve_weights(weights)
+        return load_captioner(str(path), path.stat().st_mtime).max_len
+    except (CheckpointError, OSError):
+        return DecodeOptions.max_len
+
+
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
 def load_captioner(weights: str, modified: float) -> Captioner:
     # `modified` only joins the cache key, so that a checkpoint rewritten in place is loaded again.
@@ -101,7 +112,10 @@ mkdir -p {folder} && cp runs/shapes-soft/best.pt {folder}/shapes-soft.pt
 """)
 
 
-def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
+def sidebar(models: dict[str, str], own_limit: Callable[[str], int]) -> tuple[str, DecodeOptions]:
+    """The settings. ``own_limit(label)``: that model's longest training caption, where its
+    length slider starts (each model keeps its own slider, so a length chosen for one is not
+    read as "left alone" for another)."""
     with st.sidebar:
         st.header("Settings")
         label = st.selectbox("Model", list(models),
@@ -110,9 +124,10 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
         beam = st.slider("Beam size", 1, 10, 3,
                          help="How many candidate captions the search keeps at every step. 1 is greedy "
                               "decoding: fastest, sometimes worse.")
-        max_len = st.slider("Longest caption (words)", 1, 50, DecodeOptions.max_len,
-                            help=f"Left at {DecodeOptions.max_len}: the model's own longest training caption "
-                                 "when that is longer (a Chinese model counts characters).")
+        limit = own_limit(label)
+        max_len = st.slider("Longest caption (words)", 1, max(50, limit), limit, key=f"max_len:{label}",
+                            help=f"Starts at the model's own longest training caption, {limit} (a Chinese "
+                                 "model counts characters).")
         # A slider needs two values at least: with beam 1 there is one caption to list.
         num = st.slider("Captions to list", 1, beam, min(3, beam),
                         help="The beam's best finished captions, with their log-probabilities; the first is "
@@ -302,7 +317,7 @@ def main() -> None:
     if not models:
         no_model_message()
         return
-    label, options = sidebar(models)
+    label, options = sidebar(models, lambda label: own_limit(models[label]))
     weights = models[label]
     try:
         path = inference.resolve_weights(weights)
@@ -318,8 +333,6 @@ def main() -> None:
             help="A hard-attention model picks one region per word. At inference it can use the expected "
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)
-    if options.max_len == DecodeOptions.max_len and captioner.max_len > options.max_len:
-        options = replace(options, max_len=captioner.max_len)  # the slider left alone: the model's own limit
     model_card(captioner)
     # The stylesheet of the preview and the result: style only, so it takes no place on the page; sent
     # with the page, it stays while the fragment below reruns.

@@ -15,6 +15,7 @@ from PIL import Image
 from captioner.app.serving import figure_png, result_json
 from captioner import bundled, inference
 from captioner.cli import build_parser, main
+from captioner.inference import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image
 
 AppTest = pytest.importorskip("streamlit.testing.v1").AppTest
@@ -641,3 +642,29 @@ def test_the_model_card_counts_a_chinese_vocabulary_in_characters():
     assert "words" in model_details(cap) and "characters" not in model_details(cap)
     cap.vocab = Vocabulary(cap.vocab.words, tokenizer_named("chars"))
     assert f"{len(cap.vocab):,} characters" in model_details(cap)
+
+
+def test_the_length_slider_starts_at_each_models_own_limit_and_a_length_chosen_stays(weights_dir, monkeypatch):
+    """The slider starts at the selected model's longest training caption (demo-zh's counts
+    characters, 40); a user who then picks 20 for it gets 20, not the model's own limit."""
+    from captioner.app import serving
+
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(weights_dir))
+    asked = []
+    real = serving.caption_image
+
+    def spy(*args, **kwargs):
+        asked.extend(a for a in (*args, *kwargs.values()) if isinstance(a, DecodeOptions))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "caption_image", spy)
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    assert not at.exception
+    length = next(s for s in at.sidebar.slider if s.label.startswith("Longest caption"))
+    assert at.sidebar.selectbox[0].value == "demo-soft" and length.value == 20
+    at.sidebar.selectbox[0].select("demo-zh").run()
+    length = next(s for s in at.sidebar.slider if s.label.startswith("Longest caption"))
+    assert length.value == 40 and asked and asked[-1].max_len == 40
+    asked.clear()
+    length.set_value(20).run()
+    assert not at.exception and asked and all(o.max_len == 20 for o in asked)

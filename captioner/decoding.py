@@ -91,7 +91,9 @@ class CaptionResult:
 
 @dataclass
 class DecodedIds:
-    """Raw decoder output for one image, before the vocabulary turns ids into words."""
+    """Raw decoder output for one image, before the vocabulary turns ids into words. Its
+    tensors are on the host, in float32: greedy and beam search move a batch's maps there in
+    one transfer, not several per image (each one a wait for the GPU)."""
 
     ids: list[int]  # generated token ids, without <start>; ends with <end> if it ended
     alphas_heads: torch.Tensor  # (len(ids), h, L) each head's map; h = 1 for one head
@@ -156,8 +158,9 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
         if bool(done.all()):
             break
     ids_l = torch.stack(ids, 1).tolist()  # (B, T)
-    heads_t, betas_t = torch.stack(heads, 1), torch.stack(betas, 1)  # (B, T, h, L), (B, T)
-    logps_t = torch.stack(logps, 1).cpu()  # (B, T): one transfer, not one per image
+    # (B, T, h, L), (B, T), (B, T): on the host in one transfer each, not three per image
+    heads_t, betas_t = torch.stack(heads, 1).float().cpu(), torch.stack(betas, 1).float().cpu()
+    logps_t = torch.stack(logps, 1).cpu()
     total = logps_t.sum(1).tolist()
     return [_trim(ids_l[i], heads_t[i], betas_t[i], total[i], end, pad, logps_t[i]) for i in range(b)]
 
@@ -249,6 +252,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
             heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
         logps = (running - F.pad(running[:, :-1], (1, 0))).cpu()  # (b', T) each token's log p
         m, ids_, score_ = (step + 1).tolist(), ids.tolist(), score.tolist()  # one transfer each, not one per row
+        heads, betas = heads.cpu(), betas.cpu()
         return [_trim(ids_[r][:m[r]], heads[r, :m[r]], betas[r, :m[r]], score_[r], end, pad, logps[r, :m[r]])
                 for r in range(len(img))]
 
@@ -331,4 +335,4 @@ def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float
     """Up to and with the first <end>; a caption cut off at the length limit stops before
     its first <pad> (never a word of a caption). heads (T, h, L), log_probs (T,)."""
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
-    return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m].cpu())
+    return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m])

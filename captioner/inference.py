@@ -227,13 +227,13 @@ class Captioner:
         """``alternatives``: the result lists ``d`` and its runners-up as Alternatives."""
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
-        heads = d.alphas_heads[:t].unflatten(-1, grid).float().cpu()  # (T, h, H, W)
+        heads = d.alphas_heads[:t].unflatten(-1, grid)  # (T, h, H, W), on the host already (DecodedIds)
         probs = tuple(d.log_probs[:t].double().exp().tolist()) if d.log_probs is not None else ()
         text = self.vocab.join(words)
         alts = ((Alternative(tuple(words), d.score, text),
                  *(Alternative(tuple(w), x.score, self.vocab.join(w))
                    for x in d.runners_up for w in [self.vocab.decode(x.ids)])) if alternatives else ())
-        return CaptionResult(words, d.alphas[:t].reshape(t, *grid).float().cpu(), d.betas[:t].float().cpu(), d.score,
+        return CaptionResult(words, d.alphas[:t].reshape(t, *grid), d.betas[:t], d.score,
                              heads, text=text, word_probs=probs, alternatives=alts)
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,

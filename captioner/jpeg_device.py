@@ -18,6 +18,7 @@ Tests hold the difference to a few levels of 255 and the captions to the CPU pat
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 
@@ -28,26 +29,29 @@ from PIL import Image
 from .images import Preprocess
 
 _ORIENTATION = 0x0112  # the EXIF tag of the picture's rotation
+_JPEG_START = b"\xff\xd8"  # every JPEG file's first two bytes (its start-of-image marker)
 
 
 def plain_jpeg(path: str | os.PathLike, max_pixels: int) -> torch.Tensor | None:
     """The file's bytes (a uint8 tensor) when the device may decode it as the CPU path would
     see it: a JPEG in RGB or grey, upright, within ``max_pixels``; None for anything else
-    (the CPU path takes it, and says why it cannot when it cannot). Reads the header only
-    before deciding."""
+    (the CPU path takes it, and says why it cannot when it cannot). The file is opened once;
+    one that does not start as a JPEG does is not read further."""
     try:
+        with open(path, "rb") as f:
+            if f.read(2) != _JPEG_START:
+                return None
+            data = bytearray(_JPEG_START + f.read())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
+            with Image.open(io.BytesIO(data)) as im:  # the header, from the bytes in memory
                 if im.format != "JPEG" or im.mode not in ("RGB", "L") or im.width * im.height > max_pixels:
                     return None
                 if im.getexif().get(_ORIENTATION, 1) != 1:
                     return None
-        with open(path, "rb") as f:
-            data = f.read()
     except Exception:  # unreadable, not an image, over Pillow's own limit: the CPU path says which
         return None
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def resample(image: torch.Tensor, preprocess: Preprocess) -> torch.Tensor:

@@ -13,7 +13,7 @@ autocast and gradient scaling from train/precision.py, training's optimiser). Tw
 - "end to end": the encoder's forward in every step as well (what fine-tuning adds to, and
   what a run without the cache pays).
 Prints steps/s, images/s, peak GPU memory and the hours per epoch of COCO's Karpathy train
-split (113,287 images x 5 captions, one caption per image per step as the loader draws them:
+split (113,287 images x 5 captions, each (image, caption) pair one item of an epoch:
 566,435 captions), an estimate from these steps alone (no loader, no validation).
 """
 

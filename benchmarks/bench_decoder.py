@@ -1,11 +1,11 @@
 """Decoder speed at the paper's COCO sizes, on precomputed annotations.
 
-    python benchmarks/bench_decoder.py [--device cpu] [--repeats 5] [--previous] [--demo]
+    python benchmarks/bench_decoder.py [--device cpu] [--repeats 5] [--batch 32] [--previous] [--demo]
 
 L=196 locations, D=2048, hidden 512, attention 512, embedding 512, vocabulary 10,000,
-batch 32, 20 steps. Prints teacher-forced forward+backward steps/s, and beam-search
-(k=3) images/s at batch 1 and batch 32 (the batched search runs B images x k beams as
-one tensor program).
+batch 32 (--batch B), 20 steps. Prints teacher-forced forward+backward steps/s, and
+beam-search (k=3) images/s at batch 1 and batch B (the batched search runs B images x k
+beams as one tensor program). --demo and --search-demo keep their own batch of 32.
 
 --previous also times the previous training step (the decoder run step by step,
 ``forward_stepwise``, with the kernels off: autograd's additive scores), interleaved with

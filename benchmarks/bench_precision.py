@@ -74,6 +74,18 @@ def parse_variant(variant: str) -> tuple[str, bool | str, bool]:
     return precision, compiled, "cl" in extras
 
 
+def variants_arg(text: str) -> list[str]:
+    """``--variants``: comma-separated variant names, each checked by :func:`parse_variant`
+    before any model is built (argparse reports a bad one in one line)."""
+    variants = [v.strip() for v in text.split(",") if v.strip()]
+    for v in variants:
+        try:
+            parse_variant(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return variants
+
+
 def build(dev: torch.device, compile_step: bool | str, encoder: str = "resnet101") -> Captioner:
     """The benchmark's model: ResNet-101 (random weights; ``encoder`` names another, for a quick
     test) at 224 px, decoder 512/512/512, V = 10,000, with <end> pushed down so that every
@@ -156,16 +168,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is reported")
-    ap.add_argument("--variants", default="fp32,bf16,fp16,fp32+compile,bf16+compile",
+    ap.add_argument("--variants", type=variants_arg, default="fp32,bf16,fp16,fp32+compile,bf16+compile",
                     help="comma-separated, from fp32, bf16, fp16, each optionally +compile, +static (compiled for "
                          "fixed shapes) and +cl (channels-last)")
     args = ap.parse_args()
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in variants:
-        try:
-            parse_variant(v)
-        except ValueError as e:
-            ap.error(str(e))
+    variants = args.variants
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{name}; torch {torch.__version__}; ResNet-101 224 px, decoder 512/512/512, V=10k, "

@@ -35,6 +35,7 @@ from PIL import Image, ImageDraw
 from captioner.batch import image_loader
 from captioner.data import shapes
 from captioner.data.coco import load_split
+from captioner.familiarity import DEFAULT_THRESHOLD
 from captioner.grounding import load_shape_objects, object_accuracy, parse_mentions
 from captioner.inference import Captioner, DecodeOptions
 
@@ -195,10 +196,11 @@ def study(name: str, data: Path, photos: list[Image.Image], variants: dict[str, 
     out = {"model": name, "training_images": t,
            "familiarity": {"auroc_shapes_vs_photos": round(auroc(shapes_fam, photo_fam), 4),
                            "shapes_test_images": len(shapes_fam),
-                           "shapes_flagged": round(float((shapes_fam < 0.01).mean()), 4),
-                           "photos": len(photo_fam), "photos_flagged": round(float((photo_fam < 0.01).mean()), 4),
+                           "shapes_flagged": round(float((shapes_fam < DEFAULT_THRESHOLD).mean()), 4),
+                           "photos": len(photo_fam),
+                           "photos_flagged": round(float((photo_fam < DEFAULT_THRESHOLD).mean()), 4),
                            "photos_highest_familiarity": round(float(photo_fam.max()), 4),
-                           "variants_flagged": {k: round(float((familiarities(cap, v) < 0.01).mean()), 4)
+                           "variants_flagged": {k: round(float((familiarities(cap, v) < DEFAULT_THRESHOLD).mean()), 4)
                                                 for k, v in variants.items()}},
            "confidence": confidence(cap, data, records)}
     if timing:

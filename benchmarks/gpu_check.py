@@ -50,6 +50,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from captioner.cli import default_batch_size  # no torch at import: the package check runs first
+
 # What the steps import; each missing one is named in one line before anything runs.
 PACKAGES = ("torch", "torchvision", "PIL", "nltk", "pycocotools", "pycocoevalcap", "tqdm", "streamlit",
             "captioner.train")
@@ -62,7 +64,6 @@ class Step:
     name: str
     argv: list[str]
     timeout: float
-    env: dict | None = None
     needs: tuple[str, ...] = ()  # the steps whose output this one reads: --only runs them too
 
 
@@ -210,10 +211,11 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
                                                 "--batch-size", "128", "--repeats", "2",
                                                 "--variants", "fp32,bf16,bf16+cl,fp32+compile,fp32+static"],
                     210),
-               # A few thousand JPEGs, timed twice (the first pass starts workers and meets new shapes),
-               # with the batch the command takes on a GPU, and with JPEGs decoded there.
+               # A few thousand JPEGs, timed twice (the first pass meets new shapes), with the batch
+               # `captioner caption` takes on a GPU, and with JPEGs decoded there.
                Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "2000",
-                                          "--batch-size", "64", "--workers", str(min(16, os.cpu_count() or 1)),
+                                          "--batch-size", str(default_batch_size("cuda")),
+                                          "--workers", str(min(16, os.cpu_count() or 1)),
                                           "--repeats", "2", "--skip-memory", "--decode-on-device"], 240),
                Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "64",
                                              "--steps", "10"], 150)]
@@ -245,7 +247,7 @@ def select_steps(steps: list[Step], only: str) -> list[Step]:
 
 def run_step(step: Step, index: int, logs: Path) -> Outcome:
     log = logs / f"{index:02d}-{step.name}.log"
-    env = {**os.environ, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1", **(step.env or {})}
+    env = {**os.environ, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     with open(log, "w") as f:
         f.write("$ " + " ".join(step.argv) + "\n")

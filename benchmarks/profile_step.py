@@ -6,7 +6,7 @@ a captioning batch, per variant, to tell a launch-bound workload from a device-b
 
 The model and workloads are bench_precision's, made by its functions (ResNet-101 at 224 px,
 decoder 512/512/512, V = 10,000, 20-word captions, beam 3; variants fp32, bf16, fp16, each
-optionally +compile and +cl, as there). --encoder swaps ResNet-101 for another of the
+optionally +compile, +static and +cl, as there). --encoder swaps ResNet-101 for another of the
 project's encoders, for a quick run on a CPU. For each variant: two warm-up calls of each
 workload (a compiled step compiles in them); 3 training steps and 1 captioning batch timed
 without the profiler; then the same under torch.profiler (CPU activity, and CUDA's on a GPU).
@@ -51,7 +51,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.bench_precision import _sync, parse_variant, prepare
+from benchmarks.bench_precision import _sync, prepare, variants_arg
 from captioner.encoders import encoder_names
 
 TRAIN_STEPS = 3  # profiled training steps per variant (and as many timed without the profiler)
@@ -190,18 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--variants", default="fp32,bf16,fp32+compile",
-                    help="comma-separated, bench_precision's: fp32, bf16, fp16, each optionally +compile and +cl")
+    ap.add_argument("--variants", type=variants_arg, default="fp32,bf16,fp32+compile",
+                    help="comma-separated, bench_precision's: fp32, bf16, fp16, each optionally +compile, +static "
+                         "and +cl")
     ap.add_argument("--encoder", default="resnet101", choices=encoder_names(),
                     help="the encoder (random weights); default resnet101, bench_precision's")
     ap.add_argument("--out", type=Path, default=None, help="folder for the gzipped Chrome traces (made if missing)")
     args = ap.parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for v in variants:
-        try:
-            parse_variant(v)
-        except ValueError as e:
-            ap.error(str(e))
+    variants = args.variants
     dev = torch.device(args.device)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

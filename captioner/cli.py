@@ -44,8 +44,9 @@ def _positive(value: str) -> int:
     return n
 
 
-# The most words --max-len allows: captions are a sentence (COCO's longest training captions,
-# which the configs keep, are 50 words); a larger limit only lets an undertrained model run on.
+# The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
+# (COCO's longest training captions, which the configs keep, are 50 words); a larger limit only
+# lets an undertrained model run on.
 MAX_WORDS = 100
 
 
@@ -466,7 +467,7 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
     try:
         path = resolve_weights(args.checkpoint)
         ckpt = load_checkpoint(path)
-        captioner = Captioner.from_checkpoint(ckpt, device)
+        captioner = Captioner.from_file(path, ckpt, device)
     except CheckpointError as e:
         raise UsageError(str(e)) from e
     data = f"{args.data_name or captioner.training_data or args.data.name}, split {args.split}, {len(records)} images"

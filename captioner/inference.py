@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .bundled import DEFAULT, DEMOS, SHAPES_ONLY, SYNTHETIC_SHAPES, BundledModel, bundled_at
+from .bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at, shapes_only_notice
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
 from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
 from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
@@ -122,8 +122,7 @@ class Captioner:
             return None
         if self.demo is not None:
             return self.demo.notice()
-        return (f"{self.name or 'this model'} is {SHAPES_ONLY} (for photographs, train a model on photographs: "
-                "see the README)")
+        return shapes_only_notice(f"{self.name or 'this model'} is")
 
     def use_precision(self, precision: str) -> "Captioner":
         """"fp32" (default), or "bf16"/"fp16" autocast for encoder and decoder (a GPU's fast
@@ -176,10 +175,15 @@ class Captioner:
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
         path = resolve_weights(weights)
-        # A shipped file is a demo however it is named: "demo-soft" or its path in the package.
+        return cls.from_file(path, load_checkpoint(path, map_location=device), device)
+
+    @classmethod
+    def from_file(cls, path: Path, ckpt: dict, device: str | torch.device = "cpu") -> "Captioner":
+        """The captioner of ``ckpt``, read from ``path``: named by its file, and a demo (its
+        record, its notice) when the file is a shipped one, however it was named."""
         demo = bundled_at(path)
         name = demo.name if demo is not None else path.name
-        return cls.from_checkpoint(load_checkpoint(path, map_location=device), device, name=name, demo=demo)
+        return cls.from_checkpoint(ckpt, device, name=name, demo=demo)
 
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
@@ -228,7 +232,7 @@ class Captioner:
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid)  # (T, h, H, W), on the host already (DecodedIds)
-        probs = tuple(d.log_probs[:t].double().exp().tolist()) if d.log_probs is not None else ()
+        probs = tuple(d.log_probs[:t].double().exp().tolist())
         text = self.vocab.join(words)
         alts = ((Alternative(tuple(words), d.score, text),
                  *(Alternative(tuple(w), x.score, self.vocab.join(w))

@@ -159,3 +159,13 @@ def test_the_demos_flag_photographs_and_not_shapes(name):
     assert len(photos) == 12 and len(shapes) == 4
     assert all(r.familiarity.unfamiliar for r in cap.caption_images(photos, opts))
     assert not any(r.familiarity.unfamiliar for r in cap.caption_images(shapes, opts))
+
+
+def test_a_demo_s_record_names_what_the_demo_was_trained_on(tmp_path, tiny_coco):
+    """`captioner familiarity demo-soft` reads the demo as `Captioner.load` does (a shipped file
+    is a demo): its record says "synthetic shapes", not the name of a folder."""
+    out = tmp_path / "demo.pt"
+    assert main(["familiarity", "demo-soft", "--data", str(tiny_coco), "--split", "train", "--quiet",
+                 "--out", str(out)]) == 0
+    record = TrainingFeatures.from_dict(load_checkpoint(out)["familiarity"])
+    assert record.data.startswith("synthetic shapes, split train"), record.data

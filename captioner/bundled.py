@@ -1,4 +1,4 @@
-"""The demo models shipped inside the package, each one record: its file, how it attends, its
+"""The demo models shipped inside the package, each one record: its file, its
 language, what it was trained on and the notice its users see. The CLI, the Python API and
 the app read these records alike (as torchvision's weights enums carry their transforms and
 meta), so no fact about a demo is written twice.
@@ -22,7 +22,6 @@ SHAPES_ONLY = "trained on synthetic shapes only: it describes any picture, a pho
 class BundledModel:
     name: str  # what the user types: --weights demo-soft
     file: str  # in WEIGHTS_DIR
-    attention: str  # soft or hard
     language: str  # of its captions: "en", "zh"
     training_data: str = SYNTHETIC_SHAPES
     description: str = SHAPES  # what the training pictures show, for the model card
@@ -37,14 +36,18 @@ class BundledModel:
 
     def notice(self) -> str:
         """One sentence for its users: it knows the shapes and nothing else."""
-        return (f"{self.name} is a demo model {SHAPES_ONLY} (for photographs, train a model on photographs: "
-                "see the README)")
+        return shapes_only_notice(f"{self.name} is a demo model")
+
+
+def shapes_only_notice(subject: str) -> str:
+    """The notice of a model that knows the synthetic shapes only, about ``subject`` ("X is")."""
+    return f"{subject} {SHAPES_ONLY} (for photographs, train a model on photographs: see the README)"
 
 
 DEMOS: dict[str, BundledModel] = {m.name: m for m in (
-    BundledModel("demo-soft", "demo-soft.pt", attention="soft", language="en"),
-    BundledModel("demo-hard", "demo-hard.pt", attention="hard", language="en"),
-    BundledModel("demo-zh", "demo-zh.pt", attention="soft", language="zh"),
+    BundledModel("demo-soft", "demo-soft.pt", language="en"),
+    BundledModel("demo-hard", "demo-hard.pt", language="en"),
+    BundledModel("demo-zh", "demo-zh.pt", language="zh"),
 )}
 
 

@@ -92,14 +92,15 @@ class CaptionResult:
 @dataclass
 class DecodedIds:
     """Raw decoder output for one image, before the vocabulary turns ids into words. Its
-    tensors are on the host, in float32: greedy and beam search move a batch's maps there in
-    one transfer, not several per image (each one a wait for the GPU)."""
+    tensors are on the host, in float32: greedy moves a batch's maps there in one transfer,
+    beam search in one per group of images finishing together, not several per image (each
+    one a wait for the GPU)."""
 
     ids: list[int]  # generated token ids, without <start>; ends with <end> if it ended
     alphas_heads: torch.Tensor  # (len(ids), h, L) each head's map; h = 1 for one head
     betas: torch.Tensor  # (len(ids),)
     score: float
-    log_probs: torch.Tensor | None = None  # (len(ids),) log p of each token given those before it
+    log_probs: torch.Tensor  # (len(ids),) log p of each token given those before it
     # beam search's next best finished captions, best first (num_captions - 1 at most)
     runners_up: list["DecodedIds"] = field(default_factory=list)
 

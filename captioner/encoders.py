@@ -153,11 +153,12 @@ PRETRAINED_WEIGHTS = {"vgg19": "VGG19_Weights", "vgg16": "VGG16_Weights", "resne
                       "resnet50": "ResNet50_Weights", "resnet101": "ResNet101_Weights"}
 
 
-def _torchvision_weights(enum_name: str, pretrained: bool):
+def _torchvision_weights(name: str, pretrained: bool):
+    """Encoder ``name``'s ImageNet weights (torchvision's enum value), or None without ``pretrained``."""
     if not pretrained:
         return None
     import torchvision.models as tvm
-    return getattr(tvm, enum_name).DEFAULT
+    return getattr(tvm, PRETRAINED_WEIGHTS[name]).DEFAULT
 
 
 def pretrained_file(name: str) -> tuple[Path, str] | None:
@@ -167,11 +168,12 @@ def pretrained_file(name: str) -> tuple[Path, str] | None:
         return None
     import torch.hub
 
-    url = _torchvision_weights(PRETRAINED_WEIGHTS[name], True).url
+    url = _torchvision_weights(name, True).url
     return Path(torch.hub.get_dir()) / "checkpoints" / url.rsplit("/", 1)[-1], url
 
 
-def _build(builder: Callable, weights, name: str) -> nn.Module:
+def _build(builder: Callable, name: str, pretrained: bool) -> nn.Module:
+    weights = _torchvision_weights(name, pretrained)
     try:
         return builder(weights=weights)
     except Exception as e:  # network or cache failure: say what to do
@@ -187,7 +189,7 @@ def _build(builder: Callable, weights, name: str) -> nn.Module:
 @register_encoder("vgg19")
 def vgg19(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
     import torchvision.models as tvm
-    net = _build(tvm.vgg19, _torchvision_weights("VGG19_Weights", pretrained), "vgg19")
+    net = _build(tvm.vgg19, "vgg19", pretrained)
     trunk = net.features[:36]  # up to conv5_4 + ReLU, before the last max-pool: (B, 512, 14, 14) at 224 px
     # Blocks for fine-tuning: conv5_1 .. conv5_4 (each conv + ReLU).
     blocks = [trunk[28:30], trunk[30:32], trunk[32:34], trunk[34:36]]
@@ -197,17 +199,16 @@ def vgg19(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
 @register_encoder("vgg16")
 def vgg16(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
     import torchvision.models as tvm
-    net = _build(tvm.vgg16, _torchvision_weights("VGG16_Weights", pretrained), "vgg16")
+    net = _build(tvm.vgg16, "vgg16", pretrained)
     trunk = net.features[:30]  # up to conv5_3 + ReLU, before the last max-pool
     # Blocks for fine-tuning: conv5_1, conv5_2, conv5_3 (each conv + ReLU).
     blocks = [trunk[24:26], trunk[26:28], trunk[28:30]]
     return Encoder(trunk, 512, blocks, fine_tune_blocks)
 
 
-def _resnet(builder_name: str, weights_name: str, pretrained: bool, fine_tune_blocks: int,
-            dim: int = 2048) -> Encoder:
+def _resnet(name: str, pretrained: bool, fine_tune_blocks: int, dim: int = 2048) -> Encoder:
     import torchvision.models as tvm
-    net = _build(getattr(tvm, builder_name), _torchvision_weights(weights_name, pretrained), builder_name)
+    net = _build(getattr(tvm, name), name, pretrained)
     trunk = nn.Sequential(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3, net.layer4)
     blocks = list(net.layer3) + list(net.layer4)  # fine-tuning unfreezes the last blocks first
     return Encoder(trunk, dim, blocks, fine_tune_blocks)
@@ -215,14 +216,14 @@ def _resnet(builder_name: str, weights_name: str, pretrained: bool, fine_tune_bl
 
 @register_encoder("resnet18")
 def resnet18(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    return _resnet("resnet18", "ResNet18_Weights", pretrained, fine_tune_blocks, dim=512)
+    return _resnet("resnet18", pretrained, fine_tune_blocks, dim=512)
 
 
 @register_encoder("resnet50")
 def resnet50(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    return _resnet("resnet50", "ResNet50_Weights", pretrained, fine_tune_blocks)
+    return _resnet("resnet50", pretrained, fine_tune_blocks)
 
 
 @register_encoder("resnet101")
 def resnet101(*, pretrained: bool = False, fine_tune_blocks: int = 0) -> Encoder:
-    return _resnet("resnet101", "ResNet101_Weights", pretrained, fine_tune_blocks)
+    return _resnet("resnet101", pretrained, fine_tune_blocks)

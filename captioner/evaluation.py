@@ -18,10 +18,10 @@ from tqdm import tqdm
 
 from .data.coco import ImageDataset, ImageRecord, load_split, require_images
 from .decoding import CaptionResult
-from .grounding import GroundingSummary
+from .grounding import GroundingSummary, evaluate_caption, load_shape_objects, summarize_grounding
 from .images import Preprocess
 from .inference import Captioner, DecodeOptions
-from .metrics import meteor_wanted
+from .metrics import caption_metrics, meteor_wanted
 from .vocab import PTB, Tokenizer
 
 
@@ -67,16 +67,12 @@ def score(records: list[ImageRecord], results: list[CaptionResult], instances: P
     when an instances file (shapes data) is given. ``preprocess``: the captioner's; with a
     centre crop the attention grid covers only the crop, and the pointing game maps it there
     (None: the whole image)."""
-    from .metrics import caption_metrics
-
     scored = [(r, res) for r, res in zip(records, results) if r.captions]
     refs = {r.image_id: r.captions for r, _ in scored}
     cands = {r.image_id: res.caption for r, res in scored}
     metrics = caption_metrics(refs, cands, meteor=meteor, tokenizer=tokenizer) if scored else {}
     grounding = None
     if instances is not None and instances.is_file():
-        from .grounding import evaluate_caption, load_shape_objects, summarize_grounding
-
         objects = load_shape_objects(instances)
         pointing, accuracy = [], []
         for r, res in zip(records, results):

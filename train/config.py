@@ -414,10 +414,19 @@ def check_values(cfg: TrainConfig) -> None:
     metric_names(cfg.val.metric)
 
 
+def metric_parts(metric: str) -> list[str]:
+    """The names in ``val.metric``: one, or after ``min:`` several, comma-separated. Start-up's
+    check (metric_names) and validation (loop.validation_value) both read it here, so what is
+    checked is what is scored."""
+    if metric.startswith("min:"):
+        return [n.strip() for n in metric.removeprefix("min:").split(",")]
+    return [metric.strip()]
+
+
 def metric_names(metric: str) -> list[str]:
-    """The figures ``val.metric`` names (``min:A,B``: several), each one validation gives, or a
-    one-line ValueError with the nearest name."""
-    names = [n.strip() for n in metric.removeprefix("min:").split(",")]
+    """The figures ``val.metric`` names (metric_parts), each one validation gives, or a one-line
+    ValueError with the nearest name."""
+    names = metric_parts(metric)
     known = CAPTION_FIGURES + GROUNDING_FIGURES
     for name in names:
         if name not in known:

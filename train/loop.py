@@ -39,7 +39,7 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel
 
 from .averaging import WeightAverage
-from .config import TrainConfig, to_toml
+from .config import TrainConfig, metric_parts, to_toml
 from .datainfo import summary_lines, training_data_name
 from .losses import LossParts
 from .objectives import Objective, choose_objective
@@ -720,7 +720,7 @@ def outcome_line(outcome: TrainOutcome, cfg: TrainConfig) -> str:
 
 def validation_value(metric: str, figures: dict) -> float:
     """The figure named by ``val.metric``: one name, or ``min:A,B,...`` for the smallest of several."""
-    names = [n.strip() for n in metric.removeprefix("min:").split(",")] if metric.startswith("min:") else [metric]
+    names = metric_parts(metric)
     missing = [repr(n) for n in names if n not in figures]
     if missing:
         raise ValueError(f"validation metric {metric!r}: {', '.join(missing)} not among {sorted(figures)}")

@@ -285,6 +285,7 @@ def _one_line(err: str) -> str:
 @pytest.mark.parametrize("setting, words", [
     ("val.metric=BLEU4", "'BLEU4' is not a figure validation gives; did you mean BLEU-4?"),
     ("val.metric=min:CIDEr,pointing", "'pointing' is not a figure validation gives"),
+    ("val.metric=BLEU-4,CIDEr", "'BLEU-4,CIDEr' is not a figure validation gives"),  # several need min:
     ("val.metric=METEOR", "'METEOR' is not a figure validation gives"),  # validation skips METEOR
     ("val.metric=object_accuracy", "object_accuracy needs the objects of each image"),  # no instances file
     ("val.beam_size=0", "val.beam_size must be >= 1, got 0"),

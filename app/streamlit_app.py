@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -112,10 +111,10 @@ mkdir -p {folder} && cp runs/shapes-soft/best.pt {folder}/shapes-soft.pt
 """)
 
 
-def sidebar(models: dict[str, str], own_limit: Callable[[str], int]) -> tuple[str, DecodeOptions]:
-    """The settings. ``own_limit(label)``: that model's longest training caption, where its
-    length slider starts (each model keeps its own slider, so a length chosen for one is not
-    read as "left alone" for another)."""
+def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
+    """The settings. The length slider starts at the chosen model's longest training caption
+    (own_limit); each model keeps its own slider, so a length chosen for one is not read as
+    "left alone" for another."""
     with st.sidebar:
         st.header("Settings")
         label = st.selectbox("Model", list(models),
@@ -124,7 +123,7 @@ def sidebar(models: dict[str, str], own_limit: Callable[[str], int]) -> tuple[st
         beam = st.slider("Beam size", 1, 10, 3,
                          help="How many candidate captions the search keeps at every step. 1 is greedy "
                               "decoding: fastest, sometimes worse.")
-        limit = own_limit(label)
+        limit = own_limit(models[label])
         max_len = st.slider("Longest caption (words)", 1, max(50, limit), limit, key=f"max_len:{label}",
                             help=f"Starts at the model's own longest training caption, {limit} (a Chinese "
                                  "model counts characters).")
@@ -317,7 +316,7 @@ def main() -> None:
     if not models:
         no_model_message()
         return
-    label, options = sidebar(models, lambda label: own_limit(models[label]))
+    label, options = sidebar(models)
     weights = models[label]
     try:
         path = inference.resolve_weights(weights)

@@ -7,7 +7,7 @@ captions (``captioner.data.own``), checks that every image exists and decodes, a
 draw, the tokenizer's name). Exit 0 written, 1 images missing or unreadable (nothing
 written; ``--skip-unreadable`` leaves them out), 2 a source that cannot be read.
 
-Reads the config's split file or annotations, checks that every image exists and decodes
+Check reads the config's split file or annotations, checks that every image exists and decodes
 (worker processes, progress bar), and prints what a run would train on: images per split,
 captions per image, captions left out as too long or empty, the vocabulary size at the config's
 ``min_count``, and every unusable file with the reason. Exit 0 when all is well, 1 when
@@ -186,11 +186,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     problems = unreadable_images([im.path for im in source.images if im.captions], Preprocess(size=(32, 32)),
                                  workers=max(0, args.workers), progress=not args.quiet)
     if problems and not args.skip_unreadable:
-        print(f"{len(problems):,} of {len(source.images):,} images cannot be used:")
-        for path, reason in list(problems.items())[:MAX_NAMED]:
-            print(f"  {path}: {reason}")
-        if len(problems) > MAX_NAMED:
-            print(f"  ... and {len(problems) - MAX_NAMED:,} more")
+        print_unusable(problems, len(source.images), MAX_NAMED)
         print("nothing written: fix the paths, or pass --skip-unreadable to leave these images out")
         return EXIT_SOME_FAILED
     images = [im for im in source.images if im.path not in problems and im.captions]
@@ -256,7 +252,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
     vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
                         tokenizer=tokenizer)
-    for line in summary_lines(d, splits, len(vocab), kept):
+    for line in summary_lines(d, splits, vocab, kept):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})
     preprocess = Preprocess(size=(cfg.model.image_size,) * 2, resize=cfg.model.resize)
@@ -265,12 +261,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not problems:
         print(f"all {len(paths):,} images found and decoded")
         return 0
-    print(f"{len(problems):,} of {len(paths):,} images cannot be used:")
-    for path, reason in list(problems.items())[:MAX_LISTED]:
-        print(f"  {path}: {reason}")
-    if len(problems) > MAX_LISTED:
-        print(f"  ... and {len(problems) - MAX_LISTED:,} more")
+    print_unusable(problems, len(paths), MAX_LISTED)
     return 1
+
+
+def print_unusable(problems: dict[str, str], total: int, limit: int) -> None:
+    """The images that cannot be used, each with its reason, the first ``limit`` of them."""
+    print(f"{len(problems):,} of {total:,} images cannot be used:")
+    for path, reason in list(problems.items())[:limit]:
+        print(f"  {path}: {reason}")
+    if len(problems) > limit:
+        print(f"  ... and {len(problems) - limit:,} more")
 
 
 def main(argv: list[str] | None = None) -> int:

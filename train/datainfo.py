@@ -7,8 +7,9 @@ import json
 import re
 from pathlib import Path
 
-from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, TrainingCaptions, dataset_tokenizer
+from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, TrainingCaptions
 from captioner.bundled import SYNTHETIC_SHAPES
+from captioner.vocab import Vocabulary
 
 from .config import DataConfig
 
@@ -67,11 +68,12 @@ def training_data_name(d: DataConfig) -> str:
     return f"{name}, split {d.train_split}"
 
 
-def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab_size: int,
+def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab: Vocabulary,
                   kept: TrainingCaptions, unreadable: dict[str, int] | None = None) -> list[str]:
     """What a run trains and validates on, a line per item: shared by `data check` and training.
     ``kept``: the training captions, with those left out for having over ``data.max_caption_len``
-    words or none at all; ``unreadable``: split -> images left out as unreadable."""
+    words or none at all; ``unreadable``: split -> images left out as unreadable. ``vocab``: the
+    run's (its size, and the tokenizer it was built with: a resumed run's is its checkpoint's)."""
     source = f" (split file {d.split_file})" if d.split_file else ""
     lines = [f"data: {d.dir}{source}"]
     for name, records in splits.items():
@@ -91,9 +93,9 @@ def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab_siz
             line += f"; {_count(unreadable[name], 'unreadable image')} left out"
         lines.append(line)
     limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
-    tokenizer = dataset_tokenizer(d.dir, d.split_file, d.train_split)
+    tokenizer = vocab.tokenizer.name
     tokens = {"chars": "characters", "whitespace": "words split at spaces"}.get(tokenizer, "words")
-    lines.append(f"vocabulary: {vocab_size:,} {tokens} (tokenizer {tokenizer}, min_count {d.min_count}{limit}, "
+    lines.append(f"vocabulary: {len(vocab):,} {tokens} (tokenizer {tokenizer}, min_count {d.min_count}{limit}, "
                  "with 4 special tokens)")
     return lines
 

@@ -8,7 +8,8 @@ with the best validation score, from real decoding).
 A run in its parts, in the order ``train`` takes them: ``build_run`` (data, model, optimiser,
 objectives: a ``Run``), ``restore`` (resuming: a ``TrainState`` and the saved states put
 back), ``open_run`` (the run folder, the training set), then ``run_epochs``: ``run_epoch``
-after ``run_epoch``, with ``validate`` (best.pt) and ``save`` (last.pt) at each epoch's end.
+after ``run_epoch``, with ``validate`` (best.pt) and ``save`` (last.pt) at each epoch's end;
+at a finished run's end, ``record_familiarity`` adds the training images' features to both.
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ def record_familiarity(run: Run) -> None:
         record = next((r for e, r in done if all(torch.equal(e[k], v) for k, v in encoder.items())), None)
         if record is None:
             cap = Captioner.from_checkpoint(ckpt, run.ctx.device)
-            record = training_features(cap, run.train_records, data=data, progress=run.progress).to_dict()
+            record = training_features(cap, run.train_records, data=data, progress=run.progress,
+                                       workers=run.cfg.data.loader_workers()).to_dict()
             done.append((encoder, record))
         ckpt["familiarity"] = record
         try:
@@ -666,7 +668,7 @@ def _print_summary(run: Run) -> None:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     threads = torch.get_num_threads()
-    lines = summary_lines(run.cfg.data, run.splits, len(run.captioner.vocab), run.kept, run.left_out) + [
+    lines = summary_lines(run.cfg.data, run.splits, run.captioner.vocab, run.kept, run.left_out) + [
         f"model: {m.attention} attention, {m.encoder} encoder"
         f"{' (ImageNet weights)' if m.encoder_pretrained else ''}, {total:,} parameters ({trainable:,} trained)",
         f"device: {run.ctx.device}, {threads} thread{'s' if threads != 1 else ''}"

@@ -32,7 +32,7 @@ class LossParts:
     tokens: torch.Tensor | int
     sampled: bool | None = None  # hard attention: this minibatch used a sampled context
     baseline: float | None = None
-    entropy: float | None = None
+    entropy: torch.Tensor | float | None = None  # hard attention: a device tensor, like nll
     reward: float | None = None  # self-critical training: the mean reward of the samples
 
 

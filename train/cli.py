@@ -56,6 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--config does not go with --resume: a run goes on with its own config "
                          f"({args.resume / 'config.toml'}); --set may change {', '.join(ON_RESUME)}")
     notes: list[str] = []
+    last = None
     try:
         if args.resume is not None:
             run_dir = args.resume
@@ -63,8 +64,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 if item.split("=", 1)[0] not in ON_RESUME:
                     raise ValueError(f"--set {item}: a resumed run keeps its config; --set may change "
                                      f"{', '.join(ON_RESUME)} (start a new run for the rest)")
-            saved = load_checkpoint(run_dir / "last.pt")["train_state"]["config"]
-            cfg = apply_overrides(TrainConfig.from_dict(saved), args.overrides)
+            last = load_checkpoint(run_dir / "last.pt")  # read once: train() takes it as it is
+            cfg = apply_overrides(TrainConfig.from_dict(last["train_state"]["config"]), args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
             with open(args.config, "rb") as f:
@@ -80,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"captioner train: note: {note}", file=sys.stderr)
     try:
-        outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet)
+        outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet, last=last)
     except (StartupError, RunWriteError) as e:
         # Under torchrun every rank stops on the same error: rank 0 says it.
         if is_main_process():

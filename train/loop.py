@@ -290,14 +290,17 @@ class RunFiles:
                 pass
 
 
-def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progress: bool = True) -> TrainOutcome:
-    """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly.
+def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progress: bool = True,
+          last: dict | None = None) -> TrainOutcome:
+    """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly
+    (``last``: that file's contents, when the caller has read it already: a COCO run's last.pt
+    with its optimiser state is large).
 
     Under torchrun every rank calls this: each trains on its share of every global batch
     (DistributedDataParallel averages the gradients), rank 0 validates and writes."""
     ckpt = None
     if resume:
-        ckpt = load_checkpoint(run_dir / "last.pt")
+        ckpt = last if last is not None else load_checkpoint(run_dir / "last.pt")
         if "train_state" not in ckpt:
             raise ValueError(f"{run_dir / 'last.pt'} has no training state to resume from")
         cfg = cfg if cfg is not None else TrainConfig.from_dict(ckpt["train_state"]["config"])

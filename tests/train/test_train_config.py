@@ -389,3 +389,27 @@ def test_set_name_renames_the_run(tmp_path, monkeypatch):
     assert new_run_dir(cfg, tmp_path).name.startswith("own-")
     with pytest.raises(ValueError, match="name must not be empty"):
         load_config(None, ["name="])
+
+
+def test_a_resume_reads_last_pt_once(tiny_coco, tmp_path, monkeypatch, capsys):
+    """`captioner train --resume` takes the run's config from last.pt and hands the file's
+    contents on to training rather than reading it again (a COCO run's last.pt, optimiser state
+    and all, is large)."""
+    import captioner.checkpoint
+    from captioner.train import loop
+
+    code, _ = _train_cli(tmp_path, tiny_coco, "", "val.every_epochs=1000")
+    assert code == 0
+    reads = []
+    real = captioner.checkpoint.load_checkpoint
+
+    def counted(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(captioner.checkpoint, "load_checkpoint", counted)
+    monkeypatch.setattr(loop, "load_checkpoint", counted)
+    # The run is finished: the resume stops before training, so every read is start-up's.
+    assert captioner_main(["train", "--resume", str(tmp_path / "run"), "--quiet"]) == 0
+    assert "already finished" in capsys.readouterr().err
+    assert reads == ["last.pt"]

@@ -91,3 +91,10 @@ def one_and_two_ranks(tiny_coco, tmp_path, **sets):
     for k, v in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5)
     return cfg, a, b
+
+
+def one_line(err: str) -> str:
+    """The one non-blank line of ``err`` (a refusal's stderr), which holds no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -196,13 +197,33 @@ def test_a_broken_upload_shows_an_error_not_a_traceback(page, tmp_path):
 
 @pytest.mark.skipif(not (bundled.DEMOS["demo-soft"].path).is_file(),
                     reason="the bundled demo model is not installed")
-def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_path):
+@contextmanager
+def _fresh_page(browser, server):
+    """A page in a context of its own (1400 px wide) on the app, demo-soft's first example captioned."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
     try:
         page = context.new_page()
         page.set_default_timeout(90_000)
-        page.goto(server)  # the default model is demo-soft, and the first example is captioned
+        page.goto(server)
         page.get_by_text(" · demo-soft · beam ").wait_for()
+        yield page
+    finally:
+        context.close()
+
+
+def _screenshot_when_drawn(page, env: str, fallback: Path) -> None:
+    """Once the word picker and every map are drawn: the whole page to the file $``env`` names,
+    else ``fallback`` (the file named on stdout)."""
+    shot = Path(os.environ.get(env) or fallback)
+    page.locator("label.cell").first.wait_for()
+    page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
+    _screenshot(page, shot)
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+
+
+def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_path):
+    with _fresh_page(browser, server) as page:  # the default model, demo-soft, its first example
         _wait_idle(page)
         notice = page.get_by_test_id("stAlertContentWarning").filter(has_text="trained on synthetic shapes only")
         assert notice.count() == 1 and notice.is_visible()
@@ -212,14 +233,7 @@ def test_the_demo_model_shows_its_notice_in_the_browser(browser, server, tmp_pat
         card = page.get_by_test_id("stSidebar").locator(".st-key-model_card")
         assert "Trained on: synthetic shapes only" in card.inner_text()
 
-        page.locator("label.cell").first.wait_for()
-        page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
-        shot = Path(os.environ.get("CAPTIONER_DEMO_SCREENSHOT") or tmp_path / "app-demo.png")
-        _screenshot(page, shot)
-        print(f"screenshot: {shot}")
-        assert shot.stat().st_size > 10_000
-    finally:
-        context.close()
+        _screenshot_when_drawn(page, "CAPTIONER_DEMO_SCREENSHOT", tmp_path / "app-demo.png")
 
 
 @pytest.mark.skipif(not (bundled.DEMOS["demo-zh"].path).is_file(),
@@ -229,26 +243,14 @@ def test_the_chinese_demo_captions_in_chinese_in_the_browser(browser, server, tm
     spaces, its word picker one character a pill. The screenshot is docs/app-demo-zh.png."""
     import re
 
-    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
-    try:
-        page = context.new_page()
-        page.set_default_timeout(90_000)
-        page.goto(server)
-        page.get_by_text(" · demo-soft · beam ").wait_for()
+    with _fresh_page(browser, server) as page:
         page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
         page.get_by_role("option", name="demo-zh", exact=True).click()
         page.get_by_text(" · demo-zh · beam ").wait_for()
         _wait_idle(page)
         caption = page.locator(".st-key-caption").inner_text().strip()
         assert re.fullmatch(r"[\u4e00-\u9fff]{6,}", caption), caption  # characters, no spaces
-        page.locator("label.cell").first.wait_for()
-        page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
-        shot = Path(os.environ.get("CAPTIONER_DEMO_ZH_SCREENSHOT") or tmp_path / "app-demo-zh.png")
-        _screenshot(page, shot)
-        print(f"screenshot: {shot}")
-        assert shot.stat().st_size > 10_000
-    finally:
-        context.close()
+        _screenshot_when_drawn(page, "CAPTIONER_DEMO_ZH_SCREENSHOT", tmp_path / "app-demo-zh.png")
 
 
 PHOTO = Path(__file__).parents[1] / "fixtures" / "photos" / "coco" / "train2014" / "COCO_train2014_000000000009.jpg"
@@ -257,12 +259,7 @@ PHOTO = Path(__file__).parents[1] / "fixtures" / "photos" / "coco" / "train2014"
 @pytest.mark.skipif(not (bundled.DEMOS["demo-soft"].path).is_file(),
                     reason="the bundled demo model is not installed")
 def test_a_photograph_is_flagged_unfamiliar_beside_the_notice_in_the_browser(browser, server, tmp_path):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
-    try:
-        page = context.new_page()
-        page.set_default_timeout(90_000)
-        page.goto(server)  # demo-soft, the first example: shapes, familiar
-        page.get_by_text(" · demo-soft · beam ").wait_for()
+    with _fresh_page(browser, server) as page:  # demo-soft, the first example: shapes, familiar
         _wait_idle(page)
         unlike = page.get_by_test_id("stAlertContentWarning").filter(has_text="unlike the pictures")
         assert unlike.count() == 0
@@ -275,14 +272,7 @@ def test_a_photograph_is_flagged_unfamiliar_beside_the_notice_in_the_browser(bro
         shaded = page.locator(".captioner-probs .word-prob")
         assert shaded.count() == len(page.locator(".st-key-caption h2").inner_text().split())
         assert shaded.first.get_attribute("title").startswith("p = ")
-        page.locator("label.cell").first.wait_for()
-        page.wait_for_function("() => !document.querySelector('[data-testid=stSkeleton]')")
-        shot = Path(os.environ.get("CAPTIONER_PHOTO_SCREENSHOT") or tmp_path / "app-photo.png")
-        _screenshot(page, shot)
-        print(f"screenshot: {shot}")
-        assert shot.stat().st_size > 10_000
-    finally:
-        context.close()
+        _screenshot_when_drawn(page, "CAPTIONER_PHOTO_SCREENSHOT", tmp_path / "app-photo.png")
 
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}

@@ -34,6 +34,11 @@ def test_chinese_words_are_drawn_as_glyphs_not_empty_boxes():
     assert (figure(list("圆形")) != figure(list("方形"))).any()
 
 
-def test_english_figures_keep_the_default_font():
+def test_english_figures_keep_the_default_font(monkeypatch):
+    from captioner import overlay
+
     a, b = figure(["red"]), figure(["red"])
     assert (a == b).all() and (figure(["red"]) != figure(["blue"])).any()
+    # With no CJK font to be found, an English figure is drawn exactly as with one: it never used it.
+    monkeypatch.setattr(overlay, "cjk_font_file", lambda: None)
+    assert (figure(["red"]) == a).all()

@@ -12,6 +12,7 @@ from PIL import Image
 from captioner.cli import main as captioner_main
 from captioner.data.coco import dataset_tokenizer, load_split
 from captioner.train.data_cli import main as data_main
+from tests.builders import one_line
 
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (200, 30, 200), (30, 200, 200)]
 
@@ -115,9 +116,7 @@ def test_the_split_is_a_seeded_draw(tmp_path):
 
 
 def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    return err
+    return one_line(capsys.readouterr().err)
 
 
 def test_a_source_that_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):

@@ -54,8 +54,10 @@ def test_a_run_started_on_the_cpu_and_resumed_on_a_gpu_says_what_it_lacks(monkey
 
 def test_a_gpu_run_resumed_on_the_cpu_restores_the_cpu_and_says_the_gpu_is_left(monkeypatch):
     state = {**_rng_state(CPU), "cuda": FAKE_CUDA_STATE}
+    expected = torch.rand(3), random.random()
     lost = _set_rng_state(state, CPU)
     assert len(lost) == 1 and "resumed on the CPU" in lost[0]
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]  # the CPU's restored
 
 
 def test_scst_sampler_from_another_kind_of_device_starts_from_its_seed():

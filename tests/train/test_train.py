@@ -243,8 +243,11 @@ def test_a_finished_run_records_its_training_images_features_with_each_checkpoin
     from captioner.familiarity import TrainingFeatures, training_features
 
     run = tmp_path / "run"
-    train(tiny_train_config(tiny_coco, **{"optim.epochs": 2, "val.every_epochs": 1}), run, progress=False)
+    train(tiny_train_config(tiny_coco, **{"optim.epochs": 4, "val.every_epochs": 1}), run, progress=False)
     records = load_split(tiny_coco, "train")
+    best, last = (load_checkpoint(run / name)["state_dict"] for name in ("best.pt", "last.pt"))
+    # Two encoders, so that each file's record must come from its own, not the other's.
+    assert any(not torch.equal(best[k], last[k]) for k in best if k.startswith("encoder."))
     for name in ("best.pt", "last.pt"):
         ckpt = load_checkpoint(run / name)
         record = TrainingFeatures.from_dict(ckpt["familiarity"])

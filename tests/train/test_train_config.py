@@ -16,7 +16,7 @@ from captioner.train.config import (SET_BY_THE_RUN, HardConfig, ModelSection, Mo
                           apply_overrides, load_config, model_config, read_config, to_toml)
 from captioner.train.losses import REDUCTIONS, REWARDS
 from captioner.train.precision import PRECISIONS
-from tests.builders import tiny_train_config
+from tests.builders import one_line, tiny_train_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "train" / "configs").glob("*.toml"))
 
@@ -171,7 +171,7 @@ def test_overrides_are_typed_and_checked(tmp_path):
     assert cfg.model.attention == "hard"
 
 
-def test_captioner_train_refuses_an_unknown_choice_in_one_line(tmp_path, capsys):
+def test_captioner_train_refuses_an_unknown_choice_inone_line(tmp_path, capsys):
     code = captioner_main(["train", "--config", "train/configs/shapes-soft.toml", "--run-dir", str(tmp_path / "r"),
                            "--set", "model.attention=sideways"])
     err = capsys.readouterr().err.strip()
@@ -223,7 +223,7 @@ def test_a_cycle_of_bases_is_refused_naming_it(tmp_path):
         load_config(tmp_path / "self.toml")
 
 
-def test_a_missing_or_malformed_base_is_one_line(tmp_path, capsys):
+def test_a_missing_or_malformed_base_isone_line(tmp_path, capsys):
     (tmp_path / "x.toml").write_text('base = "nowhere.toml"\n')
     with pytest.raises(ValueError, match=r"x.toml: base 'nowhere.toml' is not a file \(.*nowhere.toml\)$"):
         load_config(tmp_path / "x.toml")
@@ -276,12 +276,6 @@ def _train_cli(tmp_path, data_dir, text: str = "", *sets: str, config=None) -> t
     return code, time.perf_counter() - start
 
 
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 @pytest.mark.parametrize("setting, words", [
     ("val.metric=BLEU4", "'BLEU4' is not a figure validation gives; did you mean BLEU-4?"),
     ("val.metric=min:CIDEr,pointing", "'pointing' is not a figure validation gives"),
@@ -301,7 +295,7 @@ def test_a_value_the_run_cannot_use_is_one_line_before_any_data_is_read(tiny_coc
                                                                          setting, words):
     """Each of these used to pass and end in a traceback at the first step or validation."""
     code, seconds = _train_cli(tmp_path, tiny_coco, "", setting)
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2 and words in line, line
     assert not (tmp_path / "run").exists()
     assert seconds < 5
@@ -335,7 +329,7 @@ def test_a_value_the_chosen_model_ignores_is_refused_in_one_line_saying_why(tiny
     code, seconds = _train_cli(tmp_path, tiny_coco, text.replace("[model]\n", ""), *sets) \
         if "[model]" not in text else _train_cli(tmp_path, tiny_coco, "", *sets, config=_with_model(
             tmp_path, tiny_coco, text))
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2 and words in line, line
     assert not (tmp_path / "run").exists() and seconds < 5
 

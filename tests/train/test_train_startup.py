@@ -21,7 +21,7 @@ from captioner.cli import main as captioner_main
 from captioner.data.coco import load_split
 from captioner.train.config import DataConfig, to_toml
 from captioner.train.data_cli import main as data_main
-from tests.builders import coco_config, tiny_train_config
+from tests.builders import coco_config, one_line, tiny_train_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "train" / "configs"
@@ -35,12 +35,6 @@ def _damage(photos: Path) -> Path:
     return path
 
 
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def _cached(**extra):
     return {"data__feature_cache": True, "model__freeze_encoder": True, **extra}
 
@@ -52,7 +46,7 @@ def test_a_damaged_training_image_stops_training_at_start_up_in_one_line_leaving
     config = coco_config(tmp_path, photos, **(_cached() if cache else {}))
     run = tmp_path / "run"
     code = captioner_main(["train", "--config", str(config), "--run-dir", str(run), *WHOLE_EPOCH, "--quiet"])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2
     assert DAMAGED in line and "truncated" in line
     assert "data.skip_unreadable" in line  # how to go on without it
@@ -125,12 +119,12 @@ def test_a_read_only_run_folder_is_one_line_for_a_new_run_and_for_a_resumed_one(
     _ReadOnly(monkeypatch, tmp_path / "shelf")
     new = tmp_path / "shelf" / "new-run"
     assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(new), "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert str(new) in line and "Read-only file system" in line
     assert not new.exists()
 
     assert captioner_main(["train", "--resume", str(old), "--set", "optim.max_steps=4", "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert str(old) in line and "Read-only file system" in line
     assert (old / "last.pt").read_bytes() == before
 
@@ -185,7 +179,7 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_last_checkpoint_stays_int
     assert sorted(p.name for p in run.iterdir()) == ["config.toml", "last.pt", "metrics.jsonl"]  # no temporary file
 
 
-def test_a_feature_cache_that_does_not_fit_on_the_disk_is_one_line(tmp_path, photos, capsys, monkeypatch):
+def test_a_feature_cache_that_does_not_fit_on_the_disk_isone_line(tmp_path, photos, capsys, monkeypatch):
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -329,10 +323,10 @@ def test_resume_refuses_another_config_and_changes_beyond_the_run_s_length(tiny_
     capsys.readouterr()
 
     assert captioner_main(["train", "--resume", str(run), "--config", str(other), "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "--config does not go with --resume" in line and "optim.max_steps" in line
     assert captioner_main(["train", "--resume", str(run), "--set", "optim.lr=0.5", "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "--set optim.lr=0.5: a resumed run keeps its config" in line
     assert (run / "last.pt").read_bytes() == before  # nothing merged, nothing trained
 
@@ -348,7 +342,7 @@ def test_shapes_are_generated_only_into_an_empty_folder_or_a_shapes_one(tmp_path
              "--set", "val.limit=2"]  # short, were it to run
     code = captioner_main(["train", "--config", str(CONFIGS / "shapes-soft.toml"), "--run-dir",
                            str(tmp_path / "run"), "--set", f"data.dir={photos}", *small, "--quiet"])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2 and "holds files that are not generated shapes (such as" in line and "holiday.jpg" in line
     assert sorted(p.name for p in photos.iterdir()) == ["holiday.jpg"]
     assert not (tmp_path / "run").exists()
@@ -394,7 +388,7 @@ def test_init_from_takes_a_bundled_name_or_a_path_beside_the_config_from_any_fol
     capsys.readouterr()
     code = captioner_main(["train", "--config", str(CONFIGS / "shapes-scst.toml"), "--set",
                            f"data.dir={tmp_path / 'shapes'}", "--set", "model.init_from=runs/nope/best.pt", "--quiet"])
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert code == 2 and "model.init_from: no such checkpoint runs/nope/best.pt" in line and "demo-soft" in line
     assert not (tmp_path / "shapes").exists() and not (elsewhere / "runs").exists()
 
@@ -412,17 +406,17 @@ def test_a_pretrained_encoder_offline_is_one_line_naming_the_file_and_the_key(ti
     cfg_path = _tiny_run(tiny_coco, tmp_path, **{"model.encoder": "resnet18", "model.encoder_pretrained": True})
     run = tmp_path / "run"
     assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert str(tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-") in line
     assert "https://download.pytorch.org/models/resnet18-" in line
     assert "--set model.encoder_pretrained=false" in line and "set pretrained = false" not in line
     assert not run.exists()
 
 
-def test_a_vocabulary_of_special_tokens_only_is_refused_in_one_line(tiny_coco, tmp_path, capsys):
+def test_a_vocabulary_of_special_tokens_only_is_refused_inone_line(tiny_coco, tmp_path, capsys):
     cfg_path = _tiny_run(tiny_coco, tmp_path, **{"data.min_count": 50})
     run = tmp_path / "run"
     assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "the vocabulary has no words" in line and "data.min_count = 50" in line
     assert not run.exists()

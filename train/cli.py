@@ -45,7 +45,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from captioner.cli import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
 
-    from .config import TrainConfig, apply_overrides, check_ignored, load_config, read_config, written_keys
+    from .config import TrainConfig, apply_overrides, check_ignored, read_config, written_keys
     from .data_cli import require_data
     from .loop import RunWriteError, new_run_dir, outcome_line, train
     from .startup import StartupError, check_new_run
@@ -67,11 +67,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             last = load_checkpoint(run_dir / "last.pt")  # read once: train() takes it as it is
             cfg = apply_overrides(TrainConfig.from_dict(last["train_state"]["config"]), args.overrides)
         else:
-            cfg = load_config(args.config, args.overrides)
+            merged = read_config(args.config)  # the file over its bases, read once
+            in_chain = written_keys(merged)
+            cfg = apply_overrides(TrainConfig.from_dict(merged), args.overrides)
             with open(args.config, "rb") as f:
-                stated = written_keys(tomllib.load(f))
+                stated = written_keys(tomllib.load(f))  # the file's own keys, beside its bases'
             overridden = {item.split("=", 1)[0] for item in args.overrides}
-            notes = check_ignored(cfg, stated, written_keys(read_config(args.config)), overridden)
+            notes = check_ignored(cfg, stated, in_chain, overridden)
             check_new_run(cfg, args.config)
             run_dir = args.run_dir or new_run_dir(cfg)
         require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later

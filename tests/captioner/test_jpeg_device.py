@@ -145,3 +145,16 @@ def test_without_batch_size_a_gpu_takes_larger_batches_than_a_cpu(tmp_path, weig
         assert main(["caption", str(tmp_path / "a.png"), "--weights", weights, "--device", "cpu", "--quiet",
                      "--out", str(tmp_path / f"o{len(extra)}.jsonl"), *extra]) == 0
     assert seen == [16, 3]
+
+
+def test_a_jpeg_exactly_at_the_pixel_limit_is_left_to_the_device(tmp_path):
+    """The limit is the most pixels allowed, as on the CPU path (``Preprocess.load``): an image
+    of exactly that many is decoded, on the device as there; one pixel fewer allowed and the
+    CPU path takes it (and refuses it)."""
+    path = _jpeg(tmp_path / "rgb.jpg", Image.new("RGB", (40, 30), "red"))
+    assert plain_jpeg(path, 40 * 30) is not None
+    assert plain_jpeg(path, 40 * 30 - 1) is None
+    pre = Preprocess(size=(16, 16))
+    pre.load(path, 40 * 30)  # the CPU path draws the line at the same place
+    with pytest.raises(Exception, match="pixels"):
+        pre.load(path, 40 * 30 - 1)

@@ -115,3 +115,144 @@ def test_hidden_files_beside_generated_shapes_are_not_taken_for_other_files(tmp_
         stray.unlink()
     (folder / "notes.txt").write_text("mine")  # ignored when shapes are not generated
     check_shapes_folder(DataConfig(dir=str(folder), generate_shapes=False))
+
+
+def test_a_relative_checkpoint_is_found_in_the_working_folder_first_then_beside_the_config(tmp_path, monkeypatch):
+    from captioner.train.startup import resolve_checkpoint
+
+    work, configs = tmp_path / "work", tmp_path / "configs"
+    work.mkdir()
+    configs.mkdir()
+    (configs / "start.pt").write_bytes(b"beside the config")
+    monkeypatch.chdir(work)
+    config = configs / "run.toml"
+    assert resolve_checkpoint("model.init_from", "start.pt", config) == str(configs / "start.pt")
+    (work / "start.pt").write_bytes(b"in the working folder")
+    assert resolve_checkpoint("model.init_from", "start.pt", config) == str(work / "start.pt")
+    assert resolve_checkpoint("model.init_from", "start.pt", None) == str(work / "start.pt")
+    assert resolve_checkpoint("model.init_from", str(configs / "start.pt"), None) == str(configs / "start.pt")
+    assert resolve_checkpoint("model.init_from", "", config) == ""
+    assert resolve_checkpoint("model.init_from", "demo-soft", config) == "demo-soft"
+
+    with pytest.raises(StartupError) as caught:
+        resolve_checkpoint("model.encoder_from", "nope.pt", None)
+    message = str(caught.value)
+    assert message.startswith("model.encoder_from: no such checkpoint nope.pt (looked in ")
+    assert str(work) in message and str(configs) not in message and "demo-soft" in message
+    with pytest.raises(StartupError) as caught:
+        resolve_checkpoint("model.init_from", str(tmp_path / "gone.pt"), config)
+    assert "looked in" not in str(caught.value)  # an absolute path is looked for where it says
+
+
+def test_shapes_already_generated_are_not_generated_again(tmp_path, monkeypatch):
+    import captioner.data.shapes
+    from captioner.train.startup import prepare_data
+
+    made = []
+    monkeypatch.setattr(captioner.data.shapes, "generate_dataset", lambda out, *a, **kw: made.append(out))
+    folder = tmp_path / "shapes"
+    cfg = load_config(None, [f"data.dir={folder}", "data.generate_shapes=true"])
+    prepare_data(cfg)
+    assert made == [folder]
+    folder.mkdir()
+    (folder / "captions_train.json").write_text("{}")
+    prepare_data(cfg)
+    prepare_data(load_config(None, [f"data.dir={tmp_path / 'mine'}"]))  # not asked for
+    assert made == [folder]
+
+
+def test_data_dir_naming_a_file_is_refused_before_shapes_are_generated(tmp_path):
+    (tmp_path / "data").write_text("a file")
+    with pytest.raises(StartupError, match="is a file, not a folder"):
+        check_shapes_folder(DataConfig(dir=str(tmp_path / "data"), generate_shapes=True))
+
+
+def test_the_unreadable_images_message_names_ten_and_counts_the_rest():
+    from captioner.train.startup import LISTED, _unreadable_message
+
+    def broken(n):
+        return {Path(f"img{i:02d}.jpg"): "truncated" for i in range(n)}
+
+    one = _unreadable_message(broken(1))
+    assert one.startswith("1 image cannot be read: img00.jpg (truncated). Replace or remove it ")
+    assert one.endswith("or train without it: --set data.skip_unreadable=true")
+    ten = _unreadable_message(broken(LISTED))
+    assert LISTED == 10 and "img09.jpg (truncated). Replace or remove them" in ten and "more" not in ten
+    eleven = _unreadable_message(broken(11))
+    assert eleven.startswith("11 images cannot be read: ") and "img09.jpg (truncated); and 1 more." in eleven
+    assert "img10.jpg" not in eleven
+    assert "and 1,490 more" in _unreadable_message(broken(1500))
+
+
+def test_a_resumed_run_s_tokenizer_is_its_checkpoint_s_and_an_unknown_one_is_one_line(tiny_coco):
+    from captioner.train.startup import data_tokenizer
+    from captioner.vocab import DEFAULT_TOKENIZER, tokenizer_named
+    from tests.builders import tiny_train_config
+
+    cfg = tiny_train_config(tiny_coco)
+    assert data_tokenizer(cfg) is tokenizer_named(DEFAULT_TOKENIZER)
+    assert data_tokenizer(cfg, {}) is tokenizer_named(DEFAULT_TOKENIZER)
+    with pytest.raises(StartupError, match=f"{tiny_coco} names an unknown tokenizer 'klingon'"):
+        data_tokenizer(cfg, {"tokenizer": "klingon"})
+
+
+def test_take_back_keeps_only_a_complete_feature_cache(tmp_path):
+    from captioner.train.startup import take_back
+
+    run = tmp_path / "run"
+    (run / "sub").mkdir(parents=True)
+    (run / "sub" / "x").write_text("x")
+    (run / "config.toml").write_text("")
+    (run / "features-a.json").write_text('{"complete": true}')
+    (run / "features-a.f16").write_bytes(b"\0" * 8)
+    (run / "features-b.json").write_text('{"complete": false}')
+    (run / "features-b.f16").write_bytes(b"\0" * 8)
+    (run / "features-c.json").write_text("{not json")
+    take_back(run)
+    assert sorted(p.name for p in run.iterdir()) == ["features-a.f16", "features-a.json"]
+
+    (run / "features-a.json").write_text("{}")  # not complete: everything goes, the folder too
+    take_back(run)
+    assert not run.exists()
+    take_back(run)  # gone already: nothing to do
+
+
+def _saved(tmp_path, name: str, ckpt: dict) -> str:
+    path = tmp_path / name
+    torch.save(ckpt, path)
+    return str(path)
+
+
+def test_init_from_refuses_a_file_that_is_no_checkpoint_or_does_not_fit(tmp_path):
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    with pytest.raises(StartupError, match="^model.init_from: "):
+        _init_from(CaptionModel(tiny_config()), tiny_vocab(), str(tmp_path / "notes.pt"))
+    tiny_captioner(seed=1).save(tmp_path / "source.pt")
+    with pytest.raises(StartupError, match="does not fit this model"):
+        _init_from(CaptionModel(tiny_config(hidden_dim=20)), tiny_vocab(), str(tmp_path / "source.pt"))
+
+
+def test_encoder_from_copies_the_encoder_only_and_refuses_another_encoder(tmp_path):
+    from captioner.checkpoint import load_checkpoint
+    from captioner.train.startup import _encoder_from
+
+    tiny_captioner(seed=1).save(tmp_path / "source.pt")
+    ckpt = load_checkpoint(tmp_path / "source.pt")
+    torch.manual_seed(5)
+    model = CaptionModel(tiny_config(hidden_dim=20))  # another decoder, the same encoder
+    decoder = {k: v.clone() for k, v in model.decoder.state_dict().items()}
+    _encoder_from(model, str(tmp_path / "source.pt"))
+    theirs = {k.removeprefix("encoder."): v for k, v in ckpt["state_dict"].items() if k.startswith("encoder.")}
+    assert theirs and all(torch.equal(model.encoder.state_dict()[k], v) for k, v in theirs.items())
+    assert all(torch.equal(model.decoder.state_dict()[k], v) for k, v in decoder.items())
+
+    other = dict(ckpt, model_config={**ckpt["model_config"], "encoder": "resnet18"})
+    with pytest.raises(StartupError, match="has the encoder 'resnet18', this model 'small'"):
+        _encoder_from(model, _saved(tmp_path, "other.pt", other))
+    first = next(k for k in ckpt["state_dict"] if k.startswith("encoder."))
+    short = dict(ckpt, state_dict={k: v for k, v in ckpt["state_dict"].items() if k != first})
+    with pytest.raises(StartupError, match="encoder does not fit this model"):
+        _encoder_from(model, _saved(tmp_path, "short.pt", short))
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    with pytest.raises(StartupError, match="^model.encoder_from: "):
+        _encoder_from(model, str(tmp_path / "notes.pt"))

@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES: dict[str, list[str]] = {
     "train/startup.py": ["tests/train/test_train_startup.py", "tests/train/test_startup_edges.py"],
     "train/config.py": ["tests/train/test_train_config.py", "tests/train/test_config_edges.py"],
-    "captioner/batch.py": ["tests/captioner/test_batch.py", "tests/captioner/test_caption_resume.py"],
+    "captioner/batch.py": ["tests/captioner/test_batch.py", "tests/captioner/test_caption_resume.py",
+                           "tests/captioner/test_cli_caption.py"],
     "captioner/jpeg_device.py": ["tests/captioner/test_jpeg_device.py"],
     "captioner/familiarity.py": ["tests/captioner/test_familiarity.py"],
     "captioner/decoding.py": ["tests/captioner/test_decoding.py"],
@@ -226,6 +227,10 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
                         outcome.killed += 1
                         outcome.timeouts += result.output == "timeout"
                     outcome.run += 1
+                    print(f"  [{outcome.run}/{len(chosen)}] line {item.mutations[0].start_pos[0]} "
+                          f"{item.mutations[0].operator_name.removeprefix('core/')}: "
+                          f"{'survived' if result.test_outcome == TestOutcome.SURVIVED else 'killed'}",
+                          file=sys.stderr, flush=True)
             pool.shutdown()
         outcome.survivors.sort(key=lambda s: int(s.split()[1].rstrip(":")))
         for copy in copies:  # the copy must still hold the module as it was

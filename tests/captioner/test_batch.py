@@ -60,3 +60,43 @@ def test_the_lines_resume_matches_on_and_those_it_passes_over(tmp_path):
     assert read_resume(out).done == {resume_key(str(a))}
     assert out.read_text().endswith("not json\n")  # the torn line is gone from the file
     assert plan_resume([str(a), str(moved)], read_resume(out)).todo == [str(moved)]
+
+
+def test_discover_walks_folders_sorted_once_each_and_names_every_missing_path(tmp_path):
+    import os
+
+    import pytest
+
+    from captioner.batch import discover
+
+    root = tmp_path / "photos"
+    (root / "b").mkdir(parents=True)
+    (root / "a").mkdir()
+    for rel in ("b/2.PNG", "b/1.jpg", "a/z.jpeg", "top.png", "notes.txt", "a/.hidden.txt"):
+        (root / rel).write_bytes(b"")
+    (root / "a" / "loop").symlink_to(root, target_is_directory=True)  # a link back up: entered once only
+    (tmp_path / "named.dat").write_bytes(b"")
+    found = discover([str(root), str(tmp_path / "named.dat")])
+    assert found.images == [os.path.join(str(root), "top.png"), *(os.path.join(str(root), p) for p in (
+        "a/z.jpeg", "b/1.jpg", "b/2.PNG")), str(tmp_path / "named.dat")]  # a file named is tried whatever it is
+    assert found.skipped == 2
+    with pytest.raises(FileNotFoundError, match=r"^no such file or folder: .*gone1, .*gone2$"):
+        discover([str(root), str(tmp_path / "gone1"), str(tmp_path / "gone2")])
+
+
+def test_merged_parts_keep_one_line_per_image_and_the_caption_over_the_error(tmp_path):
+    from captioner.batch import compact, merge_parts, part_path
+
+    out = tmp_path / "out.jsonl"
+    a, b, c = (_caption(tmp_path / f"{n}.png") for n in "abc")
+    _write(out, {"image": a["image"], "error": "broken"}, c)
+    _write(part_path(out, 0), a, {"note": "not a record"})
+    _write(part_path(out, 1), {"image": b["image"], "error": "broken"}, dict(c, caption="newer"))
+    part_path(out, 1).write_text(part_path(out, 1).read_text() + '{"image": "torn')
+    assert part_path(out, 1).name == "out.jsonl.part1"
+    assert merge_parts(out) == 3  # a, b's error, c's newer caption: the torn line and the note are not records
+    assert not list(tmp_path.glob("*.part*"))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines == [a, {"image": b["image"], "error": "broken"}, dict(c, caption="newer")]
+    assert compact(out) == 0  # one line per image already: the file is left as it is
+

@@ -45,3 +45,60 @@ def test_an_infinite_value_is_refused_from_a_file_and_from_set(tmp_path, key):
         load_config(None, [f"{key}=1e400"])  # overflows to inf
     config.write_text(f"[{section}]\n{name} = 1e300\n")  # large, finite: its bound decides
     assert getattr(getattr(load_config(config, []), section), name) == 1e300
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["scst.samples=1"], "scst.samples must be at least 2 with the loo baseline, got 1"),
+    (["scst.baseline=greedy", "scst.samples=0"], "scst.samples must be at least 1 with the greedy baseline, got 0"),
+    (["scst.max_len=0"], "scst.max_len counts words and must be >= 1, got 0"),
+])
+def test_scst_values_at_their_edges(sets, message):
+    with pytest.raises(ValueError) as caught:
+        load_config(None, sets)
+    assert str(caught.value) == message
+    edge = [s.replace("=1", "=2").replace("=0", "=1") for s in sets]  # one step back: accepted
+    load_config(None, edge)
+
+
+def test_loader_workers_share_the_cores_among_the_ranks_of_one_machine(monkeypatch):
+    from captioner.train.config import DataConfig
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    for ranks, workers, expected in [(None, 16, 8), ("2", 16, 4), ("3", 16, 2), ("16", 16, 1), ("2", 3, 3),
+                                     ("2", 0, 0), ("0", 16, 8)]:
+        if ranks is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        got = DataConfig(workers=workers).loader_workers()
+        assert got == expected and isinstance(got, int), (ranks, workers, got)
+
+
+def test_the_resolved_config_reads_back_as_written(tmp_path):
+    """to_toml writes the run's config.toml, which --resume and a rerun read: every value, a
+    quote or a backslash in a string included, comes back the same."""
+    from captioner.train.config import to_toml
+
+    cfg = load_config(None, ['name=say "hi" \\ bye', "data.karpathy=C:\\data\\split.json", "data.cache_images=true",
+                             "optim.lr=0.0003", "optim.max_steps=7", "val.metric=min: CIDEr , BLEU-4"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    text = path.read_text()
+    assert "cache_images = true" in text and "length_buckets = false" in text and "lr = 0.0003" in text
+    again = load_config(path)
+    assert again.to_dict() == cfg.to_dict()
+    assert again.name == 'say "hi" \\ bye' and again.data.karpathy == "C:\\data\\split.json"
+
+
+def test_min_metrics_are_read_name_by_name():
+    from captioner.train.config import grounding_metrics, metric_names, metric_parts
+
+    assert metric_parts("min: CIDEr , BLEU-4") == ["CIDEr", "BLEU-4"]
+    assert metric_parts(" CIDEr ") == ["CIDEr"]
+    assert metric_names("min:CIDEr,object_accuracy") == ["CIDEr", "object_accuracy"]
+    assert grounding_metrics("min:CIDEr,object_accuracy") == ["object_accuracy"]
+    assert grounding_metrics("CIDEr") == []
+    with pytest.raises(ValueError, match="'BLEU' is not a figure validation gives; did you mean BLEU-1?"):
+        metric_names("BLEU")
+    with pytest.raises(ValueError, match="'zzz' is not a figure validation gives; caption metrics"):
+        metric_names("zzz")

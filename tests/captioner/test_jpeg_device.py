@@ -158,3 +158,28 @@ def test_a_jpeg_exactly_at_the_pixel_limit_is_left_to_the_device(tmp_path):
     pre.load(path, 40 * 30)  # the CPU path draws the line at the same place
     with pytest.raises(Exception, match="pixels"):
         pre.load(path, 40 * 30 - 1)
+
+
+@pytest.mark.parametrize("pre", [Preprocess(size=(16, 16)), Preprocess(size=(16, 16), resize=20)],
+                         ids=["squash", "crop"])
+def test_resampling_sharp_edges_keeps_black_black_white_white_and_the_cpu_geometry(pre):
+    """Stripes of 0 and 255 overshoot under bicubic resampling: the pixels are clamped to
+    0..255, never wrapped, and land where the CPU path puts them (a wide image: the crop is
+    its centre)."""
+    from captioner.jpeg_device import resample
+
+    stripes = torch.zeros(3, 48, 72, dtype=torch.uint8)
+    stripes[:, :, 24:48] = 255
+    stripes[:, 12:20, :] = 255
+    device = resample(stripes, pre)
+    cpu = pre.pixels(Image.fromarray(stripes.permute(1, 2, 0).numpy(), "RGB"))
+    assert device.shape == cpu.shape == (3, 16, 16) and device.dtype == torch.uint8
+    diff = (device.int() - cpu.int()).abs()
+    assert diff.float().mean() <= 1 and diff.max() <= 10  # torch's bicubic is not Pillow's at an edge
+    assert int(device.min()) == 0 and int(device.max()) == 255
+    assert torch.equal(resample(torch.zeros(3, 30, 40, dtype=torch.uint8), pre), torch.zeros(3, 16, 16,
+                                                                                              dtype=torch.uint8))
+
+
+def test_nothing_to_decode_is_nothing_decoded():
+    assert decode_resize([], Preprocess(size=(16, 16)), "cpu") == []

@@ -29,6 +29,7 @@ import compileall
 import concurrent.futures
 import importlib.util
 import os
+import queue
 import shlex
 import shutil
 import subprocess
@@ -207,13 +208,26 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
                 spec = attrs.evolve(item.mutations[0], module_path=copy / module)
                 return item, mutate_and_test([spec], test_command(copy, tests), timeout)
 
-            pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)
-            # Each copy takes every jobs-th mutant, one at a time.
+            # Each copy takes every jobs-th mutant, one at a time; results come back as they are
+            # made (the work database is written from this thread only).
+            results: queue.Queue = queue.Queue()
             lanes = [[(j, w) for j, w in enumerate(chosen) if j % args.jobs == lane] for lane in range(args.jobs)]
-            futures = [pool.submit(lambda lane: [one(j, w) for j, w in lane], lane) for lane in lanes]
-            for future in concurrent.futures.as_completed(futures):
-                for item, result in future.result():
-                    if result is None:  # past the time budget
+
+            def run_lane(lane):
+                done = 0
+                try:
+                    for j, w in lane:
+                        results.put(one(j, w))
+                        done += 1
+                finally:  # whatever happens, one result for each of the lane's mutants
+                    for _, w in lane[done:]:
+                        results.put((w, None))
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                futures = [pool.submit(run_lane, lane) for lane in lanes]
+                for _ in range(len(chosen)):
+                    item, result = results.get()
+                    if result is None:  # past the time budget, or its lane failed
                         continue
                     db.set_result(item.job_id, result)
                     if result.worker_outcome != WorkerOutcome.NORMAL:  # not made, or the machinery failed
@@ -231,7 +245,8 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
                           f"{item.mutations[0].operator_name.removeprefix('core/')}: "
                           f"{'survived' if result.test_outcome == TestOutcome.SURVIVED else 'killed'}",
                           file=sys.stderr, flush=True)
-            pool.shutdown()
+                for future in futures:
+                    future.result()  # a lane's own error, raised here
         outcome.survivors.sort(key=lambda s: int(s.split()[1].rstrip(":")))
         for copy in copies:  # the copy must still hold the module as it was
             assert (copy / module).read_bytes() == (ROOT / module).read_bytes(), f"{copy / module} left mutated"

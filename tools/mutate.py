@@ -25,6 +25,7 @@ module: ``cr-report out/mutation/train-startup.sqlite`` lists every mutant and i
 from __future__ import annotations
 
 import argparse
+import ast
 import compileall
 import concurrent.futures
 import importlib.util
@@ -159,6 +160,29 @@ def _sample(items: list, cap: int) -> list:
     return [items[i * len(items) // cap] for i in range(cap)]
 
 
+def unevaluated_annotations(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The (start, end) positions (line, column) of the function annotations of a module that
+    imports ``annotations`` from __future__: strings never evaluated, so a mutant there cannot
+    change what the module does. (Class-level annotations are kept: dataclasses and
+    get_type_hints read them.)"""
+    tree = ast.parse(source)
+    if not any(isinstance(n, ast.ImportFrom) and n.module == "__future__" and any(a.name == "annotations"
+               for a in n.names) for n in tree.body):
+        return []
+    spans = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            notes = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                     if x is not None and x.annotation is not None] + ([node.returns] if node.returns else [])
+            spans += [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset)) for n in notes]
+    return spans
+
+
+def _inside(spans, start: tuple[int, int]) -> bool:
+    return any(a <= start < b for a, b in spans)
+
+
 def _changed_lines(diff: str) -> str:
     lines = [x for x in (diff or "").splitlines() if x[:1] in "+-" and x[:3] not in ("+++", "---")]
     return " / ".join(" ".join(x.split()) for x in lines[:2])
@@ -191,7 +215,10 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
         db_path.unlink(missing_ok=True)
         with use_db(str(db_path), WorkDB.Mode.create) as db:
             init([copies[0] / module], db, {})
-            items = sorted((w for w in db.work_items if w.mutations[0].operator_name in OPERATORS),
+            # cosmic-ray counts lines from 1 and columns from 0, as ast does.
+            annotations = unevaluated_annotations((ROOT / module).read_text())
+            items = sorted((w for w in db.work_items if w.mutations[0].operator_name in OPERATORS
+                            and not _inside(annotations, tuple(w.mutations[0].start_pos))),
                            key=lambda w: (w.mutations[0].start_pos, w.mutations[0].operator_name))
             chosen = _sample(items, args.max_mutants)
             chosen_ids = {w.job_id for w in chosen}

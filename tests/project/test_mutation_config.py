@@ -48,3 +48,15 @@ def test_cosmic_ray_is_an_optional_extra_and_its_operators_exist():
     assert not any(d.startswith("cosmic-ray") for name, ds in extras.items() if name != "mutation" for d in ds)
     plugins = pytest.importorskip("cosmic_ray.plugins")
     assert OPERATORS <= set(plugins.operator_names())
+
+
+def test_only_function_annotations_never_evaluated_are_left_unmutated():
+    from tools.mutate import _inside, unevaluated_annotations
+
+    body = ("class C:\n    x: int | None = None\n\n"
+            "def f(a: int | None, *b: str, **c: int) -> dict | None:\n    return a | 1\n")
+    assert unevaluated_annotations(body) == []  # evaluated when the module is imported
+    spans = unevaluated_annotations("from __future__ import annotations\n" + body)
+    assert len(spans) == 4
+    assert _inside(spans, (5, 13)) and _inside(spans, (5, 43))  # int | None, dict | None
+    assert not _inside(spans, (3, 7)) and not _inside(spans, (6, 11))  # the class field, the body's a | 1

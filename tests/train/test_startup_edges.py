@@ -148,12 +148,17 @@ def test_shapes_already_generated_are_not_generated_again(tmp_path, monkeypatch)
     import captioner.data.shapes
     from captioner.train.startup import prepare_data
 
-    made = []
-    monkeypatch.setattr(captioner.data.shapes, "generate_dataset", lambda out, *a, **kw: made.append(out))
+    made, how = [], []
+    monkeypatch.setattr(captioner.data.shapes, "generate_dataset",
+                        lambda out, splits, **kw: made.append(out) or how.append((splits, kw)))
     folder = tmp_path / "shapes"
-    cfg = load_config(None, [f"data.dir={folder}", "data.generate_shapes=true"])
+    cfg = load_config(None, [f"data.dir={folder}", "data.generate_shapes=true", "data.shapes_train=40",
+                             "data.shapes_val=3", "data.shapes_seed=7", "data.shapes_image_size=48"])
     prepare_data(cfg)
     assert made == [folder]
+    splits, kw = how[0]
+    assert splits == {"train": 40, "val": 3}
+    assert (kw["seed"], kw["image_size"], kw["progress"], kw["language"]) == (7, 48, True, "en")  # a bar: minutes
     folder.mkdir()
     (folder / "captions_train.json").write_text("{}")
     prepare_data(cfg)
@@ -256,3 +261,45 @@ def test_encoder_from_copies_the_encoder_only_and_refuses_another_encoder(tmp_pa
     (tmp_path / "notes.pt").write_text("not a checkpoint")
     with pytest.raises(StartupError, match="^model.encoder_from: "):
         _encoder_from(model, str(tmp_path / "notes.pt"))
+
+
+def test_a_pretrained_encoder_s_weights_already_there_or_downloaded_into_an_existing_folder(tmp_path, monkeypatch):
+    from captioner.encoders import pretrained_file
+    from captioner.train.startup import _require_pretrained
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    path, url = pretrained_file("resnet18")
+    path.parent.mkdir(parents=True)  # the hub's folder holds other models' weights already
+    fetched = []
+
+    def download(from_url, dst, *args, **kwargs):
+        fetched.append(from_url)
+        Path(dst).write_bytes(b"weights")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    _require_pretrained("resnet18")
+    assert fetched == [url] and path.read_bytes() == b"weights"
+    _require_pretrained("resnet18")  # there now: not fetched again
+    assert fetched == [url]
+    with pytest.raises(StartupError, match="the 'small' encoder has no pretrained weights"):
+        _require_pretrained("small")
+
+
+def test_a_new_run_starts_its_encoder_from_encoder_from(tiny_coco, tmp_path):
+    """model.encoder_from with a frozen encoder: the run's encoder is the checkpoint's, whatever
+    its decoder; a resumed run keeps its own."""
+    from captioner.checkpoint import load_checkpoint
+    from captioner.cli import main as captioner_main
+    from captioner.train.config import to_toml
+    from tests.builders import tiny_train_config
+
+    tiny_captioner(seed=1, image_size=(32, 32)).save(tmp_path / "source.pt")
+    source = load_checkpoint(tmp_path / "source.pt")["state_dict"]
+    cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 1, "val.every_epochs": 0, "model.freeze_encoder": True,
+                                          "model.encoder_from": str(tmp_path / "source.pt")})
+    (tmp_path / "cfg.toml").write_text(to_toml(cfg))
+    run = tmp_path / "run"
+    assert captioner_main(["train", "--config", str(tmp_path / "cfg.toml"), "--run-dir", str(run), "--quiet"]) == 0
+    trained = load_checkpoint(run / "last.pt")["state_dict"]
+    encoder = [k for k in source if k.startswith("encoder.")]
+    assert encoder and all(torch.equal(trained[k], source[k]) for k in encoder)

@@ -197,6 +197,7 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
 
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         copies = [make_copy(Path(tmp) / f"copy{j}") for j in range(args.jobs)]
+        original = (copies[0] / module).read_bytes()
         for copy in copies:
             check_imports_from(copy, module)
         for copy in copies:  # the module under mutation is compiled from its source each run
@@ -276,7 +277,7 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
                     future.result()  # a lane's own error, raised here
         outcome.survivors.sort(key=lambda s: int(s.split()[1].rstrip(":")))
         for copy in copies:  # the copy must still hold the module as it was
-            assert (copy / module).read_bytes() == (ROOT / module).read_bytes(), f"{copy / module} left mutated"
+            assert (copy / module).read_bytes() == original, f"{copy / module} left mutated"
         return outcome
 
 

@@ -102,3 +102,59 @@ def test_min_metrics_are_read_name_by_name():
         metric_names("BLEU")
     with pytest.raises(ValueError, match="'zzz' is not a figure validation gives; caption metrics"):
         metric_names("zzz")
+
+
+# What a config that states nothing trains with (the shipped configs state what they change).
+# A default changed here changes every run that relies on it: the change must be deliberate.
+DEFAULTS = {
+    "data": {"dir": "data/shapes", "train_split": "train", "val_split": "val", "karpathy": "", "min_count": 5,
+             "max_vocab": 0, "max_caption_len": 20, "cache_images": False, "feature_cache": False,
+             "feature_cache_dir": "", "workers": 8, "skip_unreadable": False, "length_buckets": False,
+             "generate_shapes": False, "shapes_train": 3000, "shapes_val": 200, "shapes_seed": 1,
+             "shapes_image_size": 128, "shapes_top_to_bottom": False, "shapes_language": "en"},
+    "model": {"init_from": "", "encoder_from": "", "image_size": 128, "resize": 0},
+    "optim": {"epochs": 20, "max_steps": 0, "max_minutes": 0.0, "batch_size": 64, "optimizer": "adam",
+              "lr": 4e-4, "encoder_lr": 1e-4, "weight_decay": 0.0, "lr_decay": 0.8, "lr_decay_every": 5,
+              "grad_clip": 5.0, "ema": 0.0, "doubly_stochastic": 1.0, "seed": 0, "precision": "auto",
+              "compile": "", "device": "auto", "threads": 0, "log_every": 20, "save_every": 200},
+    "val": {"every_epochs": 1, "metric": "CIDEr", "beam_size": 1, "max_len": 20, "limit": 0, "patience": 5},
+    # The authors' REINFORCE weights (capgen.py): lambda_r 1/10, entropy 0.002, baseline decay 0.9.
+    "hard": {"reward": "word_mean", "lambda_r": 0.1, "entropy": 0.002, "reduction": "mean", "baseline_decay": 0.9,
+             "expected_context_prob": 0.5},
+    "scst": {"enabled": False, "samples": 5, "baseline": "loo", "max_len": 20},
+}
+
+
+def test_the_defaults_are_those_recorded():
+    from captioner.train.config import TrainConfig
+
+    resolved = TrainConfig().to_dict()
+    changed = {f"{s}.{k}": (v, resolved[s][k]) for s, values in DEFAULTS.items() for k, v in values.items()
+               if resolved[s].get(k, "(gone)") != v or type(resolved[s].get(k)) is not type(v)}
+    assert not changed, changed  # key: (recorded, now)
+    assert load_config(None).to_dict() == resolved
+
+
+def test_a_section_that_is_not_a_table_is_refused(tmp_path):
+    config = tmp_path / "flat.toml"
+    config.write_text("data = 5\n")
+    with pytest.raises(ValueError, match=r"^unknown config section \[data\]$"):
+        load_config(config)
+    config.write_text("[datta]\nmin_count = 1\n")
+    with pytest.raises(ValueError, match=r"^unknown config section \[datta\]$"):
+        load_config(config)
+
+
+def test_an_ignored_value_is_named_with_where_it_came_from():
+    """Of several ignored values, the first is named with its own source: the file or --set."""
+    from captioner.train.config import check_ignored
+
+    soft = load_config(None, ["model.attention=soft"])
+    with pytest.raises(ValueError, match=r"^hard.lambda_r \(from the config file\) has no effect: REINFORCE"):
+        check_ignored(soft, stated={"hard.lambda_r"}, overridden={"hard.entropy"})
+    with pytest.raises(ValueError, match=r"^hard.lambda_r \(from --set\) has no effect"):
+        check_ignored(soft, stated={"hard.entropy"}, overridden={"hard.lambda_r"})
+    # --set model.attention=soft over a hard config: the file's hard values are noted, not refused.
+    assert check_ignored(soft, stated={"hard.lambda_r"}, written={"hard.lambda_r"},
+                         overridden={"model.attention"}) == [
+        "ignored, REINFORCE is for hard attention, and model.attention is soft: hard.lambda_r = 0.1"]

@@ -100,3 +100,38 @@ def test_merged_parts_keep_one_line_per_image_and_the_caption_over_the_error(tmp
     assert lines == [a, {"image": b["image"], "error": "broken"}, dict(c, caption="newer")]
     assert compact(out) == 0  # one line per image already: the file is left as it is
 
+
+
+def test_the_loader_leaves_jpeg_bytes_to_the_device_only_when_asked(tmp_path):
+    """raw_jpegs: the workers hand a plain JPEG's bytes over and decoded_on decodes them on the
+    device, in the batch's order beside the images the CPU path loaded; a JPEG the device's
+    decoder refuses goes through the CPU path, which says why. Without it, the CPU path only."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    from captioner.batch import image_loader
+    from captioner.images import Preprocess
+    from captioner.jpeg_device import decode_resize, plain_jpeg
+
+    pre = Preprocess(size=(16, 16))
+    buf = io.BytesIO()
+    Image.effect_noise((40, 30), 60).convert("RGB").save(buf, "JPEG")
+    (tmp_path / "a.jpg").write_bytes(buf.getvalue())
+    (tmp_path / "cut.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    Image.new("RGB", (20, 20), "red").save(tmp_path / "b.png")
+    (tmp_path / "c.png").write_text("not an image")
+    paths = [str(tmp_path / n) for n in ("a.jpg", "b.png", "cut.jpg", "c.png")]
+
+    (cpu,) = image_loader(paths, pre, batch_size=4, workers=0)
+    assert cpu.raw == {} and cpu.loaded == [0, 1] and set(cpu.errors) == {2, 3} and cpu.pixels.shape[0] == 2
+    assert cpu.decoded_on(torch.device("cpu"), paths, pre) is cpu  # nothing left to decode
+
+    (raw,) = image_loader(paths, pre, batch_size=4, workers=0, raw_jpegs=True)
+    assert set(raw.raw) == {0, 2} and raw.loaded == [1] and set(raw.errors) == {3}
+    done = raw.decoded_on(torch.device("cpu"), paths, pre)
+    assert done.indices == [0, 1, 2, 3] and done.loaded == [0, 1] and set(done.errors) == {2, 3}
+    assert "truncated" in done.errors[2] and done.errors[3] == cpu.errors[3]
+    assert torch.equal(done.pixels[0], decode_resize([plain_jpeg(paths[0], 10**6)], pre, "cpu")[0])
+    assert torch.equal(done.pixels[1], cpu.pixels[1])

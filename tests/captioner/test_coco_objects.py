@@ -13,7 +13,6 @@ from captioner.cli import main
 from captioner.coco_grounding import coco_pointing, summarize_coco_grounding
 from captioner.data.coco import CocoInstance, ImageInstances, instance_files, load_instances, load_split
 from captioner.decoding import CaptionResult
-from captioner.grounding import ShapeObject, object_accuracy
 from tests.builders import coco_config
 from tests.tiny import tiny_captioner, write_coco_instances
 
@@ -92,14 +91,6 @@ def test_objects_only_the_references_name_and_objects_outside_the_crop_are_not_s
     assert summary.pointing_accuracy == 0.5 and summary.alpha_mass == pytest.approx(0.5)
     assert summary.pointing_chance == pytest.approx(5 / 32)
     assert summary.per_category["dog"].pointing_accuracy == 0 and summary.per_category["person"].n_words == 1
-
-
-def test_hallucinated_shapes_by_shape_and_by_colour_and_shape():
-    objects = [ShapeObject("circle", "red", "large", (0, 0, 10, 10)),
-               ShapeObject("star", "green", "small", (20, 20, 5, 5))]
-    acc = object_accuracy("a red circle and a blue star and a square".split(), objects)
-    assert (acc.n_mentions, acc.hallucinated, acc.hallucinated_with_color) == (3, 1, 2)
-    assert object_accuracy("a red circle".split(), objects).hallucinated_with_color == 0
 
 
 def test_instances_files_in_the_published_layout(coco):

@@ -45,6 +45,7 @@ def test_two_word_phrases_are_read_before_single_words():
 
 def test_special_rules_baby_animals_passengers_and_toilet_seats():
     assert named("a baby elephant and an adult giraffe") == ["elephant", "giraffe"]
+    assert named("a baby dog, an adult cat and a baby horse") == ["dog", "cat", "horse"]
     assert named("a baby") == ["person"]
     assert named("a baby cub") == []  # the rule keeps "cub", which names no category
     assert named("a passenger train and a passenger") == ["train", "person"]

@@ -79,6 +79,18 @@ def test_every_instance_of_the_category_counts_and_a_phrase_is_scored_at_its_las
     assert (dogs.kind, dogs.hit, dogs.chance) == ("dog", True, 2 / 16) and dogs.mass == pytest.approx(1.0)
     assert (hot_dog.kind, hot_dog.step, hot_dog.hit) == ("hot dog", 5, False)  # step 5's map looks at a dog
     assert hot_dog.word == "hot dog"
+    assert dogs.chance_touch == 2 / 16  # one 80 px cell touches each dog's box
+
+
+def test_the_mask_is_read_in_the_crop_the_grid_covers_and_bus_is_a_bus():
+    """The grid's 2 x 2 cells of 80 px cover the crop x 80-240, y 0-160; the dog's mask is
+    x 80-160, y 0-80 of its box x 80-240, y 0-160: only cell (0, 0)'s centre is on it."""
+    dog = ("dog", [80, 0, 160, 160], [[80, 0, 160, 0, 160, 80, 80, 80]])
+    (rec,) = coco_pointing(["a", "dog"], torch.tensor([[[1.0, 0], [0, 0]]] * 2), _image(dog), crop=(80, 0, 240, 160))
+    assert rec.hit and rec.chance == 1 / 4
+    # words read with the synonym list corrected: "bus" names the bus (the reference reads "bu")
+    (bus,) = coco_pointing(["a", "bus"], _maps({}, {}), _image(("bus", [0, 0, 160, 160], None)))
+    assert bus.kind == "bus" and bus.chance == 4 / 16
 
 
 def test_objects_only_the_references_name_and_objects_outside_the_crop_are_not_scored():

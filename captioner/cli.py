@@ -376,7 +376,12 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
                        description="Decode a split with real decoding (no teacher forcing) and score it: "
                                    "BLEU-1..4, METEOR (English models, when java is on PATH), ROUGE-L, CIDEr, on "
                                    "the tokens of the model's tokenizer (characters for Chinese); on shapes data also "
-                                   "object accuracy and the attention pointing game with its chance level.")
+                                   "object accuracy, hallucinated shapes and the attention pointing game with its "
+                                   "chance level; on COCO data with its instance annotations "
+                                   "(annotations/instances_train2014.json, instances_val2014.json) also CHAIRs and "
+                                   "CHAIRi (captions and object mentions naming an object not in the image) and the "
+                                   "attention's pointing game on the objects' boxes and masks, overall and per "
+                                   "category. --out's results file gives each image's objects named and hallucinated.")
     p.add_argument("--data", type=Path, required=True, help="folder with captions_<split>.json and images/")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
     p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file (dataset_coco.json)")
@@ -388,6 +393,11 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
                         "made; default: print only)")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--captions", type=Path, default=None, metavar="FILE",
+                   help="score the captions in FILE instead of decoding, with no model: JSON Lines as `captioner "
+                        'caption` writes them, or a COCO results file ([{"image_id", "caption"}]). Every measure is '
+                        "given; the attention's only for captions written with --with-attention, their maps read "
+                        "as covering the region --weights' model sees (the whole image without --weights)")
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -412,6 +422,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     device = check_device(args.device)
     if args.out is not None:
         check_out_file(args.out)
+    if args.captions is not None:
+        return _evaluate_captions_file(args, device)
     # The data first: a missing file is the one line a user sees, before any model is loaded.
     records = _split_records(args)
     try:
@@ -424,6 +436,46 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                             hard_attention=args.hard_attention,
                                             unfamiliar_below=args.unfamiliar_below),
                       batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
+    print(format_table(report))
+    if args.out is not None:
+        write_report(report, args.out)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _evaluate_captions_file(args: argparse.Namespace, device: str) -> int:
+    """`evaluate --captions FILE`: the file's captions scored on the split, no decoding."""
+    from .checkpoint import CheckpointError
+    from .data.coco import load_split
+    from .evaluation import evaluate_captions, format_table, write_report
+    from .inference import Captioner
+
+    if not args.captions.is_file():
+        raise UsageError(f"--captions {args.captions}: no such file")
+    try:
+        records = load_split(args.data, args.split, args.karpathy)[:args.limit]
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    preprocess = None
+    if args.weights is not None:
+        try:
+            preprocess = Captioner.load(args.weights, device="cpu").preprocess
+        except CheckpointError as e:
+            raise UsageError(str(e)) from e
+    try:
+        report, read = evaluate_captions(args.captions, args.data, args.split, karpathy=args.karpathy,
+                                         records=records, meteor=False if args.no_meteor else None,
+                                         preprocess=preprocess)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if read.outside:
+        print(f"captioner evaluate: note: {read.outside} caption{'s' if read.outside != 1 else ''} in "
+              f"{args.captions} for images not in split {args.split!r}, e.g. {read.example}: not scored",
+              file=sys.stderr)
+    if read.missing or read.failed:
+        print(f"captioner evaluate: note: {read.missing} image{'s' if read.missing != 1 else ''} of the split "
+              f"without a caption in the file ({read.failed} failed lines): scored on the "
+              f"{report.n_images} with one", file=sys.stderr)
     print(format_table(report))
     if args.out is not None:
         write_report(report, args.out)

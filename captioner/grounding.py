@@ -184,6 +184,8 @@ class ObjectAccuracy:
     ``exact_full``: the same, and every size the caption gives is right.
     ``matched``/``matched_full``: mentions matched one-to-one to objects, for precision
     (matched / n_mentions) and recall (matched / n_objects).
+    ``hallucinated``: mentions of a shape no object has (CHAIR's reading, the shape as the
+    category); ``hallucinated_with_color``: mentions no object fits in colour and shape.
     """
 
     exact_color_shape: bool
@@ -192,6 +194,8 @@ class ObjectAccuracy:
     n_objects: int
     matched: int
     matched_full: int
+    hallucinated: int = 0
+    hallucinated_with_color: int = 0
 
     @property
     def precision(self) -> float | None:
@@ -208,8 +212,13 @@ def object_accuracy(words: Sequence[str], objects: Sequence[ShapeObject]) -> Obj
     matched = _max_matching(mentions, objects, _fits_color_shape)
     matched_full = _max_matching(mentions, objects, _fits_full)
     n_m, n_o = len(mentions), len(objects)
+    shapes = {o.shape for o in objects}
+    kinds = {(o.color, o.shape) for o in objects}
     return ObjectAccuracy(exact_color_shape=matched == n_m == n_o, exact_full=matched_full == n_m == n_o,
-                          n_mentions=n_m, n_objects=n_o, matched=matched, matched_full=matched_full)
+                          n_mentions=n_m, n_objects=n_o, matched=matched, matched_full=matched_full,
+                          hallucinated=sum(m.shape not in shapes for m in mentions),
+                          hallucinated_with_color=sum(m.shape not in shapes or m.color is not None
+                                                      and (m.color, m.shape) not in kinds for m in mentions))
 
 
 # --------------------------------------------------------------- spatial relations
@@ -359,6 +368,64 @@ def _as_array(alphas: Any) -> np.ndarray:
     return np.asarray(alphas, dtype=np.float64)
 
 
+@dataclass(frozen=True)
+class Region:
+    """Where an object is, in the image's pixels: its box (x, y, w, h), and its mask where
+    known ((height, width) bool; COCO's instances have one, the shapes none)."""
+
+    bbox: tuple[float, float, float, float]
+    mask: np.ndarray | None = None
+
+
+def cells_in_regions(regions: Sequence[Region], grid: tuple[int, int], image_size: tuple[int, int],
+                     crop: Crop | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(H, W) bool twice: the cells whose centre lies inside one of the regions (in its box,
+    and on its mask where it has one), and the cells whose area overlaps one of the boxes."""
+    inside = np.zeros(grid, dtype=bool)
+    touching = np.zeros(grid, dtype=bool)
+    h, w = grid
+    left, top, right, bottom = _view(image_size, crop)
+    for region in regions:
+        cells = cells_inside(region.bbox, grid, image_size, crop)
+        if region.mask is not None:
+            rows, cols = region.mask.shape
+            cy = np.clip(np.floor(top + (np.arange(h) + 0.5) * (bottom - top) / h).astype(int), 0, rows - 1)
+            cx = np.clip(np.floor(left + (np.arange(w) + 0.5) * (right - left) / w).astype(int), 0, cols - 1)
+            cells &= region.mask[np.ix_(cy, cx)].astype(bool)
+        inside |= cells
+        touching |= _cells_touching(region.bbox, grid, image_size, crop)
+    return inside, touching
+
+
+def point(word_map: np.ndarray, regions: Sequence[Region], image_size: tuple[int, int], crop: Crop | None,
+          step: int, word: str, kind: str) -> PointingRecord:
+    """The pointing record of one word's (H, W) map against the regions of the object(s) it
+    names: the shapes' pointing game and COCO's both score here. A word none of whose
+    regions reaches into the crop gets a record with ``seen`` False and nothing scored."""
+    if not any(in_view(r.bbox, image_size, crop) for r in regions):
+        return PointingRecord(step=step, word=word, kind=kind, hit=False, mass=0.0, chance=0.0, seen=False)
+    grid = word_map.shape
+    inside, touching = cells_in_regions(regions, grid, image_size, crop)
+    r, c = np.unravel_index(int(np.argmax(word_map)), grid)
+    positive = word_map[word_map > 0]
+    return PointingRecord(
+        step=step, word=word, kind=kind, hit=bool(inside[r, c]),
+        mass=float(word_map[inside].sum()), chance=float(inside.mean()),
+        hit_touch=bool(touching[r, c]), chance_touch=float(touching.mean()),
+        mass_touch=float(word_map[touching].sum()), entropy=float(-(positive * np.log(positive)).sum()),
+    )
+
+
+def word_maps(alphas: Any, n_words: int) -> np.ndarray:
+    """``alphas`` as a (T, H, W) float64 array with at least ``n_words`` maps, or ValueError."""
+    maps = _as_array(alphas)
+    if maps.ndim != 3:
+        raise ValueError(f"alphas must be (T, H, W), got shape {maps.shape}")
+    if maps.shape[0] < n_words:
+        raise ValueError(f"{n_words} words but only {maps.shape[0]} attention maps")
+    return maps
+
+
 def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObject],
                   image_size: tuple[int, int], crop: Crop | None = None) -> list[PointingRecord]:
     """One record per word that names an object uniquely present in the image.
@@ -371,12 +438,7 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
     are skipped. A word whose object lies wholly outside the crop gets a record with
     ``seen`` False and nothing scored.
     """
-    maps = _as_array(alphas)
-    if maps.ndim != 3:
-        raise ValueError(f"alphas must be (T, H, W), got shape {maps.shape}")
-    if maps.shape[0] < len(words):
-        raise ValueError(f"{len(words)} words but only {maps.shape[0]} attention maps")
-    grid = (maps.shape[1], maps.shape[2])
+    maps = word_maps(alphas, len(words))
     records = []
     for t, word in enumerate(words):
         if word in _SHAPES:
@@ -387,20 +449,7 @@ def pointing_game(words: Sequence[str], alphas: Any, objects: Sequence[ShapeObje
             continue
         if len(owners) != 1:  # absent, or ambiguous which object the word points to
             continue
-        if not in_view(owners[0].bbox, image_size, crop):
-            records.append(PointingRecord(step=t, word=word, kind=kind, hit=False, mass=0.0, chance=0.0,
-                                          seen=False))
-            continue
-        inside = cells_inside(owners[0].bbox, grid, image_size, crop)
-        touching = _cells_touching(owners[0].bbox, grid, image_size, crop)
-        r, c = np.unravel_index(int(np.argmax(maps[t])), grid)
-        positive = maps[t][maps[t] > 0]
-        records.append(PointingRecord(
-            step=t, word=word, kind=kind, hit=bool(inside[r, c]),
-            mass=float(maps[t][inside].sum()), chance=float(inside.mean()),
-            hit_touch=bool(touching[r, c]), chance_touch=float(touching.mean()),
-            mass_touch=float(maps[t][touching].sum()), entropy=float(-(positive * np.log(positive)).sum()),
-        ))
+        records.append(point(maps[t], [Region(owners[0].bbox)], image_size, crop, t, word, kind))
     return records
 
 
@@ -417,11 +466,11 @@ def evaluate_caption(words: Sequence[str], alphas: Any, image: ImageObjects,
     """Pointing records, and object and relation accuracy, of one generated caption.
     ``crop``: the region of the image the attention grid covers (None: all of it). A
     Chinese caption's characters are read as English words, each with the map of the step
-    of its first character (``captioner.data.shapes.english_words``)."""
+    of its first character (``captioner.data.shapes.english_words``). ``alphas`` None (a
+    caption with no maps): no pointing records."""
     words, steps = english_words(words)
-    alphas = _as_array(alphas)[steps]
-    return (pointing_game(words, alphas, image.objects, image.size, crop),
-            CaptionAccuracy(object_accuracy(words, image.objects), relation_accuracy(words, image.objects)))
+    pointing = [] if alphas is None else pointing_game(words, _as_array(alphas)[steps], image.objects, image.size, crop)
+    return pointing, CaptionAccuracy(object_accuracy(words, image.objects), relation_accuracy(words, image.objects))
 
 
 # -------------------------------------------------------------------- aggregation
@@ -440,6 +489,9 @@ class GroundingSummary:
     Directions are micro-averaged over the relations, in every image, whose two objects are
     named right; the others are counted apart, as naming errors. A uniform map puts exactly
     the in-box cell fraction of its mass in the box (``alpha_mass_chance``).
+    ``chair_s``/``chair_i``: CHAIR on shapes (Rohrbach et al. 2018, the shape as the
+    category): the share of captions naming a shape the image does not hold, and of shape
+    mentions; ``*_with_color``: the same for mentions no object fits in colour and shape.
     """
 
     n_images: int
@@ -465,6 +517,10 @@ class GroundingSummary:
     n_words_shape: int
     n_words_color: int
     n_words_unseen: int
+    chair_s: float | None
+    chair_i: float | None
+    chair_s_with_color: float | None
+    chair_i_with_color: float | None
 
     def to_dict(self) -> dict[str, float | int | None]:
         """The figures by name: the JSON of reports and logs, and the names validation metrics use."""
@@ -509,4 +565,8 @@ def summarize_grounding(records_per_image: Sequence[Sequence[PointingRecord]],
         n_words_shape=len(by_kind["shape"]),
         n_words_color=len(by_kind["color"]),
         n_words_unseen=len(every) - len(records),
+        chair_s=_mean([float(o.hallucinated > 0) for o in objects]),
+        chair_i=sum(o.hallucinated for o in objects) / n_mentions if n_mentions else None,
+        chair_s_with_color=_mean([float(o.hallucinated_with_color > 0) for o in objects]),
+        chair_i_with_color=sum(o.hallucinated_with_color for o in objects) / n_mentions if n_mentions else None,
     )

@@ -93,3 +93,26 @@ def write_tiny_coco(root: Path) -> Path:
                 "images": images, "annotations": annotations}
         (root / f"captions_{split}.json").write_text(json.dumps(data), encoding="utf-8")
     return root
+
+
+def write_coco_instances(coco: Path, objects: dict[int, list[tuple[str, list[float], list | None]]]) -> None:
+    """COCO's instance annotations for a data folder in the published layout (the photo
+    fixture's ``coco/``): ``annotations/instances_{train,val}2014.json`` listing every image
+    of the captions file beside it, with ``objects``: image id -> [(category name, bbox
+    [x, y, w, h], polygons or None)]. An image not in ``objects`` has no instances."""
+    names = sorted({name for found in objects.values() for name, _, _ in found})
+    categories = [{"id": 100 + i, "name": n, "supercategory": "thing"} for i, n in enumerate(names)]
+    ids = {c["name"]: c["id"] for c in categories}
+    ann_id = 1
+    for split in ("train2014", "val2014"):
+        captions = json.loads((coco / "annotations" / f"captions_{split}.json").read_text(encoding="utf-8"))
+        annotations = []
+        for image in captions["images"]:
+            for name, bbox, polygons in objects.get(image["id"], []):
+                annotations.append({"id": ann_id, "image_id": image["id"], "category_id": ids[name], "bbox": bbox,
+                                    "area": bbox[2] * bbox[3], "iscrowd": 0,
+                                    **({"segmentation": polygons} if polygons is not None else {})})
+                ann_id += 1
+        data = {"info": captions.get("info", {}), "licenses": [], "images": captions["images"],
+                "annotations": annotations, "categories": categories}
+        (coco / "annotations" / f"instances_{split}.json").write_text(json.dumps(data), encoding="utf-8")

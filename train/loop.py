@@ -643,7 +643,7 @@ def _validate_here(run: Run, state: TrainState) -> bool:
     report = evaluate(run.captioner, cfg.data.dir, cfg.data.val_split, karpathy=cfg.data.split_file,
                       records=run.val_records, options=DecodeOptions(beam_size=cfg.val.beam_size,
                                                                      max_len=cfg.val.max_len),
-                      limit=cfg.val.limit or None, meteor=False, progress=False)
+                      limit=cfg.val.limit or None, meteor=False, progress=False, with_coco_objects=False)
     model.train()
     grounding = report.grounding.to_dict() if report.grounding is not None else None
     value = validation_value(cfg.val.metric, {**report.metrics, **(grounding or {})})

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -440,3 +441,85 @@ def collate_captions(batch: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) ->
         tokens[row, : len(seq)] = seq
     return CaptionBatch(images=torch.stack(images), tokens=tokens, lengths=lengths,
                         image_indices=torch.tensor(indices, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------- instances
+
+
+# COCO's instance annotations as published (annotations_trainval2014.zip), beside the captions
+# files: the objects CHAIR and the COCO grounding score against.
+COCO_INSTANCE_FILES = ("instances_train2014.json", "instances_val2014.json")
+
+
+@dataclass(frozen=True)
+class CocoInstance:
+    """One annotated object: its COCO category name, its box (x, y, w, h, pixels) and its
+    segmentation as the file gives it (polygons or RLE; None: the box alone)."""
+
+    category: str
+    bbox: tuple[float, float, float, float]
+    segmentation: object = None
+
+
+@dataclass(frozen=True)
+class ImageInstances:
+    """An image's annotated objects (none for an image without any) and its size."""
+
+    image_id: int
+    width: int
+    height: int
+    instances: tuple[CocoInstance, ...]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.width, self.height
+
+    def mask(self, instance: CocoInstance):
+        """(height, width) bool numpy array of the instance's segmentation; None without one."""
+        if not instance.segmentation:
+            return None
+        from pycocotools import mask as masks  # imported here: only masks need it
+
+        seg = instance.segmentation
+        if isinstance(seg, list):  # polygons
+            rle = masks.merge(masks.frPyObjects(seg, self.height, self.width))
+        elif isinstance(seg.get("counts"), list):  # uncompressed RLE (crowds)
+            rle = masks.frPyObjects(seg, self.height, self.width)
+        else:
+            rle = seg
+        with warnings.catch_warnings():  # pycocotools' own call into numpy 2 warns; the mask is right
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return masks.decode(rle).astype(bool)
+
+
+def instance_files(data_dir: str | os.PathLike, split: str) -> list[Path]:
+    """The COCO instances files of a data folder in the published layout:
+    ``annotations/instances_<split>.json`` when the split has one (``val2014``), else
+    ``annotations/instances_train2014.json`` and ``instances_val2014.json``, those present
+    (a Karpathy split draws on both)."""
+    folder = Path(data_dir) / "annotations"
+    own = folder / f"instances_{split}.json"
+    if own.is_file():
+        return [own]
+    return [folder / name for name in COCO_INSTANCE_FILES if (folder / name).is_file()]
+
+
+def load_instances(files: Sequence[Path], image_ids: set[int] | None = None) -> dict[int, ImageInstances]:
+    """The objects of every image the files list (of ``image_ids`` only, when given); an
+    image listed without annotations has none. Plain JSON reading: COCO's files are large
+    and pycocotools' index is not needed."""
+    per_image: dict[int, ImageInstances] = {}
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        names = {c["id"]: c["name"] for c in data["categories"]}
+        found: dict[int, list[CocoInstance]] = {}
+        for ann in data.get("annotations", []):
+            if image_ids is None or ann["image_id"] in image_ids:
+                found.setdefault(ann["image_id"], []).append(CocoInstance(
+                    names[ann["category_id"]], tuple(float(v) for v in ann["bbox"]), ann.get("segmentation")))
+        for img in data["images"]:
+            if image_ids is None or img["id"] in image_ids:
+                per_image[img["id"]] = ImageInstances(int(img["id"]), int(img["width"]), int(img["height"]),
+                                                      tuple(found.get(img["id"], ())))
+    return per_image

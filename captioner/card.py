@@ -60,7 +60,9 @@ def front_matter(config: dict, *, license: str, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def model_card(config: dict, *, license: str, source: str | None, name: str) -> str:
+def model_card(config: dict, *, name: str) -> str:
+    """The card of the folder ``name`` whose config.json is ``config`` (its license and source in it)."""
+    license, source = config.get("license") or "unknown", config.get("source")
     model = config["model"]
     figures = recorded_figures(config.get("meta") or {})
     data = config.get("training_data") or "data it does not name"

@@ -127,12 +127,20 @@ def _plain(value):
     return str(value)
 
 
-def config_of(captioner, grid: tuple[int, int], onnx: dict | None) -> dict:
+def familiarity_config(record: dict) -> dict:
+    """What config.json says of a familiarity record (``TrainingFeatures.to_dict``): all but its
+    tensors, which go to familiarity.safetensors, and how many images it describes."""
+    out = {k: _plain(v) for k, v in record.items() if not isinstance(v, torch.Tensor)}
+    out["images"] = len(record["reference"])
+    return out
+
+
+def _write_familiarity_file(path: Path, record: dict) -> None:
+    tensorfile.write(path, {k: record[k].detach().cpu().numpy() for k in fmt.FAMILIARITY_TENSORS})
+
+
+def config_of(captioner, grid: tuple[int, int], onnx: dict | None, license: str, source: str | None) -> dict:
     fam = captioner.familiarity
-    record = None
-    if fam is not None:
-        record = {k: _plain(v) for k, v in fam.to_dict().items() if not isinstance(v, torch.Tensor)}
-        record["images"] = fam.images
     v = captioner.vocab
     return {
         "format": fmt.FORMAT, "version": fmt.VERSION, "captioner_version": __version__,
@@ -147,8 +155,10 @@ def config_of(captioner, grid: tuple[int, int], onnx: dict | None) -> dict:
         "demo": captioner.demo.name if captioner.demo is not None else None,
         "notice": captioner.notice(),
         "training_data": captioner.training_data,
-        "familiarity": record,
+        "familiarity": familiarity_config(fam.to_dict()) if fam is not None else None,
         "onnx": onnx,
+        "license": license,
+        "source": source,
         "meta": _plain(captioner.meta),
     }
 
@@ -160,6 +170,29 @@ def language_of(captioner) -> str | None:
     if isinstance(lang, str) and lang:
         return lang
     return {"ptb": "en"}.get(captioner.vocab.tokenizer.name)
+
+
+def _write_config_and_card(folder: Path, config: dict, name: str) -> None:
+    from .card import model_card
+
+    (folder / fmt.CONFIG).write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    (folder / fmt.CARD).write_text(model_card(config, name=name), encoding="utf-8")
+
+
+def write_familiarity(folder: str | os.PathLike, record: dict) -> None:
+    """Give an exported folder this familiarity record (``captioner familiarity FOLDER``): its
+    file, config.json and card, each written beside and renamed over the old one."""
+    folder = Path(folder)
+    config = fmt.read_config(folder)
+    config["familiarity"] = familiarity_config(record)
+    tmp = Path(tempfile.mkdtemp(prefix=".familiarity.", dir=folder))
+    try:
+        _write_familiarity_file(tmp / fmt.FAMILIARITY, record)
+        _write_config_and_card(tmp, config, folder.name)
+        for name in (fmt.FAMILIARITY, fmt.CARD, fmt.CONFIG):  # the config last: it names the record
+            os.replace(tmp / name, folder / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_target(out: Path) -> None:
@@ -179,8 +212,6 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
     """Write ``captioner`` to the folder ``out`` (made if missing; an earlier export there is
     replaced, whole). Written into a temporary folder beside it first, so a failure (an ONNX
     export that breaks half-way) leaves ``out`` as it was."""
-    from .card import model_card
-
     out = Path(out)
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,16 +224,13 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
         (tmp / fmt.VOCAB).write_text(json.dumps(captioner.vocab.to_list(), ensure_ascii=False, indent=0) + "\n",
                                      encoding="utf-8")
         if captioner.familiarity is not None:
-            record = captioner.familiarity.to_dict()
-            tensorfile.write(tmp / fmt.FAMILIARITY, {k: record[k].cpu().numpy() for k in fmt.FAMILIARITY_TENSORS})
+            _write_familiarity_file(tmp / fmt.FAMILIARITY, captioner.familiarity.to_dict())
             files.append(fmt.FAMILIARITY)
         graphs = write_onnx(captioner, tmp) if onnx else None
         if graphs is not None:
             files += [fmt.ENCODER_ONNX, fmt.STEP_ONNX]
-        config = config_of(captioner, grid, graphs)
-        (tmp / fmt.CONFIG).write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-        (tmp / fmt.CARD).write_text(model_card(config, license=license, source=source, name=out.name),
-                                    encoding="utf-8")
+        config = config_of(captioner, grid, graphs, license, source)
+        _write_config_and_card(tmp, config, out.name)
         out.mkdir(exist_ok=True)
         for name in OWN_FILES:  # an earlier export's files that this one does not write go
             if name not in files:

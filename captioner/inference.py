@@ -30,8 +30,8 @@ def resolve_weights(weights: str | os.PathLike | None) -> Path:
     path = Path(name).expanduser()
     if path.is_dir():
         if not is_model_folder(path):
-            raise CheckpointError(f"{name} is a folder but not an exported model (it has no {CONFIG}); give a "
-                                  "checkpoint file, or a folder `captioner export` wrote")
+            raise CheckpointError(f"no such checkpoint: {name} is a folder but not an exported model (it has no "
+                                  f"{CONFIG}); give a checkpoint file, or a folder `captioner export` wrote")
         return path
     if not path.is_file():
         raise CheckpointError(f"no such checkpoint: {name} (use a file path, an exported model folder, or one "

@@ -33,7 +33,8 @@ def write(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dic
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     blobs, offset = [], 0
     for name in sorted(tensors):
-        arr = np.ascontiguousarray(tensors[name])
+        arr = np.asarray(tensors[name])
+        arr = arr if arr.flags.c_contiguous else arr.copy(order="C")  # (ascontiguousarray makes a 0-d array 1-d)
         if arr.dtype not in _NAMES:
             raise TypeError(f"{name}: dtype {arr.dtype} has no safetensors name here")
         data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def write_onnx(captioner, folder: Path) -> dict:
     jobs = [(fmt.ENCODER_ONNX, _EncoderGraph(model), (images,), ({0: b},), ENCODER_IO),
             (fmt.STEP_ONNX, _StepGraph(model, grid), step_inputs, tuple({0: n} for _ in step_inputs), STEP_IO)]
     for name, graph, inputs, dynamic, (ins, outs) in jobs:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*axis name.*will not be used")  # the step's 5 inputs share it
             torch.onnx.export(graph.eval(), inputs, folder / name, input_names=ins, output_names=outs,
                               dynamic_shapes=dynamic, opset_version=OPSET, dynamo=True, external_data=False,
                               verbose=False)

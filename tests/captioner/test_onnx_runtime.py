@@ -132,6 +132,13 @@ def test_n_captions_search_until_the_nth_best_cannot_be_beaten():
     assert three.runners_up[1].score == pytest.approx(np.log(0.05), abs=1e-6)
 
 
+def test_only_ended_captions_among_the_best_k_join_the_pool():
+    # k = 1: "<end>" at once (0.4) ranks second to "A" (0.6), so it never joins; then "A <end>" (0.36)
+    table = Table({1: {3: 0.6, 2: 0.4}, 3: {2: 0.6, 4: 0.4}, 4: {2: 1.0}}, vocab=5)
+    found = table_search(table, beam_size=1, max_len=4)
+    assert found.ids == [3, 2] and found.score == pytest.approx(np.log(0.36), abs=1e-6)
+
+
 def test_after_max_len_words_only_end_may_come():
     # A -> B 0.95 | <end> 0.05;  B -> C 0.99 | <end> 0.01: of the captions of at most 2 words
     # "A" is the best finished one; "A B", cut off, would rank higher if the limit only cut

@@ -22,6 +22,7 @@ from captioner.app.serving import (Shown, app_device, app_precision, caption_gat
 from captioner import bundled, inference
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult
+from captioner.folder import is_model_folder
 from captioner.images import ImageLoadError, ImageTooLargeError
 from captioner.inference import Captioner, DecodeOptions
 
@@ -50,11 +51,13 @@ STYLE = Html(page.STYLE)
 
 
 def available_models() -> dict[str, str]:
-    """Label -> weights for Captioner.load: the installed bundled models, then *.pt in the weights folder."""
+    """Label -> weights for Captioner.load: the installed bundled models, then *.pt in the weights folder,
+    then the model folders `captioner export` wrote there."""
     models = {m.name: m.name for m in bundled.installed()}
     folder = Path(os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights"))
     if folder.is_dir():
-        for path in sorted(folder.glob("*.pt")):
+        found = sorted(folder.glob("*.pt")) + sorted(p for p in folder.iterdir() if is_model_folder(p))
+        for path in found:
             models[path.name if path.name not in models else str(path)] = str(path)
     return models
 

@@ -173,8 +173,11 @@ def not_a_checkpoint(path: Path, kind: str) -> CheckpointError:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """Read and validate a checkpoint, never running code from the file."""
+    """Read and validate a checkpoint, never running code from the file: a .pt file, or a
+    folder ``captioner export`` wrote (read by ``load_folder``)."""
     path = Path(path)
+    if path.is_dir():
+        return load_folder(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
@@ -202,4 +205,31 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     for key in ("model_config", "vocab", "preprocess", "state_dict"):
         if key not in ckpt:
             raise CheckpointError(f"{path} lacks '{key}'")
+    return ckpt
+
+
+def load_folder(folder: str | os.PathLike) -> dict:
+    """The checkpoint (as ``make_checkpoint`` makes it) of a model folder ``captioner export``
+    wrote (captioner.folder): safetensors and JSON only, so nothing in it is unpickled. Its
+    tensors are on the CPU; a demo's folder says which demo (``"demo"``), for its notice."""
+    from . import folder as fmt
+    from . import tensorfile
+
+    folder = Path(folder)
+    try:
+        config = fmt.read_config(folder)
+        vocab = fmt.read_vocab(folder, config)
+        familiarity = fmt.read_familiarity(folder, config)
+        fmt.require(folder, fmt.WEIGHTS)
+        arrays, _ = tensorfile.read(folder / fmt.WEIGHTS)
+    except (fmt.FolderError, tensorfile.TensorFileError) as e:
+        raise CheckpointError(str(e)) from None
+    if familiarity is not None:
+        familiarity = {k: torch.from_numpy(v.copy()) if k in fmt.FAMILIARITY_TENSORS else v
+                       for k, v in familiarity.items()}
+    ckpt = make_checkpoint(model_state={k: torch.from_numpy(v.copy()) for k, v in arrays.items()},
+                           model_config=config["model"], vocab=vocab, preprocess=config["preprocess"],
+                           meta=config.get("meta"), tokenizer=config["tokenizer"], familiarity=familiarity)
+    if config.get("demo"):
+        ckpt["demo"] = config["demo"]
     return ckpt

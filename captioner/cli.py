@@ -15,6 +15,8 @@ import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from .export_cli import add_export_parser
+
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
 RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
 
@@ -530,7 +532,12 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     ckpt["familiarity"] = record.to_dict()
     target = args.out or path
-    atomic_save(ckpt, target)
+    if target.is_dir():  # an exported model folder: its record file and config
+        from .export import write_familiarity
+
+        write_familiarity(target, ckpt["familiarity"])
+    else:
+        atomic_save(ckpt, target)
     if not args.quiet:
         print(f"wrote {target}: familiarity from {data}", file=sys.stderr)
     return EXIT_OK
@@ -549,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_evaluate_parser(sub)
     add_familiarity_parser(sub)
     add_shapes_parser(sub)
+    add_export_parser(sub)
     for ep in sorted(entry_points(group="captioner.commands"), key=lambda e: e.name):
         try:
             ep.load()(sub)

@@ -22,9 +22,13 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:
+    import torch  # loaded where a tensor is made: the torch-free runtime (captioner.onnx) reads images here too
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
@@ -79,16 +83,32 @@ class Preprocess:
         """RGB PIL image -> its (3, H, W) 8-bit pixels at the input size, not yet normalised:
         a quarter of the float tensor's bytes, for a worker process to hand over (see
         :meth:`normalize`, which gives exactly the tensor ``__call__`` gives)."""
+        import torch
+
+        return torch.from_numpy(self.array(image)).permute(2, 0, 1)
+
+    def array(self, image: Image.Image) -> np.ndarray:
+        """RGB PIL image -> its (H, W, 3) 8-bit pixels at the input size (what ``pixels`` holds)."""
         h, w = self.size
         if self.resize:
             image = self._center_crop(image.resize(self._resized(image.size), Image.Resampling.BILINEAR))
         else:
             image = image.resize((w, h), Image.Resampling.BICUBIC)
-        return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+        return np.asarray(image, dtype=np.uint8).copy()
+
+    def normalize_array(self, pixels: np.ndarray) -> np.ndarray:
+        """(..., H, W, 3) 8-bit pixels -> (..., 3, H, W) float32, as ``normalize`` computes it
+        (the same float32 operations, so the same numbers), for the torch-free runtime."""
+        x = np.moveaxis(pixels, -1, -3).astype(np.float32) / np.float32(255.0)
+        mean = np.asarray(self.mean, dtype=np.float32).reshape(3, 1, 1)
+        std = np.asarray(self.std, dtype=np.float32).reshape(3, 1, 1)
+        return (x - mean) / std
 
     def normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """8-bit pixels (..., 3, H, W) -> the float tensor the model takes, on their device:
         x / 255, less the mean, over the standard deviation, each in float32."""
+        import torch
+
         x = pixels.float() / 255.0
         mean = torch.tensor(self.mean, device=x.device).view(3, 1, 1)
         std = torch.tensor(self.std, device=x.device).view(3, 1, 1)

@@ -13,21 +13,29 @@ from .bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at,
 from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
 from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
 from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from .folder import CONFIG, WEIGHTS, is_model_folder, shape_mismatch
 from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from .model import CaptionModel, ModelConfig
 from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
-    """A bundled model name (demo-soft, demo-hard, demo-zh) or a path to a checkpoint file."""
+    """A bundled model name (demo-soft, demo-hard, demo-zh), a path to a checkpoint file, or a
+    model folder ``captioner export`` wrote."""
     name = str(weights or DEFAULT)
     if name in DEMOS:
         if not DEMOS[name].installed:
             raise CheckpointError(f"the bundled model {name!r} is missing from this installation ({DEMOS[name].path})")
         return DEMOS[name].path
     path = Path(name).expanduser()
+    if path.is_dir():
+        if not is_model_folder(path):
+            raise CheckpointError(f"no such checkpoint: {name} is a folder but not an exported model (it has no "
+                                  f"{CONFIG}); give a checkpoint file, or a folder `captioner export` wrote")
+        return path
     if not path.is_file():
-        raise CheckpointError(f"no such checkpoint: {name} (use a file path, or one of {', '.join(DEMOS)})")
+        raise CheckpointError(f"no such checkpoint: {name} (use a file path, an exported model folder, or one "
+                              f"of {', '.join(DEMOS)})")
     return path
 
 
@@ -151,10 +159,11 @@ class Captioner:
         # config saying how the model was trained.
         model = CaptionModel(replace(cfg, encoder_pretrained=False))
         model.config = replace(model.config, encoder_pretrained=cfg.encoder_pretrained)
-        try:
-            model.load_state_dict(ckpt["state_dict"])
-        except RuntimeError as e:
-            raise CheckpointError(f"checkpoint weights do not fit its own config: {e}") from e
+        wrong = shape_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                               {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()})
+        if wrong is not None:
+            raise CheckpointError(f"checkpoint weights do not fit its own config: {wrong}")
+        model.load_state_dict(ckpt["state_dict"])
         try:
             tokenizer = tokenizer_named(ckpt.get("tokenizer", DEFAULT_TOKENIZER))
         except ValueError as e:
@@ -183,7 +192,15 @@ class Captioner:
         record, its notice) when the file is a shipped one, however it was named."""
         demo = bundled_at(path)
         name = demo.name if demo is not None else path.name
-        return cls.from_checkpoint(ckpt, device, name=name, demo=demo)
+        if demo is None and ckpt.get("demo") in DEMOS:  # a demo's exported folder: its record and notice
+            demo = DEMOS[ckpt["demo"]]
+        try:
+            return cls.from_checkpoint(ckpt, device, name=name, demo=demo)
+        except CheckpointError as e:
+            if not path.is_dir():
+                raise
+            raise CheckpointError(str(e).replace("checkpoint weights do not fit its own config",
+                                                 f"{path / WEIGHTS} does not fit its {CONFIG}")) from None
 
     def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
         return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),

@@ -28,12 +28,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from nltk.tokenize import TreebankWordTokenizer
-
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)
 
-_tokenizer = TreebankWordTokenizer()
+
+
+@lru_cache(maxsize=1)
+def _treebank():
+    """nltk's TreebankWordTokenizer, loaded when English text is first tokenised (not to caption:
+    the torch-free runtime joins words without nltk)."""
+    from nltk.tokenize import TreebankWordTokenizer
+
+    return TreebankWordTokenizer()
 
 # pycocoevalcap's PUNCTUATIONS as they can match: its bracket tokens are spelt "-LRB-" but
 # the tokens come out lower-cased, so "-lrb-" and friends stay, as do "&", "%", "#", "$".
@@ -67,7 +73,7 @@ def _chunk_tokens(chunk: str) -> tuple[str, ...]:
     if (chunk.isalnum() and chunk not in _SPLIT_WORDS) or _ABBREVIATION.fullmatch(chunk):
         return (chunk,)
     tokens: list[str] = []
-    for tok in _tokenizer.tokenize(chunk, convert_parentheses=True):
+    for tok in _treebank().tokenize(chunk, convert_parentheses=True):
         # An opening single quote ('quoted) is a quote, not part of the word.
         if tok.startswith("'") and len(tok) > 1 and not _CLITIC.match(tok):
             tokens.extend(["'", tok[1:]])

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from captioner.checkpoint import load_checkpoint
+from captioner.folder import is_model_folder
 from captioner.inference import Captioner
 
 
@@ -40,9 +41,10 @@ def last_step_model(run_dir: Path) -> Captioner:
 
 
 def load_weights(weights: str | os.PathLike) -> Captioner:
-    """A checkpoint file, a bundled model's name, or a run folder (its last.pt, by
-    last_step_model)."""
-    return last_step_model(Path(weights)) if Path(weights).is_dir() else Captioner.load(weights)
+    """A checkpoint file, a bundled model's name, an exported model folder, or a run folder (its
+    last.pt, by last_step_model)."""
+    run = Path(weights).is_dir() and not is_model_folder(weights)
+    return last_step_model(Path(weights)) if run else Captioner.load(weights)
 
 
 def slim_checkpoint(ckpt: dict) -> dict:

@@ -19,6 +19,7 @@ import torch
 
 import captioner
 from captioner.checkpoint import CheckpointError, load_checkpoint
+from captioner.folder import is_model_folder
 from captioner.data.coco import ImageRecord, TrainingCaptions, build_vocab, dataset_tokenizer, load_splits
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
@@ -108,10 +109,11 @@ def resolve_checkpoint(key: str, value: str, config_path: Path | None) -> str:
         places += [config_path.parent] if config_path is not None else []
         places += [Path(captioner.__file__).parent.parent]
     for place in places:
-        if (place / path).is_file():
+        if (place / path).is_file() or is_model_folder(place / path):  # a file, or a folder `captioner export` wrote
             return str((place / path).resolve())
     looked = "" if path.is_absolute() else f" (looked in {', '.join(str(p) for p in dict.fromkeys(places))})"
-    raise StartupError(f"{key}: no such checkpoint {value}{looked}; give a file, or a bundled model: "
+    raise StartupError(f"{key}: no such checkpoint {value}{looked}; give a file, an exported model folder, or a "
+                       "bundled model: "
                        f"{', '.join(DEMOS)}")
 
 

@@ -1,0 +1,114 @@
+"""The model card (README.md) of an exported model folder: the Hugging Face Hub's metadata
+as YAML front matter, then what the model is, what it was trained on, the figures its
+checkpoint recorded with the command that measures them again, and how to use it.
+
+The YAML is written by hand, every string as a JSON string (which YAML reads as a
+double-quoted scalar), so the card needs no YAML package to write and any YAML parser reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from . import folder as fmt
+
+
+def recorded_figures(meta: dict) -> list[tuple[str, str, float]]:
+    """(metric, split, value) of the figures a checkpoint recorded: training writes
+    ``val_<metric>`` into the checkpoint it keeps for its best validation figure."""
+    out = []
+    for key, value in meta.items():
+        if key.startswith("val_") and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append((key.removeprefix("val_"), "val", float(value)))
+    return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def _q(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def front_matter(config: dict, *, license: str, name: str) -> str:
+    model = config["model"]
+    data = config.get("training_data") or "unknown"
+    dataset = _slug(data.split(" (")[0])
+    figures = recorded_figures(config.get("meta") or {})
+    tags = ["image-captioning", "show-attend-and-tell", "visual-attention", f"{model['attention']}-attention",
+            "safetensors"] + (["onnx"] if config.get("onnx") else [])
+    lines = ["---", "pipeline_tag: image-to-text", "library_name: captioner", "tags:"]
+    lines += [f"  - {_q(t)}" for t in tags]
+    lines += ["language:", f"  - {_q(config.get('language') or 'en')}", f"license: {_q(license)}",
+              "datasets:", f"  - {_q(dataset)}"]
+    if figures:
+        lines.append("metrics:")
+        lines += [f"  - {_q(m)}" for m in dict.fromkeys(m for m, _, _ in figures)]
+    lines += ["model-index:", f"  - name: {_q(name)}", "    results:"]
+    if figures:
+        lines += ["      - task:", "          type: image-to-text", "          name: Image captioning",
+                  "        dataset:", f"          name: {_q(data)}", f"          type: {_q(dataset)}",
+                  f"          split: {_q(figures[0][1])}", "        metrics:"]
+        for metric, _, value in figures:
+            lines += [f"          - type: {_q(metric)}", f"            name: {_q(metric.replace('_', ' '))}",
+                      f"            value: {value!r}"]
+    else:
+        lines[-1] = "    results: []"
+    lines.append("---")
+    return "\n".join(lines) + "\n"
+
+
+def model_card(config: dict, *, name: str) -> str:
+    """The card of the folder ``name`` whose config.json is ``config`` (its license and source in it)."""
+    license, source = config.get("license") or "unknown", config.get("source")
+    model = config["model"]
+    figures = recorded_figures(config.get("meta") or {})
+    data = config.get("training_data") or "data it does not name"
+    h, w = config["preprocess"]["size"]
+    parts = [front_matter(config, license=license, name=name), f"# {name}", ""]
+    if config.get("notice"):
+        parts += [f"**Note: {config['notice']}.**", ""]
+    parts += [
+        f"An image captioning model with visual attention after Show, Attend and Tell (Xu et al. 2015), "
+        f"made with captioner {config['captioner_version']}"
+        + (f" from `{source}`" if source else "") + ".",
+        "",
+        f"- **Attention**: {model['attention']} ({model['score']} score, {model['normalizer']}, "
+        f"{model['heads']} head{'s' if model['heads'] != 1 else ''})" if "heads" in model else
+        f"- **Attention**: {model['attention']} ({model['score']} score, {model['normalizer']})",
+        f"- **Encoder**: `{model['encoder']}`, {model['annotation_dim']}-dimensional annotations on a "
+        f"{config['grid'][0]}x{config['grid'][1]} grid, images {w}x{h} px",
+        f"- **Decoder**: LSTM, hidden size {model['hidden_dim']}, embedding {model['embed_dim']}, "
+        f"vocabulary {model['vocab_size']} tokens (tokenizer `{config['tokenizer']}`), captions of at most "
+        f"{config['max_caption_len']} tokens",
+        f"- **Trained on**: {data}",
+        f"- **Familiarity record**: {'yes' if config.get('familiarity') else 'no'} (every caption says how like "
+        "the training images its image is)",
+        "",
+        "## Figures", "",
+    ]
+    if figures:
+        parts += ["| metric | split | value |", "|---|---|---|"]
+        parts += [f"| {m} | {s} | {v:.4g} |" for m, s, v in figures]
+        parts += ["", "Recorded by training on its validation split; measured again with:", "",
+                  "```", f"captioner evaluate --weights {name} --data DATA_FOLDER --split val", "```", ""]
+    else:
+        parts += ["The checkpoint recorded no figures. Measure them with:", "",
+                  "```", f"captioner evaluate --weights {name} --data DATA_FOLDER --split test", "```", ""]
+    parts += ["## Use", "", "With captioner (the folder is taken wherever a checkpoint is):", "", "```",
+              'pip install captioner', f"captioner caption --weights {name} photo.jpg", "```", ""]
+    if config.get("onnx"):
+        parts += ["Without torch (onnxruntime, numpy and pillow only):", "", "```",
+                  "pip install --no-deps captioner && pip install onnxruntime numpy pillow",
+                  f"python -m captioner.onnx {name} photo.jpg --beam-size 3", "```", ""]
+    parts += ["## Files", "",
+              f"- `{fmt.CONFIG}`: architecture, preprocessing, tokenizer, length limit, captioner version",
+              f"- `{fmt.WEIGHTS}`: the weights; `{fmt.VOCAB}`: the vocabulary"]
+    if config.get("familiarity"):
+        parts.append(f"- `{fmt.FAMILIARITY}`: the training images' feature record (familiarity)")
+    if config.get("onnx"):
+        parts.append(f"- `{fmt.ENCODER_ONNX}`, `{fmt.STEP_ONNX}`: the encoder and one decoder step "
+                     f"(ONNX opset {config['onnx']['opset']}); the beam search runs outside the graph")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,245 @@
+"""``captioner export``: a model as a folder to share and deploy (captioner.folder).
+
+The weights go to safetensors, the config, vocabulary and familiarity record beside them
+as JSON and safetensors (no pickle anywhere), a model card with the Hub's metadata, and with
+``onnx=True`` two ONNX graphs that hold the model's arithmetic while the search stays
+outside, in numpy (captioner.onnx), so that captioning needs no torch:
+
+    encoder.onnx        images (B, 3, H, W) normalised
+                        -> annotations (B, L, D')  what the decoder attends over (Decoder.annotate)
+                           keys (B, L, A)          attention's per-image part (attention.prepare)
+                           h0, c0 (B, H)           the initial LSTM state (init_state)
+                           features (B, D)         pooled encoder annotations, for familiarity
+    decoder_step.onnx   word (N,) int64, h, c (N, H), annotations (N, L, D'), keys (N, L, A)
+                        -> log_probs (N, V)        log-softmax of the step's logits
+                           h_next, c_next (N, H)
+                           alpha (N, heads, L)     each head's attention map
+                           beta (N,)               the gate
+
+N rows are the open beams, each with its image's annotations and keys; B and N are dynamic.
+A hard-attention model's step is its expected context (DecodeOptions.hard_attention
+"expected", the default). The step holds dropout in eval mode: the same numbers as
+``Decoder.step`` in eval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import __version__, tensorfile
+from . import folder as fmt
+from .familiarity import pooled
+
+OPSET = 18
+ENCODER_IO = (["images"], ["annotations", "keys", "h0", "c0", "features"])
+STEP_IO = (["word", "h", "c", "annotations", "keys"], ["log_probs", "h_next", "c_next", "alpha", "beta"])
+# What a folder may hold: written here, or replaced by a new export into it.
+OWN_FILES = (fmt.CONFIG, fmt.WEIGHTS, fmt.VOCAB, fmt.FAMILIARITY, fmt.CARD, fmt.ENCODER_ONNX, fmt.STEP_ONNX)
+
+
+class ExportError(ValueError):
+    """The export cannot be made as asked; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Exported:
+    folder: Path
+    files: tuple[str, ...]  # the names written, in the folder
+
+
+class _EncoderGraph(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor):
+        ann = self.model.encode(images)
+        dec = self.model.decoder
+        used = dec.annotate(ann)
+        h0, c0 = dec.init_state(used.vectors)
+        return used.vectors, dec.attention.prepare(used.vectors), h0, c0, pooled(ann.vectors)
+
+
+class _StepGraph(nn.Module):
+    def __init__(self, model, grid: tuple[int, int]):
+        super().__init__()
+        self.decoder, self.grid = model.decoder, grid
+
+    def forward(self, word, h, c, annotations, keys):
+        o = self.decoder.step(word, h, c, annotations, keys, self.grid)
+        return torch.log_softmax(o.logits.float(), dim=-1), o.h, o.c, o.alpha_heads, o.beta
+
+
+def grid_of(captioner) -> tuple[int, int]:
+    """The attention grid (H, W) of the captioner's input size."""
+    h, w = captioner.preprocess.size
+    with torch.no_grad():
+        return captioner.model.encode(torch.zeros(1, 3, h, w, device=captioner.device)).grid
+
+
+def write_onnx(captioner, folder: Path) -> dict:
+    """encoder.onnx and decoder_step.onnx for ``captioner`` in ``folder``, each checked by
+    onnx.checker; returns what config.json says of them."""
+    try:
+        import onnx
+    except ImportError:
+        raise ExportError('--onnx needs the onnx and onnxscript packages: pip install "captioner[export]"') from None
+    model = captioner.model.eval().cpu()
+    grid = grid_of(captioner)
+    h, w = captioner.preprocess.size
+    images = torch.zeros(2, 3, h, w)
+    with torch.no_grad():
+        ann, keys, h0, c0, _ = _EncoderGraph(model)(images)
+    rows = 3  # an odd count, unlike the 2 images, so that no size is taken for another
+    word = torch.full((rows,), 1, dtype=torch.long)
+    step_inputs = (word, h0[:1].expand(rows, -1).contiguous(), c0[:1].expand(rows, -1).contiguous(),
+                   ann[:1].expand(rows, -1, -1).contiguous(), keys[:1].expand(rows, -1, -1).contiguous())
+    b, n = torch.export.Dim("batch"), torch.export.Dim("rows")
+    jobs = [(fmt.ENCODER_ONNX, _EncoderGraph(model), (images,), ({0: b},), ENCODER_IO),
+            (fmt.STEP_ONNX, _StepGraph(model, grid), step_inputs, tuple({0: n} for _ in step_inputs), STEP_IO)]
+    for name, graph, inputs, dynamic, (ins, outs) in jobs:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*axis name.*will not be used")  # the step's 5 inputs share it
+            torch.onnx.export(graph.eval(), inputs, folder / name, input_names=ins, output_names=outs,
+                              dynamic_shapes=dynamic, opset_version=OPSET, dynamo=True, external_data=False,
+                              verbose=False)
+        onnx.checker.check_model(str(folder / name), full_check=True)
+    return {"opset": OPSET, "encoder": {"file": fmt.ENCODER_ONNX, "inputs": ENCODER_IO[0], "outputs": ENCODER_IO[1]},
+            "step": {"file": fmt.STEP_ONNX, "inputs": STEP_IO[0], "outputs": STEP_IO[1]},
+            "hard_attention": "expected"}
+
+
+def _plain(value):
+    """``value`` as JSON data: containers kept, anything else that JSON lacks as its str."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def familiarity_config(record: dict) -> dict:
+    """What config.json says of a familiarity record (``TrainingFeatures.to_dict``): all but its
+    tensors, which go to familiarity.safetensors, and how many images it describes."""
+    out = {k: _plain(v) for k, v in record.items() if not isinstance(v, torch.Tensor)}
+    out["images"] = len(record["reference"])
+    return out
+
+
+def _write_familiarity_file(path: Path, record: dict) -> None:
+    tensorfile.write(path, {k: record[k].detach().cpu().numpy() for k in fmt.FAMILIARITY_TENSORS})
+
+
+def config_of(captioner, grid: tuple[int, int], onnx: dict | None, license: str, source: str | None) -> dict:
+    fam = captioner.familiarity
+    v = captioner.vocab
+    return {
+        "format": fmt.FORMAT, "version": fmt.VERSION, "captioner_version": __version__,
+        "architecture": "show-attend-and-tell",
+        "model": captioner.model.config.to_dict(),
+        "preprocess": captioner.preprocess.to_dict(),
+        "tokenizer": v.tokenizer.name,
+        "special_tokens": {"pad": v.pad, "start": v.start, "end": v.end, "unk": v.unk},
+        "max_caption_len": captioner.max_len,
+        "grid": list(grid),
+        "language": language_of(captioner),
+        "demo": captioner.demo.name if captioner.demo is not None else None,
+        "notice": captioner.notice(),
+        "training_data": captioner.training_data,
+        "familiarity": familiarity_config(fam.to_dict()) if fam is not None else None,
+        "onnx": onnx,
+        "license": license,
+        "source": source,
+        "meta": _plain(captioner.meta),
+    }
+
+
+def language_of(captioner) -> str | None:
+    if captioner.demo is not None:
+        return captioner.demo.language
+    lang = captioner.meta.get("language")
+    if isinstance(lang, str) and lang:
+        return lang
+    return {"ptb": "en"}.get(captioner.vocab.tokenizer.name)
+
+
+def _write_config_and_card(folder: Path, config: dict, name: str) -> None:
+    from .card import model_card
+
+    (folder / fmt.CONFIG).write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    (folder / fmt.CARD).write_text(model_card(config, name=name), encoding="utf-8")
+
+
+def write_familiarity(folder: str | os.PathLike, record: dict) -> None:
+    """Give an exported folder this familiarity record (``captioner familiarity FOLDER``): its
+    file, config.json and card, each written beside and renamed over the old one."""
+    folder = Path(folder)
+    config = fmt.read_config(folder)
+    config["familiarity"] = familiarity_config(record)
+    tmp = Path(tempfile.mkdtemp(prefix=".familiarity.", dir=folder))
+    try:
+        _write_familiarity_file(tmp / fmt.FAMILIARITY, record)
+        _write_config_and_card(tmp, config, folder.name)
+        for name in (fmt.FAMILIARITY, fmt.CARD, fmt.CONFIG):  # the config last: it names the record
+            os.replace(tmp / name, folder / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_target(out: Path) -> None:
+    """Refuse a folder that holds anything an export would not write: a user's files are never
+    mixed with, nor replaced by, a model's."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a folder (missing folders are made)")
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.name not in OWN_FILES and not p.name.startswith("."))
+        if others:
+            raise ExportError(f"--out {out} already holds other files ({', '.join(others[:3])}"
+                              f"{', ...' if len(others) > 3 else ''}); give an empty or new folder")
+
+
+def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: str = "unknown",
+           source: str | None = None) -> Exported:
+    """Write ``captioner`` to the folder ``out`` (made if missing; an earlier export there is
+    replaced, whole). Written into a temporary folder beside it first, so a failure (an ONNX
+    export that breaks half-way) leaves ``out`` as it was."""
+    out = Path(out)
+    check_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        grid = grid_of(captioner)
+        files = [fmt.CONFIG, fmt.WEIGHTS, fmt.VOCAB, fmt.CARD]
+        state = {k: t.detach().cpu().contiguous().numpy() for k, t in captioner.model.state_dict().items()}
+        tensorfile.write(tmp / fmt.WEIGHTS, state, {"format": "pt"})
+        (tmp / fmt.VOCAB).write_text(json.dumps(captioner.vocab.to_list(), ensure_ascii=False, indent=0) + "\n",
+                                     encoding="utf-8")
+        if captioner.familiarity is not None:
+            _write_familiarity_file(tmp / fmt.FAMILIARITY, captioner.familiarity.to_dict())
+            files.append(fmt.FAMILIARITY)
+        graphs = write_onnx(captioner, tmp) if onnx else None
+        if graphs is not None:
+            files += [fmt.ENCODER_ONNX, fmt.STEP_ONNX]
+        config = config_of(captioner, grid, graphs, license, source)
+        _write_config_and_card(tmp, config, out.name)
+        out.mkdir(exist_ok=True)
+        for name in OWN_FILES:  # an earlier export's files that this one does not write go
+            if name not in files:
+                (out / name).unlink(missing_ok=True)
+        for name in files:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Exported(out, tuple(files))
+

@@ -1,0 +1,265 @@
+"""Caption with an exported model's ONNX graphs: onnxruntime, numpy and pillow, no torch.
+
+    python -m captioner.onnx MODEL_FOLDER IMAGES... [--beam-size K] [--max-len N]
+        [--num-captions N] [--with-attention] [--out FILE]
+
+MODEL_FOLDER is what ``captioner export CHECKPOINT --out FOLDER --onnx`` wrote. The images are
+decoded and resized by the project's own code (captioner.images), the graphs run the encoder
+and one decoder step (captioner.export), and the search around the step is the project's,
+in numpy (captioner.npsearch). Each image gives the JSON line ``captioner caption`` gives
+(``{"image", "caption", "words", "score", "familiarity", "unfamiliar", "word_probs",
+"end_prob", ...}``, or ``{"image", "error"}``). Nothing this module imports loads torch.
+
+Exit code: 0 all captioned, 1 some images failed, 2 usage error (a bad folder, a bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import folder as fmt
+from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
+from .npsearch import Decoded, beam_search, greedy
+from .vocab import tokenizer_named
+
+UNFAMILIAR_BELOW = 0.01  # familiarity.DEFAULT_THRESHOLD (that module loads torch)
+DIGITS = 4
+
+
+def round_prob(p: float, digits: int = DIGITS) -> float:
+    """A probability to ``digits`` significant digits (a small one keeps its figures)."""
+    return float(f"{p:.{digits}g}") if p else 0.0
+
+
+@dataclass(frozen=True)
+class Caption:
+    """One image's caption, as CaptionResult holds it, in numpy."""
+
+    words: list[str]
+    text: str
+    score: float
+    alphas: np.ndarray  # (T, H, W) the heads' mean map per word
+    betas: np.ndarray  # (T,)
+    word_probs: tuple[float, ...]
+    end_prob: float | None  # p of the <end> that closed it; None: cut off at the length limit
+    familiarity: float | None
+    unfamiliar: bool | None
+    alternatives: tuple[tuple[str, float], ...] = ()  # (caption, score), best first, with --num-captions > 1
+
+    def to_json(self, image: str, with_attention: bool = False, digits: int = DIGITS) -> dict:
+        out = {"image": image, "caption": self.text, "words": list(self.words), "score": round(self.score, digits),
+               "familiarity": None if self.familiarity is None else round(self.familiarity, digits),
+               "unfamiliar": self.unfamiliar,
+               "word_probs": [round_prob(p, digits) for p in self.word_probs],
+               "end_prob": None if self.end_prob is None else round_prob(self.end_prob, digits)}
+        if self.alternatives:
+            out["alternatives"] = [{"caption": t, "score": round(s, digits)} for t, s in self.alternatives]
+        if with_attention:
+            out["alphas"] = np.round(self.alphas.astype(np.float64), digits).tolist()
+            out["betas"] = np.round(self.betas.astype(np.float64), digits).tolist()
+        return out
+
+
+class OnnxCaptioner:
+    """An exported model folder's graphs in onnxruntime sessions, with its preprocessing,
+    vocabulary and familiarity record."""
+
+    def __init__(self, folder: str | os.PathLike, threads: int | None = None):
+        folder = Path(folder)
+        config = fmt.read_config(folder)
+        if not config.get("onnx"):
+            raise fmt.FolderError(f"{folder} has no ONNX graphs: export it with --onnx "
+                                  "(captioner export CHECKPOINT --out FOLDER --onnx)")
+        fmt.require(folder, fmt.ENCODER_ONNX, fmt.STEP_ONNX)
+        words = fmt.read_vocab(folder, config)
+        self.familiarity = fmt.read_familiarity(folder, config)
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        providers = ["CPUExecutionProvider"]
+        self.encoder = ort.InferenceSession(str(folder / fmt.ENCODER_ONNX), options, providers=providers)
+        self.decoder = ort.InferenceSession(str(folder / fmt.STEP_ONNX), options, providers=providers)
+        self.config, self.words, self.name = config, words, folder.name
+        self.tokenizer = tokenizer_named(config["tokenizer"])
+        self.preprocess = Preprocess.from_dict(config["preprocess"])
+        self.grid = tuple(config["grid"])
+        self.max_len = int(config["max_caption_len"])
+        self.special = config["special_tokens"]
+        self.training_data = config.get("training_data")
+        self.notice = config.get("notice")
+
+    def step(self, word, h, c, annotations, keys):
+        """One decoder step for N rows (decoder_step.onnx)."""
+        return tuple(self.decoder.run(None, {"word": word, "h": h, "c": c, "annotations": annotations,
+                                             "keys": keys}))
+
+    def encode(self, images: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(B, 3, H, W) normalised float32 -> annotations, keys, h0, c0, features."""
+        return tuple(self.encoder.run(None, {"images": np.ascontiguousarray(images, dtype=np.float32)}))
+
+    def familiarities(self, features: np.ndarray) -> list[float | None]:
+        """(B, D) pooled features -> the share of training images at least as far (familiarity.py)."""
+        if self.familiarity is None:
+            return [None] * len(features)
+        f = self.familiarity
+        z = (features.astype(np.float32) - f["mean"]) @ f["whiten"]  # (B, D)
+        d = (z * z).sum(1)
+        reference = f["reference"]
+        nearer = np.searchsorted(reference, d, side="left")
+        return ((len(reference) - nearer) / len(reference)).tolist()
+
+    def caption_arrays(self, pixels: np.ndarray, *, beam_size: int = 3, max_len: int | None = None,
+                       num_captions: int = 1, unfamiliar_below: float = UNFAMILIAR_BELOW) -> list[Caption]:
+        """(B, H, W, 3) 8-bit pixels at the input size (Preprocess.array) -> one Caption each."""
+        max_len = max_len or self.max_len
+        ann, keys, h0, c0, features = self.encode(self.preprocess.normalize_array(pixels))
+        s = self.special
+        ids = dict(start=s["start"], end=s["end"], pad=s["pad"], max_len=max_len)
+        if beam_size == 1:
+            decoded = greedy(self.step, ann, keys, h0, c0, **ids)
+        else:
+            decoded = beam_search(self.step, ann, keys, h0, c0, beam_size=beam_size, num_captions=num_captions,
+                                  **ids)
+        fam = self.familiarities(features)
+        return [self._caption(d, f, unfamiliar_below, num_captions > 1) for d, f in zip(decoded, fam)]
+
+    def decode(self, ids: list[int]) -> list[str]:
+        """Words up to the first <end>, <start> and <pad> skipped (Vocabulary.decode)."""
+        s, out = self.special, []
+        for i in ids:
+            if i == s["end"]:
+                break
+            if i not in (s["pad"], s["start"]):
+                out.append(self.words[i])
+        return out
+
+    def _caption(self, d: Decoded, familiarity: float | None, below: float, alternatives: bool) -> Caption:
+        words = self.decode(d.ids)
+        t = len(words)
+        ended = len(d.ids) > t and d.ids[t] == self.special["end"]
+        probs = np.exp(d.log_probs.astype(np.float64))
+        alts = ()
+        if alternatives:
+            alts = tuple((self.tokenizer.join(self.decode(x.ids)), x.score) for x in (d, *d.runners_up))
+        return Caption(words, self.tokenizer.join(words), float(d.score), d.heads[:t].mean(1).reshape(t, *self.grid),
+                       d.betas[:t], tuple(probs[:t].tolist()), float(probs[t]) if ended else None, familiarity,
+                       None if familiarity is None else familiarity < below, alts)
+
+    def caption_files(self, paths: list[str], max_pixels: int = DEFAULT_MAX_PIXELS,
+                      **options) -> list[Caption | str]:
+        """Each path's Caption, or the reason it could not be read (a string)."""
+        out: list[Caption | str] = [""] * len(paths)
+        pixels, good = [], []
+        for i, path in enumerate(paths):
+            try:
+                pixels.append(self.preprocess.array(self.preprocess.load(path, max_pixels)))
+                good.append(i)
+            except ImageLoadError as e:
+                out[i] = str(e)
+        if good:
+            for i, cap in zip(good, self.caption_arrays(np.stack(pixels), **options)):
+                out[i] = cap
+        return out
+
+
+def discover(paths: list[str]) -> list[str]:
+    """Image files: those given, and those found (sorted) in the folders given."""
+    found = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            found += sorted(str(f) for f in path.rglob("*") if f.is_file() and is_image_path(f))
+        elif path.exists():
+            found.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {p}")
+    return found
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m captioner.onnx",
+                description="Caption images with an exported model's ONNX graphs (captioner export --onnx), with "
+                            "onnxruntime, numpy and pillow only: no torch. One JSON line per image, as captioner "
+                            "caption writes them. Exit code: 0 all captioned, 1 some failed, 2 usage error.")
+    p.add_argument("folder", metavar="MODEL_FOLDER", help="the folder captioner export --onnx wrote")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files or folders (searched recursively)")
+    p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=_positive, default=None,
+                   help="most tokens per caption (default: the longest caption the model was trained on)")
+    p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
+                   help='also write "alternatives": the N best finished captions, best first (N <= --beam-size)')
+    p.add_argument("--with-attention", action="store_true", help='add "alphas" (T x H x W) and "betas" (T)')
+    p.add_argument("--unfamiliar-below", type=float, default=UNFAMILIAR_BELOW, metavar="SHARE",
+                   help="report an image as unfamiliar below this familiarity (default 0.01)")
+    p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
+    p.add_argument("--threads", type=_positive, default=None, help="onnxruntime's threads (default: its own)")
+    p.add_argument("--out", type=Path, default=None, help="JSON-lines output file (default stdout)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prog = "python -m captioner.onnx"
+    if args.num_captions > args.beam_size:
+        print(f"{prog}: error: --num-captions {args.num_captions} is more than --beam-size {args.beam_size}",
+              file=sys.stderr)
+        return 2
+    try:
+        model = OnnxCaptioner(args.folder, threads=args.threads)
+        paths = discover(args.images)
+    except (fmt.FolderError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"{prog}: error: {e} (pip install onnxruntime numpy pillow)", file=sys.stderr)
+        return 2
+    if model.notice:
+        print(f"{prog}: note: {model.notice}", file=sys.stderr)
+    tag = {"model": model.name, **({"training_data": model.training_data} if model.training_data else {})}
+    failed = 0
+    out = open(args.out, "w", encoding="utf-8") if args.out is not None else sys.stdout
+    try:
+        for i in range(0, len(paths), args.batch_size):
+            chunk = paths[i:i + args.batch_size]
+            results = model.caption_files(chunk, beam_size=args.beam_size, max_len=args.max_len,
+                                          num_captions=args.num_captions, unfamiliar_below=args.unfamiliar_below)
+            for path, r in zip(chunk, results):
+                if isinstance(r, str):
+                    failed += 1
+                    record = {"image": path, "error": r}
+                else:
+                    record = {**r.to_json(path, args.with_attention), **tag}
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

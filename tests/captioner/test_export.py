@@ -1,0 +1,201 @@
+"""`captioner export`: a model as a folder (safetensors, JSON, model card) that every command
+taking a checkpoint takes, with the same captions, scores and familiarity; bad folders refused
+in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from captioner import bundled, tensorfile
+from captioner import folder as fmt
+from captioner.cli import main
+from captioner.export import export
+from captioner.inference import Captioner, DecodeOptions
+from tests.tiny import tiny_captioner, tiny_image
+
+DEMOS = [m.name for m in bundled.installed()]
+
+
+@pytest.fixture(scope="module")
+def shapes_images(tmp_path_factory) -> list[str]:
+    from captioner.data.shapes import generate_dataset
+
+    root = tmp_path_factory.mktemp("shapes")
+    generate_dataset(root, {"test": 6}, seed=4242, progress=False)
+    return sorted(str(p) for p in (root / "images").rglob("*.png"))
+
+
+def front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card.split("---\n")[1])
+
+
+@pytest.mark.parametrize("name", DEMOS)
+def test_an_exported_demo_captions_as_its_checkpoint(name, shapes_images, tmp_path):
+    cap = Captioner.load(name)
+    export(cap, tmp_path / name)
+    again = Captioner.load(tmp_path / name)
+    opts = DecodeOptions(beam_size=3, max_len=cap.max_len)
+    ours, theirs = cap.caption_images(shapes_images, opts), again.caption_images(shapes_images, opts)
+    assert [r.caption for r in theirs] == [r.caption for r in ours]
+    assert [r.score for r in theirs] == [r.score for r in ours]  # the same weights, bit for bit
+    assert [r.familiarity for r in theirs] == [r.familiarity for r in ours]
+    assert ours[0].familiarity is not None
+    assert again.max_len == cap.max_len and again.training_data == cap.training_data
+    assert again.notice() == cap.notice() and name in again.notice()  # still says it is a demo
+
+
+def test_the_folder_holds_no_pickle_and_says_what_it_is(tmp_path):
+    export(Captioner.load("demo-zh"), tmp_path / "zh", license="cc-by-4.0")
+    names = sorted(p.name for p in (tmp_path / "zh").iterdir())
+    assert names == sorted([fmt.CARD, fmt.CONFIG, fmt.FAMILIARITY, fmt.WEIGHTS, fmt.VOCAB])
+    for p in (tmp_path / "zh").iterdir():
+        assert p.read_bytes()[:1] != b"\x80"  # no pickle (nor torch's zip of one)
+        assert not p.read_bytes().startswith(b"PK")
+    config = json.loads((tmp_path / "zh" / fmt.CONFIG).read_text())
+    assert config["tokenizer"] == "chars" and config["language"] == "zh" and config["max_caption_len"] == 40
+    assert config["model"]["attention"] == "soft" and config["grid"] == [16, 16]
+    assert config["preprocess"]["size"] == [128, 128] and config["captioner_version"]
+    assert json.loads((tmp_path / "zh" / fmt.VOCAB).read_text())[:3] == ["<pad>", "<start>", "<end>"]
+    meta = front_matter((tmp_path / "zh" / fmt.CARD).read_text())
+    assert meta["pipeline_tag"] == "image-to-text" and meta["library_name"] == "captioner"
+    assert meta["license"] == "cc-by-4.0" and meta["language"] == ["zh"]
+    assert "image-captioning" in meta["tags"] and meta["datasets"] == ["synthetic-shapes"]
+
+
+def test_the_cards_model_index_carries_the_recorded_figures(tmp_path):
+    cap = Captioner.load("demo-soft")
+    [(key, value)] = [(k, v) for k, v in cap.meta.items() if k.startswith("val_")]
+    assert main(["export", "demo-soft", "--out", str(tmp_path / "soft"), "--license", "mit"]) == 0
+    card = (tmp_path / "soft" / fmt.CARD).read_text()
+    meta = front_matter(card)
+    [result] = meta["model-index"][0]["results"]
+    assert result["task"]["type"] == "image-to-text" and result["dataset"]["split"] == "val"
+    assert result["metrics"] == [{"type": key[4:], "name": key[4:].replace("_", " "), "value": value}]
+    assert meta["metrics"] == [key[4:]] and meta["license"] == "mit"
+    assert "demo-soft is a demo model" in card  # the notice, in the card's text
+
+
+def test_safetensors_files_are_those_of_the_safetensors_package(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    arrays = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.array([1, -2], dtype=np.int64),
+              "c": np.ones((0, 4), dtype=np.float16), "d": np.array(3.5, dtype=np.float32)}  # d: a scalar
+    tensorfile.write(tmp_path / "ours.safetensors", arrays, {"format": "pt"})
+    theirs = st.load_file(str(tmp_path / "ours.safetensors"))
+    assert sorted(theirs) == sorted(arrays) and all(np.array_equal(theirs[k], arrays[k]) for k in arrays)
+    st.save_file(arrays, str(tmp_path / "theirs.safetensors"), metadata={"x": "y"})
+    back, meta = tensorfile.read(tmp_path / "theirs.safetensors")
+    assert meta == {"x": "y"} and all(np.array_equal(back[k], arrays[k]) and back[k].dtype == arrays[k].dtype
+                                      for k in arrays)
+
+
+@pytest.fixture
+def exported(tmp_path) -> Path:
+    cap = tiny_captioner(seed=3)
+    export(cap, tmp_path / "model")
+    return tmp_path / "model"
+
+
+@pytest.fixture
+def image(tmp_path) -> str:
+    path = tmp_path / "img.png"
+    tiny_image(1, (40, 30)).save(path)
+    return str(path)
+
+
+def one_error_line(capsys) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("missing", [fmt.CONFIG, fmt.WEIGHTS, fmt.VOCAB])
+def test_a_folder_with_a_file_missing_is_refused_in_one_line(exported, image, missing, capsys):
+    (exported / missing).unlink()
+    assert main(["caption", image, "--weights", str(exported)]) == 2
+    line = one_error_line(capsys)
+    assert missing in line if missing != fmt.CONFIG else "not an exported model" in line
+
+
+def test_a_config_from_a_newer_captioner_is_refused(exported, image, capsys):
+    config = json.loads((exported / fmt.CONFIG).read_text())
+    (exported / fmt.CONFIG).write_text(json.dumps({**config, "version": fmt.VERSION + 1, "captioner_version": "9.0"}))
+    assert main(["caption", image, "--weights", str(exported)]) == 2
+    line = one_error_line(capsys)
+    assert f"format version {fmt.VERSION + 1}" in line and "9.0" in line and "upgrade captioner" in line
+
+
+def test_weights_of_other_shapes_than_the_config_are_refused(exported, image, capsys):
+    arrays, meta = tensorfile.read(exported / fmt.WEIGHTS)
+    arrays = dict(arrays)
+    arrays["decoder.L_o.weight"] = np.zeros((arrays["decoder.L_o.weight"].shape[0] + 1, 12), dtype=np.float32)
+    tensorfile.write(exported / fmt.WEIGHTS, arrays, meta)
+    assert main(["caption", image, "--weights", str(exported)]) == 2
+    line = one_error_line(capsys)
+    assert "model.safetensors does not fit its config.json" in line and "decoder.L_o.weight" in line
+
+
+def test_a_familiarity_record_of_other_shapes_is_refused(exported, image, capsys):
+    cap = tiny_captioner(seed=3)
+    from captioner.familiarity import TrainingFeatures
+
+    record = TrainingFeatures.fit(torch.randn(8, cap.model.encoder.dim)).to_dict()
+    from captioner.export import write_familiarity
+
+    write_familiarity(exported, {**record, "mean": torch.zeros(cap.model.encoder.dim + 1)})
+    assert main(["caption", image, "--weights", str(exported)]) == 2
+    assert "familiarity.safetensors" in one_error_line(capsys)
+
+
+def test_familiarity_writes_its_record_into_a_folder(exported, tiny_coco, image, capsys):
+    assert Captioner.load(exported).familiarity is None
+    assert main(["familiarity", str(exported), "--data", str(tiny_coco), "--quiet"]) == 0
+    cap = Captioner.load(exported)
+    assert cap.familiarity is not None and cap.familiarity.images == 6
+    assert "yes" in (exported / fmt.CARD).read_text().split("Familiarity record")[1].splitlines()[0]
+    assert main(["caption", image, "--weights", str(exported), "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["familiarity"] is not None
+
+
+def test_export_refuses_a_folder_of_other_files_and_a_bad_license(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["export", "demo-soft", "--out", str(tmp_path / "mine")]) == 2
+    assert "notes.txt" in one_error_line(capsys)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    with pytest.raises(SystemExit) as e:
+        main(["export", "demo-soft", "--out", str(tmp_path / "x"), "--license", "MIT License"])
+    assert e.value.code == 2
+
+
+def test_an_export_replaces_an_earlier_one_whole(tmp_path):
+    export(Captioner.load("demo-soft"), tmp_path / "m")
+    export(tiny_captioner(seed=2), tmp_path / "m")  # no familiarity record: the old file goes
+    assert not (tmp_path / "m" / fmt.FAMILIARITY).exists()
+    assert Captioner.load(tmp_path / "m").familiarity is None
+
+
+def test_model_init_from_takes_a_folder(exported):
+    from captioner.train.startup import _init_from, resolve_checkpoint
+
+    assert resolve_checkpoint("model.init_from", str(exported), None) == str(exported.resolve())
+    fresh = tiny_captioner(seed=9)
+    _init_from(fresh.model, fresh.vocab, str(exported))
+    source = Captioner.load(exported).model.state_dict()
+    assert all(torch.equal(v, source[k]) for k, v in fresh.model.state_dict().items())
+
+
+def test_the_app_offers_the_exported_folders_in_its_weights_folder(exported, monkeypatch):
+    from captioner.app.streamlit_app import available_models
+
+    (exported.parent / "run").mkdir()  # a folder that is no model is not offered
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(exported.parent))
+    models = available_models()
+    assert models["model"] == str(exported) and "run" not in models
+    assert Captioner.load(models["model"]).vocab.words == tiny_captioner(seed=3).vocab.words

@@ -1,0 +1,242 @@
+"""The torch-free runtime (python -m captioner.onnx): its numpy search is the project's search,
+its graphs give torch's numbers, its JSON lines are `captioner caption`'s, and it runs with
+torch impossible to import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner import decoding, npsearch
+from captioner import folder as fmt
+from captioner.cli import main as cli_main
+from captioner.export import export
+from captioner.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.inference import Captioner, DecodeOptions
+from captioner.onnx import UNFAMILIAR_BELOW, OnnxCaptioner, round_prob
+from captioner.onnx import main as onnx_main
+from tests.tiny import tiny_captioner, tiny_image
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def with_familiarity(cap: Captioner) -> Captioner:
+    """The tiny captioner with a familiarity record fitted on its own features of 12 images."""
+    batch = torch.stack([cap.preprocess(tiny_image(100 + i, (40, 30))) for i in range(12)])
+    with torch.no_grad():
+        cap.familiarity = TrainingFeatures.fit(pooled(cap.model.encode(batch).vectors), data="tiny images")
+    return cap
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[Captioner, Path]:
+    """A tiny captioner and its folder, exported with --onnx once for the module (the slow part)."""
+    cap = with_familiarity(tiny_captioner(seed=5))
+    folder = tmp_path_factory.mktemp("onnx") / "tiny"
+    export(cap, folder, onnx=True)
+    return cap, folder
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("images")
+    paths = []
+    for i in range(6):
+        tiny_image(i, (40 + 3 * i, 30)).save(root / f"im{i}.png")
+        paths.append(str(root / f"im{i}.png"))
+    (root / "broken.png").write_bytes(b"not an image")
+    return paths
+
+
+def torch_step(decoder, grid):
+    """Decoder.step as npsearch calls a step: numpy in, numpy out, one row per beam."""
+    def step(word, h, c, ann, keys):
+        with torch.no_grad():
+            o = decoder.step(*(torch.from_numpy(x) for x in (word, h, c, ann, keys)), grid)
+        return (F.log_softmax(o.logits.float(), -1).numpy(), o.h.numpy(), o.c.numpy(), o.alpha_heads.numpy(),
+                o.beta.numpy())
+    return step
+
+
+def prepared(cap: Captioner, seed: int, b: int):
+    images = torch.stack([cap.preprocess(tiny_image(seed * 10 + i, (40, 30))) for i in range(b)])
+    dec = cap.model.decoder
+    with torch.no_grad():
+        ann = dec.annotate(cap.model.encode(images))
+        keys = dec.attention.prepare(ann.vectors)
+        h, c = dec.init_state(ann.vectors)
+    return ann, keys, h, c
+
+
+@pytest.mark.parametrize("beam,max_len,penalty", [(1, 6, 0.0), (3, 6, 0.0), (3, 2, 0.0), (4, 5, 0.7), (2, 1, 0.0)])
+def test_the_numpy_search_is_the_torch_search(beam, max_len, penalty):
+    for seed in range(4):
+        cap = tiny_captioner(seed=seed)
+        dec, v = cap.model.decoder, cap.vocab
+        ann, keys, h, c = prepared(cap, seed, 5)
+        ids = dict(start=v.start, end=v.end, pad=v.pad, max_len=max_len)
+        args = (torch_step(dec, ann.grid), ann.vectors.numpy(), keys.numpy(), h.numpy(), c.numpy())
+        if beam == 1:
+            ours = decoding.greedy(dec, ann, **ids)
+            theirs = npsearch.greedy(*args, **ids)
+        else:
+            ours = decoding.beam_search(dec, ann, beam_size=beam, length_penalty=penalty, **ids)
+            theirs = npsearch.beam_search(*args, beam_size=beam, length_penalty=penalty, **ids)
+        for a, b in zip(ours, theirs, strict=True):
+            assert b.ids == a.ids
+            assert b.score == pytest.approx(a.score, abs=1e-5)
+            np.testing.assert_allclose(b.log_probs, a.log_probs.numpy(), atol=1e-5)
+            np.testing.assert_allclose(b.heads, a.alphas_heads.numpy(), atol=1e-6)
+            np.testing.assert_allclose(b.betas, a.betas.numpy(), atol=1e-6)
+            assert len(b.ids) <= max_len + 1
+
+
+class Table:
+    """A step whose next-word log-probabilities depend on the previous word only (a table)."""
+
+    def __init__(self, table: dict[int, dict[int, float]], vocab: int):
+        self.logp = np.full((vocab, vocab), -np.inf, dtype=np.float32)
+        for prev, nxt in table.items():
+            for word, p in nxt.items():
+                self.logp[prev, word] = np.log(p)
+
+    def __call__(self, word, h, c, ann, keys):
+        n = len(word)
+        return self.logp[word], h, c, np.full((n, 1, 4), 0.25, np.float32), np.ones(n, np.float32)
+
+
+def table_search(table: Table, **kw):
+    z = np.zeros((1, 4, 2), np.float32)
+    return npsearch.beam_search(table, z, z, np.zeros((1, 3), np.float32), np.zeros((1, 3), np.float32),
+                                start=1, end=2, pad=0, **kw)[0]
+
+
+def test_n_captions_search_until_the_nth_best_cannot_be_beaten():
+    # <start> -> <end> 0.5 | A 0.5;  A -> <end> 0.9 | B 0.1;  B -> <end> 1
+    table = Table({1: {2: 0.5, 3: 0.5}, 3: {2: 0.9, 4: 0.1}, 4: {2: 1.0}}, vocab=5)
+    best = table_search(table, beam_size=3, max_len=5)
+    # N = 1: done at once, the empty caption (log 0.5) being as good as any open beam can become
+    assert best.ids == [2] and best.runners_up == []
+    two = table_search(table, beam_size=3, max_len=5, num_captions=2)
+    assert two.ids == [2] and [r.ids for r in two.runners_up] == [[3, 2]]
+    assert two.runners_up[0].score == pytest.approx(np.log(0.45), abs=1e-6)
+    three = table_search(table, beam_size=3, max_len=5, num_captions=3)
+    assert [r.ids for r in three.runners_up] == [[3, 2], [3, 4, 2]]
+    assert three.runners_up[1].score == pytest.approx(np.log(0.05), abs=1e-6)
+
+
+def test_only_ended_captions_among_the_best_k_join_the_pool():
+    # k = 1: "<end>" at once (0.4) ranks second to "A" (0.6), so it never joins; then "A <end>" (0.36)
+    table = Table({1: {3: 0.6, 2: 0.4}, 3: {2: 0.6, 4: 0.4}, 4: {2: 1.0}}, vocab=5)
+    found = table_search(table, beam_size=1, max_len=4)
+    assert found.ids == [3, 2] and found.score == pytest.approx(np.log(0.36), abs=1e-6)
+
+
+def test_after_max_len_words_only_end_may_come():
+    # A -> B 0.95 | <end> 0.05;  B -> C 0.99 | <end> 0.01: of the captions of at most 2 words
+    # "A" is the best finished one; "A B", cut off, would rank higher if the limit only cut
+    table = Table({1: {3: 1.0}, 3: {4: 0.95, 2: 0.05}, 4: {5: 0.99, 2: 0.01}}, vocab=6)
+    found = table_search(table, beam_size=2, max_len=2)
+    assert found.ids == [3, 2] and found.score == pytest.approx(np.log(0.05), abs=1e-6)
+    likely_end = Table({1: {3: 1.0}, 3: {4: 0.95, 2: 0.05}, 4: {5: 0.5, 2: 0.5}}, vocab=6)
+    assert table_search(likely_end, beam_size=2, max_len=2).ids == [3, 4, 2]  # the end at the last step
+    never = Table({1: {3: 1.0}, 3: {3: 1.0}}, vocab=4)  # <end> has p = 0: cut off at max_len words
+    cut = table_search(never, beam_size=2, max_len=2)
+    assert cut.ids == [3, 3] and cut.score == 0.0
+
+
+def test_the_graphs_caption_as_torch_does(model, images):
+    cap, folder = model
+    rt = OnnxCaptioner(folder)
+    for beam in (1, 3):
+        opts = DecodeOptions(beam_size=beam, max_len=8)
+        ours = cap.caption_images(images[:6], opts)
+        theirs = rt.caption_files(images[:6], beam_size=beam, max_len=8)
+        for a, b in zip(ours, theirs, strict=True):
+            assert b.text == a.caption and b.words == a.words
+            assert b.score == pytest.approx(a.score, abs=1e-4)
+            np.testing.assert_allclose(b.alphas, a.alphas.numpy(), atol=1e-4)
+            np.testing.assert_allclose(b.betas, a.betas.numpy(), atol=1e-4)
+            np.testing.assert_allclose(b.word_probs, a.word_probs, atol=1e-4)
+            assert b.familiarity == a.familiarity.value and b.unfamiliar == a.familiarity.unfamiliar
+    assert len({r.familiarity for r in theirs}) > 1  # not all the same value: the test could tell them apart
+
+
+def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
+    cap, folder = model
+    assert cli_main(["caption", *images[:3], "--weights", str(folder), "--max-len", "6", "--with-attention",
+                     "--quiet"]) == 0
+    theirs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert onnx_main([str(folder), *images[:3], "--max-len", "6", "--with-attention"]) == 0
+    ours = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for a, b in zip(theirs, ours, strict=True):
+        assert set(a) <= set(b) and set(b) - set(a) <= {"end_prob"}  # until torch's lines carry end_prob too
+        for key in ("image", "caption", "words", "familiarity", "unfamiliar", "model", "training_data"):
+            assert b.get(key) == a.get(key), key
+        for key in ("score", "word_probs", "alphas", "betas", "end_prob")[:5 if "end_prob" in a else 4]:
+            np.testing.assert_allclose(b[key], a[key], atol=2e-4, err_msg=key)
+        total = sum(np.log(b["word_probs"])) + np.log(b["end_prob"])  # score = sum log p(word) + log p(<end>)
+        assert total == pytest.approx(b["score"], abs=1e-3)
+
+
+def test_several_captions_and_a_broken_image(model, images, tmp_path):
+    _, folder = model
+    out = tmp_path / "lines.jsonl"
+    broken = str(Path(images[0]).parent / "broken.png")
+    code = onnx_main([str(folder), images[0], broken, "--beam-size", "3", "--num-captions", "2", "--out", str(out)])
+    assert code == 1  # one image failed, the other captioned
+    first, second = (json.loads(line) for line in out.read_text().splitlines())
+    assert first["alternatives"][0] == {"caption": first["caption"], "score": first["score"]}
+    assert 1 <= len(first["alternatives"]) <= 2
+    assert second["image"] == broken and "error" in second
+
+
+def test_probabilities_keep_four_significant_digits():
+    assert round_prob(0.000123456) == 0.0001235 and round_prob(0.99996) == 1.0 and round_prob(0.0) == 0.0
+    assert UNFAMILIAR_BELOW == DEFAULT_THRESHOLD
+
+
+def test_the_runtime_runs_with_torch_impossible_to_import(model, images, tmp_path):
+    _, folder = model
+    script = f"""
+import importlib.abc, json, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchvision", "nltk"):
+            raise ImportError(f"{{name}} is not installed here")
+sys.meta_path.insert(0, Blocker())
+import captioner
+from captioner.onnx import main
+code = main([{str(folder)!r}, {images[0]!r}, "--beam-size", "2", "--out", {str(tmp_path / "o.jsonl")!r}])
+print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "nltk": "nltk" in sys.modules}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": 0, "torch": False, "nltk": False}
+    line = json.loads((tmp_path / "o.jsonl").read_text())
+    assert line["image"] == images[0] and line["words"] and line["familiarity"] is not None
+
+
+def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, tmp_path, capsys):
+    cap, folder = model
+    export(cap, tmp_path / "plain")
+    assert onnx_main([str(tmp_path / "plain"), images[0]]) == 2
+    assert "no ONNX graphs" in capsys.readouterr().err
+    import shutil
+
+    shutil.copytree(folder, tmp_path / "cut")
+    (tmp_path / "cut" / fmt.STEP_ONNX).unlink()
+    assert onnx_main([str(tmp_path / "cut"), images[0]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fmt.STEP_ONNX in err[0]
+    with pytest.raises(SystemExit) as e:
+        onnx_main([str(folder), images[0], "--beam-size", "0"])
+    assert e.value.code == 2

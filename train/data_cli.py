@@ -223,6 +223,14 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working folder when it lies inside it."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from captioner.cli import UsageError
     from captioner.data.check import unreadable_images

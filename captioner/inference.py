@@ -48,6 +48,21 @@ def _without_paths(name: str) -> str:
     return f"{found.group(1)} ({', '.join(kept)})" if kept else found.group(1)
 
 
+# The files every run of `captioner train` writes: named alone, they would not say which model.
+RUN_FILES = ("best.pt", "last.pt")
+
+
+def checkpoint_name(path: Path, meta: dict | None) -> str:
+    """A checkpoint's name in JSON lines, overlay titles and the app: the file's name, but for a
+    run's best.pt or last.pt its run's with it ("my-photos/best.pt"): the run's folder as
+    training recorded it (``meta["run"]``), else the folder the file lies in."""
+    if path.name not in RUN_FILES:
+        return path.name
+    run = (meta or {}).get("run")
+    run = run if isinstance(run, str) and run else path.resolve().parent.name
+    return f"{run}/{path.name}" if run else path.name
+
+
 # Numeric precision -> autocast dtype (None: no autocast). Training uses the same names.
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 INFERENCE_PRECISIONS = tuple(AUTOCAST_DTYPES)
@@ -191,7 +206,7 @@ class Captioner:
         """The captioner of ``ckpt``, read from ``path``: named by its file, and a demo (its
         record, its notice) when the file is a shipped one, however it was named."""
         demo = bundled_at(path)
-        name = demo.name if demo is not None else path.name
+        name = demo.name if demo is not None else checkpoint_name(path, ckpt.get("meta"))
         if demo is None and ckpt.get("demo") in DEMOS:  # a demo's exported folder: its record and notice
             demo = DEMOS[ckpt["demo"]]
         try:

@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "config or data, or a run folder that cannot be written, said in one line before anything "
                     "is written; 130 interrupted (saved).")
     p.add_argument("--config", type=Path, default=None,
-                   help="TOML config, e.g. train/configs/shapes-soft.toml (not with --resume: a run goes on with "
+                   help="TOML config: a file, or a shipped config's name from any folder (own-soft, shapes-soft, "
+                        "...; train/configs/ in the repository) (not with --resume: a run goes on with "
                         "its own); one that names a base (base = \"FILE\", relative to its folder) states only "
                         "what differs from it. A value the run would ignore (a [hard] key on a soft model, say) "
                         "is refused; one a base config sets is named in a note at start-up")
@@ -45,7 +46,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from captioner.cli import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
 
-    from .config import TrainConfig, apply_overrides, check_ignored, read_config, written_keys
+    from .config import TrainConfig, apply_overrides, check_ignored, find_config, read_config, written_keys
     from .data_cli import require_data
     from .loop import RunWriteError, new_run_dir, outcome_line, train
     from .startup import StartupError, check_new_run
@@ -67,14 +68,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             last = load_checkpoint(run_dir / "last.pt")  # read once: train() takes it as it is
             cfg = apply_overrides(TrainConfig.from_dict(last["train_state"]["config"]), args.overrides)
         else:
-            merged = read_config(args.config)  # the file over its bases, read once
+            config = find_config(args.config)  # a file, or a shipped config's name
+            merged = read_config(config)  # the file over its bases, read once
             in_chain = written_keys(merged)
             cfg = apply_overrides(TrainConfig.from_dict(merged), args.overrides)
-            with open(args.config, "rb") as f:
+            with open(config, "rb") as f:
                 stated = written_keys(tomllib.load(f))  # the file's own keys, beside its bases'
             overridden = {item.split("=", 1)[0] for item in args.overrides}
             notes = check_ignored(cfg, stated, in_chain, overridden)
-            check_new_run(cfg, args.config)
+            check_new_run(cfg, config)
             run_dir = args.run_dir or new_run_dir(cfg)
         require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
     except (OSError, ValueError, KeyError, CheckpointError) as e:

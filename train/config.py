@@ -42,6 +42,9 @@ class DataConfig:
     # data.dir=... moves it too; empty: the folder's own splits.
     karpathy: str = ""
     min_count: int = 5  # vocabulary: words seen at least this often in training captions
+    # ... lowered (as far as 1) until at most this share of the training captions' words are <unk>:
+    # a small data set sees most of its words once or twice and would caption in <unk>s; 1: never lowered.
+    max_unk_share: float = 1.0
     max_vocab: int = 0  # 0: no limit
     max_caption_len: int = 20  # words; longer training captions are left out (counted at start-up), never cut
     cache_images: bool = False  # keep preprocessed training images in memory (small data)
@@ -161,6 +164,9 @@ class ValConfig:
     max_len: int = 20  # words per caption at validation (<end> not counted)
     limit: int = 0  # 0: the whole validation split
     patience: int = 5  # early stopping: validations without improvement; 0 = never stop early
+    # A validation of fewer images (the split, or val.limit) is too noisy to choose by: it neither
+    # stops the run early nor picks best.pt, which then holds the last validated weights. 0: any size.
+    min_images: int = 0
 
 
 Reward = Literal["word_mean", "caption"]  # hard.reward: the names train.losses knows
@@ -287,9 +293,35 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     return apply_overrides(TrainConfig.from_dict(read_config(path) if path is not None else {}), overrides)
 
 
-def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
-    """The TOML file at ``path`` as a dict, merged over its base's when it names one."""
+# The configs shipped with captioner (the repository's train/configs), installed beside this file.
+BUNDLED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """The names of the shipped configs: ``--config NAME`` takes one from any folder."""
+    return sorted(p.stem for p in BUNDLED_CONFIGS.glob("*.toml"))
+
+
+def find_config(path: str | Path) -> Path:
+    """The config file ``path`` names: a file; else a shipped config's name (``own-soft``, with
+    or without ``.toml``), or the repository's path of one (``train/configs/own-soft.toml``)
+    read from another folder; else a one-line ValueError listing the shipped names."""
     path = Path(path)
+    if path.is_file():
+        return path
+    name, names = path.name.removesuffix(".toml"), bundled_configs()
+    if name in names and path.parent.as_posix() in (".", "train/configs"):
+        return BUNDLED_CONFIGS / f"{name}.toml"
+    near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    raise ValueError(f"no config file {path}; {hint}shipped configs, by name from any folder (--config own-soft): "
+                     f"{', '.join(names)}")
+
+
+def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """The TOML file at ``path`` (or the shipped config it names: ``find_config``) as a dict,
+    merged over its base's when it names one."""
+    path = find_config(path) if not _chain else Path(path)
     with open(path, "rb") as f:
         data = tomllib.load(f)
     base = data.pop("base", None)
@@ -381,7 +413,8 @@ _SHARE = ((lambda v: 0 <= v <= 1), "between 0 and 1")
 # section.key -> (test, what the value must be), beyond its type: each checked when a config
 # is loaded, since a zero batch or a negative rate fails only at the first step.
 BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "data.min_count": _at_least(1), "data.max_vocab": _at_least(0), "data.max_caption_len": _at_least(1),
+    "data.min_count": _at_least(1), "data.max_unk_share": _SHARE, "data.max_vocab": _at_least(0),
+    "data.max_caption_len": _at_least(1),
     "data.workers": _at_least(0), "data.shapes_train": _at_least(1), "data.shapes_val": _at_least(1),
     "data.shapes_image_size": _at_least(1),
     "model.image_size": _at_least(1), "model.resize": _at_least(0),
@@ -392,7 +425,7 @@ BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
     "optim.ema": ((lambda v: 0 <= v < 1), "in [0, 1) (0: off)"), "optim.doubly_stochastic": _at_least(0),
     "optim.threads": _at_least(0), "optim.log_every": _at_least(1), "optim.save_every": _at_least(0),
     "val.every_epochs": _at_least(0), "val.beam_size": _at_least(1), "val.max_len": _at_least(1),
-    "val.limit": _at_least(0), "val.patience": _at_least(0),
+    "val.limit": _at_least(0), "val.patience": _at_least(0), "val.min_images": _at_least(0),
     "hard.lambda_r": _at_least(0), "hard.entropy": _at_least(0), "hard.baseline_decay": _SHARE,
     "hard.expected_context_prob": _SHARE,
 }

@@ -28,7 +28,6 @@ from pathlib import Path
 from captioner.data.coco import (
     ImageRecord,
     SplitNotFoundError,
-    build_vocab,
     load_split,
     load_splits,
     require_images,
@@ -38,7 +37,7 @@ from captioner.data.coco import (
 from captioner.vocab import tokenizer_named
 
 from .config import TrainConfig, load_config
-from .datainfo import summary_lines
+from .datainfo import summary_lines, vocabulary
 
 MAX_LISTED = 50  # unusable files printed one per line; the rest are counted
 
@@ -85,7 +84,8 @@ def _add_subcommands(p: argparse.ArgumentParser) -> None:
                     "at the config's min_count, and every unusable file with the reason. Exit 0: all "
                     "good; 1: images missing or unreadable; 2: annotations or split file missing.")
     c.add_argument("--config", type=Path, required=True,
-                   help="training config, e.g. train/configs/coco-vgg19-soft.toml")
+                   help="training config: a file, or a shipped config's name from any folder (own-soft, "
+                        "coco-vgg19-soft, ...)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set data.dir=/data/coco (repeatable)")
     c.add_argument("--workers", type=int, default=None,
@@ -219,8 +219,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     print(f"tokenizer: {tokenizer} ({why}); e.g. {captions[0]!r} -> {' | '.join(example[:12])}"
           f"{' ...' if len(example) > 12 else ''}")
     print(f"wrote {path}")
-    print(f"next: captioner train --config {_shown(Path(__file__).parent / 'configs' / 'own-soft.toml')} "
-          f"--set data.dir={args.out}")
+    print(f"next: captioner train --config own-soft --set data.dir={args.out}")
     return 0
 
 
@@ -250,8 +249,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     except StartupError as e:
         raise UsageError(str(e)) from e
     kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
-    vocab = build_vocab(splits[d.train_split], min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
-                        tokenizer=tokenizer)
+    vocab = vocabulary(d, kept, tokenizer)
     for line in summary_lines(d, splits, vocab, kept):
         print(line)
     paths = sorted({r.path for records in splits.values() for r in records})

@@ -1,15 +1,17 @@
 """The training data in words: its name, for the checkpoint's metadata and the app's model card,
-and the summary of what a run trains on, for `data check` and training's start-up."""
+the vocabulary a run builds from it, and the summary of what a run trains on, for `data check`
+and training's start-up."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, TrainingCaptions
 from captioner.bundled import SYNTHETIC_SHAPES
-from captioner.vocab import Vocabulary
+from captioner.vocab import Tokenizer, Vocabulary
 
 from .config import DataConfig
 
@@ -68,6 +70,27 @@ def training_data_name(d: DataConfig) -> str:
     return f"{name}, split {d.train_split}"
 
 
+def vocab_min_count(d: DataConfig, kept: TrainingCaptions) -> int:
+    """The min_count a run's vocabulary keeps words at: ``data.min_count``, lowered (as far as 1)
+    while more than ``data.max_unk_share`` of the training captions' words (tokens, counted with
+    repeats) would be <unk>. A small data set sees most of its words once or twice: at a corpus's
+    threshold its model would learn to say <unk>."""
+    counts = Counter(t for _, tokens in kept.items for t in tokens)
+    total = sum(counts.values())
+    for min_count in range(d.min_count, 1, -1):
+        if not total or sum(c for c in counts.values() if c < min_count) / total <= d.max_unk_share:
+            return min_count
+    return 1
+
+
+def vocabulary(d: DataConfig, kept: TrainingCaptions, tokenizer: Tokenizer) -> Vocabulary:
+    """The vocabulary of the training captions ``kept`` (tokens of ``tokenizer``): words seen at
+    least ``vocab_min_count`` times, at most ``data.max_vocab``."""
+    counts = Counter(t for _, tokens in kept.items for t in tokens)
+    return Vocabulary.from_counts(counts, min_count=vocab_min_count(d, kept), max_size=d.max_vocab or None,
+                                  tokenizer=tokenizer)
+
+
 def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab: Vocabulary,
                   kept: TrainingCaptions, unreadable: dict[str, int] | None = None) -> list[str]:
     """What a run trains and validates on, a line per item: shared by `data check` and training.
@@ -95,7 +118,10 @@ def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab: Vo
     limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
     tokenizer = vocab.tokenizer.name
     tokens = {"chars": "characters", "whitespace": "words split at spaces"}.get(tokenizer, "words")
-    lines.append(f"vocabulary: {len(vocab):,} {tokens} (tokenizer {tokenizer}, min_count {d.min_count}{limit}, "
+    used = vocab_min_count(d, kept)
+    lowered = (f" (data.min_count {d.min_count} lowered: at most {d.max_unk_share:.0%} of the training words "
+               "<unk>)" if used < d.min_count else "")
+    lines.append(f"vocabulary: {len(vocab):,} {tokens} (tokenizer {tokenizer}, min_count {used}{lowered}{limit}, "
                  "with 4 special tokens)")
     return lines
 

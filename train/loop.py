@@ -59,8 +59,9 @@ class TrainOutcome:
     step: int
     epoch: int
     reason: str  # finished | max_steps | time_budget | early_stop | interrupted
-    best_metric: float | None
+    best_metric: float | None  # best.pt's validation figure
     train_seconds: float
+    chosen: bool = True  # best.pt chosen by its figure; False: validation too small (val.min_images), the last
 
 
 class _StopFlag:
@@ -231,6 +232,18 @@ class Run:
     def val_records(self) -> list[ImageRecord]:
         return self.splits[self.cfg.data.val_split]
 
+    @property
+    def val_images(self) -> int:
+        """The images a validation scores: the split's, or its first ``val.limit``."""
+        n, limit = len(self.val_records), self.cfg.val.limit
+        return min(n, limit) if limit else n
+
+    @property
+    def val_chooses(self) -> bool:
+        """Validation scores enough images (``val.min_images``) for its figure to choose best.pt
+        and stop the run early: a caption metric over a handful of images moves by chance."""
+        return self.val_images >= self.cfg.val.min_images
+
 
 class RunFiles:
     """The run folder's writes: metrics.jsonl (rank 0 only), last.pt and best.pt.
@@ -329,14 +342,14 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
         if done is not None:  # resuming must not take one more step (nor rewrite the run)
             if ctx.is_main:
                 print(f"{run_dir} already finished ({_reason_text(done, cfg, state.step, state.epoch)}): "
-                      "nothing to train; raise optim.max_steps, optim.max_minutes or optim.epochs with --set "
-                      "to go on", file=sys.stderr)
-            return TrainOutcome(run_dir, state.step, state.epoch, done, state.best, state.train_seconds)
+                      f"nothing to train; {_go_on(done, run_dir)}", file=sys.stderr)
+            return TrainOutcome(run_dir, state.step, state.epoch, done, state.best, state.train_seconds,
+                                run.val_chooses)
     open_run(run, resumed_at=state.step if ckpt is not None else None)
     reason = run_epochs(run, state)
     if reason != "interrupted" and ctx.is_main:
         record_familiarity(run)
-    return TrainOutcome(run_dir, state.step, state.epoch, reason, state.best, state.train_seconds)
+    return TrainOutcome(run_dir, state.step, state.epoch, reason, state.best, state.train_seconds, run.val_chooses)
 
 
 def record_familiarity(run: Run) -> None:
@@ -384,7 +397,7 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
     preprocess, splits, left_out = readable_splits(cfg, ctx, progress)
     tokenizer = data_tokenizer(cfg, ckpt)
     kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
-    model, vocab = build_model(cfg, splits[d.train_split], kept, ckpt, ctx.device, tokenizer)
+    model, vocab = build_model(cfg, kept, ckpt, ctx.device, tokenizer)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
 
@@ -398,7 +411,8 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
     objective = choose_objective(cfg, model.config.attention, vocab, [r.captions for r in splits[d.train_split]],
                                  ctx)
     average = WeightAverage(model, o.ema) if o.ema else None
-    meta = {"name": cfg.name, "data": d.dir, "training_data": training_data_name(d),
+    # "run": the run folder's name, which names its best.pt and last.pt (captioner.inference.checkpoint_name).
+    meta = {"name": cfg.name, "run": run_dir.name, "data": d.dir, "training_data": training_data_name(d),
             "max_caption_len": d.max_caption_len,  # decoding's default length limit (Captioner.max_len)
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, splits=splits,
@@ -647,22 +661,30 @@ def _validate_here(run: Run, state: TrainState) -> bool:
     model.train()
     grounding = report.grounding.to_dict() if report.grounding is not None else None
     value = validation_value(cfg.val.metric, {**report.metrics, **(grounding or {})})
-    previous = state.best
+    previous, chooses = state.best, run.val_chooses
     improved = previous is None or value > previous
-    if improved:
-        state.best, state.bad_vals = value, 0
+    # best.pt: a higher figure; an equal one too (the same score after more training: the later
+    # weights); and every validation too small to choose by (val.min_images): the latest weights.
+    keep = improved or not chooses or value == previous
+    state.bad_vals = 0 if improved or not chooses else state.bad_vals + 1
+    if keep:
+        state.best = value
         run.files.save_best(run.captioner.checkpoint(meta={**run.meta, "step": state.step, "epoch": state.epoch,
                                                            f"val_{cfg.val.metric}": value,
                                                            "train_seconds": round(state.train_seconds, 1)}))
+    if not chooses:
+        verdict = (f"saved as best.pt: {run.val_images} validation image{'s' if run.val_images != 1 else ''} "
+                   f"are too few to choose by (val.min_images = {cfg.val.min_images})")
+    elif improved:
         verdict = ("first validation" if previous is None else f"up from {figure(previous)}") + ": saved as best.pt"
     else:
-        state.bad_vals += 1
-        verdict = f"best so far {figure(previous)}"
+        verdict = "equal to the best: the later weights saved as best.pt" if keep else \
+            f"best so far {figure(previous)}"
     run.files.write({"step": state.step, "epoch": state.epoch, "val": report.metrics,
                      "grounding": grounding, "improved": improved})
     print(f"epoch {state.epoch} step {state.step}: val {cfg.val.metric} {figure(value)} ({verdict})",
           file=sys.stderr)
-    return cfg.val.patience > 0 and state.bad_vals >= cfg.val.patience
+    return chooses and cfg.val.patience > 0 and state.bad_vals >= cfg.val.patience
 
 
 def _print_summary(run: Run) -> None:
@@ -679,6 +701,9 @@ def _print_summary(run: Run) -> None:
            else ""),
         f"run folder: {run.run_dir}",
     ]
+    if not run.val_chooses:
+        lines.insert(-3, f"validation: {run.val_images} images, fewer than val.min_images = {run.cfg.val.min_images}: "
+                         "too few to choose by; no early stopping, best.pt holds the last validated weights")
     print("\n".join(lines), file=sys.stderr)
 
 
@@ -714,11 +739,29 @@ def _reason_text(reason: str, cfg: TrainConfig, step: int, epoch: int) -> str:
     return f"{why}: {where}"
 
 
+# What stopped a run -> the value --resume RUN --set raises to go on.
+GO_ON = {"finished": "optim.epochs", "max_steps": "optim.max_steps", "time_budget": "optim.max_minutes",
+         "early_stop": "val.patience"}
+
+
+def _go_on(reason: str, run_dir: Path) -> str:
+    """How to continue a run that ``reason`` stopped: the one value that stopped it, raised."""
+    key = GO_ON[reason]
+    zero = " (0: never stop early)" if key == "val.patience" else ""
+    return f"to go on, raise {key}{zero}: --resume {run_dir} --set {key}=N"
+
+
 def outcome_line(outcome: TrainOutcome, cfg: TrainConfig) -> str:
     """The line `captioner train` ends with."""
-    best = ("no validation yet" if outcome.best_metric is None
-            else f"best val {cfg.val.metric} {figure(outcome.best_metric)} (best.pt)")
-    resume = f"; continue with --resume {outcome.run_dir}" if outcome.reason == "interrupted" else ""
+    if outcome.best_metric is None:
+        best = "no validation yet"
+    elif outcome.chosen:
+        best = f"best val {cfg.val.metric} {figure(outcome.best_metric)} (best.pt)"
+    else:
+        best = (f"last val {cfg.val.metric} {figure(outcome.best_metric)} (best.pt: the last validated weights, "
+                f"validation being smaller than val.min_images = {cfg.val.min_images})")
+    resume = {"interrupted": f"; continue with --resume {outcome.run_dir}",
+              "early_stop": f"; {_go_on('early_stop', outcome.run_dir)}"}.get(outcome.reason, "")
     return (f"{_reason_text(outcome.reason, cfg, outcome.step, outcome.epoch)}; {best}; "
             f"run folder {outcome.run_dir}{resume}")
 

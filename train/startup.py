@@ -20,7 +20,7 @@ import torch
 import captioner
 from captioner.checkpoint import CheckpointError, load_checkpoint
 from captioner.folder import is_model_folder
-from captioner.data.coco import ImageRecord, TrainingCaptions, build_vocab, dataset_tokenizer, load_splits
+from captioner.data.coco import ImageRecord, TrainingCaptions, dataset_tokenizer, load_splits
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
@@ -30,6 +30,7 @@ from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import DEFAULT_TOKENIZER, PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 
 from .config import DataConfig, TrainConfig, grounding_metrics, model_config
+from .datainfo import vocabulary
 
 
 class StartupError(ValueError):
@@ -182,8 +183,8 @@ def data_tokenizer(cfg: TrainConfig, ckpt: dict | None = None) -> Tokenizer:
         raise StartupError(f"{d.split_file or d.dir} names an {e}") from e
 
 
-def build_model(cfg: TrainConfig, train_records: list[ImageRecord], kept: TrainingCaptions, ckpt: dict | None,
-                 device: torch.device, tokenizer: Tokenizer = PTB) -> tuple[CaptionModel, Vocabulary]:
+def build_model(cfg: TrainConfig, kept: TrainingCaptions, ckpt: dict | None, device: torch.device,
+                tokenizer: Tokenizer = PTB) -> tuple[CaptionModel, Vocabulary]:
     """The model and its vocabulary: the checkpoint's when resuming, else built from the
     training captions (``kept``, tokens of ``tokenizer``), the weights fresh or from
     ``model.init_from`` / ``model.encoder_from``."""
@@ -193,8 +194,7 @@ def build_model(cfg: TrainConfig, train_records: list[ImageRecord], kept: Traini
         model_cfg = ModelConfig.from_dict(ckpt["model_config"])
         model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
     else:
-        vocab = build_vocab(train_records, min_count=d.min_count, max_size=d.max_vocab or None, captions=kept,
-                            tokenizer=tokenizer)
+        vocab = vocabulary(d, kept, tokenizer)
         if len(vocab) <= len(SPECIALS):
             raise StartupError(f"the vocabulary has no words: none of the training captions' words is seen "
                                f"data.min_count = {d.min_count} times; lower it (--set data.min_count=1)")

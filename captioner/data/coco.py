@@ -65,6 +65,23 @@ KARPATHY_HINT = ("Karpathy's split files (dataset_coco.json, dataset_flickr8k.js
                  "are in caption_datasets.zip from https://cs.stanford.edu/people/karpathy/deepimagesent/")
 
 
+def own_data_hint(data_dir: str | os.PathLike) -> str:
+    """How own images and captions become the data set a folder lacks."""
+    return (f"for your own images and captions, `captioner data import SOURCE --out {data_dir}` writes it "
+            "(SOURCE: a CSV/TSV file, a JSON Lines file or a folder of images with .txt captions)")
+
+
+def _missing_data_hint(data_dir: Path) -> str:
+    """Where the data of a folder with no captions file comes from: COCO's download for a folder
+    that says COCO, Karpathy's files for Flickr, else `captioner data import` (own data)."""
+    text = str(data_dir).lower()
+    if "coco" in text:
+        return COCO_ANNOTATIONS_HINT
+    if "flickr" in text:
+        return KARPATHY_HINT
+    return own_data_hint(data_dir)
+
+
 def _images_hint(path: Path) -> str:
     text = str(path)
     if "2014" in text or "COCO_" in text:
@@ -168,7 +185,7 @@ def load_split(data_dir: str | os.PathLike, split: str,
 
     available = available_splits(data_dir)
     listing = ", ".join(available) if available else "none"
-    hint = f"; {COCO_ANNOTATIONS_HINT}" if not available else ""
+    hint = f"; {_missing_data_hint(data_dir)}" if not available else ""
     raise SplitNotFoundError(
         f"no split {split!r} in {data_dir}: expected {candidates[0][0].name} there "
         f"(or annotations/{candidates[1][0].name}); splits present: {listing}{hint}")
@@ -231,6 +248,8 @@ def load_karpathy_splits(split_file: str | os.PathLike, data_dir: str | os.PathL
     """Several splits of a Karpathy split file, the file read once (COCO's is 150 MB)."""
     split_file = Path(split_file)
     if not split_file.is_file():
+        if split_file.name == OWN_SPLIT_FILE:  # what `captioner data import` writes
+            raise FileNotFoundError(f"no data set in {data_dir}: {split_file} not found; {own_data_hint(data_dir)}")
         raise FileNotFoundError(f"Karpathy split file not found: {split_file} ({KARPATHY_HINT})")
     with open(split_file, encoding="utf-8") as f:
         images = json.load(f)["images"]

@@ -238,10 +238,14 @@ def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
     assert [r["step"] for r in log if "val" in r] == [4, 8, 9]
 
 
-def test_a_finished_run_records_its_training_images_features_with_each_checkpoint_s_encoder(tiny_coco, tmp_path):
+def test_a_finished_run_records_its_training_images_features_with_each_checkpoint_s_encoder(tiny_coco, tmp_path,
+                                                                                             monkeypatch):
     from captioner.data.coco import load_split
     from captioner.familiarity import TrainingFeatures, training_features
+    from captioner.train import loop
 
+    figures = iter([0.9, 0.5, 0.4, 0.3, 0.2])  # falling: best.pt is the first epoch's, last.pt the fourth's
+    monkeypatch.setattr(loop, "validation_value", lambda metric, report: next(figures))
     run = tmp_path / "run"
     train(tiny_train_config(tiny_coco, **{"optim.epochs": 4, "val.every_epochs": 1}), run, progress=False)
     records = load_split(tiny_coco, "train")

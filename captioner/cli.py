@@ -335,17 +335,27 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--language", choices=("en", "zh"), default="en",
                    help="the captions' language: en (default) or zh, Chinese (\"一个红色的大圆形和一个蓝色的三角形\"); "
                         "the images and objects are the same for the same seed")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an --out that is not empty, replacing the shapes data set there (other files "
+                        "stay); without it such a folder is refused, so that nothing is lost")
     p.set_defaults(func=cmd_shapes)
 
 
 def cmd_shapes(args: argparse.Namespace) -> int:
-    from .data.shapes import generate_dataset
+    from .data.shapes import generate_dataset, remove_dataset
 
     counts = {k: n for k, n in (("train", args.train), ("val", args.val), ("test", args.test)) if n > 0}
     if not counts:
         raise UsageError("nothing to generate: all split sizes are 0")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} is a file, not a folder")
+    held = sorted(p.name for p in args.out.iterdir() if not p.name.startswith(".")) if args.out.is_dir() else []
+    if held and not args.overwrite:
+        raise UsageError(f"--out {args.out} is not empty (it holds {', '.join(held[:3])}{', ...' if held[3:] else ''}"
+                         "): give another --out (missing or empty) for a new data set, or add --overwrite to "
+                         "replace the shapes data set there")
+    if args.overwrite and args.out.is_dir():
+        remove_dataset(args.out)  # a smaller set must not leave the larger one's images behind
     try:
         summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True,
                                    top_to_bottom=args.top_to_bottom, language=args.language)
@@ -449,7 +459,10 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the data is, in words, kept with the record (default: what the checkpoint says "
                         "it was trained on, or the folder's name); the split and the image count are added")
     p.add_argument("--batch-size", type=_positive, default=64, help="images per batch (default 64)")
-    p.add_argument("--out", type=Path, default=None, help="write the checkpoint here instead of in place")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the checkpoint here instead of in place (a file that is there already, another "
+                        "checkpoint say, is refused unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file --out names")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
     p.set_defaults(func=cmd_familiarity)
@@ -462,6 +475,9 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
 
     device = check_device(args.device)
     if args.out is not None:
+        if args.out.is_file() and not args.overwrite and not _same_file(args.out, args.checkpoint):
+            raise UsageError(f"--out {args.out} already exists: give another --out, or add --overwrite to replace "
+                             "it (without --out the record is added to CHECKPOINT in place)")
         check_out_file(args.out)
     records = _split_records(args)
     try:
@@ -482,6 +498,13 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"wrote {target}: familiarity from {data}", file=sys.stderr)
     return EXIT_OK
+
+
+def _same_file(a: Path, b: str) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
 
 
@@ -172,7 +173,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                     "alternatives) asked for now are captioned again; the file keeps one line per image. "
                     "Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. The default model "
                     "is a demo trained on synthetic shapes only.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="image files or folders; - reads paths from standard input, one per line (e.g. from "
+                        "find ... | captioner caption -). URLs are not fetched: download the image first")
     _add_model_args(p)
     p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
@@ -218,6 +221,38 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_caption)
 
 
+URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://")
+
+
+def given_paths(paths: list[str]) -> list[str]:
+    """The PATH arguments of ``caption``, each ``-`` replaced by the paths on standard input (one
+    a line, blank lines skipped); a URL is refused in one line, as it is not fetched."""
+    given: list[str] = []
+    for path in paths:
+        if path == "-":
+            read = [line.strip() for line in sys.stdin if line.strip()]
+            if not read:
+                raise UsageError("- reads image paths from standard input, one per line, and it gave none")
+            given += read
+        else:
+            given.append(path)
+    for path in given:
+        if path.lower().startswith(URL_SCHEMES):
+            name = path.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1] or "image.jpg"
+            raise UsageError(f"{path} is a URL; images are not fetched from the network: download it first, "
+                             f"e.g. curl -L -o {name} '{path}', then captioner caption {name}")
+    return given
+
+
+def interrupted_caption(out: Path | None) -> str:
+    """What Ctrl-C during ``caption`` says: with --out, that the same command goes on."""
+    if out is not None:
+        return (f"captioner caption: interrupted; the captions made so far are in {out}: the same command "
+                "continues where it stopped")
+    return ("captioner caption: interrupted; the captions made so far went to standard output (with --out FILE "
+            "the same command continues where it stopped)")
+
+
 def default_batch_size(device) -> int:
     """Images per batch of `captioner caption` without --batch-size: on a GPU a batch's beam
     search costs about what one image's does (docs/benchmarks.md), so batches are larger there."""
@@ -248,13 +283,14 @@ def cmd_caption(args: argparse.Namespace) -> int:
     try:
         if ctx.active and args.out is None:
             raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")
+        paths = given_paths(args.paths)
         try:
-            found = discover(args.paths)
+            found = discover(paths)
         except FileNotFoundError as e:
             raise UsageError(str(e)) from e
         if not found.images:
             others = f" ({found.skipped} other file{'s' if found.skipped != 1 else ''})" if found.skipped else ""
-            raise UsageError(f"no image files in {', '.join(args.paths)}{others}; images are found by their "
+            raise UsageError(f"no image files in {', '.join(paths)}{others}; images are found by their "
                              "extension (.jpg, .png, ...)")
         try:
             captioner = Captioner.load(args.weights, device=ctx.device).use_precision(args.precision)
@@ -288,6 +324,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
                                     progress=False if args.quiet or not ctx.is_main else None,
                                     resolved=args.out is not None, heads=args.attention_heads,
                                     decode_on_device=args.decode_on_device)
+        except KeyboardInterrupt:
+            if ctx.is_main:
+                print(interrupted_caption(args.out), file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
             if out is not sys.stdout:
                 out.close()
@@ -398,6 +438,9 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
                         "made; default: print only)")
     p.add_argument("--no-meteor", action="store_true", help="skip METEOR even when java is available")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or note of the file written on stderr (the demo-model note is still "
+                        "printed)")
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -433,11 +476,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                       options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
                                             hard_attention=args.hard_attention,
                                             unfamiliar_below=args.unfamiliar_below),
-                      batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
+                      batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records,
+                      progress=not args.quiet)
     print(format_table(report))
     if args.out is not None:
         write_report(report, args.out)
-        print(f"wrote {args.out}", file=sys.stderr)
+        if not args.quiet:
+            print(f"wrote {args.out}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -500,6 +545,15 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("captioner")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
+
+
 def _same_file(a: Path, b: str) -> bool:
     try:
         return a.samefile(b)
@@ -515,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(coloured circles, squares, triangles, stars and crosses), so it describes any picture, "
                     "a photograph too, as coloured shapes. For photographs, train a model on your own data "
                     "(captioner train) and pass it with --weights.")
+    parser.add_argument("--version", action="version", version=f"captioner {_installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_caption_parser(sub)
     add_evaluate_parser(sub)

@@ -18,7 +18,8 @@ from streamlit.errors import StreamlitAPIException
 from captioner.app import page
 from captioner.app.pictures import Picture
 from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
-                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
+                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap,
+                                   untaken_upload)
 from captioner import bundled, inference
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult
@@ -233,6 +234,12 @@ def choose_image() -> tuple[str, bytes] | None:
         # first removes the file it holds, in a run of its own, and that run replaces the
         # uploader under the new upload.
         _take_upload(key)
+        _rerun_here()
+    late = untaken_upload()
+    if late is not None:  # an upload whose run came without it (serving.untaken_upload says when)
+        st.session_state["upload"] = late
+        st.session_state["uploads"] = st.session_state.get("uploads", 0) + 1  # a fresh uploader, as above
+        st.session_state["example"] = None
         _rerun_here()
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:

@@ -237,10 +237,9 @@ def choose_image() -> tuple[str, bytes] | None:
         _rerun_here()
     late = untaken_upload()
     if late is not None:  # an upload whose run came without it (serving.untaken_upload says when)
+        # Shown in this run: a rerun asked for now could itself come too late.
         st.session_state["upload"] = late
-        st.session_state["uploads"] = st.session_state.get("uploads", 0) + 1  # a fresh uploader, as above
         st.session_state["example"] = None
-        _rerun_here()
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:
         st.session_state["example"] = 0 if examples else None  # a new page starts with the first example

@@ -123,7 +123,8 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
     soft = runs / "train-soft-fp32" / "best.pt"
 
     def train(name: str, config: str, *sets: str, timeout: float = 150, needs: tuple[str, ...] = ()) -> Step:
-        argv = captioner_cmd("train", "--config", f"train/configs/{config}", "--run-dir", str(runs / name), "--quiet")
+        argv = captioner_cmd("train", "--config", f"train/configs/{config}", "--run-dir", str(runs / name), "--quiet",
+                             "--overwrite")  # a check run again into the same --out starts its runs over
         for s in (*common, *sets):
             argv += ["--set", s]
         return Step(name, argv, timeout, needs=needs)
@@ -148,7 +149,7 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
     out.append(Step("train-resume", resume, 180, needs=after_soft))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                 "-m", "captioner.cli", "train", "--config", "train/configs/shapes-soft.toml",
-                "--run-dir", str(runs / "torchrun"), "--quiet"]
+                "--run-dir", str(runs / "torchrun"), "--quiet", "--overwrite"]
     for s in (*common, "optim.precision=bf16"):
         torchrun += ["--set", s]
     out.append(Step("torchrun-1-process", torchrun, 240))

@@ -18,6 +18,7 @@ from pathlib import Path
 from .export_cli import add_export_parser
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
 
 
@@ -174,7 +175,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                     "alternatives) asked for now are captioned again; the file keeps one line per image. "
                     "Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. The default model "
                     "is a demo trained on synthetic shapes only.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="image files or folders; - reads paths from standard input, one per line (e.g. from "
+                        "find ... | captioner caption -). URLs are not fetched: download the image first")
     _add_model_args(p)
     p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
@@ -220,6 +223,38 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_caption)
 
 
+URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://")
+
+
+def given_paths(paths: list[str]) -> list[str]:
+    """The PATH arguments of ``caption``, each ``-`` replaced by the paths on standard input (one
+    a line, blank lines skipped); a URL is refused in one line, as it is not fetched."""
+    given: list[str] = []
+    for path in paths:
+        if path == "-":
+            read = [line.strip() for line in sys.stdin if line.strip()]
+            if not read:
+                raise UsageError("- reads image paths from standard input, one per line, and it gave none")
+            given += read
+        else:
+            given.append(path)
+    for path in given:
+        if path.lower().startswith(URL_SCHEMES):
+            name = path.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1] or "image.jpg"
+            raise UsageError(f"{path} is a URL; images are not fetched from the network: download it first, "
+                             f"e.g. curl -L -o {name} '{path}', then captioner caption {name}")
+    return given
+
+
+def interrupted_caption(out: Path | None) -> str:
+    """What Ctrl-C during ``caption`` says: with --out, that the same command goes on."""
+    if out is not None:
+        return (f"captioner caption: interrupted; the captions made so far are in {out}: the same command "
+                "continues where it stopped")
+    return ("captioner caption: interrupted; the captions made so far went to standard output (with --out FILE "
+            "the same command continues where it stopped)")
+
+
 def default_batch_size(device) -> int:
     """Images per batch of `captioner caption` without --batch-size: on a GPU a batch's beam
     search costs about what one image's does (docs/benchmarks.md), so batches are larger there."""
@@ -250,13 +285,14 @@ def cmd_caption(args: argparse.Namespace) -> int:
     try:
         if ctx.active and args.out is None:
             raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")
+        paths = given_paths(args.paths)
         try:
-            found = discover(args.paths)
+            found = discover(paths)
         except FileNotFoundError as e:
             raise UsageError(str(e)) from e
         if not found.images:
             others = f" ({found.skipped} other file{'s' if found.skipped != 1 else ''})" if found.skipped else ""
-            raise UsageError(f"no image files in {', '.join(args.paths)}{others}; images are found by their "
+            raise UsageError(f"no image files in {', '.join(paths)}{others}; images are found by their "
                              "extension (.jpg, .png, ...)")
         try:
             captioner = Captioner.load(args.weights, device=ctx.device).use_precision(args.precision)
@@ -290,6 +326,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
                                     progress=False if args.quiet or not ctx.is_main else None,
                                     resolved=args.out is not None, heads=args.attention_heads,
                                     decode_on_device=args.decode_on_device)
+        except KeyboardInterrupt:
+            if ctx.is_main:
+                print(interrupted_caption(args.out), file=sys.stderr)
+            return EXIT_INTERRUPTED
         finally:
             if out is not sys.stdout:
                 out.close()
@@ -337,17 +377,27 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--language", choices=("en", "zh"), default="en",
                    help="the captions' language: en (default) or zh, Chinese (\"一个红色的大圆形和一个蓝色的三角形\"); "
                         "the images and objects are the same for the same seed")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an --out that is not empty, replacing the shapes data set there (other files "
+                        "stay); without it such a folder is refused, so that nothing is lost")
     p.set_defaults(func=cmd_shapes)
 
 
 def cmd_shapes(args: argparse.Namespace) -> int:
-    from .data.shapes import generate_dataset
+    from .data.shapes import generate_dataset, remove_dataset
 
     counts = {k: n for k, n in (("train", args.train), ("val", args.val), ("test", args.test)) if n > 0}
     if not counts:
         raise UsageError("nothing to generate: all split sizes are 0")
     if args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out {args.out} is a file, not a folder")
+    held = sorted(p.name for p in args.out.iterdir() if not p.name.startswith(".")) if args.out.is_dir() else []
+    if held and not args.overwrite:
+        raise UsageError(f"--out {args.out} is not empty (it holds {', '.join(held[:3])}{', ...' if held[3:] else ''}"
+                         "): give another --out (missing or empty) for a new data set, or add --overwrite to "
+                         "replace the shapes data set there")
+    if args.overwrite and args.out.is_dir():
+        remove_dataset(args.out)  # a smaller set must not leave the larger one's images behind
     try:
         summary = generate_dataset(args.out, counts, seed=args.seed, image_size=args.image_size, progress=True,
                                    top_to_bottom=args.top_to_bottom, language=args.language)
@@ -400,6 +450,9 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
                         'caption` writes them, or a COCO results file ([{"image_id", "caption"}]). Every measure is '
                         "given; the attention's only for captions written with --with-attention, their maps read "
                         "as covering the region --weights' model sees (the whole image without --weights)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar or note of the file written on stderr (the demo-model note is still "
+                        "printed)")
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -437,11 +490,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                       options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
                                             hard_attention=args.hard_attention,
                                             unfamiliar_below=args.unfamiliar_below),
-                      batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records)
+                      batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records,
+                      progress=not args.quiet)
     print(format_table(report))
     if args.out is not None:
         write_report(report, args.out)
-        print(f"wrote {args.out}", file=sys.stderr)
+        if not args.quiet:
+            print(f"wrote {args.out}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -503,7 +558,10 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
                    help="what the data is, in words, kept with the record (default: what the checkpoint says "
                         "it was trained on, or the folder's name); the split and the image count are added")
     p.add_argument("--batch-size", type=_positive, default=64, help="images per batch (default 64)")
-    p.add_argument("--out", type=Path, default=None, help="write the checkpoint here instead of in place")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the checkpoint here instead of in place (a file that is there already, another "
+                        "checkpoint say, is refused unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file --out names")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
     p.set_defaults(func=cmd_familiarity)
@@ -516,6 +574,9 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
 
     device = check_device(args.device)
     if args.out is not None:
+        if args.out.is_file() and not args.overwrite and not _same_file(args.out, args.checkpoint):
+            raise UsageError(f"--out {args.out} already exists: give another --out, or add --overwrite to replace "
+                             "it (without --out the record is added to CHECKPOINT in place)")
         check_out_file(args.out)
     records = _split_records(args)
     try:
@@ -543,6 +604,22 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("captioner")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
+
+
+def _same_file(a: Path, b: str) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="captioner",
@@ -551,6 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(coloured circles, squares, triangles, stars and crosses), so it describes any picture, "
                     "a photograph too, as coloured shapes. For photographs, train a model on your own data "
                     "(captioner train) and pass it with --weights.")
+    parser.add_argument("--version", action="version", version=f"captioner {_installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_caption_parser(sub)
     add_evaluate_parser(sub)

@@ -106,8 +106,10 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     """The image, then one overlay panel per word with the word and its beta below.
     ``heads``: a row per word instead, its map (the heads' mean) then each head's map.
     ``model``: a title above the panels, the caption and this model's name, so that a figure
-    found later in a folder says what it shows; ``notice``: a line under it (a demo model's,
-    that it knows synthetic shapes only), for a figure shown without the command's output."""
+    found later in a folder says what it shows; ``notice``: lines under it (a demo model's,
+    that it knows synthetic shapes only), whole, wrapped to the figure's width, for a figure shown
+    without the command's output; and when the image is unfamiliar to the model, a line that
+    says so, as the JSON's ``unfamiliar`` and the app do."""
     scale = panel / max(image.size)
     pw, ph = max(1, round(image.width * scale)), max(1, round(image.height * scale))
     shown = image.convert("RGB").resize((pw, ph), Image.Resampling.BICUBIC)
@@ -130,15 +132,19 @@ def attention_figure(image: Image.Image, result: CaptionResult, panel: int = 224
     label_h = font.size + 8 if hasattr(font, "size") else 20
     rows = -(-len(panels) // cols)
     pad = 6
-    title_h = (label_h + pad if model is not None else 0) + (label_h if notice else 0)
-    fig = Image.new("RGB", (cols * (pw + pad) + pad, title_h + rows * (ph + label_h + pad) + pad), "white")
+    width = cols * (pw + pad) + pad
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    warnings = [*_wrapped(measure, unfamiliar_line(result), font, width - 2 * pad - 2),
+                *_wrapped(measure, notice, font, width - 2 * pad - 2)]
+    title_h = (label_h + pad if model is not None else 0) + label_h * len(warnings)
+    fig = Image.new("RGB", (width, title_h + rows * (ph + label_h + pad) + pad), "white")
     draw = ImageDraw.Draw(fig)
     if model is not None:
         title = _fitted(draw, f"{result.caption or '(no words)'}  (model: {model})", font, fig.width - 2 * pad - 2)
         draw.text((pad + 2, pad + 2), title, fill="black", font=font)
-    if notice:
-        line = _fitted(draw, notice, font, fig.width - 2 * pad - 2)
-        draw.text((pad + 2, pad + 2 + (label_h if model is not None else 0)), line, fill=(150, 30, 30), font=font)
+    for i, line in enumerate(warnings):
+        y = pad + 2 + (label_h if model is not None else 0) + i * label_h
+        draw.text((pad + 2, y), line, fill=(150, 30, 30), font=font)
     for i, cell in enumerate(panels):
         if cell is None:
             continue
@@ -157,7 +163,36 @@ def figure_info(result: CaptionResult, model: str, notice: str | None = None) ->
     info.add_text("Model", model)
     if notice:
         info.add_text("Warning", notice)
+    flag = unfamiliar_line(result)
+    if flag:
+        info.add_text("Unfamiliar", flag)
     return info
+
+
+def unfamiliar_line(result: CaptionResult) -> str | None:
+    """The figure's flag for an image unlike the model's training images; None otherwise."""
+    fam = result.familiarity
+    if fam is None or not fam.unfamiliar:
+        return None
+    return (f"unfamiliar: unlike the model's training pictures (familiarity {fam.value:.3f}, below "
+            f"{fam.threshold:g}); the caption says more about them than about this picture")
+
+
+def _wrapped(draw: ImageDraw.ImageDraw, text: str | None, font, width: float) -> list[str]:
+    """``text`` (none: no lines) in lines of at most ``width`` pixels, broken between words (between
+    characters in text without spaces, Chinese say); a word wider than a line is cut short."""
+    if not text:
+        return []
+    tokens = text.split(" ") if " " in text.strip() else list(text)
+    glue = " " if " " in text.strip() else ""
+    lines: list[str] = []
+    for token in tokens:
+        joined = f"{lines[-1]}{glue}{token}" if lines else token
+        if lines and draw.textlength(joined, font=font) <= width:
+            lines[-1] = joined
+        else:
+            lines.append(_fitted(draw, token, font, width))
+    return lines
 
 
 def _fitted(draw: ImageDraw.ImageDraw, text: str, font, width: float) -> str:

@@ -28,9 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="override a config value, e.g. --set optim.epochs=5, or the run's name: --set name=NAME "
                         f"(repeatable); with --resume only {', '.join(ON_RESUME)}")
     p.add_argument("--run-dir", type=Path, default=None,
-                   help="where to write the run, missing folders made (default runs/<name>-<timestamp>)")
+                   help="where to write the run, missing folders made (default runs/<name>-<timestamp>); a folder "
+                        "that holds a run is refused (--resume it, or --overwrite)")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its last.pt")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a new run into a --run-dir that holds a run starts over in place, deleting that run's "
+                        "checkpoints and log (without it such a folder is refused: nothing is lost)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -49,10 +53,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .config import TrainConfig, apply_overrides, check_ignored, find_config, read_config, written_keys
     from .data_cli import require_data
     from .loop import RunWriteError, new_run_dir, outcome_line, train
-    from .startup import StartupError, check_new_run
+    from .startup import StartupError, check_new_run, check_run_folder, clear_run_folder
 
     if args.resume is None and args.config is None:
         raise UsageError("give --config FILE for a new run, or --resume RUN_DIR")
+    if args.resume is not None and args.overwrite:
+        raise UsageError(f"--overwrite is for a new run; --resume {args.resume} goes on with the run there")
     if args.resume is not None and args.config is not None:
         raise UsageError(f"--config does not go with --resume: a run goes on with its own config "
                          f"({args.resume / 'config.toml'}); --set may change {', '.join(ON_RESUME)}")
@@ -76,14 +82,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                 stated = written_keys(tomllib.load(f))  # the file's own keys, beside its bases'
             overridden = {item.split("=", 1)[0] for item in args.overrides}
             notes = check_ignored(cfg, stated, in_chain, overridden)
-            check_new_run(cfg, config)
             run_dir = args.run_dir or new_run_dir(cfg)
+            check_run_folder(run_dir, args.overwrite)  # a run there is kept, unless asked
+            check_new_run(cfg, config)
         require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
     except (OSError, ValueError, KeyError, CheckpointError) as e:
         raise UsageError(str(e)) from e
     if is_main_process():
         for note in notes:
             print(f"captioner train: note: {note}", file=sys.stderr)
+        if args.overwrite and args.resume is None:
+            clear_run_folder(run_dir)
     try:
         outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet, last=last)
     except (StartupError, RunWriteError) as e:

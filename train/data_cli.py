@@ -133,7 +133,10 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                      "or caption column, ...), said in one line.")]))
     c.add_argument("source", type=Path, metavar="SOURCE", help="CSV/TSV file, JSON Lines file, or folder")
     c.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="folder for dataset.json (missing folders are made; an older dataset.json is replaced)")
+                   help="folder for dataset.json (missing folders are made; one that holds a dataset.json is "
+                        "refused unless --overwrite)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace the dataset.json that --out holds (a model trained on it loses its split)")
     c.add_argument("--format", choices=FORMATS, default=None,
                    help="the source's format (default: from its name: a folder, .jsonl, .tsv, else CSV)")
     c.add_argument("--image-column", default=None, metavar="NAME",
@@ -174,6 +177,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     from captioner.data.own import SourceError, draw_splits, guess_tokenizer, read_source, split_sizes, write_dataset
     from captioner.images import Preprocess
 
+    earlier = args.out / "dataset.json"
+    if earlier.exists() and not args.overwrite:
+        raise UsageError(f"--out: {earlier} already exists (a data set, perhaps one a model was trained on): give "
+                         "another --out for a new data set, or add --overwrite to replace it")
     try:
         source = read_source(args.source, args.format, args.image_column, args.caption_column)
     except SourceError as e:

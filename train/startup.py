@@ -233,6 +233,30 @@ def _unreadable_message(unreadable: dict[Path, str]) -> str:
             f"{'it' if one else 'them'}: --set data.skip_unreadable=true")
 
 
+# What a run leaves that a new run would replace or mix into: its checkpoints and its log.
+RUN_RESULTS = ("last.pt", "best.pt", "metrics.jsonl")
+
+
+def check_run_folder(run_dir: Path, overwrite: bool) -> None:
+    """A new run goes into a folder that holds no run (missing, empty, or other files only: a
+    feature cache, notes); one that holds a run's results is refused in one line saying how to
+    go on, unless ``overwrite`` asks to start over in place (``clear_run_folder``)."""
+    held = [name for name in RUN_RESULTS if (run_dir / name).exists()]
+    if not held or overwrite:
+        return
+    how = f"continue it with --resume {run_dir}" if "last.pt" in held else "it cannot be resumed (no last.pt)"
+    raise StartupError(f"--run-dir {run_dir} already holds a run ({', '.join(held)}): {how}, give another "
+                       "--run-dir for a new run, or add --overwrite to start over in place (its checkpoints and "
+                       "log are deleted)")
+
+
+def clear_run_folder(run_dir: Path) -> None:
+    """Delete an earlier run's checkpoints, log and config (a feature cache stays: the new run
+    may use it), for a new run asked to start over in place."""
+    for name in (*RUN_RESULTS, "config.toml"):
+        (run_dir / name).unlink(missing_ok=True)
+
+
 def on_main(ctx: DistContext, work) -> None:
     """``work()`` on rank 0; a StartupError there is raised on every rank, which would otherwise
     wait for rank 0 at their next step together."""

@@ -420,6 +420,28 @@ def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,
     return {"images": len(images), "objects": len(instances), "captions": len(captions)}
 
 
+_DATASET_FILE = re.compile(r"(captions|instances)_[\w-]+\.json")
+_DATASET_IMAGE = re.compile(r"([\w-]+)/\1_\d{6}\.png")
+
+
+def remove_dataset(out_dir: Path) -> None:
+    """Delete the shapes data set in ``out_dir`` (the files ``generate_dataset`` writes, see the
+    layout above), so that a new one does not mix with it; other files stay."""
+    out_dir = Path(out_dir)
+    for path in out_dir.glob("*.json"):
+        if _DATASET_FILE.fullmatch(path.name):
+            path.unlink()
+    images = out_dir / "images"
+    for path in sorted(images.rglob("*.png")) if images.is_dir() else ():
+        if _DATASET_IMAGE.fullmatch(path.relative_to(images).as_posix()):
+            path.unlink()
+    for folder in sorted((p for p in images.rglob("*") if p.is_dir()), reverse=True) if images.is_dir() else ():
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    if images.is_dir() and not any(images.iterdir()):
+        images.rmdir()
+
+
 def generate_dataset(out_dir: Path, counts: dict[str, int], seed: int = 0,
                      image_size: int = 128, progress: bool = False, top_to_bottom: bool = False,
                      language: str = "en") -> dict:

@@ -170,7 +170,7 @@ class Captioner:
             raise CheckpointError(f"checkpoint's familiarity record describes {len(familiarity.mean)}-dimensional "
                                   f"features, its encoder gives {model.encoder.dim}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
-                   name=name, demo=demo, familiarity=familiarity)
+                   name=name, demo=demo, familiarity=None if familiarity is None else familiarity.to(device))
 
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":

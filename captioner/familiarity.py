@@ -21,9 +21,10 @@ and never less than 1/(N + 1) of them, since an image farther than all N is flag
 t is (N = 99: 1%, N = 60: 1.6%).
 
 The N leave-one-out fits cost two Cholesky factorisations, not N fits: with u_n = x_n - mu,
-the scatter M = sum_n u_n u_n^T and the ridge r = s * mean(diag cov) of the fit on all N (fixed: the ridge sets the scale of the feature space, not a property of one
-image's absence, and one image moves it by O(1/N); with it fixed, each leave-one-out
-covariance is the full one less exactly a rank-one term),
+the scatter M = sum_n u_n u_n^T and the ridge r = s * mean(diag cov) of the fit on all N.
+The ridge is fixed at the full fit's: it sets the scale of the feature space, one image
+moves it by O(1/N), and with it fixed each leave-one-out covariance is the full one less
+exactly a rank-one term, so the downdate is exact:
 
     mu_-n = mu - u_n / (N - 1),   x_n - mu_-n = u_n N / (N - 1)
     S_-n  = (M - N / (N - 1) u_n u_n^T) / (N - 2) + r I  =  A - c u_n u_n^T,

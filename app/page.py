@@ -47,7 +47,7 @@ class Word:
 def word_probs_html(words: list[str], probs: tuple[float, ...]) -> str:
     """The caption's words, each shaded by how doubtful the model was of it (page.css: the lower
     its probability --p, the stronger the shade) with its probability in a tooltip."""
-    spans = [f'<span class="word-prob" style="--p: {p:.3f}" title="p = {p:.2f} given the words before it">'
+    spans = [f'<span class="word-prob" style="--p: {p:.3f}" title="p = {p:.4g} given the words before it">'
              f"{html.escape(w)}</span>" for w, p in zip(words, probs)]
     return f'<p class="captioner-probs">{" ".join(spans)}</p>'
 

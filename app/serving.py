@@ -195,6 +195,8 @@ class Shown:
     seen: bytes  # JPEG of the part the model saw, at most LARGE_WIDTH wide: the big view, the figure
     view: str  # HTML: the word picker, the picked word's map and the grid (page.result_html); "" without words
     waited: float = 0.0  # seconds this session waited for the model
+    model: str | None = None  # the model that captioned it, as `captioner caption` names it (Captioner.name)
+    training_data: str | None = None  # what that model was trained on, when known
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
@@ -225,7 +227,8 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
         prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page
         view = page.result_html(prefix, page.words_of(result.words, result.betas), map_layers(result, size), photo,
                                 size[0] / size[1], tuple(result.alphas.shape[1:]), heads_of(result))
-    return Shown(key, name, result, seconds, cpu, seen, view, waited=done.waited)
+    return Shown(key, name, result, seconds, cpu, seen, view, waited=done.waited, model=captioner.name,
+                 training_data=captioner.training_data)
 
 
 def figure_png(shown: Shown, model: str) -> bytes:
@@ -238,4 +241,6 @@ def figure_png(shown: Shown, model: str) -> bytes:
 
 
 def result_json(shown: Shown) -> str:
-    return json.dumps(shown.result.to_json(shown.name, with_attention=True))
+    """The download: the JSON line `captioner caption --with-attention` writes for the image."""
+    return json.dumps(shown.result.to_json(shown.name, with_attention=True, model=shown.model,
+                                           training_data=shown.training_data), ensure_ascii=False)

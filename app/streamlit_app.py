@@ -169,12 +169,14 @@ def familiarity_text(result: CaptionResult) -> str:
 
 
 def alternatives_list(result: CaptionResult) -> str | None:
-    """The beam's best captions as a numbered list, best first; None when there is one."""
+    """The search's best captions as a numbered list, best first (with a length penalty: by the
+    rank the search used, shown); None when there is one."""
     if len(result.alternatives) < 2:
         return None
     rows = [f"{i}. {_markdown_text(a.caption) or '(no words)'} · log p {a.score:.2f}"
+            + ("" if a.rank is None else f" · rank {a.rank:.3f} (log p / length^penalty)")
             for i, a in enumerate(result.alternatives, 1)]
-    return "The beam's best captions:\n\n" + "\n".join(rows)
+    return "The search's best captions:\n\n" + "\n".join(rows)
 
 
 def model_card(captioner: Captioner) -> None:

@@ -330,8 +330,6 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
     folder stay told apart. ``decode_on_device``: JPEGs are decoded on the model's device
     (jpeg_device), everything else as before."""
     summary = BatchSummary()
-    model = {"model": captioner.name, **({"training_data": captioner.training_data}
-                                         if captioner.training_data else {})}
     if not images:
         return summary
     real_folders: dict[str, str] = {}
@@ -349,7 +347,8 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                 path = images[index]
                 if index in results:
                     r = results[index]
-                    record = {**r.to_json(path, with_attention, heads=heads), **model}
+                    record = r.to_json(path, with_attention, heads=heads, model=captioner.name,
+                                       training_data=captioner.training_data)
                     if attention_dir is not None:
                         record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads,
                                                                max_pixels, captioner.name or "", captioner.notice())

@@ -167,7 +167,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
         "caption", help="caption image files and folders, one JSON line per image",
         description="Caption images. PATHs are image files or folders (searched recursively for image "
                     "extensions; symlink loops are safe). Each image gives one JSON line: "
-                    '{"image", "caption", "words", "score", "familiarity", "unfamiliar", "word_probs"}, or '
+                    '{"image", "caption", "words", "score", "familiarity", "unfamiliar", "word_probs", '
+                    '"end_prob", "model"} (score = sum of log word_probs + log end_prob), or '
                     '{"image", "error"} for a file that cannot be read; the run goes on. With --out FILE '
                     "that already holds results, the run resumes: images already captioned there (found by "
                     "their real location, however the folder is spelled) are skipped, images that failed "
@@ -182,9 +183,11 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-penalty", type=_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
     p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
-                   help='also write "alternatives": the beam\'s best distinct finished captions with their '
-                        "scores, best first (the first is the caption), up to N: those that had ended when the "
-                        "search stopped; N at most --beam-size (default 1: none)")
+                   help='also write "alternatives": the N best finished captions of the beam search with '
+                        "their scores, best first (the first is the caption); the search goes on until no open "
+                        "beam can beat the N-th best, so fewer than N only where fewer can end within --max-len. "
+                        'With --length-penalty they come in the order of the search\'s rank, log p / '
+                        'length**P, given as "rank". N at most --beam-size (default 1: none)')
     p.add_argument("--batch-size", type=_positive, default=None,
                    help="images per batch (default 16 on a CPU, 64 on a GPU, where a batch of 32 images' beam "
                         "search takes about the time of one image's)")

@@ -7,7 +7,8 @@ emits <end> leaves the open beams for a pool of finished captions kept apart, pe
 (as in the authors' code), so open beams can never push it out; the best of the pool is
 returned. The search is exact for its width: it stops for an image only when no open
 beam can still beat the pool's best, or at the length limit; with no <end> by then, the
-best open beam is returned (no crash).
+best open beam is returned (no crash). Asked for the N best (N <= k), it stops only when no
+open beam can beat the pool's N-th best, and returns the pool's N best (``beam_search``).
 
 ``max_len`` counts words, never the <end> token: a caption of exactly ``max_len`` words
 followed by <end> can come out. After the ``max_len``-th word only <end> may come (every
@@ -36,6 +37,9 @@ class Alternative:
     words: tuple[str, ...]
     score: float  # log p of the caption, its <end> included
     text: str | None = None  # as its language writes it (CaptionResult.text); None: words joined with spaces
+    # what the search ranked it by, with a length penalty P: score / (len(words) + 1)**P (None: no
+    # penalty, the rank is the score); the alternatives come in this order, best first
+    rank: float | None = None
 
     @property
     def caption(self) -> str:
@@ -58,8 +62,11 @@ class CaptionResult:
     text: str | None = None
     familiarity: Familiarity | None = None  # how like the model's training images; None: unknown
     word_probs: tuple[float, ...] = ()  # (T,) p of each word given the image and the words before it
-    # with several captions asked for: the beam's best finished captions, best first (the first is this one)
+    # with several captions asked for: the search's N best finished captions, best first (the first is this one)
     alternatives: tuple[Alternative, ...] = ()
+    # p of the <end> token after the words; None: cut off at the length limit, no <end>. score is
+    # sum(log word_probs) + log end_prob
+    end_prob: float | None = None
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -70,16 +77,28 @@ class CaptionResult:
         return " ".join(self.words) if self.text is None else self.text
 
     def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4,
-                heads: bool = False) -> dict:
-        """``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
+                heads: bool = False, *, model: str | None = None, training_data: str | None = None) -> dict:
+        """The caption's JSON record, as `captioner caption` writes a line and the app's download
+        holds it (built here only). Scores (log p) are rounded to ``digits`` decimals,
+        probabilities to ``digits`` significant digits (never 0 for a positive one); "end_prob"
+        is the <end> token's (null: cut off), so score = sum(log word_probs) + log end_prob.
+        ``model`` and ``training_data`` name the model that wrote it (each left out when not
+        given). ``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
         out: dict = {} if image is None else {"image": image}
         out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
         fam = self.familiarity
         out.update(familiarity=None if fam is None else round(fam.value, digits),
                    unfamiliar=None if fam is None else fam.unfamiliar,
-                   word_probs=[round(p, digits) for p in self.word_probs])
+                   word_probs=[significant(p, digits) for p in self.word_probs],
+                   end_prob=None if self.end_prob is None else significant(self.end_prob, digits))
         if self.alternatives:
-            out["alternatives"] = [{"caption": a.caption, "score": round(a.score, digits)} for a in self.alternatives]
+            out["alternatives"] = [{"caption": a.caption, "score": round(a.score, digits),
+                                    **({} if a.rank is None else {"rank": round(a.rank, digits)})}
+                                   for a in self.alternatives]
+        if model is not None:
+            out["model"] = model
+        if training_data:
+            out["training_data"] = training_data
         # Rounded in float64: a float32 0.0012 is 0.0012000000569969416 once it is a Python float.
         if with_attention or heads:
             out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
@@ -87,6 +106,11 @@ class CaptionResult:
         if heads:
             out["alphas_heads"] = torch.round(self.alphas_heads.double(), decimals=digits).tolist()
         return out
+
+
+def significant(p: float, digits: int = 4) -> float:
+    """``p`` to ``digits`` significant digits: 0.0000123456 -> 1.235e-05, never 0 unless p is."""
+    return float(f"{p:.{digits}g}")
 
 
 @dataclass
@@ -170,22 +194,30 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
 def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
                 max_len: int, length_penalty: float = 0.0, hard: str = "expected",
                 num_captions: int = 1) -> list[DecodedIds]:
-    """The caption of highest rank per image: rank = log p, or with ``length_penalty`` > 0
-    log p / length**length_penalty (length counts the <end> token). With ``num_captions``
-    N > 1 (at most k), also the pool's next N - 1 finished captions when the image is done
-    (``runners_up``): the search is the same, and so is its best.
+    """The caption of highest rank per image: rank = log p, or with ``length_penalty`` P > 0
+    log p / length**P (length counts the <end> token). With ``num_captions`` N > 1 (at most
+    k), the N best finished captions of the search (``runners_up``: the 2nd to N-th).
 
-    Each image keeps k open beams and, apart from them, a pool of the best k captions that
-    ended. Every step ranks the k*V extensions of the open beams: an extension ending in
-    <end> that is among the best k joins the pool (so a finished caption is never pushed
-    out by open ones), and the best k extensions that did not end are the new open beams.
-    An image is done only when no open beam can still beat the pool's best: log p only
-    falls as words are added, so an open beam's best possible rank is its score /
-    (max_len + 1)**length_penalty (the longest caption it can still become). A full pool
-    is no reason to stop. After the ``max_len``-th word only <end> may come: at that step
-    the extensions that end are the only candidates, and each joins the pool if it ranks
-    among its best k. It returns the pool's best; a caption cut off at ``max_len`` words is
-    returned only when none ended (where <end> has probability 0).
+    The rule (an exporter's search must follow it to give the same captions):
+    1. Each image keeps k open beams (at first one, the empty caption) and, apart from them,
+       a pool of the best k captions that ended.
+    2. Every step ranks the k*V extensions of the open beams by log p (<start> and <pad>
+       never come). The extensions ending in <end> among the best k join the pool, if they
+       rank among its best k (so a finished caption is never pushed out by open ones); the
+       best k extensions that did not end are the new open beams.
+    3. An image is done when no open beam can still beat the pool's N-th best (N = 1: its
+       best): log p only falls as words are added, so an open beam's best possible rank is
+       its log p / (max_len + 1)**P (the longest caption it can still become); done when
+       the pool's N-th best rank >= the best open beam's log p / (max_len + 1)**P. A full
+       pool is no reason to stop. N = 1 stops exactly where the search for the best alone
+       does; N > 1 may go on longer, never shorter, and its best is the same.
+    4. After the ``max_len``-th word only <end> may come: at that step the extensions that
+       end are the only candidates, each joins the pool if it ranks among its best k, and
+       the image is done.
+    5. It returns the pool's best and, with N > 1, the pool's next best up to N in all, in
+       the order of their rank (with a length penalty, not necessarily of their log p). A
+       caption cut off at ``max_len`` words is returned only when none ended (where <end>
+       has probability 0); then it is the only one.
 
     B images x k beams run as one tensor program; the k beams of an image share one copy of
     its annotations and keys. Each step records, per beam, its word, the beam it extends and
@@ -302,8 +334,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
         h, c = o.h[rows], o.c[rows]
         y = word.view(-1)
-        best = pool_rank[:, 0]
-        done = torch.isfinite(best) & (best >= scores[:, 0] / best_possible)  # no open beam can beat it
+        nth = pool_rank[:, num_captions - 1]  # the pool's N-th best (sorted; -inf while it holds fewer)
+        done = torch.isfinite(nth) & (nth >= scores[:, 0] / best_possible)  # no open beam can beat it
         if bool(done.any()):
             emit(done.nonzero().flatten(), t)
             keep = (~done).nonzero().flatten()

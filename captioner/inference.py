@@ -84,8 +84,8 @@ class DecodeOptions:
     # An image whose familiarity (the share of training images at least as far from their
     # distribution) is below this is reported as unfamiliar.
     unfamiliar_below: float = DEFAULT_THRESHOLD
-    # At most how many of the beam's finished captions to return (CaptionResult.alternatives; those the
-    # pool holds when the search stops), at most beam_size.
+    # How many of the search's best finished captions to return (CaptionResult.alternatives), at most
+    # beam_size: the search goes on until no open beam can beat the N-th best (decoding.beam_search).
     num_captions: int = 1
 
     def __post_init__(self):
@@ -194,7 +194,7 @@ class Captioner:
             raise CheckpointError(f"checkpoint's familiarity record describes {len(familiarity.mean)}-dimensional "
                                   f"features, its encoder gives {model.encoder.dim}")
         return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
-                   name=name, demo=demo, familiarity=familiarity)
+                   name=name, demo=demo, familiarity=None if familiarity is None else familiarity.to(device))
 
     @classmethod
     def load(cls, weights: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> "Captioner":
@@ -253,24 +253,34 @@ class Captioner:
                                       beam_size=opt.beam_size, max_len=opt.max_len,
                                       length_penalty=opt.length_penalty, hard=opt.hard_attention,
                                       num_captions=opt.num_captions)
-        results = [self.to_result(d, ann.grid, alternatives=opt.num_captions > 1) for d in decoded]
+        results = [self.to_result(d, ann.grid, alternatives=opt.num_captions > 1, length_penalty=opt.length_penalty)
+                   for d in decoded]
         if self.familiarity is None:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
         return [replace(r, familiarity=f) for r, f in zip(results, known)]
 
-    def to_result(self, d: DecodedIds, grid: tuple[int, int], alternatives: bool = False) -> CaptionResult:
-        """``alternatives``: the result lists ``d`` and its runners-up as Alternatives."""
+    def to_result(self, d: DecodedIds, grid: tuple[int, int], alternatives: bool = False,
+                  length_penalty: float = 0.0) -> CaptionResult:
+        """``alternatives``: the result lists ``d`` and its runners-up as Alternatives, each with
+        the rank the search ordered them by where ``length_penalty`` > 0."""
         words = self.vocab.decode(d.ids)
         t = len(words)  # one alpha map per word; the <end> step is not shown
         heads = d.alphas_heads[:t].unflatten(-1, grid)  # (T, h, H, W), on the host already (DecodedIds)
-        probs = tuple(d.log_probs[:t].double().exp().tolist())
+        probs = d.log_probs.double().exp().tolist()  # (T,) or (T + 1,) with <end>
+        ended = d.ids[-1:] == [self.vocab.end]
         text = self.vocab.join(words)
-        alts = ((Alternative(tuple(words), d.score, text),
-                 *(Alternative(tuple(w), x.score, self.vocab.join(w))
-                   for x in d.runners_up for w in [self.vocab.decode(x.ids)])) if alternatives else ())
+
+        def alternative(x: DecodedIds, w: list[str], text: str) -> Alternative:
+            rank = x.score / len(x.ids) ** length_penalty if length_penalty > 0 else None
+            return Alternative(tuple(w), x.score, text, rank)
+
+        alts = ((alternative(d, words, text),
+                 *(alternative(x, w, self.vocab.join(w)) for x in d.runners_up for w in [self.vocab.decode(x.ids)]))
+                if alternatives else ())
         return CaptionResult(words, d.alphas[:t].reshape(t, *grid), d.betas[:t], d.score,
-                             heads, text=text, word_probs=probs, alternatives=alts)
+                             heads, text=text, word_probs=tuple(probs[:t]), alternatives=alts,
+                             end_prob=probs[t] if ended else None)
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,
                        max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:

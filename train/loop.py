@@ -34,12 +34,13 @@ from captioner.data.coco import CaptionDataset, ImageRecord, TrainingCaptions, c
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
-from captioner.familiarity import MIN_IMAGES, training_features
+from captioner.familiarity import MIN_IMAGES, TrainingFeatures, training_features
 from captioner.images import Preprocess
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel
 
 from .averaging import WeightAverage
+from .checkpoints import same_encoder
 from .config import TrainConfig, metric_parts, to_toml
 from .datainfo import summary_lines, training_data_name
 from .losses import LossParts
@@ -354,27 +355,44 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext,
 
 def record_familiarity(run: Run) -> None:
     """Add to best.pt and last.pt their training images' features (captioner.familiarity),
-    each through its own encoder (best.pt's may be an earlier one): what the familiarity of
-    an image is measured against. A write that fails leaves the checkpoint as it was; with
+    each through its own encoder (best.pt's may be an earlier one), and to last.pt's weight
+    average, where the run keeps one, the record of the averaged encoder (the weights a
+    finished run is scored and shipped with, train/checkpoints.py): what the familiarity of an
+    image is measured against. With the feature cache (a frozen encoder) the features are the
+    cache's, pooled (fp16 annotations, so within fp16 rounding of encoding the images again),
+    not the images encoded once more. A write that fails leaves the checkpoint as it was; with
     too few training images to describe, the checkpoints stay without it, and it says so."""
     if len(run.train_records) < MIN_IMAGES:
         print(f"no familiarity record: {len(run.train_records)} training image"
               f"{'s' if len(run.train_records) != 1 else ''}, it needs at least {MIN_IMAGES}", file=sys.stderr)
         return
     data = f"{run.meta['training_data']}, split {run.cfg.data.train_split}, {len(run.train_records)} images"
-    done: list[tuple[dict, dict]] = []  # (encoder weights, record): one pass per distinct encoder
+    done: list[tuple[dict, dict]] = []  # (state dict, record): one pass per distinct encoder
+
+    def record_of(ckpt: dict, state: dict) -> dict:
+        found = next((r for e, r in done if same_encoder(e, state)), None)
+        if found is not None:
+            return found
+        cache = getattr(run.dataset, "cache", None)  # the feature cache of the run's frozen encoder
+        if cache is not None and same_encoder(state, run.model.state_dict()):
+            from .features import cache_features
+
+            found = TrainingFeatures.fit(cache_features(cache), data=data).to_dict()
+        else:
+            cap = Captioner.from_checkpoint({**ckpt, "state_dict": state}, run.ctx.device)
+            found = training_features(cap, run.train_records, data=data, progress=run.progress,
+                                      workers=run.cfg.data.loader_workers()).to_dict()
+        done.append((state, found))
+        return found
+
     for path in (run.run_dir / "best.pt", run.run_dir / "last.pt"):
         if not path.is_file():
             continue
         ckpt = load_checkpoint(path)
-        encoder = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("encoder.")}
-        record = next((r for e, r in done if all(torch.equal(e[k], v) for k, v in encoder.items())), None)
-        if record is None:
-            cap = Captioner.from_checkpoint(ckpt, run.ctx.device)
-            record = training_features(cap, run.train_records, data=data, progress=run.progress,
-                                       workers=run.cfg.data.loader_workers()).to_dict()
-            done.append((encoder, record))
-        ckpt["familiarity"] = record
+        ckpt["familiarity"] = record_of(ckpt, ckpt["state_dict"])
+        average = ckpt.get("train_state", {}).get("weight_average")
+        if average is not None:
+            average["familiarity"] = record_of(ckpt, average["tensors"])
         try:
             atomic_save(ckpt, path)
         except OSError as e:

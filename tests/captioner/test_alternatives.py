@@ -2,6 +2,7 @@
 given the words before it, checked against teacher-forced re-scores of the same captions."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -81,7 +82,8 @@ def test_caption_command_writes_alternatives_and_word_probabilities(tmp_path, ca
                  "--beam-size", "4", "--num-captions", "3"]) == 0
     line = json.loads(out.read_text().splitlines()[0])
     alts = line["alternatives"]
-    assert alts[0] == {"caption": line["caption"], "score": line["score"]} and 1 <= len(alts) <= 3
+    assert alts[0] == {"caption": line["caption"], "score": line["score"]} and len(alts) == 3
+    assert line["model"] == "m.pt" and 0 < line["end_prob"] <= 1
     assert all(0 < p <= 1 for p in line["word_probs"]) and len(line["word_probs"]) == len(line["words"])
     assert main(["caption", str(image), "--weights", str(path), "--beam-size", "2", "--num-captions", "3"]) == 2
     assert "--num-captions" in capsys.readouterr().err
@@ -100,3 +102,65 @@ def test_resuming_with_num_captions_captions_again_the_images_without_alternativ
                  "--num-captions", "2"]) == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) == 2 and all("alternatives" in x for x in lines)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_the_score_adds_up_from_the_word_probabilities_and_the_end_probability(beam_size):
+    cap = tiny_captioner(seed=1)
+    for i in range(4):
+        image = tiny_image(i)
+        r = cap.caption(image, DecodeOptions(beam_size=beam_size, max_len=8))
+        ref = _rescore(cap, image, r.words)
+        assert r.end_prob == pytest.approx(float(ref[-1].exp()), rel=1e-4)
+        total = sum(math.log(p) for p in r.word_probs) + math.log(r.end_prob)
+        assert total == pytest.approx(r.score, abs=1e-4)
+        line = r.to_json("x.png")  # rounded to 4 significant digits, it still adds up within rounding
+        total = sum(math.log(p) for p in line["word_probs"]) + math.log(line["end_prob"])
+        assert total == pytest.approx(line["score"], abs=1e-4 * (len(r.words) + 2))
+
+
+def test_a_caption_cut_off_at_the_length_limit_has_no_end_probability():
+    from captioner.decoding import DecodedIds
+
+    cap = tiny_captioner(seed=1)
+    words = [cap.vocab.index("a"), cap.vocab.index("red")]
+    cut = DecodedIds(words, torch.zeros(2, 1, 16), torch.ones(2), -1.5, torch.log(torch.tensor([0.5, 0.4])))
+    r = cap.to_result(cut, (4, 4))
+    assert r.words == ["a", "red"] and r.end_prob is None and r.to_json()["end_prob"] is None
+    ended = DecodedIds(words + [cap.vocab.end], torch.zeros(3, 1, 16), torch.ones(3), -1.6,
+                       torch.log(torch.tensor([0.5, 0.4, 0.9])))
+    r = cap.to_result(ended, (4, 4))
+    assert r.words == ["a", "red"] and r.word_probs == pytest.approx((0.5, 0.4)) and r.end_prob == pytest.approx(0.9)
+
+
+def test_probabilities_are_written_to_four_significant_digits_never_zero():
+    from captioner.decoding import CaptionResult
+
+    r = CaptionResult(["a", "b", "c"], torch.zeros(3, 1, 1), torch.ones(3), -20.0,
+                      word_probs=(0.123456, 0.0000123456, 1.0), end_prob=2.345678e-9)
+    line = r.to_json()
+    assert line["word_probs"] == [0.1235, 1.235e-05, 1.0] and line["end_prob"] == 2.346e-09
+
+
+def test_with_a_length_penalty_each_alternative_carries_the_rank_it_was_ordered_by():
+    cap = tiny_captioner(seed=3)
+    for i in range(4):
+        r = cap.caption(tiny_image(i), DecodeOptions(beam_size=4, max_len=6, num_captions=4, length_penalty=1.0))
+        line = r.to_json()
+        alts = line["alternatives"]
+        assert [a["rank"] for a in alts] == sorted((a["rank"] for a in alts), reverse=True)
+        for a, alt in zip(alts, r.alternatives):
+            assert alt.rank == pytest.approx(alt.score / (len(alt.words) + 1))
+            assert a["rank"] == round(alt.rank, 4)
+    plain = cap.caption(tiny_image(0), DecodeOptions(beam_size=4, max_len=6, num_captions=4)).to_json()
+    assert all("rank" not in a for a in plain["alternatives"])  # without a penalty the rank is the score
+
+
+def test_the_n_best_fill_the_pool_where_captions_can_end():
+    """With beam 5 and N = 5 every image gets 5 captions (<end> can come at every step here);
+    the search's best is N = 1's."""
+    cap = tiny_captioner(seed=3)
+    for i in range(6):
+        best = cap.caption(tiny_image(i), DecodeOptions(beam_size=5, max_len=6))
+        r = cap.caption(tiny_image(i), DecodeOptions(beam_size=5, max_len=6, num_captions=5))
+        assert len(r.alternatives) == 5 and r.words == best.words

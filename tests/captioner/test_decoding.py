@@ -296,7 +296,7 @@ def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption()
 
 # --- against a plain search, one image and one beam at a time ------------------------------
 @torch.no_grad()
-def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
+def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_captions=1):
     """Beam search of width k written plainly from DESIGN.md's definition, for one image:
     Python lists of (log p, ids, state), every extension scored one at a time.
 
@@ -304,11 +304,12 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
     open beams, best first: after the ``max_len``-th word only <end> may come, so at that
     step the extensions that end are the only ones. The ones among the best k that end
     join the pool; the best k that do not end are the next open beams. The search stops
-    when no open beam can still beat the pool's best (an open caption's log p only falls;
-    its rank is best when it is as long as it can be), or after the step that can only
-    end. Returns (ids, log p) of the pool's best, or of the best open beam cut off at
-    ``max_len`` words when nothing ended (only where <end> cannot come), every finished
-    caption the pool held, as (rank, ids), and whether the search reached the last step."""
+    when no open beam can still beat the pool's ``num_captions``-th best (an open caption's
+    log p only falls; its rank is best when it is as long as it can be), or after the step
+    that can only end. Returns (ids, log p) of the pool's best, or of the best open beam cut
+    off at ``max_len`` words when nothing ended (only where <end> cannot come), every
+    finished caption the pool held, as (rank, ids), whether the search reached the last
+    step, and how many steps it took."""
     def rank(logp, n):
         return logp / n ** length_penalty if length_penalty > 0 else logp
 
@@ -330,14 +331,14 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty):
         if t == max_len:
             break
         beams = [x for x in cands if x[1][-1] != END][:k]
-        best = max(pool, default=None, key=lambda x: x[0])
-        if best is not None and best[0] >= rank(beams[0][0], max_len + 1):
+        ranked = sorted((x[0] for x in pool), reverse=True)
+        if len(ranked) >= num_captions and ranked[num_captions - 1] >= rank(beams[0][0], max_len + 1):
             break
     held = [(r, ids) for r, _, ids in pool]
     if pool:
         best = max(pool, key=lambda x: x[0])
-        return best[2], best[1], held, t == max_len
-    return beams[0][1], beams[0][0], held, t == max_len
+        return best[2], best[1], held, t == max_len, t + 1
+    return beams[0][1], beams[0][0], held, t == max_len, t + 1
 
 
 def _random_decoder(seed, **variant):
@@ -365,8 +366,8 @@ def test_batched_search_equals_the_plain_search_on_random_tiny_models():
         got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
                           max_len=max_len, length_penalty=length_penalty)
         for i, r in enumerate(got):
-            ids, score, held, limit = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
-                                                        length_penalty=length_penalty)
+            ids, score, held, limit, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                                           length_penalty=length_penalty)
             assert r.ids == ids, (seed, i)
             assert abs(r.score - score) < 1e-4
             assert r.ids[-1] == END and len(r.ids) <= max_len + 1, (seed, i)
@@ -390,13 +391,87 @@ def test_greedy_ends_at_the_limit_and_equals_beam_one_on_random_tiny_models():
         g = greedy(decoder, ann, start=START, end=END, pad=PAD, max_len=max_len)
         b = beam_search(decoder, ann, start=START, end=END, pad=PAD, beam_size=1, max_len=max_len)
         for i, (x, y) in enumerate(zip(g, b)):
-            ids, score, _, limit = _reference_search(decoder, a[i:i + 1], (2, 2), k=1, max_len=max_len,
-                                                     length_penalty=0.0)
+            ids, score, _, limit, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=1, max_len=max_len,
+                                                        length_penalty=0.0)
             assert x.ids == y.ids == ids, (seed, i)
             assert abs(x.score - score) < 1e-4 and abs(y.score - score) < 1e-4
             assert x.ids[-1] == END
             reached_the_limit += limit
     assert reached_the_limit > 20
+
+
+def _counted(decoder):
+    """The decoder, counting its steps (one call per step of the whole batch)."""
+    calls = []
+    real = decoder.step
+    decoder.step = lambda *x, **kw: calls.append(1) or real(*x, **kw)
+    return calls
+
+
+def test_the_n_best_are_those_of_a_search_that_goes_on_until_none_can_beat_the_n_th():
+    """60 images over 20 random decoders (k 2-4, N 2..k, some with a length penalty): the
+    N best finished captions, in rank order, are those of the plain search that stops only
+    when no open beam can beat its N-th best; the search takes as many steps as that one, and
+    its best is the best of N = 1 (which takes the steps of the search for the best alone).
+    With a length penalty the order is the rank's, not always the log p's."""
+    longer = out_of_score_order = 0
+    for seed in range(20):
+        decoder = _random_decoder(seed)
+        k, max_len = 2 + seed % 3, 3 + seed % 5
+        n = 2 + seed % (k - 1)
+        length_penalty = 1.0 if seed % 4 == 1 else 0.0
+        for i in range(3):
+            a = torch.randn(1, 4, 5, dtype=torch.float64)
+            steps = {}
+            for want in (1, n):
+                calls = _counted(decoder)
+                got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
+                                  max_len=max_len, length_penalty=length_penalty, num_captions=want)[0]
+                del decoder.step
+                ids, score, held, _, ref_steps = _reference_search(decoder, a, (2, 2), k=k, max_len=max_len,
+                                                                   length_penalty=length_penalty, num_captions=want)
+                assert got.ids == ids and abs(got.score - score) < 1e-4, (seed, i, want)
+                assert len(calls) == ref_steps, (seed, i, want)
+                steps[want] = len(calls)
+                best = sorted(held, key=lambda x: -x[0])[:want]
+                assert [got.ids] + [r.ids for r in got.runners_up] == [h for _, h in best], (seed, i, want)
+                ranks = [x.score / len(x.ids) ** length_penalty if length_penalty else x.score
+                         for x in [got, *got.runners_up]]
+                assert ranks == sorted(ranks, reverse=True)
+                scores = [x.score for x in [got, *got.runners_up]]
+                out_of_score_order += scores != sorted(scores, reverse=True)
+                if want == 1:
+                    first = got.ids
+                    assert got.runners_up == []
+                else:
+                    assert got.ids == first
+                    assert len(got.runners_up) == want - 1  # <end> can always come here: the pool fills
+            longer += steps[n] > steps[1]
+    assert longer > 5  # going on for the N-th best was needed, often
+    assert out_of_score_order > 0
+
+
+def test_a_length_penalty_s_bound_counts_the_end_token():
+    """The best an open beam can still reach is log p / (max_len + 1)**P: with max_len**P the
+    search stops a step early. k = 1, max_len = 2, P = 1: "A <end>" (-1.11 / 2 = -0.555) is in
+    the pool when the open "A A" (-1.31) could still reach -1.31 / 3 = -0.437 (not -0.655):
+    the search goes on and "A A <end>" (-1.416 / 3 = -0.472) wins."""
+    table = [{A: 0.6, END: 0.4}, {A: 0.45, END: 0.55}, {END: 0.9, A: 0.1}]
+    r = _stub_search(table, k=1, max_len=2, length_penalty=1.0)
+    assert r.ids == [A, A, END]
+    assert abs(r.score - math.log(0.6 * 0.45 * 0.9)) < 1e-5
+
+
+def test_the_n_best_stop_as_soon_as_no_open_beam_can_beat_the_n_th():
+    # Step 0: "<end>" (0.6). Step 1: "A <end>" (0.2 * 0.55 = 0.11) joins the pool, the open "A A"
+    # (0.09) is below it: for N = 2 the pool's 2nd best beats every open beam, done after 2 steps
+    # (N = 1: after one, test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption).
+    table = [{END: 0.6, A: 0.2, B: 0.1, C: 0.1}] + [{A: 0.45, END: 0.55}] * 5
+    stub = _StepTable(table)
+    calls = _counted(stub)
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    r = beam_search(stub, ann, start=START, end=END, pad=PAD, beam_size=3, max_len=5, num_captions=2)[0]
+    assert r.ids == [END] and [x.ids for x in r.runners_up] == [[A, END]] and len(calls) == 2
 
 
 MULTI_HEAD = [{"heads": 2}, {"heads": 2, "local_window": 1.5, "local_width": "learned"},
@@ -413,8 +488,8 @@ def test_batched_search_with_several_heads_equals_the_plain_search(variant):
         got = beam_search(decoder, Annotations(a, (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
                           max_len=max_len)
         for i, r in enumerate(got):
-            ids, score, _, _ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
-                                                  length_penalty=0.0)
+            ids, score, *_ = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len,
+                                               length_penalty=0.0)
             assert r.ids == ids, (seed, i)
             assert abs(r.score - score) < 1e-4
             # Each word's head maps are the ones teacher forcing gives for that prefix.

@@ -169,3 +169,111 @@ def test_a_demo_s_record_names_what_the_demo_was_trained_on(tmp_path, tiny_coco)
                  "--out", str(out)]) == 0
     record = TrainingFeatures.from_dict(load_checkpoint(out)["familiarity"])
     assert record.data.startswith("synthetic shapes, split train"), record.data
+
+
+# --- exchangeable reference distances: exact leave-one-out ----------------------------------
+def _refit_without_each(x: torch.Tensor) -> torch.Tensor:
+    """Each image's squared distance to a plain fit on the others (the ridge of the fit on all)."""
+    n, d = x.shape
+    ridge = 0.01 * float(torch.cov(x.T).diagonal().mean())
+    out = []
+    for i in range(n):
+        rest = torch.cat([x[:i], x[i + 1:]])
+        cov = torch.cov(rest.T).reshape(d, d) + ridge * torch.eye(d, dtype=x.dtype)
+        u = x[i] - rest.mean(0)
+        out.append(u @ torch.linalg.solve(cov, u))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("n, dim", [(3, 4), (7, 5), (6, 10), (40, 3)])
+def test_reference_distances_are_exactly_those_of_fits_leaving_each_image_out(n, dim):
+    x = _gaussian(n, seed=n, dim=dim)
+    record = TrainingFeatures.fit(x)
+    torch.testing.assert_close(record.reference.double(), torch.sort(_refit_without_each(x)).values, rtol=1e-5,
+                               atol=0)
+    # and the fit on all N is the plain one: a fresh image's distance to it
+    fresh = _gaussian(5, seed=99, dim=dim)
+    cov = torch.cov(x.T).reshape(dim, dim)
+    cov = cov + 0.01 * cov.diagonal().mean() * torch.eye(dim, dtype=x.dtype)
+    u = fresh - x.mean(0)
+    torch.testing.assert_close(record.distances(fresh).double(), (u @ torch.linalg.inv(cov) * u).sum(1), rtol=1e-4,
+                               atol=0)
+
+
+def _flagged_share(dim: int, n: int, draws: int, fresh: int = 500, seed: int = 0) -> float:
+    """The share of fresh images flagged at the default threshold, over ``draws`` training sets of
+    ``n`` Gaussian images (correlated, unequal variances): the rate a user meets, not one set's."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.linspace(1.0, 0.05, dim, dtype=torch.float64).sqrt()  # (D,) unequal variances
+    flagged = []
+    for _ in range(draws):
+        x = torch.randn(n + fresh, dim, generator=g, dtype=torch.float64) * spread + 3.0
+        record = TrainingFeatures.fit(x[:n])
+        flagged.append(float((record.values(x[n:]) < 0.01).double().mean()))
+    return sum(flagged) / draws
+
+
+@pytest.mark.parametrize("dim, n", [(128, 99), (12, 60)])
+def test_fresh_images_are_flagged_at_the_threshold_s_rate_whatever_the_feature_size(dim, n):
+    """About 1% at the default threshold, whatever D/N: the cross-fitted (5-fold) distances flagged
+    none at D = 128, N = 99; at N = 60 the floor 1/(N + 1) = 1.6% (only an image farther than
+    all 60 is below 0.01). benchmarks/familiarity_calibration.py runs the whole grid."""
+    share = _flagged_share(dim, n, draws=30)
+    floor = 1 / (n + 1)
+    assert 0.5 * max(0.01, floor) < share < 1.5 * max(0.01, floor), share
+
+
+def test_familiarity_needs_three_images_and_says_so_in_one_line(tmp_path, tiny_coco, capsys):
+    TrainingFeatures.fit(_gaussian(3, seed=0))
+    with pytest.raises(ValueError, match="at least 3 training images, got 2"):
+        TrainingFeatures.fit(_gaussian(2, seed=0))
+    path = tmp_path / "m.pt"
+    tiny_captioner(seed=1).save(path)
+    assert main(["familiarity", str(path), "--data", str(tiny_coco), "--split", "train", "--quiet",
+                 "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["captioner familiarity: error: familiarity needs at least 3 training "
+                                        "images, got 2"]
+    assert main(["familiarity", str(path), "--data", str(tiny_coco), "--split", "train", "--quiet",
+                 "--limit", "3"]) == 0
+
+
+def _record(reference: list[float]) -> TrainingFeatures:
+    """A one-dimensional record by hand: d(x) = x^2."""
+    return TrainingFeatures(torch.zeros(1), torch.ones(1, 1), torch.tensor(reference), "by hand")
+
+
+def test_familiarity_counts_the_training_images_at_least_as_far_and_flags_below_the_threshold():
+    record = _record([float(i) for i in range(1, 101)])  # distances 1 .. 100
+    # d = 99.5: one of the 100 at least as far, familiarity 0.01 exactly: not below 0.01
+    at = record.score(torch.tensor([[99.5 ** 0.5]]), threshold=0.01)[0]
+    assert at.value == 0.01 and not at.unfamiliar
+    assert record.score(torch.tensor([[100.5 ** 0.5]]), threshold=0.01)[0].unfamiliar  # farther than all
+    assert record.score(torch.tensor([[99.5 ** 0.5]]), threshold=0.0101)[0].unfamiliar
+    # a distance equal to a reference counts that reference as at least as far
+    tied = _record([1.0, 4.0, 9.0, 16.0])
+    assert tied.values(torch.tensor([[2.0], [3.0], [0.0], [5.0]])).tolist() == [0.75, 0.5, 1.0, 0.0]
+
+
+# --- on the model's device ------------------------------------------------------------------
+def test_a_record_loaded_on_another_device_scores_features_there():
+    """The meta device stands in for a GPU: a checkpoint read with map_location=device keeps the
+    record there, and the image's features come from the model on that device (or the host)."""
+    ckpt = load_checkpoint(bundled.DEMOS["demo-soft"].path, map_location="meta")
+    record = TrainingFeatures.from_dict(ckpt["familiarity"])
+    assert record.mean.device.type == "meta"
+    for features in (torch.randn(2, 128), torch.randn(2, 128, device="meta")):
+        values = record.values(features)
+        assert values.shape == (2,) and values.device.type == "meta"
+
+
+def test_the_captioner_keeps_its_record_on_its_model_s_device():
+    ckpt = load_checkpoint(bundled.DEMOS["demo-soft"].path)
+    cap = Captioner.from_checkpoint(ckpt, device="meta")
+    assert cap.familiarity.mean.device.type == "meta" and cap.device.type == "meta"
+    features = pooled(cap.model.encode(torch.zeros(2, 3, 64, 64, device="meta")).vectors)
+    assert cap.familiarity.values(features).device.type == "meta"
+    on_host = Captioner.from_checkpoint(ckpt)
+    assert on_host.familiarity.mean.device.type == "cpu"
+    features = pooled(on_host.model.encode(torch.zeros(2, 3, 64, 64)).vectors)
+    assert on_host.familiarity.to("meta").values(features).device.type == "meta"

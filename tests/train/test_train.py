@@ -273,3 +273,52 @@ def test_too_few_training_images_for_familiarity_end_the_run_with_a_note(tmp_pat
     record_familiarity(run)
     assert (tmp_path / "best.pt").read_bytes() == b"untouched"
     assert "no familiarity record: 2 training images, it needs at least 3" in capsys.readouterr().err
+
+
+def test_the_averaged_weights_are_scored_and_shipped_with_their_own_record(tiny_coco, tmp_path):
+    """optim.ema with a trained encoder: the averaged encoder is not last.pt's, so the record of
+    the model scored at the last step (and of its slim copy) is fitted on the averaged encoder."""
+    from captioner.data.coco import load_split
+    from captioner.familiarity import TrainingFeatures, training_features
+    from captioner.train.checkpoints import model_at_last_step, slim_checkpoint
+
+    run = tmp_path / "run"
+    train(tiny_train_config(tiny_coco, **{"optim.max_steps": 6, "optim.ema": 0.5, "val.every_epochs": 0}), run,
+          progress=False)
+    ckpt = load_checkpoint(run / "last.pt")
+    records = load_split(tiny_coco, "train")
+    scored = model_at_last_step(ckpt)
+    refit = training_features(scored, records, progress=False)
+    raw = TrainingFeatures.from_dict(ckpt["familiarity"])
+    assert not torch.allclose(raw.mean, refit.mean, atol=1e-3)  # two encoders: the test can tell them apart
+    for record in (scored.familiarity, TrainingFeatures.from_dict(slim_checkpoint(ckpt)["familiarity"])):
+        torch.testing.assert_close(record.mean, refit.mean, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(record.reference, refit.reference, rtol=1e-3, atol=1e-4)
+    # A last.pt whose average has no record of its own (made before): familiarity unknown, not another's.
+    del ckpt["train_state"]["weight_average"]["familiarity"]
+    assert model_at_last_step(ckpt).familiarity is None and "familiarity" not in slim_checkpoint(ckpt)
+
+
+def test_a_frozen_encoder_s_record_comes_from_the_feature_cache(tiny_coco, tmp_path, monkeypatch):
+    """The end of a run with the feature cache reads the cached features instead of encoding
+    every training image again; the record is the one encoding gives, within fp16 rounding."""
+    from captioner.data.coco import load_split
+    from captioner.familiarity import TrainingFeatures, training_features
+    from captioner.train import loop
+    from captioner.train.checkpoints import model_at_last_step
+
+    def no_encoding(*args, **kwargs):
+        raise AssertionError("the training images were encoded again")
+
+    monkeypatch.setattr(loop, "training_features", no_encoding)
+    run = tmp_path / "run"
+    cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 3, "val.every_epochs": 0, "optim.ema": 0.5,
+                                          "model.freeze_encoder": True, "data.feature_cache": True})
+    train(cfg, run, progress=False)
+    ckpt = load_checkpoint(run / "last.pt")
+    record = TrainingFeatures.from_dict(ckpt["familiarity"])
+    again = training_features(Captioner.from_checkpoint(ckpt), load_split(tiny_coco, "train"), progress=False)
+    torch.testing.assert_close(record.mean, again.mean, rtol=1e-2, atol=2e-3)
+    assert record.images == again.images
+    # the frozen encoder's average is itself: its model at the last step keeps the record
+    torch.testing.assert_close(model_at_last_step(ckpt).familiarity.mean, record.mean)

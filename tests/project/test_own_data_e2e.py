@@ -81,4 +81,4 @@ def test_chinese_photos_import_train_caption_evaluate(tmp_path, photos, capsys):
     assert report["metrics"]["BLEU-1"] > 0  # characters the references share, not whole captions as one word
     results = (tmp_path / "eval.results.json").read_text(encoding="utf-8")
     assert "\\u" not in results and any(c in results for c in "猫狗桌人车")  # readable UTF-8
-    assert Captioner.load(run / "best.pt").training_data == "metadata (own data)"
+    assert Captioner.load(run / "best.pt").training_data == "zh (own data)"  # named after --out

@@ -22,7 +22,7 @@ from .grounding import GroundingSummary, evaluate_caption, load_shape_objects, s
 from .images import Preprocess
 from .inference import Captioner, DecodeOptions
 from .metrics import caption_metrics, meteor_wanted
-from .vocab import PTB, Tokenizer
+from .vocab import PTB, TOKENIZERS, Tokenizer
 
 
 @dataclass
@@ -36,7 +36,7 @@ class EvalReport:
     attention: dict | None = None  # how peaked the maps are: mean entropy, share of exact zeros
     familiarity: dict | None = None  # images, mean familiarity, how many unfamiliar; None: unknown
     captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
-    tokenizer: str = "ptb"  # the tokens the metrics count: the model's (characters for "chars")
+    tokenizer: str = "ptb"  # the tokens the metrics count: the model's (characters for "chars2")
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -133,13 +133,18 @@ def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy
                       {r.image_id: res.caption for r, res in zip(records, results)}, tokenizer.name)
 
 
+def scored_units(tokenizer: str) -> str:
+    """What the metrics counted for a report of ``tokenizer`` ("characters", "words split at spaces")."""
+    return TOKENIZERS[tokenizer].unit if tokenizer in TOKENIZERS else "tokens"
+
+
 def format_table(report: EvalReport) -> str:
     rows = [("images", str(report.n_images)), ("beam size", str(report.beam_size)),
             ("decoding seconds", f"{report.seconds:.1f}")]
     rows += [(k, f"{v:.4f}") for k, v in report.metrics.items()]
     if report.tokenizer != "ptb" and report.metrics:
         rows += [("METEOR", "not computed: it scores English only"),
-                 ("tokens scored", "characters" if report.tokenizer == "chars" else "words split at spaces")]
+                 ("tokens scored", scored_units(report.tokenizer))]
     if report.grounding:
         g = report.grounding
         def fmt(key: str) -> str:

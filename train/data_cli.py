@@ -148,10 +148,12 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                    help="CSV/TSV column or JSON key of the caption, or of a list of captions (default: the first "
                         f"of {', '.join(CAPTION_KEYS + CAPTION_LIST_KEYS)})")
     c.add_argument("--tokenizer", choices=tuple(TOKENIZERS), default=None,
-                   help="how captions split into tokens: ptb (English, the COCO toolkit's), chars (Chinese, "
-                        "Japanese: one token per character), whitespace (other languages). Default: chars when "
-                        "most captions hold Chinese or Japanese characters, ptb when they are ASCII, else "
-                        "whitespace")
+                   help="how captions split into tokens: ptb (English, the COCO toolkit's), chars2 (Chinese, "
+                        "Japanese: one token per character, numbers and sentence punctuation kept), whitespace "
+                        "(other languages, Korean among them); chars is chars2's first form, kept for the models "
+                        "trained with it. Default: from the script of the captions' letters: chars2 when most "
+                        "hold Chinese or Japanese characters, ptb when nearly all are in Latin letters with "
+                        "hardly an accent, else whitespace")
     c.add_argument("--val", type=_count_or_share, default=None, metavar="N",
                    help="validation images: a count (1 or more), or a share below 1 rounded to the nearest count, "
                         "at least 1 (default 10%%)")
@@ -183,7 +185,8 @@ def _wrapped(text: str) -> str:
 def cmd_import(args: argparse.Namespace) -> int:
     from captioner.cli import EXIT_SOME_FAILED, UsageError, make_folders
     from captioner.data.check import unreadable_images
-    from captioner.data.own import SourceError, draw_splits, guess_tokenizer, read_source, split_sizes, write_dataset
+    from captioner.data.own import SourceError, draw_splits, read_source, split_sizes, write_dataset
+    from captioner.vocab import guess_tokenizer
     from captioner.images import Preprocess
 
     try:

@@ -94,7 +94,7 @@ def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab: Vo
         lines.append(line)
     limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
     tokenizer = vocab.tokenizer.name
-    tokens = {"chars": "characters", "whitespace": "words split at spaces"}.get(tokenizer, "words")
+    tokens = vocab.tokenizer.unit
     lines.append(f"vocabulary: {len(vocab):,} {tokens} (tokenizer {tokenizer}, min_count {d.min_count}{limit}, "
                  "with 4 special tokens)")
     return lines

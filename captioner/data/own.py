@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..images import IMAGE_EXTENSIONS
-from ..vocab import has_cjk, tokenizer_named
+from ..vocab import tokenizer_named
 from .coco import OWN_SPLIT_FILE
 
 # Column or key names tried in this order when the caller names none (case-insensitive).
@@ -312,19 +312,6 @@ def _merged(fmt: str, pairs: Iterable[tuple[Path, str]], columns: tuple[str, str
 
 
 # --------------------------------------------------------------------------- writing
-
-
-def guess_tokenizer(captions: Iterable[str]) -> str:
-    """"chars" when over half the captions hold Chinese or Japanese characters, "ptb" when
-    they are mostly ASCII (English, as far as one can tell), else "whitespace"."""
-    n = cjk = ascii_only = 0
-    for caption in captions:
-        n += 1
-        cjk += has_cjk(caption)
-        ascii_only += caption.isascii()
-    if n and cjk * 2 > n:
-        return "chars"
-    return "ptb" if ascii_only * 10 >= n * 9 else "whitespace"
 
 
 def split_sizes(n: int, val: float | None, test: float | None) -> tuple[int, int]:

@@ -83,10 +83,10 @@ def test_json_lines_with_absolute_paths_and_caption_lists_in_chinese(tmp_path, c
     assert data_main(["import", str(source), "--out", str(out), "--quiet"]) == 0
     said = capsys.readouterr().out
     data = read_dataset(out)
-    assert data["tokenizer"] == "chars" and "chars" in said  # chosen from the captions
+    assert data["tokenizer"] == "chars2" and "chars2" in said  # chosen from the captions
     merged = next(im for im in data["images"] if len(im["sentences"]) == 3)
     assert merged["sentences"][2]["tokens"] == list("桌子上的猫")
-    assert dataset_tokenizer(out) == "chars"
+    assert dataset_tokenizer(out) == "chars2"
 
 
 def test_a_folder_of_images_with_sidecar_text_files(tmp_path, capsys):

@@ -210,21 +210,22 @@ def _table_pairs(text: str, source: Path, delimiter: str | None, image_key: str 
         start, first_line = first_line, reader.line_num + 1
         if not any(cell.strip() for cell in row):
             continue
+        for cell in row:
+            _refuse_swallowed_rows(source, start, cell, delimiter)
         image = row[i] if i < len(row) else ""
         if not image.strip():
             raise SourceError(f"{source}, line {start}: no image in column {image_col!r}")
-        caption = row[c] if c < len(row) else ""
-        _refuse_swallowed_rows(source, start, caption, delimiter)
-        pairs.append((image, caption))
+        pairs.append((image, row[c] if c < len(row) else ""))
     return pairs, (image_col, caption_col)
 
 
-def _refuse_swallowed_rows(source: Path, start: int, caption: str, delimiter: str) -> None:
-    """A quoted caption that runs over a line break into a line shaped like a row (a cell
+def _refuse_swallowed_rows(source: Path, start: int, cell: str, delimiter: str) -> None:
+    """A quoted cell that runs over a line break into a line shaped like a row (cells, one
     naming an image file) has lost its closing quote and swallowed the rows after it."""
-    for offset, line in enumerate(caption.split("\n")[1:], start=1):
-        if any(Path(cell.strip()).suffix.lower() in IMAGE_EXTENSIONS for cell in line.split(delimiter)[:-1]):
-            raise SourceError(f"{source}, line {start}: a quote opened in this caption is not closed before line "
+    for offset, line in enumerate(cell.split("\n")[1:], start=1):
+        cells = line.split(delimiter)
+        if len(cells) > 1 and any(Path(cell.strip()).suffix.lower() in IMAGE_EXTENSIONS for cell in cells):
+            raise SourceError(f"{source}, line {start}: a quote opened on this line is not closed before line "
                               f"{start + offset}, which looks like a row of its own ({line[:50]!r}): close the "
                               "quote or remove it")
 

@@ -241,11 +241,18 @@ def test_a_stray_quote_that_swallows_the_next_rows_is_refused_naming_its_line(tm
     assert not (tmp_path / "out" / "dataset.json").exists()
 
 
+def test_a_stray_quote_is_found_whichever_column_the_image_is_in(tmp_path):
+    photo_folder(tmp_path, n=3)
+    rows = ["caption;image", "a red square;pics/p0.png", '"a cat with green eyes;pics/p1.png', "a camera;pics/p2.png"]
+    with pytest.raises(SourceError, match="line 3.*not closed before line 4"):
+        read_source(csv_source(tmp_path, rows))
+
+
 def test_a_quoted_caption_with_a_line_break_that_is_no_row_is_one_caption(tmp_path):
     photo_folder(tmp_path, n=2)
-    rows = ["image,caption", 'pics/p0.png,"a cat\non a mat, sleeping"', "pics/p1.png,a dog"]
+    rows = ["image,caption", 'pics/p0.png,"a cat\non a mat, sleeping\nnext to photo.jpg"', "pics/p1.png,a dog"]
     got = read_source(csv_source(tmp_path, rows))
-    assert [im.captions for im in got.images] == [["a cat on a mat, sleeping"], ["a dog"]]
+    assert [im.captions for im in got.images] == [["a cat on a mat, sleeping next to photo.jpg"], ["a dog"]]
 
 
 def test_json_lines_split_at_newlines_only_not_at_unicode_line_separators(tmp_path):

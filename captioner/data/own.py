@@ -20,8 +20,8 @@ in the checkpoint.
 
 Text files are read as UTF-8 (a byte-order mark, as Excel's "CSV UTF-8" writes, is skipped;
 UTF-16 with its mark is read too). Anything else is refused naming the encoding it most
-likely is (charset-normalizer's guess), how a line reads in it, and the ``iconv`` command
-that converts it, rather than read on a guess that may garble every accent.
+likely is (charset-normalizer's guess) and the runners-up, how a line reads in it, and the
+``iconv`` command that converts it, rather than read on a guess that may garble every accent.
 """
 
 from __future__ import annotations
@@ -140,16 +140,11 @@ def _not_utf8(path: Path, data: bytes, at: int) -> str:
     where = f"{path} is not UTF-8 (byte 0x{data[at]:02x} on line {_line_of(data, at)})"
     from charset_normalizer import from_bytes
 
-    matches = list(from_bytes(data))
-    if not matches:
+    # A few lines fit several code pages about equally (a French "près" reads "prčs" in
+    # cp1250): the runners-up are named, and the line as the best guess reads it.
+    guesses = [m.encoding for m in from_bytes(data)]
+    if not guesses:
         return f"{where} and its encoding cannot be told: save it as UTF-8 (your spreadsheet's \"CSV UTF-8\")"
-    # A short text fits several code pages about equally: then the commonest, Windows' Western
-    # cp1252 (which Latin-1 files also read as), is named first.
-    near = [m.encoding for m in matches if m.chaos <= matches[0].chaos and m.coherence >= matches[0].coherence - 0.1]
-    guesses = [m.encoding for m in matches]
-    if "cp1252" in near:
-        guesses.remove("cp1252")
-        guesses.insert(0, "cp1252")
     best = codecs.lookup(guesses[0]).name
     start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
     line = data[start:end if end >= 0 else len(data)].decode(best, errors="replace").strip()

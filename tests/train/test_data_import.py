@@ -215,6 +215,24 @@ def test_a_latin1_csv_is_refused_naming_its_encoding_and_an_iconv_that_converts_
     assert read_dataset(tmp_path / "out")["images"][0]["sentences"][0]["raw"].startswith("un café")
 
 
+def test_a_polish_cp1250_csv_is_named_cp1250_not_the_western_code_page(tmp_path):
+    rows = ["image,caption"] + [f"pics/p{i}.png,źrebię na łące przy żółtym ogrodzeniu, ślimak {i}" for i in range(4)]
+    with pytest.raises(SourceError) as refused:
+        read_source(csv_source(tmp_path, rows, encoding="cp1250"))
+    message = str(refused.value)
+    assert "it looks like cp1250" in message and "iconv -f CP1250 -t UTF-8" in message
+    assert "źrebię na łące" in message and "--encoding cp1250" in message
+
+
+def test_an_encoding_given_is_used_or_refused_in_one_line(tmp_path):
+    source = csv_source(tmp_path, ["image,caption", "p.png,un café"], encoding="cp1252")
+    assert read_source(source, encoding="cp1252").images[0].captions == ["un café"]
+    with pytest.raises(SourceError, match="unknown encoding 'latin-9x'"):
+        read_source(source, encoding="latin-9x")
+    with pytest.raises(SourceError, match=r"is not utf-16-le \(byte 0x.. on line 2\)"):
+        read_source(csv_source(tmp_path, ["image,caption", "p.png,ab"], name="odd.csv"), encoding="utf-16-le")
+
+
 def test_excel_csv_utf8_with_a_byte_order_mark_reads_its_header(tmp_path):
     photo_folder(tmp_path, n=3)
     source = csv_source(tmp_path, ["image,caption"] + [f"pics/p{i}.png,a cup {i}" for i in range(3)],

@@ -105,7 +105,6 @@ def has_cjk(text: str) -> bool:
 # bopomofo and the CJK ideographs of _CJK, Hangul left out.
 _SPACELESS = "\u3040-\u30ff\u3100-\u312f\u31a0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"
 _IS_SPACELESS = re.compile(f"[{_SPACELESS}]")
-_IS_HANGUL = re.compile("[\uac00-\ud7af\u1100-\u11ff\u3130-\u318f]")
 _RUN = f"(?:(?![{_SPACELESS}])[^\\W_])+"  # letters or digits of a script written with spaces
 # A number's sign where no letter or digit of such a script stands before it ("零下-5度").
 _SIGN = f"(?:(?<=[{_SPACELESS}])|(?<![^\\W_]))[-+\u2212](?=\\d)"

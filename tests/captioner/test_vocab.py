@@ -193,3 +193,10 @@ def test_the_chinese_demo_trained_with_chars_captions_as_it_did():
     got = {name: zh.caption(Image.open(examples / name), DecodeOptions(beam_size=3, max_len=zh.max_len)).caption
            for name in DEMO_ZH}
     assert got == DEMO_ZH
+
+
+def test_text_needing_cjk_glyphs_is_told_apart_korean_included():
+    from captioner.vocab import has_cjk
+
+    assert has_cjk("一只猫") and has_cjk("カメラ") and has_cjk("한국어 문장") and has_cjk("a 猫")
+    assert not has_cjk("a cat") and not has_cjk("Собака") and not has_cjk("")

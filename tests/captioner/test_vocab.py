@@ -200,3 +200,21 @@ def test_text_needing_cjk_glyphs_is_told_apart_korean_included():
 
     assert has_cjk("一只猫") and has_cjk("カメラ") and has_cjk("한국어 문장") and has_cjk("a 猫")
     assert not has_cjk("a cat") and not has_cjk("Собака") and not has_cjk("")
+
+
+def test_the_edges_of_chars2_words_signs_and_marks():
+    chars2 = tokenizer_named("chars2")
+    assert chars2.tokenize("减号-x和dog,cat") == ["减", "号", "x", "和", "dog", "，", "cat"]  # no sign, no comma word
+    assert chars2.join(["iphone", "，", "12"]) == "iphone，12"  # no space around a mark
+    assert tokenizer_named("whitespace").tokenize("a ... — b") == ["a", "b"]  # a word of punctuation alone goes
+
+
+def test_guesses_read_decomposed_accents_and_the_nine_in_ten_edge():
+    french = ["un chien sur l’herbe", "une femme près de la fenêtre", "un café crème", "un homme âgé"]
+    assert guess_tokenizer([unicodedata.normalize("NFD", c) for c in french]) == "whitespace"
+    assert guess_tokenizer(["a dog"] * 9 + ["собака"] * 2) == "whitespace"  # 9 in 11: under 9 in 10
+
+
+def test_encode_keeps_at_most_max_len_words():
+    v = Vocabulary.build(["a red star"], min_count=1)
+    assert v.encode("a red star", max_len=2) == [v.start, v.index("a"), v.index("red"), v.end]

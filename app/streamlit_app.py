@@ -73,6 +73,17 @@ def own_limit(weights: str) -> int:
         return DecodeOptions.max_len
 
 
+def length_unit(weights: str) -> str:
+    """What a model's caption length counts: "characters" for a Chinese or Japanese model
+    (its tokens are characters), else "words"."""
+    try:
+        path = inference.resolve_weights(weights)
+        unit = load_captioner(str(path), path.stat().st_mtime).vocab.tokenizer.unit
+    except (CheckpointError, OSError):
+        return "words"
+    return "characters" if unit == "characters" else "words"
+
+
 @st.cache_resource(show_spinner="Loading the model…", max_entries=4)
 def load_captioner(weights: str, modified: float) -> Captioner:
     # `modified` only joins the cache key, so that a checkpoint rewritten in place is loaded again.
@@ -127,10 +138,9 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
         beam = st.slider("Beam size", 1, 10, 3,
                          help="How many candidate captions the search keeps at every step. 1 is greedy "
                               "decoding: fastest, sometimes worse.")
-        limit = own_limit(models[label])
-        max_len = st.slider("Longest caption (words)", 1, max(50, limit), limit, key=f"max_len:{label}",
-                            help=f"Starts at the model's own longest training caption, {limit} (a Chinese "
-                                 "model counts characters).")
+        limit, unit = own_limit(models[label]), length_unit(models[label])
+        max_len = st.slider(f"Longest caption ({unit})", 1, max(50, limit), limit, key=f"max_len:{label}",
+                            help=f"Starts at the model's own longest training caption, {limit} {unit}.")
         # A slider needs two values at least: with beam 1 there is one caption to list.
         num = st.slider("Captions to list", 1, beam, min(3, beam),
                         help="The beam's best finished captions, with their log-probabilities; the first is "
@@ -199,7 +209,7 @@ def model_details(captioner: Captioner) -> str:
     cfg = captioner.model.config
     h, w = captioner.preprocess.size
     parts = [f"{cfg.attention} attention", f"{cfg.encoder} encoder", f"{w}×{h} input",
-             f"{len(captioner.vocab):,} {'characters' if captioner.vocab.tokenizer.name == 'chars' else 'words'}"]
+             f"{len(captioner.vocab):,} {'characters' if captioner.vocab.tokenizer.unit == 'characters' else 'words'}"]
     if "step" in captioner.meta:
         steps = captioner.meta["step"]
         parts.append(f"trained {steps:,} step{'s' if steps != 1 else ''}")

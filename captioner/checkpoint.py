@@ -1,7 +1,7 @@
 """Checkpoints: one file, tensors and plain data only.
 
 A checkpoint holds the model's state_dict, its config, the vocabulary, the name of the
-tokenizer that made it (``"tokenizer"``: "ptb", "chars", "whitespace"; files that predate
+tokenizer that made it (``"tokenizer"``: "ptb", "chars2", "chars", "whitespace"; files that predate
 it are "ptb") and the preprocessing as plain data, so it rebuilds its model with no other
 file; and, optionally, a description of its training images' features as plain tensors
 (``familiarity``). It is read with

@@ -70,7 +70,7 @@ class CiderD:
     def __init__(self, corpus: Iterable[Sequence[str]], *, n: int = NGRAMS, sigma: float = SIGMA,
                  tokenizer: Tokenizer = PTB):
         self.n, self.sigma = n, sigma
-        self.tokenize = tokenizer.tokenize
+        self.tokenize = tokenizer.scored  # the metrics' tokens: chars2's punctuation left out
         df: Counter[Ngram] = Counter()
         images = 0
         for captions in corpus:

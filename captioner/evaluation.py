@@ -37,7 +37,7 @@ from .grounding import GroundingSummary, evaluate_caption, load_shape_objects, s
 from .images import Preprocess
 from .inference import Captioner, DecodeOptions
 from .metrics import caption_metrics, meteor_wanted
-from .vocab import PTB, Tokenizer, tokenizer_named
+from .vocab import PTB, TOKENIZERS, Tokenizer, tokenizer_named
 
 
 @dataclass
@@ -51,7 +51,7 @@ class EvalReport:
     attention: dict | None = None  # how peaked the maps are: mean entropy, share of exact zeros
     familiarity: dict | None = None  # images, mean familiarity, how many unfamiliar; None: unknown
     captions: dict[int, str] = field(default_factory=dict)  # image id -> generated caption
-    tokenizer: str = "ptb"  # the tokens the metrics count: the model's (characters for "chars")
+    tokenizer: str = "ptb"  # the tokens the metrics count: the model's (characters for "chars" and "chars2")
     chair: ChairSummary | None = None  # COCO data with its instances only
     coco_grounding: CocoGroundingSummary | None = None  # likewise, and captions with their maps
     objects: dict[int, ImageChair] = field(default_factory=dict)  # image id -> objects named, hallucinated
@@ -282,6 +282,11 @@ def evaluate_captions(path: str | Path, data_dir: str | Path, split: str, *, kar
     return report, read
 
 
+def scored_units(tokenizer: str) -> str:
+    """What the metrics counted for a report of ``tokenizer`` ("characters", "words split at spaces")."""
+    return TOKENIZERS[tokenizer].unit if tokenizer in TOKENIZERS else "tokens"
+
+
 def format_table(report: EvalReport) -> str:
     rows = [("images", str(report.n_images))]
     if report.beam_size is None:
@@ -291,7 +296,7 @@ def format_table(report: EvalReport) -> str:
     rows += [(k, f"{v:.4f}") for k, v in report.metrics.items()]
     if report.tokenizer != "ptb" and report.metrics:
         rows += [("METEOR", "not computed: it scores English only"),
-                 ("tokens scored", "characters" if report.tokenizer == "chars" else "words split at spaces")]
+                 ("tokens scored", scored_units(report.tokenizer))]
     if report.grounding:
         g = report.grounding
         def fmt(key: str) -> str:

@@ -20,8 +20,8 @@ import os
 import re
 import warnings
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,9 +30,15 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 if TYPE_CHECKING:
     import torch  # loaded where a tensor is made: the torch-free runtime (captioner.onnx) reads images here too
 
+# AVIF: Pillow reads it (11.3 on); HEIC/HEIF (iPhone photos): with the optional pillow-heif,
+# and without it each such file is named with what to install, never passed over unseen.
 IMAGE_EXTENSIONS = frozenset(
-    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm"}
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm", ".avif",
+     ".heic", ".heif"}
 )
+# ISO base media file brands (bytes 8..12, after "ftyp") of HEIF images and of AVIF ones.
+_HEIF_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs", b"mif1", b"msf1"})
+_AVIF_BRANDS = frozenset({b"avif", b"avis"})
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's own default limit (about 9500 x 9500)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -199,6 +205,53 @@ def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_
         fp = source
     _allow_pixels(max_pixels)
     try:
+        return _decode(fp, name, max_pixels, at_least)
+    except UnidentifiedImageError as e:
+        brand = _ftyp_brand(source)
+        unread = e
+    if brand in _HEIF_BRANDS and _heif_opener():  # registered just now: Pillow reads it this time
+        if isinstance(fp, io.BytesIO):
+            fp.seek(0)
+        try:
+            return _decode(fp, name, max_pixels, at_least)
+        except UnidentifiedImageError as e:
+            raise ImageLoadError("a HEIC/HEIF file that pillow-heif cannot read") from e
+    if brand in _HEIF_BRANDS:
+        raise ImageLoadError("a HEIC/HEIF image: reading it needs the optional pillow-heif "
+                             "(pip install 'captioner[heic]')") from unread
+    if brand in _AVIF_BRANDS:
+        raise ImageLoadError("an AVIF image: this Pillow cannot read AVIF (Pillow 11.3 or later can)") from unread
+    raise ImageLoadError("not an image file Pillow can read") from unread
+
+
+def _ftyp_brand(source: str | os.PathLike | bytes) -> bytes:
+    """The major brand of an ISO base media file ("heic", "avif"), else b""."""
+    if isinstance(source, bytes):
+        head = source[:12]
+    else:
+        try:
+            with open(source, "rb") as f:
+                head = f.read(12)
+        except OSError:
+            return b""
+    return head[8:12] if head[4:8] == b"ftyp" else b""
+
+
+@lru_cache(maxsize=1)
+def _heif_opener() -> bool:
+    """Register pillow-heif's HEIC/HEIF reader with Pillow once; False when it is not installed."""
+    try:
+        import pillow_heif
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return True
+
+
+def _decode(fp: io.BytesIO | str | os.PathLike, name: str, max_pixels: int, at_least: int | None) -> Image.Image:
+    """``load_image`` once the file is there: Pillow's errors as ImageLoadError, except
+    UnidentifiedImageError, which the caller turns into its reason."""
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our limit is checked below
             with Image.open(fp) as im:  # reads the header only: the size is known before any decoding
@@ -210,10 +263,8 @@ def load_image(source: str | os.PathLike | bytes, max_pixels: int = DEFAULT_MAX_
                     im.draft(None, (at_least, at_least))
                 im = ImageOps.exif_transpose(im)
                 return to_rgb(im)
-    except ImageLoadError:
+    except (ImageLoadError, UnidentifiedImageError):
         raise
-    except UnidentifiedImageError as e:
-        raise ImageLoadError("not an image file Pillow can read") from e
     except Image.DecompressionBombError as e:  # over twice Pillow's limit, which is at least ours
         found = re.search(r"\((\d+) pixels\)", str(e))
         raise ImageTooLargeError(int(found.group(1)) if found else 2 * max_pixels + 1, max_pixels) from e

@@ -143,13 +143,13 @@ def _prepare(references: Mapping[int, Sequence[str]], candidates: Mapping[int, s
     gts: dict[int, list[str]] = {}
     res: dict[int, list[str]] = {}
     for image_id in sorted(candidates):
-        refs = [" ".join(tokenizer.tokenize(r)) for r in references[image_id]]
+        refs = [" ".join(tokenizer.scored(r)) for r in references[image_id]]
         # A reference with no words would make ROUGE-L match the empty string; drop it.
         refs = [r for r in refs if r]
         if not refs:
             raise ValueError(f"image {image_id} has no non-empty reference caption")
         gts[image_id] = refs
-        res[image_id] = [" ".join(tokenizer.tokenize(candidates[image_id]))]
+        res[image_id] = [" ".join(tokenizer.scored(candidates[image_id]))]
     return gts, res
 
 

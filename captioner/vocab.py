@@ -4,11 +4,19 @@ A tokenizer is chosen per data set, by name, and recorded in the data set's spli
 in the checkpoint (old checkpoints, which record none, are "ptb"):
 
 - ``ptb``: English, as the COCO caption evaluation toolkit tokenises (below);
-- ``chars``: Chinese and Japanese, which write no spaces between words: every Han, kana
-  or Hangul character is a token, a run of Latin letters or digits inside stays one
-  token ("T恤" -> "t", "恤"), punctuation goes; captions join back with no spaces;
-- ``whitespace``: other languages that put spaces between words: lower-cased words, with
-  the punctuation at their edges stripped.
+- ``chars2``: Chinese and Japanese, which write no spaces between words: every Han or kana
+  character is a token; a number with its sign, decimals and percent ("-5", "3.5", "50%")
+  or a run of other letters ("T恤" -> "t", "恤"; "A/B测试" -> "a/b", ...) stays one token;
+  sentence punctuation (，。、：；！？) is kept as tokens, so that generated captions read as
+  sentences; the metrics leave it out (:meth:`Tokenizer.scored`), as the toolkit leaves out
+  English punctuation. Captions join back with no spaces;
+- ``chars``: the first form of ``chars2``, kept unchanged for the models trained with it
+  (the bundled demo-zh among them): Hangul characters are tokens too, numbers split at
+  their signs and stops ("3.5" -> "3", "5"), all punctuation goes;
+- ``whitespace``: other languages that put spaces between words, Korean among them:
+  lower-cased words, with the punctuation at their edges stripped.
+
+:func:`guess_tokenizer` picks one from a data set's captions by the script of their letters.
 
 The PTB tokenisation is the COCO caption evaluation toolkit's, in pure Python: pycocoevalcap's
 PTBTokenizer runs Stanford's PTB tokenizer (java) lower-casing, then drops the tokens in
@@ -94,18 +102,40 @@ _IS_CJK = re.compile(f"[{_CJK}]")
 
 
 def has_cjk(text: str) -> bool:
-    """Whether ``text`` holds a character of a script written without spaces (Chinese,
-    Japanese, Korean): such text needs a font with CJK glyphs."""
+    """Whether ``text`` holds a Chinese, Japanese or Korean character: such text needs a
+    font with CJK glyphs."""
     return _IS_CJK.search(text) is not None
+
+
+# Scripts written without spaces between words (Korean puts spaces between words): kana,
+# bopomofo and the CJK ideographs of _CJK, Hangul left out.
+_SPACELESS = "\u3040-\u30ff\u3100-\u312f\u31a0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003134f"
+_IS_SPACELESS = re.compile(f"[{_SPACELESS}]")
+_RUN = f"(?:(?![{_SPACELESS}])[^\\W_])+"  # letters or digits of a script written with spaces
+# A number's sign where no letter or digit of such a script stands before it ("零下-5度").
+_SIGN = f"(?:(?<=[{_SPACELESS}])|(?<![^\\W_]))[-+\u2212](?=\\d)"
+# Inside a word: . / & ' + - between runs ("a/b", "wi-fi", "3.5"), , and : between digits
+# ("1,000", "12:30"); after a number a percent or degree sign ("50%").
+_WORD = f"(?:{_SIGN})?{_RUN}(?:[./&'\u2019+-]{_RUN}|(?<=\\d)[,:](?=\\d){_RUN})*(?:(?<=\\d)[%\u2030\u00b0])?"
+# Sentence punctuation kept by chars2, written the Chinese way (NFKC turns "，" into ","); a
+# lone full stop is one, an ellipsis is not.
+_SENTENCE_MARKS = {",": "\uff0c", ":": "\uff1a", ";": "\uff1b", "!": "\uff01", "?": "\uff1f", ".": "\u3002",
+                   "\u3002": "\u3002", "\u3001": "\u3001"}
+_CHAR2_TOKEN = re.compile(f"[{_SPACELESS}]|{_WORD}|(?<!\\.)[,:;!?\u3002\u3001.](?!\\.)")
 
 
 class Tokenizer:
     """Text -> tokens, and tokens -> the text a caption shows."""
 
     name: str = ""
+    unit: str = "words"  # what a token is, for people: "words", "characters"
 
     def tokenize(self, text: str) -> list[str]:
         raise NotImplementedError
+
+    def scored(self, text: str) -> list[str]:
+        """The tokens the metrics count: the tokens, less any kept only for reading."""
+        return self.tokenize(text)
 
     def join(self, tokens: Sequence[str]) -> str:
         return " ".join(tokens)
@@ -121,12 +151,15 @@ class PTBTokenizer(Tokenizer):
 
 
 class CharTokenizer(Tokenizer):
-    """Chinese, Japanese: one token per character of a script written without spaces.
+    """Chinese, Japanese, as the first models learnt them: one token per Han, kana or Hangul
+    character, runs of other letters or digits whole, all punctuation dropped. Kept as it
+    was for the checkpoints that name it; new data sets get :class:`Char2Tokenizer`.
 
     Text is NFKC-normalised first (full-width "ＡＢＣ１" is "ABC1") and lower-cased.
     """
 
     name = "chars"
+    unit = "characters"
 
     def tokenize(self, text: str) -> list[str]:
         return _CHAR_TOKEN.findall(unicodedata.normalize("NFKC", text).lower())
@@ -141,11 +174,49 @@ class CharTokenizer(Tokenizer):
         return "".join(out)
 
 
+class Char2Tokenizer(Tokenizer):
+    """Chinese, Japanese: one token per Han or kana character; numbers with their signs,
+    runs of other letters (Korean words, Latin ones) whole; sentence punctuation kept, in
+    its Chinese form (see the module docstring).
+
+    Text is NFKC-normalised first (full-width "ＡＢＣ１" is "ABC1") and lower-cased.
+    """
+
+    name = "chars2"
+    unit = "characters"
+
+    def tokenize(self, text: str) -> list[str]:
+        return [_SENTENCE_MARKS.get(t, t) for t in _CHAR2_TOKEN.findall(unicodedata.normalize("NFKC", text).lower())]
+
+    def scored(self, text: str) -> list[str]:
+        return [t for t in self.tokenize(text) if t not in _KEPT_MARKS]
+
+    def join(self, tokens: Sequence[str]) -> str:
+        """No space around a character or a punctuation mark; one between two words or
+        numbers ("iphone 12")."""
+        out: list[str] = []
+        for tok in tokens:
+            if out and _spaced(out[-1][-1]) and _spaced(tok[0]):
+                out.append(" ")
+            out.append(tok)
+        return "".join(out)
+
+
+_KEPT_MARKS = frozenset(_SENTENCE_MARKS.values())
+
+
+def _spaced(ch: str) -> bool:
+    """Whether ``ch`` belongs to a word written with spaces around it (not a Han or kana
+    character, not a sentence mark)."""
+    return ch not in _KEPT_MARKS and _IS_SPACELESS.match(ch) is None
+
+
 class WhitespaceTokenizer(Tokenizer):
     """Languages that put spaces between words: lower-cased words, punctuation at their
     edges stripped ("«бежит»," -> "бежит"), a word of punctuation alone dropped."""
 
     name = "whitespace"
+    unit = "words split at spaces"
 
     def tokenize(self, text: str) -> list[str]:
         words = (_strip_punctuation(w) for w in unicodedata.normalize("NFC", text).lower().split())
@@ -162,7 +233,8 @@ def _strip_punctuation(word: str) -> str:
 
 
 PTB = PTBTokenizer()
-TOKENIZERS: dict[str, Tokenizer] = {t.name: t for t in (PTB, CharTokenizer(), WhitespaceTokenizer())}
+TOKENIZERS: dict[str, Tokenizer] = {t.name: t for t in (PTB, Char2Tokenizer(), WhitespaceTokenizer(),
+                                                        CharTokenizer())}
 DEFAULT_TOKENIZER = PTB.name  # what a data set or checkpoint that names none was made with
 
 
@@ -172,7 +244,47 @@ def tokenizer_named(name: str) -> Tokenizer:
         return TOKENIZERS[name]
     except KeyError:
         raise ValueError(f"unknown tokenizer {name!r}: use one of {', '.join(TOKENIZERS)} (ptb for English, "
-                         "chars for Chinese and Japanese, whitespace for other languages)") from None
+                         "chars2 for Chinese and Japanese, whitespace for other languages; chars is chars2's "
+                         "first form)") from None
+
+
+# Latin letters outside ASCII ("é", "ß") above this share of a data set's Latin
+# letters make it a language other than English: English borrows a "café" or a "naïve"
+# now and then (a share of about 0.1-0.3%), French, German, Spanish or Italian write
+# them in most sentences (1-4%).
+MAX_NON_ASCII_ENGLISH = 0.005
+
+
+def guess_tokenizer(captions: Iterable[str]) -> str:
+    """The tokenizer for a data set, from the script of its captions' letters:
+
+    - "chars2" when over half the captions hold a Han or kana character;
+    - "ptb" (English) when at least 9 in 10 captions are written in Latin letters only and
+      at most 0.5% of those letters are not ASCII (typographic quotes and apostrophes are no
+      letters: they do not count); a data set without letters is "ptb" too;
+    - else "whitespace" (Korean, Cyrillic, Greek, Arabic, ... and Latin-script languages
+      other than English)."""
+    n = spaceless = latin_only = latin = non_ascii = 0
+    for caption in captions:
+        n += 1
+        if _IS_SPACELESS.search(caption):
+            spaceless += 1
+            continue
+        letters = [ch for ch in unicodedata.normalize("NFC", caption) if ch.isalpha()]
+        latin_letters = [ch for ch in letters if ch.isascii() or _is_latin(ch)]
+        latin_only += len(latin_letters) == len(letters)
+        latin += len(latin_letters)
+        non_ascii += sum(not ch.isascii() for ch in latin_letters)
+    if spaceless * 2 > n:
+        return "chars2"
+    if latin_only * 10 >= n * 9 and non_ascii <= MAX_NON_ASCII_ENGLISH * latin:
+        return "ptb"
+    return "whitespace"
+
+
+@lru_cache(maxsize=4096)
+def _is_latin(ch: str) -> bool:
+    return unicodedata.name(ch, "").startswith("LATIN")
 
 
 # -------------------------------------------------------------------------- vocabulary

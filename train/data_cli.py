@@ -21,6 +21,7 @@ also runs as ``python -m captioner.train.data_cli check --config FILE``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -120,14 +121,19 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
             "  a CSV or TSV file with a header: an image column and a caption column, several rows per\n"
             f"    image allowed (usual names: {', '.join(IMAGE_KEYS[:4])}; {', '.join(CAPTION_KEYS[:2])})\n"
             "  a JSON Lines file: one object per line with an image (image, file_name) and caption/text\n"
-            "    or a list captions (the metadata.jsonl of image-folder data sets)\n"
+            "    or a list captions/descriptions (the metadata.jsonl of image-folder data sets)\n"
             "  a folder of images, each with a .txt file of the same name beside it (photo.jpg +\n"
             "    photo.txt), one caption per line",
             _wrapped("Image paths are relative to the source file's folder unless absolute. Rows of one image are "
-                     "merged; empty captions are dropped (counted). Every image is checked to exist and decode. "
+                     "merged; a caption repeated for one image is kept once; empty captions are dropped (counted); "
+                     "images left out are named. Every image is checked to exist and decode. "
                      "Writes DIR/dataset.json in Karpathy's split format: the images stay where they are, split "
                      "into train/val/test by a seeded draw, with the tokenizer recorded (training puts it in the "
-                     "checkpoint). Captions in any language, UTF-8."),
+                     "checkpoint). Captions in any language, in UTF-8 (or UTF-16 with a byte-order mark; other "
+                     "encodings with --encoding)."),
+            _wrapped("Splits: by default 10% of the images validate (at least 1) and 10% test (at least 1, and "
+                     "none when fewer than 3 images would be left to train on): 2 images give train 1 and val 1, "
+                     "4 give train 3 and val 1, 5 give train 3, val 1, test 1. A data set needs 2 images at least."),
             _wrapped("Exit code: 0 written; 1 images missing or unreadable (up to 10 named, nothing written; "
                      "--skip-unreadable leaves them out); 2 a source that cannot be read (not UTF-8, no image "
                      "or caption column, ...), said in one line.")]))
@@ -145,17 +151,25 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                    help="CSV/TSV column or JSON key of the caption, or of a list of captions (default: the first "
                         f"of {', '.join(CAPTION_KEYS + CAPTION_LIST_KEYS)})")
     c.add_argument("--tokenizer", choices=tuple(TOKENIZERS), default=None,
-                   help="how captions split into tokens: ptb (English, the COCO toolkit's), chars (Chinese, "
-                        "Japanese: one token per character), whitespace (other languages). Default: chars when "
-                        "most captions hold Chinese or Japanese characters, ptb when they are ASCII, else "
-                        "whitespace")
+                   help="how captions split into tokens: ptb (English, the COCO toolkit's), chars2 (Chinese, "
+                        "Japanese: one token per character, numbers and sentence punctuation kept), whitespace "
+                        "(other languages, Korean among them); chars is chars2's first form, kept for the models "
+                        "trained with it. Default: from the script of the captions' letters: chars2 when most "
+                        "hold Chinese or Japanese characters, ptb when nearly all are in Latin letters with "
+                        "hardly an accent, else whitespace")
     c.add_argument("--val", type=_count_or_share, default=None, metavar="N",
-                   help="validation images: a count, or a share below 1 (default 10%%, at least 1)")
+                   help="validation images: a count (1 or more), or a share below 1 rounded to the nearest count, "
+                        "at least 1 (default 10%%)")
     c.add_argument("--test", type=_count_or_share, default=None, metavar="N",
-                   help="test images: a count, or a share below 1 (default 10%%, at least 1)")
+                   help="test images: a count, or a share below 1 rounded to the nearest count, at least 1 when "
+                        "above 0 (default 10%%, none while fewer than 3 images would be left to train on)")
     c.add_argument("--seed", type=int, default=0, help="seed of the split draw (default 0)")
     c.add_argument("--name", default=None,
-                   help="the data set's name, shown on the model card (default: the source's name)")
+                   help="the data set's name, recorded in dataset.json for the model card and run names (default: "
+                        "the --out folder's name)")
+    c.add_argument("--encoding", default=None, metavar="CODEC",
+                   help="the source's text encoding when it is not UTF-8, e.g. cp1252 or gb18030 (default: UTF-8; "
+                        "a file in another encoding is refused, naming the one it most likely is)")
     c.add_argument("--skip-unreadable", action="store_true",
                    help="leave missing or undecodable images out (counted) instead of stopping")
     c.add_argument("--workers", type=int, default=2, help="image-decoding worker processes (default 2)")
@@ -174,7 +188,8 @@ def _wrapped(text: str) -> str:
 def cmd_import(args: argparse.Namespace) -> int:
     from captioner.cli import EXIT_SOME_FAILED, UsageError, make_folders
     from captioner.data.check import unreadable_images
-    from captioner.data.own import SourceError, draw_splits, guess_tokenizer, read_source, split_sizes, write_dataset
+    from captioner.data.own import SourceError, draw_splits, read_source, split_sizes, write_dataset
+    from captioner.vocab import guess_tokenizer
     from captioner.images import Preprocess
 
     earlier = args.out / "dataset.json"
@@ -182,7 +197,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: {earlier} already exists (a data set, perhaps one a model was trained on): give "
                          "another --out for a new data set, or add --overwrite to replace it")
     try:
-        source = read_source(args.source, args.format, args.image_column, args.caption_column)
+        source = read_source(args.source, args.format, args.image_column, args.caption_column, args.encoding)
     except SourceError as e:
         raise UsageError(str(e)) from e
     except OSError as e:
@@ -197,7 +212,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         print("nothing written: fix the paths, or pass --skip-unreadable to leave these images out")
         return EXIT_SOME_FAILED
     images = [im for im in source.images if im.path not in problems and im.captions]
-    no_caption = sum(1 for im in source.images if im.path not in problems and not im.captions)
+    no_caption = [im.path for im in source.images if im.path not in problems and not im.captions]
     captions = [c for im in images for c in im.captions]
     tokenizer = args.tokenizer or guess_tokenizer(captions)
     try:
@@ -206,19 +221,26 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     splits = draw_splits(len(images), n_val, n_test, args.seed)
     make_folders(args.out)
-    name = args.name or (args.source.name if source.format == "folder" else args.source.stem)
+    name = args.name or args.out.resolve().name
     path = write_dataset(args.out, images, splits, tokenizer, name)
 
     columns = f" (image: {source.columns[0]!r}, caption: {source.columns[1]!r})" if source.columns else ""
     print(f"read {args.source} as {source.format}{columns}: {source.rows:,} rows")
-    left_out = [(source.empty_captions, "empty caption", "empty captions", "dropped"),
-                (no_caption, "image with only empty captions", "images with only empty captions", "left out"),
-                (source.without_captions, "image without a caption file", "images without a caption file",
-                 "left out"),
-                (len(problems), "unreadable image", "unreadable images", "left out")]
-    for n, one, many, verb in left_out:
+    dropped = [(source.empty_captions, "empty caption", "empty captions"),
+               (source.duplicates, "repeated caption", "repeated captions")]
+    for n, one, many in dropped:
         if n:
-            print(f"  {n:,} {one if n == 1 else many} {verb}")
+            print(f"  {n:,} {one if n == 1 else many} dropped")
+    left_out = [(no_caption, "image with only empty captions", "images with only empty captions"),
+                (source.without_captions, "image without a caption file", "images without a caption file"),
+                (list(problems), "unreadable image", "unreadable images")]
+    for paths, one, many in left_out:
+        if paths:
+            print(f"  {len(paths):,} {one if len(paths) == 1 else many} left out:")
+            for path in paths[:MAX_NAMED]:
+                print(f"    {_shown(Path(path))}{f': {problems[path]}' if path in problems else ''}")
+            if len(paths) > MAX_NAMED:
+                print(f"    ... and {len(paths) - MAX_NAMED:,} more")
     print(f"{len(images):,} images, {len(captions):,} captions ({len(captions) / len(images):.1f} per image): "
           f"train {splits.count('train'):,}, val {n_val:,}, test {n_test:,} (seed {args.seed})")
     why = "chosen with --tokenizer" if args.tokenizer else "chosen from the captions; --tokenizer sets another"
@@ -231,9 +253,11 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _shown(path: Path) -> Path:
-    """``path`` relative to the working folder when it lies inside it."""
+    """``path`` relative to the working folder when it lies inside it, else absolute;
+    normalised either way ("a/../b" is "b")."""
+    path = Path(os.path.normpath(os.path.abspath(path)))
     try:
-        return path.resolve().relative_to(Path.cwd().resolve())
+        return path.relative_to(Path(os.path.abspath(Path.cwd())))
     except ValueError:
         return path
 

@@ -117,7 +117,7 @@ def summary_lines(d: DataConfig, splits: dict[str, list[ImageRecord]], vocab: Vo
         lines.append(line)
     limit = f", at most {d.max_vocab:,}" if d.max_vocab else ""
     tokenizer = vocab.tokenizer.name
-    tokens = {"chars": "characters", "whitespace": "words split at spaces"}.get(tokenizer, "words")
+    tokens = vocab.tokenizer.unit
     used = vocab_min_count(d, kept)
     lowered = (f" (data.min_count {d.min_count} lowered: at most {d.max_unk_share:.0%} of the training words "
                "<unk>)" if used < d.min_count else "")

@@ -11,14 +11,22 @@ Three sources are read, each giving (image path, caption) pairs:
   ``photo.txt``), one caption per line.
 
 Image paths are relative to the source file's folder (the folder itself for a folder
-source) unless absolute. Rows of the same image are merged, captions without a word are
-dropped (counted). :func:`write_dataset` writes Karpathy's format with the images where
-they are (paths relative to the output folder), a seeded train/val/test draw, and the
-tokenizer's name, which training records in the checkpoint.
+source) unless absolute. Rows of the same image are merged (however its path is spelt),
+a caption given twice for one image is kept once, captions without a word are dropped;
+what is left out is listed. :func:`write_dataset` writes Karpathy's format with the images
+where they are (paths relative to the output folder), a seeded train/val/test draw
+(:func:`split_sizes` states the rules), and the tokenizer's name, which training records
+in the checkpoint.
+
+Text files are read as UTF-8 (a byte-order mark, as Excel's "CSV UTF-8" writes, is skipped;
+UTF-16 with its mark is read too). Anything else is refused naming the encoding it most
+likely is (charset-normalizer's guess) and the runners-up, how a line reads in it, and the
+``iconv`` command that converts it, rather than read on a guess that may garble every accent.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
@@ -29,13 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..images import IMAGE_EXTENSIONS
-from ..vocab import has_cjk, tokenizer_named
+from ..vocab import tokenizer_named
 from .coco import OWN_SPLIT_FILE
 
 # Column or key names tried in this order when the caller names none (case-insensitive).
 IMAGE_KEYS = ("image", "file_name", "filename", "path", "image_path", "file", "img")
 CAPTION_KEYS = ("caption", "text", "sentence", "description")
-CAPTION_LIST_KEYS = ("captions", "texts", "sentences")
+CAPTION_LIST_KEYS = ("captions", "texts", "sentences", "descriptions")  # JSON Lines: a list of captions
 FORMATS = ("csv", "tsv", "jsonl", "folder")
 
 
@@ -60,7 +68,8 @@ class Source:
     rows: int  # (image, caption) pairs read
     empty_captions: int  # captions without a letter or digit: dropped
     columns: tuple[str, str] | None = None  # the image and caption column (or key) used
-    without_captions: int = 0  # folder source: images with no .txt beside them
+    without_captions: list[Path] = field(default_factory=list)  # folder source: images with no .txt beside them
+    duplicates: int = 0  # an image's caption given again: kept once
 
     @property
     def captions(self) -> int:
@@ -80,9 +89,10 @@ def source_format(source: Path) -> str:
 
 
 def read_source(source: str | os.PathLike, fmt: str | None = None, image_key: str | None = None,
-                caption_key: str | None = None) -> Source:
+                caption_key: str | None = None, encoding: str | None = None) -> Source:
     """The images and captions of ``source`` (see the module docstring); a one-line
-    :class:`SourceError` when it cannot be read."""
+    :class:`SourceError` when it cannot be read. ``encoding``: the text files' (a Python
+    codec name), for files that are not UTF-8."""
     source = Path(source)
     if not source.exists():
         raise SourceError(f"no such file or folder: {source}")
@@ -90,10 +100,10 @@ def read_source(source: str | os.PathLike, fmt: str | None = None, image_key: st
     if fmt == "folder":
         if not source.is_dir():
             raise SourceError(f"{source} is not a folder")
-        return _read_folder(source)
+        return _read_folder(source, encoding)
     if not source.is_file():
         raise SourceError(f"{source} is a folder; give a CSV, TSV or JSON Lines file, or --format folder")
-    text = _utf8(source)
+    text = read_text(source, encoding)
     base = source.parent
     if fmt == "jsonl":
         pairs, columns = _jsonl_pairs(text, source, image_key, caption_key)
@@ -104,14 +114,60 @@ def read_source(source: str | os.PathLike, fmt: str | None = None, image_key: st
     return _merged(fmt, ((_resolve(base, image), caption) for image, caption in pairs), columns)
 
 
-def _utf8(path: Path) -> str:
+def read_text(path: Path, encoding: str | None = None) -> str:
+    """The text of ``path``: UTF-8 (a byte-order mark skipped), UTF-16 with its mark, or
+    ``encoding`` when given; else a :class:`SourceError` naming the likely encoding."""
     data = path.read_bytes()
+    if encoding is not None:
+        try:
+            return data.decode(encoding)
+        except LookupError:
+            raise SourceError(f"unknown encoding {encoding!r} (Python's codec names: cp1252, gb18030, ...)") from None
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{path} is not {encoding} (byte 0x{data[e.start]:02x} on line "
+                              f"{_line_of(data, e.start)})") from None
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # Excel's "Unicode text"
+        return data.decode("utf-16")
     try:
         return data.decode("utf-8-sig")  # a byte-order mark (Excel's "CSV UTF-8") is no header text
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise SourceError(f"{path} is not UTF-8 (byte 0x{data[e.start]:02x} on line {line}): save it as UTF-8, "
-                          "e.g. iconv -f GB18030 -t UTF-8 or your spreadsheet's \"CSV UTF-8\"") from None
+        raise SourceError(_not_utf8(path, data, e.start)) from None
+
+
+def _not_utf8(path: Path, data: bytes, at: int) -> str:
+    """Why ``data`` is refused: where UTF-8 fails, the likely encoding, how the failing line
+    reads in it, the conversion command and the option that reads it as it is."""
+    where = f"{path} is not UTF-8 (byte 0x{data[at]:02x} on line {_line_of(data, at)})"
+    from charset_normalizer import from_bytes
+
+    # A few lines fit several code pages about equally (a French "près" reads "prčs" in
+    # cp1250): the runners-up are named, and the line as the best guess reads it.
+    guesses = [m.encoding for m in from_bytes(data)]
+    if not guesses:
+        return f"{where} and its encoding cannot be told: save it as UTF-8 (your spreadsheet's \"CSV UTF-8\")"
+    best = codecs.lookup(guesses[0]).name
+    start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
+    line = data[start:end if end >= 0 else len(data)].decode(best, errors="replace").strip()
+    others = ", ".join(codecs.lookup(g).name for g in guesses[1:4])
+    return (f"{where}; it looks like {best}{f' (or {others})' if others else ''}, in which that line reads "
+            f"{line[:60]!r}: if so, convert it with iconv -f {iconv_name(best)} -t UTF-8 {path} > "
+            f"{path.with_stem(path.stem + '-utf8')} or read it as it is with --encoding {best}")
+
+
+def _line_of(data: bytes, at: int) -> int:
+    return data.count(b"\n", 0, at) + 1
+
+
+_ICONV_NAMES = {"mac-roman": "MACINTOSH", "utf-16-le": "UTF-16LE", "utf-16-be": "UTF-16BE",
+                "shift_jis_2004": "SHIFT_JISX0213", "euc_jis_2004": "EUC-JISX0213", "hz": "HZ-GB-2312"}
+
+
+def iconv_name(codec: str) -> str:
+    """GNU iconv's name for a Python codec ("iso8859-1" -> "ISO-8859-1", "cp1252" -> "CP1252")."""
+    name = codecs.lookup(codec).name
+    if name in _ICONV_NAMES:
+        return _ICONV_NAMES[name]
+    return name.upper().replace("_", "-").replace("ISO8859-", "ISO-8859-")
 
 
 def _resolve(base: Path, image: str) -> Path:
@@ -144,25 +200,41 @@ def _table_pairs(text: str, source: Path, delimiter: str | None, image_key: str 
     _require_columns(source, header, image_col, caption_col, image_key, caption_key, "column")
     i, c = header.index(image_col), header.index(caption_col)
     pairs = []
+    first_line = reader.line_num + 1  # the line the next row starts on
     for row in reader:
+        start, first_line = first_line, reader.line_num + 1
         if not any(cell.strip() for cell in row):
             continue
+        for cell in row:
+            _refuse_swallowed_rows(source, start, cell, delimiter)
         image = row[i] if i < len(row) else ""
         if not image.strip():
-            raise SourceError(f"{source}, line {reader.line_num}: no image in column {image_col!r}")
+            raise SourceError(f"{source}, line {start}: no image in column {image_col!r}")
         pairs.append((image, row[c] if c < len(row) else ""))
     return pairs, (image_col, caption_col)
+
+
+def _refuse_swallowed_rows(source: Path, start: int, cell: str, delimiter: str) -> None:
+    """A quoted cell that runs over a line break into a line shaped like a row (cells, one
+    naming an image file) has lost its closing quote and swallowed the rows after it."""
+    for offset, line in enumerate(cell.split("\n")[1:], start=1):
+        cells = line.split(delimiter)
+        if len(cells) > 1 and any(Path(cell.strip()).suffix.lower() in IMAGE_EXTENSIONS for cell in cells):
+            raise SourceError(f"{source}, line {start}: a quote opened on this line is not closed before line "
+                              f"{start + offset}, which looks like a row of its own ({line[:50]!r}): close the "
+                              "quote or remove it")
 
 
 def _require_columns(source: Path, seen: Sequence[str], image_col: str | None, caption_col: str | None,
                      image_key: str | None, caption_key: str | None, what: str) -> None:
     listing = ", ".join(s.strip() for s in seen) or "none"
+    captions = CAPTION_KEYS + CAPTION_LIST_KEYS if what == "key" else CAPTION_KEYS
     for found, wanted, usual, option, kind in ((image_col, image_key, IMAGE_KEYS, "--image-column", "image"),
-                                                (caption_col, caption_key, CAPTION_KEYS, "--caption-column",
+                                                (caption_col, caption_key, captions, "--caption-column",
                                                  "caption")):
         if found is None:
-            looked = repr(wanted) if wanted else "the usual names (" + ", ".join(usual) + ")"
-            raise SourceError(f"{source}: no {kind} {what} ({looked}); its {what}s: {listing}; "
+            looked = repr(wanted) if wanted else ", ".join(usual)
+            raise SourceError(f"{source}: no {kind} {what}; looked for {looked}; its {what}s: {listing}; "
                               f"name it with {option}")
 
 
@@ -170,7 +242,8 @@ def _jsonl_pairs(text: str, source: Path, image_key: str | None,
                  caption_key: str | None) -> tuple[list[tuple[str, str]], tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     columns = None
-    for number, line in enumerate(text.splitlines(), start=1):
+    # "\n" only: str.splitlines would also split at U+2028 and friends, which JSON writes unescaped.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -196,8 +269,8 @@ def _jsonl_pairs(text: str, source: Path, image_key: str | None,
     return pairs, columns
 
 
-def _read_folder(folder: Path) -> Source:
-    pairs, without = [], 0
+def _read_folder(folder: Path, encoding: str | None = None) -> Source:
+    pairs, without = [], []
     for root, dirs, files in os.walk(folder):
         dirs.sort()
         for name in sorted(files):
@@ -206,9 +279,9 @@ def _read_folder(folder: Path) -> Source:
                 continue
             text_file = path.with_suffix(".txt")
             if not text_file.is_file():
-                without += 1
+                without.append(path)
                 continue
-            for line in _utf8(text_file).splitlines():
+            for line in read_text(text_file, encoding).split("\n"):
                 pairs.append((path, line))
     source = _merged("folder", pairs, None)
     source.without_captions = without
@@ -216,49 +289,53 @@ def _read_folder(folder: Path) -> Source:
 
 
 def _merged(fmt: str, pairs: Iterable[tuple[Path, str]], columns: tuple[str, str] | None) -> Source:
-    """Rows of one image merged (the same file however its path is spelled), empty captions dropped."""
+    """Rows of one image merged (the same file however its path is spelled), empty captions
+    dropped, a caption given again for the same image kept once."""
     images: dict[str, OwnImage] = {}
-    rows = empty = 0
+    rows = empty = duplicates = 0
     for path, caption in pairs:
         rows += 1
         key = os.path.normpath(os.path.abspath(path))
         image = images.setdefault(key, OwnImage(Path(key)))
         caption = " ".join(caption.split())  # a line break inside a cell is a space
-        if any(ch.isalnum() for ch in caption):
-            image.captions.append(caption)
-        else:
+        if not any(ch.isalnum() for ch in caption):
             empty += 1
-    return Source(fmt, list(images.values()), rows, empty, columns)
+        elif caption in image.captions:
+            duplicates += 1
+        else:
+            image.captions.append(caption)
+    return Source(fmt, list(images.values()), rows, empty, columns, duplicates=duplicates)
 
 
 # --------------------------------------------------------------------------- writing
 
 
-def guess_tokenizer(captions: Iterable[str]) -> str:
-    """"chars" when over half the captions hold Chinese or Japanese characters, "ptb" when
-    they are mostly ASCII (English, as far as one can tell), else "whitespace"."""
-    n = cjk = ascii_only = 0
-    for caption in captions:
-        n += 1
-        cjk += has_cjk(caption)
-        ascii_only += caption.isascii()
-    if n and cjk * 2 > n:
-        return "chars"
-    return "ptb" if ascii_only * 10 >= n * 9 else "whitespace"
-
-
 def split_sizes(n: int, val: float | None, test: float | None) -> tuple[int, int]:
-    """Validation and test images out of ``n``: a whole number is a count, a number below 1 a
-    share; None is 10% (at least one while at least three images are left for training)."""
-    def size(x: float | None) -> int:
-        if x is None:
-            return max(1, round(0.1 * n)) if n >= 5 else (1 if n >= 3 else 0)
-        return round(x * n) if 0 < x < 1 else int(x)
+    """Validation and test images out of ``n``.
 
-    n_val, n_test = size(val), size(test)
+    A whole number is a count, a number below 1 a share of ``n`` rounded to the nearest
+    count (at least one when above 0). None: 10% for validation, at least one; 10% for
+    test, at least one, only while three images or more are left to train on, else none.
+    Training validates, so validation needs one image at least, and training one: fewer
+    than 2 images, or counts that leave none to train on, are refused."""
+    if n < 2:
+        raise SourceError(f"{n} image{'' if n == 1 else 's'} cannot be split: a data set needs at least 2 images, "
+                          "one to train on and one to validate on")
+
+    def share(x: float) -> int:
+        return max(1, int(x * n + 0.5)) if 0 < x < 1 else int(x)
+
+    n_val = max(1, int(0.1 * n + 0.5)) if val is None else share(val)
+    if test is not None:
+        n_test = share(test)
+    else:
+        n_test = max(1, int(0.1 * n + 0.5))
+        n_test = n_test if n - n_val - n_test >= 3 else 0
+    if n_val < 1:
+        raise SourceError("training validates on at least one image: give --val 1 or more")
     if n_val + n_test >= n:
-        raise SourceError(f"{n} image{'s' if n != 1 else ''} cannot give {n_val} validation and {n_test} test "
-                          "images and still leave one to train on: lower --val or --test")
+        raise SourceError(f"{n} images cannot give {n_val} validation and {n_test} test images and still leave "
+                          "one to train on: lower --val or --test")
     return n_val, n_test
 
 

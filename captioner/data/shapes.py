@@ -310,7 +310,7 @@ _ZH_LONGEST = max(len(k) for k in _ZH_TO_ENGLISH)
 
 def english_words(words: Sequence[str]) -> tuple[list[str], list[int]]:
     """A caption's tokens with Chinese shape, colour, size and relation words (characters
-    as the ``chars`` tokenizer gives them) replaced by the English words, and for each word
+    as the ``chars2`` or ``chars`` tokenizer gives them) replaced by the English words, and for each word
     the step of its first character (the step at which the model chose that word): index
     the attention maps with it. English captions come back as they are."""
     out: list[str] = []
@@ -374,7 +374,7 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-LANGUAGES = {"en": "ptb", "zh": "chars"}  # caption language -> the tokenizer its data set names
+LANGUAGES = {"en": "ptb", "zh": "chars2"}  # caption language -> the tokenizer its data set names
 
 
 def generate_split(out_dir: Path, split: str, count: int, seed: int = 0,

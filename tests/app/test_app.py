@@ -641,6 +641,8 @@ def test_the_model_card_counts_a_chinese_vocabulary_in_characters():
     assert "words" in model_details(cap) and "characters" not in model_details(cap)
     cap.vocab = Vocabulary(cap.vocab.words, tokenizer_named("chars"))
     assert f"{len(cap.vocab):,} characters" in model_details(cap)
+    cap.vocab = Vocabulary(cap.vocab.words, tokenizer_named("chars2"))
+    assert f"{len(cap.vocab):,} characters" in model_details(cap)
 
 
 def test_the_length_slider_starts_at_each_models_own_limit_and_a_length_chosen_stays(weights_dir, monkeypatch):
@@ -661,9 +663,11 @@ def test_the_length_slider_starts_at_each_models_own_limit_and_a_length_chosen_s
     assert not at.exception
     length = next(s for s in at.sidebar.slider if s.label.startswith("Longest caption"))
     assert at.sidebar.selectbox[0].value == "demo-soft" and length.value == 20
+    assert length.label == "Longest caption (words)"
     at.sidebar.selectbox[0].select("demo-zh").run()
     length = next(s for s in at.sidebar.slider if s.label.startswith("Longest caption"))
     assert length.value == 40 and asked and asked[-1].max_len == 40
+    assert length.label == "Longest caption (characters)"  # a character model counts characters
     asked.clear()
     length.set_value(20).run()
     assert not at.exception and asked and all(o.max_len == 20 for o in asked)

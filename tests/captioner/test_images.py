@@ -162,3 +162,54 @@ def test_pixels_then_normalize_is_the_plain_float_preprocessing(photos, pre):
     assert torch.equal(pre(image), plain)
     batch = torch.stack([pixels, pixels.flip(-1)])  # a batch normalises row by row alike
     assert torch.equal(pre.normalize(batch)[1], pre.normalize(pixels.flip(-1)))
+
+
+# ----------------------------------------------------------------- AVIF, HEIC
+
+from PIL import features  # noqa: E402
+
+from captioner import images  # noqa: E402
+from captioner.images import is_image_path  # noqa: E402
+
+HEIC_HEAD = b"\x00\x00\x00\x1cftypheic\x00\x00\x00\x00mif1heicmiaf" + b"\x00" * 64
+
+
+def test_avif_heic_and_heif_are_image_files():
+    assert all(is_image_path(f"photo{ext}") for ext in (".avif", ".AVIF", ".heic", ".HEIC", ".heif"))
+    assert not is_image_path("notes.txt")
+
+
+@pytest.mark.skipif(not features.check("avif"), reason="this Pillow has no AVIF codec")
+def test_an_avif_file_is_read(tmp_path):
+    Image.new("RGB", (24, 16), (10, 120, 200)).save(tmp_path / "kite.avif")
+    assert load_image(tmp_path / "kite.avif").size == (24, 16)
+
+
+def without_heif_reader(monkeypatch):
+    """Pillow as it is before pillow-heif registers (the test session may have registered it)."""
+    monkeypatch.setattr(Image, "ID", [i for i in Image.ID if i != "HEIF"])
+    monkeypatch.setattr(Image, "OPEN", {k: v for k, v in Image.OPEN.items() if k != "HEIF"})
+
+
+def test_heic_without_pillow_heif_names_the_extra_to_install(tmp_path, monkeypatch):
+    without_heif_reader(monkeypatch)
+    monkeypatch.setattr(images, "_heif_opener", lambda: False)
+    (tmp_path / "IMG_0001.HEIC").write_bytes(HEIC_HEAD)
+    for source in (tmp_path / "IMG_0001.HEIC", HEIC_HEAD):
+        with pytest.raises(ImageLoadError, match=r"HEIC.*pillow-heif.*captioner\[heic\]"):
+            load_image(source)
+    # Any other unknown file keeps the plain reason.
+    (tmp_path / "x.jpg").write_bytes(b"\x00\x00\x00\x1cftypisom" + b"\x00" * 64)
+    with pytest.raises(ImageLoadError, match="^not an image file Pillow can read$"):
+        load_image(tmp_path / "x.jpg")
+
+
+def test_heic_is_read_once_pillow_heif_is_installed(tmp_path, monkeypatch):
+    pillow_heif = pytest.importorskip("pillow_heif")
+    heic = pillow_heif.from_pillow(Image.new("RGB", (24, 16), (200, 30, 30)))
+    heic.save(tmp_path / "IMG_0002.heic")
+    without_heif_reader(monkeypatch)  # as in a fresh process: pillow-heif installed, not yet registered
+    images._heif_opener.cache_clear()
+    im = load_image(tmp_path / "IMG_0002.heic")
+    assert im.size == (24, 16) and abs(im.getpixel((12, 8))[0] - 200) < 12
+    assert load_image((tmp_path / "IMG_0002.heic").read_bytes()).size == (24, 16)

@@ -131,6 +131,19 @@ def test_chinese_is_scored_on_characters() -> None:
     assert chars["BLEU-1"] > 0.8 and chars["BLEU-4"] > 0.3 and chars["CIDEr"] > 0.5
 
 
+def test_chars2_punctuation_is_read_but_not_scored() -> None:
+    from captioner.vocab import tokenizer_named
+
+    refs = {1: ["两个物体：一个红色的圆形，一个蓝色的方形。", "红色的圆形和蓝色的方形"],
+            2: ["一个绿色的星形。", "绿色星形"]}
+    plain = {1: "两个物体一个红色的圆形一个蓝色的方形", 2: "一个绿色的星形"}
+    marked = {1: "两个物体，一个红色的圆形：一个蓝色的方形！", 2: "一个绿色的星形。"}
+    chars2 = tokenizer_named("chars2")
+    assert caption_metrics(refs, plain, meteor=False, tokenizer=chars2) == \
+        caption_metrics(refs, marked, meteor=False, tokenizer=chars2)
+    assert caption_metrics(refs, plain, meteor=False, tokenizer=chars2)["BLEU-4"] > 0.99
+
+
 def test_meteor_is_english_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from captioner.vocab import tokenizer_named
 

@@ -42,6 +42,7 @@ TABLE = [
      "there 's a 12-year-old boy he 's at the o'clock tower"),
     ("Two dogs play.  One runs.\n", "two dogs play one runs"),
     ("A plate of food, a fork, and a knife.", "a plate of food a fork and a knife"),
+    ("The letter B. Then a dog.", "the letter b then a dog"),  # one letter and a stop: no abbreviation
 ]
 
 
@@ -62,3 +63,4 @@ def test_table_is_what_pycocoevalcap_gives() -> None:
 
     got = PTBTokenizer().tokenize({i: [{"caption": c}] for i, (c, _) in enumerate(TABLE)})
     assert {i: got[i][0] for i in range(len(TABLE))} == {i: e for i, (_, e) in enumerate(TABLE)}
+

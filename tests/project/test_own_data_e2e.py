@@ -51,12 +51,12 @@ def test_chinese_photos_import_train_caption_evaluate(tmp_path, photos, capsys):
                            "--quiet"]) == 0
     capsys.readouterr()
     raw = torch.load(run / "best.pt", weights_only=True)
-    assert raw["tokenizer"] == "chars"
+    assert raw["tokenizer"] == "chars2"
     assert {"猫", "狗", "桌"} <= set(raw["vocab"]) and "一只猫坐在桌子上" not in raw["vocab"]
     # Resuming keeps the checkpoint's tokenizer and vocabulary.
     assert captioner_main(["train", "--resume", str(run), "--set", "optim.max_steps=44", "--quiet"]) == 0
     resumed = torch.load(run / "last.pt", weights_only=True)
-    assert resumed["tokenizer"] == "chars" and resumed["vocab"] == raw["vocab"]
+    assert resumed["tokenizer"] == "chars2" and resumed["vocab"] == raw["vocab"]
     assert resumed["meta"]["step"] == 44
 
     # Caption: the JSON line is readable UTF-8 and the caption has no spaces between characters.
@@ -77,8 +77,8 @@ def test_chinese_photos_import_train_caption_evaluate(tmp_path, photos, capsys):
     table = capsys.readouterr().out
     assert "BLEU-4" in table and "CIDEr" in table and "English only" in table and "characters" in table
     report = json.loads((tmp_path / "eval.json").read_text(encoding="utf-8"))
-    assert report["tokenizer"] == "chars" and "METEOR" not in report["metrics"]
+    assert report["tokenizer"] == "chars2" and "METEOR" not in report["metrics"]
     assert report["metrics"]["BLEU-1"] > 0  # characters the references share, not whole captions as one word
     results = (tmp_path / "eval.results.json").read_text(encoding="utf-8")
-    assert "\\u" not in results and any(c in results for c in "猫狗桌人车")  # readable UTF-8
-    assert Captioner.load(run / "best.pt").training_data == "metadata (own data)"
+    assert "\\u" not in results and any("\u4e00" <= c <= "\u9fff" for c in results)  # readable UTF-8
+    assert Captioner.load(run / "best.pt").training_data == "zh (own data)"  # named after --out

@@ -83,10 +83,10 @@ def test_json_lines_with_absolute_paths_and_caption_lists_in_chinese(tmp_path, c
     assert data_main(["import", str(source), "--out", str(out), "--quiet"]) == 0
     said = capsys.readouterr().out
     data = read_dataset(out)
-    assert data["tokenizer"] == "chars" and "chars" in said  # chosen from the captions
+    assert data["tokenizer"] == "chars2" and "chars2" in said  # chosen from the captions
     merged = next(im for im in data["images"] if len(im["sentences"]) == 3)
     assert merged["sentences"][2]["tokens"] == list("桌子上的猫")
-    assert dataset_tokenizer(out) == "chars"
+    assert dataset_tokenizer(out) == "chars2"
 
 
 def test_a_folder_of_images_with_sidecar_text_files(tmp_path, capsys):
@@ -178,3 +178,234 @@ def test_captions_neither_english_nor_chinese_are_split_at_spaces_by_default(tmp
     data = read_dataset(tmp_path / "out")
     assert data["tokenizer"] == "whitespace"
     assert data["images"][0]["sentences"][0]["tokens"][:2] == ["собака", "бежит"]
+
+
+# ------------------------------------------------------------- what users have at hand
+
+from captioner.data.own import SourceError, read_source, split_sizes  # noqa: E402
+
+
+def csv_source(tmp_path: Path, rows: list[str], name: str = "c.csv", encoding: str = "utf-8") -> Path:
+    path = tmp_path / name
+    path.write_bytes(("\n".join(rows) + "\n").encode(encoding))
+    return path
+
+
+def test_a_latin1_csv_is_refused_naming_its_encoding_and_an_iconv_that_converts_it_whole(tmp_path, capsys):
+    import shutil
+    import subprocess
+
+    photo_folder(tmp_path, n=4)
+    rows = ["image,caption"] + [f"pics/p{i}.png,un café près de la fenêtre numéro {i}" for i in range(4)]
+    source = csv_source(tmp_path, rows, encoding="latin-1")
+    assert data_main(["import", str(source), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = one_line_error(capsys)
+    assert "not UTF-8" in err and "GB18030" not in err
+    command = err[err.index("iconv -f "):].split(";")[0].split(" or ")[0].strip()
+    assert command.split()[2] == "CP1252" and "--encoding cp1252" in err
+    assert "'pics/p0.png,un café près de la fenêtre numéro 0'" in err  # the line as it reads in that encoding
+    # The hint is right: iconv converts the whole file, and the result imports with its accents.
+    if shutil.which("iconv"):
+        converted = tmp_path / "c-utf8.csv"
+        with open(converted, "wb") as out:
+            subprocess.run(command.split()[:5] + [str(source)], stdout=out, check=True)
+        assert converted.read_text(encoding="utf-8").count("café") == 4
+    # Or read as it is, with --encoding.
+    assert data_main(["import", str(source), "--out", str(tmp_path / "out"), "--encoding", "latin-1",
+                      "--quiet"]) == 0
+    assert read_dataset(tmp_path / "out")["images"][0]["sentences"][0]["raw"].startswith("un café")
+
+
+def test_a_polish_cp1250_csv_is_named_cp1250_not_the_western_code_page(tmp_path):
+    rows = ["image,caption"] + [f"pics/p{i}.png,źrebię na łące przy żółtym ogrodzeniu, ślimak {i}" for i in range(4)]
+    with pytest.raises(SourceError) as refused:
+        read_source(csv_source(tmp_path, rows, encoding="cp1250"))
+    message = str(refused.value)
+    assert "it looks like cp1250" in message and "iconv -f CP1250 -t UTF-8" in message
+    assert "źrebię na łące" in message and "--encoding cp1250" in message
+
+
+def test_an_encoding_given_is_used_or_refused_in_one_line(tmp_path):
+    source = csv_source(tmp_path, ["image,caption", "p.png,un café"], encoding="cp1252")
+    assert read_source(source, encoding="cp1252").images[0].captions == ["un café"]
+    with pytest.raises(SourceError, match="unknown encoding 'latin-9x'"):
+        read_source(source, encoding="latin-9x")
+    with pytest.raises(SourceError, match=r"is not utf-16-le \(byte 0x.. on line 2\)"):
+        read_source(csv_source(tmp_path, ["image,caption", "p.png,ab"], name="odd.csv"), encoding="utf-16-le")
+
+
+def test_excel_csv_utf8_with_a_byte_order_mark_reads_its_header(tmp_path):
+    photo_folder(tmp_path, n=3)
+    source = csv_source(tmp_path, ["image,caption"] + [f"pics/p{i}.png,a cup {i}" for i in range(3)],
+                        encoding="utf-8-sig")
+    got = read_source(source)
+    assert got.columns == ("image", "caption") and got.captions == 3
+
+
+def test_a_utf16_file_with_its_byte_order_mark_is_read(tmp_path):
+    photo_folder(tmp_path, n=2)
+    source = csv_source(tmp_path, ["image\tcaption"] + [f"pics/p{i}.png\tune tasse {i}" for i in range(2)],
+                        name="c.tsv", encoding="utf-16")
+    assert read_source(source).captions == 2
+
+
+def test_a_stray_quote_that_swallows_the_next_rows_is_refused_naming_its_line(tmp_path, capsys):
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption", "pics/p0.png,a red square", 'pics/p1.png,"a cat with green eyes',
+            "pics/p2.png,Black and white photo of a camera"]
+    source = csv_source(tmp_path, rows)
+    assert data_main(["import", str(source), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = one_line_error(capsys)
+    assert "line 3" in err and "quote" in err and "pics/p2.png" in err
+    assert not (tmp_path / "out" / "dataset.json").exists()
+
+
+def test_a_stray_quote_is_found_whichever_column_the_image_is_in(tmp_path):
+    photo_folder(tmp_path, n=3)
+    rows = ["caption;image", "a red square;pics/p0.png", '"a cat with green eyes;pics/p1.png', "a camera;pics/p2.png"]
+    with pytest.raises(SourceError, match="line 3.*not closed before line 4"):
+        read_source(csv_source(tmp_path, rows))
+
+
+def test_a_quoted_caption_with_a_line_break_that_is_no_row_is_one_caption(tmp_path):
+    photo_folder(tmp_path, n=2)
+    rows = ["image,caption", 'pics/p0.png,"a cat\non a mat, sleeping\nnext to photo.jpg"', "pics/p1.png,a dog"]
+    got = read_source(csv_source(tmp_path, rows))
+    assert [im.captions for im in got.images] == [["a cat on a mat, sleeping next to photo.jpg"], ["a dog"]]
+
+
+def test_json_lines_split_at_newlines_only_not_at_unicode_line_separators(tmp_path):
+    photo_folder(tmp_path, n=2)
+    lines = [json.dumps({"image": f"pics/p{i}.png", "caption": f"a cat\u2028on a mat {i}"}, ensure_ascii=False)
+             for i in range(2)]
+    source = tmp_path / "m.jsonl"
+    source.write_text("\r\n".join(lines) + "\r\n", encoding="utf-8")
+    got = read_source(source)
+    assert got.captions == 2 and got.images[0].captions == ["a cat on a mat 0"]
+
+
+def test_the_same_image_and_caption_twice_is_one_reference(tmp_path, capsys):
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption"] + [f"pics/p{i}.png,a cup {i}" for i in range(3)] + ["pics/p0.png,a  cup 0",
+                                                                                  "pics/p0.png,another cup"]
+    got = read_source(csv_source(tmp_path, rows))
+    assert got.images[0].captions == ["a cup 0", "another cup"] and got.duplicates == 1
+    assert data_main(["import", str(tmp_path / "c.csv"), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert "1 repeated caption dropped" in capsys.readouterr().out
+
+
+def test_one_image_spelt_two_ways_is_one_image(tmp_path):
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption", "pics/p0.png,a cup", "sub/../pics/p0.png,a mug", "./pics/p1.png,a bowl",
+            "pics/p2.png,a plate"]
+    got = read_source(csv_source(tmp_path, rows))
+    assert len(got.images) == 3 and got.images[0].captions == ["a cup", "a mug"]
+
+
+def test_a_blank_line_inside_a_csv_is_skipped(tmp_path):
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption", "pics/p0.png,a cup", "", " , ", "pics/p1.png,a mug", "pics/p2.png,a bowl"]
+    assert read_source(csv_source(tmp_path, rows)).captions == 3
+
+
+def test_left_out_images_are_named_up_to_ten_then_counted(tmp_path, capsys):
+    folder = tmp_path / "shots"
+    paths = photo_folder(folder, n=16, sub="a")
+    for p in paths[:3]:
+        p.with_suffix(".txt").write_text("a small dog\n", encoding="utf-8")
+    paths[3].with_suffix(".txt").write_text("...\n", encoding="utf-8")  # only an empty caption
+    assert data_main(["import", str(folder), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    said = capsys.readouterr().out
+    assert "12 images without a caption file left out" in said
+    named = [line for line in said.splitlines() if line.strip().startswith(str(folder / "a" / "p"))
+             or line.strip().startswith("a/p")]
+    assert len(named) == 10 + 1  # ten without a caption file, the one with only an empty caption
+    assert "and 2 more" in said
+    assert "1 image with only empty captions left out" in said and f"{Path('a') / 'p3.png'}" in said
+
+
+def test_unreadable_images_left_out_are_named_with_normalised_paths(tmp_path, capsys):
+    photo_folder(tmp_path, n=4)
+    rows = ["image,caption"] + [f"pics/p{i}.png,a cup {i}" for i in range(4)] + ["sub/../pics/gone.png,a mug"]
+    source = csv_source(tmp_path, rows)
+    assert data_main(["import", str(source), "--out", str(tmp_path / "out"), "--quiet", "--skip-unreadable"]) == 0
+    said = capsys.readouterr().out
+    assert "1 unreadable image left out" in said
+    assert str(tmp_path / "pics" / "gone.png") in said and ".." not in said
+
+
+@pytest.mark.parametrize("n, train, val, test", [(2, 1, 1, 0), (3, 2, 1, 0), (4, 3, 1, 0), (5, 3, 1, 1),
+                                                 (10, 8, 1, 1), (30, 24, 3, 3)])
+def test_default_splits_validate_on_one_image_at_least_and_test_only_beside_three_training(n, train, val, test):
+    assert split_sizes(n, None, None) == (val, test) and n - val - test == train
+
+
+def test_one_image_cannot_be_split(tmp_path):
+    with pytest.raises(SourceError, match="at least 2 images"):
+        split_sizes(1, None, None)
+
+
+def test_shares_round_to_the_nearest_count_and_a_positive_share_is_one_image_at_least():
+    assert split_sizes(10, 0.27, 0.05) == (3, 1)
+    assert split_sizes(10, 0.05, 0) == (1, 0)
+    assert split_sizes(20, 0.25, 0.1) == (5, 2)
+
+
+def test_a_split_that_leaves_nothing_to_train_on_is_refused():
+    assert split_sizes(4, 2, 1) == (2, 1)
+    with pytest.raises(SourceError, match="train"):
+        split_sizes(4, 2, 2)
+    with pytest.raises(SourceError, match="validat"):
+        split_sizes(10, 0, 1)
+
+
+def test_two_images_import_with_one_to_validate_on(tmp_path, capsys):
+    photo_folder(tmp_path, n=2)
+    source = csv_source(tmp_path, ["image,caption", "pics/p0.png,a cup", "pics/p1.png,a mug"])
+    assert data_main(["import", str(source), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert sorted(im["split"] for im in read_dataset(tmp_path / "out")["images"]) == ["train", "val"]
+
+
+def test_the_json_lines_key_error_lists_every_accepted_name_plainly(tmp_path, capsys):
+    (tmp_path / "m.jsonl").write_text('{"image": "a.png", "label": "x"}\n', encoding="utf-8")
+    assert data_main(["import", str(tmp_path / "m.jsonl"), "--out", str(tmp_path / "out")]) == 2
+    err = one_line_error(capsys)
+    for name in ("caption", "text", "sentence", "description", "captions", "texts", "sentences", "descriptions"):
+        assert f" {name}," in err or f" {name};" in err or f" {name} " in err, name
+    assert "((" not in err and "(" not in err.split("looked for")[1].split(";")[0]
+
+
+def test_a_plural_key_such_as_descriptions_holds_a_list_of_captions(tmp_path):
+    photo_folder(tmp_path, n=1)
+    (tmp_path / "m.jsonl").write_text(json.dumps({"image": "pics/p0.png", "descriptions": ["a cup", "a mug"]}) + "\n",
+                                      encoding="utf-8")
+    got = read_source(tmp_path / "m.jsonl")
+    assert got.columns == ("image", "descriptions") and got.images[0].captions == ["a cup", "a mug"]
+
+
+def test_the_data_set_is_named_after_the_output_folder_unless_named(tmp_path):
+    photo_folder(tmp_path, n=3)
+    source = csv_source(tmp_path, ["image,caption"] + [f"pics/p{i}.png,a cup {i}" for i in range(3)],
+                        name="captions.csv")
+    assert data_main(["import", str(source), "--out", str(tmp_path / "kitchen"), "--quiet"]) == 0
+    assert read_dataset(tmp_path / "kitchen")["dataset"] == "kitchen"
+    assert data_main(["import", str(source), "--out", str(tmp_path / "kitchen"), "--name", "Cups and mugs",
+                      "--quiet"]) == 0
+    assert read_dataset(tmp_path / "kitchen")["dataset"] == "Cups and mugs"
+
+
+def test_avif_images_are_found_in_folders(tmp_path):
+    from PIL import features
+
+    from captioner.batch import discover
+
+    if not features.check("avif"):
+        pytest.skip("this Pillow has no AVIF codec")
+    folder = tmp_path / "shots"
+    photo_folder(folder, n=2, sub="a")
+    Image.new("RGB", (24, 16), (10, 120, 200)).save(folder / "a" / "kite.avif")
+    for name in ("p0", "p1", "kite"):
+        (folder / "a" / f"{name}.txt").write_text(f"a {name} in the sky\n", encoding="utf-8")
+    assert str(folder / "a" / "kite.avif") in discover([str(folder)]).images
+    got = read_source(folder)
+    assert (folder / "a" / "kite.avif") in [im.path for im in got.images]

@@ -429,3 +429,6 @@ def test_cider_d_of_chinese_counts_characters():
     refs = chars.references(corpus[0])
     assert chars.score("红色的圆形", refs) > chars.score("红色的方形", refs) > chars.score("蓝色的方形", refs)
     assert chars.score("红 色 的 圆 形", refs) == chars.score("红色的圆形", refs)  # words joined as SCST joins them
+    chars2 = CiderD([[c + "。" for c in captions] for captions in corpus], tokenizer=tokenizer_named("chars2"))
+    refs2 = chars2.references([c + "。" for c in corpus[0]])
+    assert chars2.score("红色的圆形", refs2) == pytest.approx(chars.score("红色的圆形", refs))  # marks not scored

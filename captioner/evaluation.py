@@ -228,7 +228,7 @@ def read_captions(path: Path, records: list[ImageRecord], tokenizer: Tokenizer =
             lines = [(e["image_id"], str(e["image_id"]), e) for e in entries]
         else:
             lines = []
-            for n, line in enumerate(text.splitlines(), start=1):
+            for n, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 is no line end
                 if not line.strip():
                     continue
                 e = json.loads(line)

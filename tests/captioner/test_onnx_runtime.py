@@ -75,8 +75,9 @@ def prepared(cap: Captioner, seed: int, b: int):
     return ann, keys, h, c
 
 
-@pytest.mark.parametrize("beam,max_len,penalty", [(1, 6, 0.0), (3, 6, 0.0), (3, 2, 0.0), (4, 5, 0.7), (2, 1, 0.0)])
-def test_the_numpy_search_is_the_torch_search(beam, max_len, penalty):
+@pytest.mark.parametrize("beam,max_len,penalty,n", [(1, 6, 0.0, 1), (3, 6, 0.0, 1), (3, 2, 0.0, 1), (4, 5, 0.7, 1),
+                                                    (2, 1, 0.0, 1), (3, 6, 0.0, 3), (4, 5, 0.7, 2), (2, 3, 0.0, 2)])
+def test_the_numpy_search_is_the_torch_search(beam, max_len, penalty, n):
     for seed in range(4):
         cap = tiny_captioner(seed=seed)
         dec, v = cap.model.decoder, cap.vocab
@@ -87,10 +88,12 @@ def test_the_numpy_search_is_the_torch_search(beam, max_len, penalty):
             ours = decoding.greedy(dec, ann, **ids)
             theirs = npsearch.greedy(*args, **ids)
         else:
-            ours = decoding.beam_search(dec, ann, beam_size=beam, length_penalty=penalty, **ids)
-            theirs = npsearch.beam_search(*args, beam_size=beam, length_penalty=penalty, **ids)
+            ours = decoding.beam_search(dec, ann, beam_size=beam, length_penalty=penalty, num_captions=n, **ids)
+            theirs = npsearch.beam_search(*args, beam_size=beam, length_penalty=penalty, num_captions=n, **ids)
         for a, b in zip(ours, theirs, strict=True):
             assert b.ids == a.ids
+            assert [r.ids for r in b.runners_up] == [r.ids for r in a.runners_up]
+            assert [r.score for r in b.runners_up] == pytest.approx([r.score for r in a.runners_up], abs=1e-5)
             assert b.score == pytest.approx(a.score, abs=1e-5)
             np.testing.assert_allclose(b.log_probs, a.log_probs.numpy(), atol=1e-5)
             np.testing.assert_allclose(b.heads, a.alphas_heads.numpy(), atol=1e-6)
@@ -177,10 +180,10 @@ def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
     assert onnx_main([str(folder), *images[:3], "--max-len", "6", "--with-attention"]) == 0
     ours = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     for a, b in zip(theirs, ours, strict=True):
-        assert set(a) <= set(b) and set(b) - set(a) <= {"end_prob"}  # until torch's lines carry end_prob too
+        assert set(a) == set(b)
         for key in ("image", "caption", "words", "familiarity", "unfamiliar", "model", "training_data"):
             assert b.get(key) == a.get(key), key
-        for key in ("score", "word_probs", "alphas", "betas", "end_prob")[:5 if "end_prob" in a else 4]:
+        for key in ("score", "word_probs", "alphas", "betas", "end_prob"):
             np.testing.assert_allclose(b[key], a[key], atol=2e-4, err_msg=key)
         total = sum(np.log(b["word_probs"])) + np.log(b["end_prob"])  # score = sum log p(word) + log p(<end>)
         assert total == pytest.approx(b["score"], abs=1e-3)

@@ -98,31 +98,6 @@ def forget_upload(upload) -> None:
         pass
 
 
-def untaken_upload() -> tuple[str, bytes] | None:
-    """The newest file uploaded in this session that the page has not taken, as (name, bytes),
-    the others dropped; None when there is none (or Streamlit's private store moved).
-
-    Why: the page takes every upload it shows and drops it from the store (forget_upload), so a
-    file still there is one that never reached the page. That happens when the next upload lands
-    while a run is still drawing the last one: Streamlit then starts the next run without the
-    new uploader's value, and the page kept the previous picture, the upload lost. The store is
-    the one place the file is still known. Like forget_upload, this reads Streamlit's private
-    runtime; if it moves, this finds nothing and the page works as before."""
-    try:
-        from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-        ctx = get_script_run_ctx()
-        store = ctx.uploaded_file_mgr if ctx is not None else None
-        held = list(store.file_storage.get(ctx.session_id, {}).values()) if store is not None else []
-    except (ImportError, AttributeError, RuntimeError):  # RuntimeError: the store changed while read
-        return None
-    if not held:
-        return None
-    for rec in held:
-        store.remove_file(ctx.session_id, rec.file_id)
-    return held[-1].name, held[-1].data
-
-
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

@@ -18,8 +18,7 @@ from streamlit.errors import StreamlitAPIException
 from captioner.app import page
 from captioner.app.pictures import Picture
 from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
-                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap,
-                                   untaken_upload)
+                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
 from captioner import bundled, inference
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult
@@ -235,11 +234,6 @@ def choose_image() -> tuple[str, bytes] | None:
         # uploader under the new upload.
         _take_upload(key)
         _rerun_here()
-    late = untaken_upload()
-    if late is not None:  # an upload whose run came without it (serving.untaken_upload says when)
-        # Shown in this run: a rerun asked for now could itself come too late.
-        st.session_state["upload"] = late
-        st.session_state["example"] = None
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:
         st.session_state["example"] = 0 if examples else None  # a new page starts with the first example

@@ -82,12 +82,12 @@ def logged_run() -> Iterator[dict]:
 def forget_upload(upload) -> None:
     """Drop an uploaded file from Streamlit's store once the page has read it.
 
-    Why: the page takes the file and replaces the uploader by a fresh one, and the browser never
-    deletes a file it no longer shows, so without this every upload would stay in the server's
-    memory until its session ends. Streamlit has no public call for it: this is the one place
-    that uses its private runtime (the script run's context and its uploaded-file manager). If a
-    Streamlit release moves them, this does nothing and the page still works, each session then
-    holding its uploads until it ends; tests/app/test_app.py checks that the store is left empty."""
+    Why: the page keeps the file's bytes in the session (its "upload") and the uploader keeps
+    only the file's id, so the store's copy would double every upload's memory until the next
+    upload replaces it. Streamlit has no public call for it: this is the one place that uses its
+    private runtime (the script run's context and its uploaded-file manager). If a Streamlit
+    release moves them, this does nothing and the page still works, each session then holding
+    its last upload twice; tests/app/test_app.py checks that the store is left empty."""
     try:
         from streamlit.runtime.scriptrunner import get_script_run_ctx
 

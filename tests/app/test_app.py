@@ -614,11 +614,17 @@ def test_a_one_head_result_has_no_head_picker():
     assert html.count('type="radio"') == 1 and html.count("var(--l0hm)") == 2  # the big view and the panel
 
 
-def test_one_uploader_for_the_page_s_life_and_each_new_file_in_it_is_shown(app):
+@pytest.mark.parametrize("store_kept", [False, True], ids=["store-emptied", "store-kept"])
+def test_one_uploader_for_the_page_s_life_and_each_new_file_in_it_is_shown(app, monkeypatch, store_kept):
     """The uploader keeps its key through uploads (docs/app-serving.md: one replaced after each
     upload dropped a file landing in it as the last upload's run drew), and a file in it is
     shown once, when it is new: an example picked afterwards stays, and the same picture
-    uploaded again is a new file, shown again."""
+    uploaded again is a new file, shown again. The same where Streamlit's copy stays (a
+    release that moves its private store: forget_upload then does nothing)."""
+    if store_kept:
+        from captioner.app import serving
+
+        monkeypatch.setattr(serving, "forget_upload", lambda upload: None)
     app.file_uploader[0].set_value(("first.png", _png(seed=21), "image/png")).run()
     assert not app.exception and _details(app).startswith("first.png · ")
     key = app.file_uploader[0].key

@@ -380,9 +380,9 @@ def test_each_upload_is_captioned_once_and_sends_only_its_file(page, served, tmp
 def _upload_with_the_button(page, path: Path) -> None:
     """As a person uploads: the uploader's own button, then the file in the browser's chooser."""
     with page.expect_file_chooser() as chooser:
-        # The uploader holding a file shows its remove button there too.
+        # The uploader holding a file shows its remove (or cancel) button there too.
         page.locator(".stElementContainer:not([data-stale=true]) [data-testid=stFileUploaderDropzone] "
-                     "button:not([aria-label^=Remove])").click()
+                     "button:not([aria-label^=Remove]):not([aria-label^=Cancel])").click()
     chooser.value.set_files(str(path))
 
 
@@ -566,10 +566,12 @@ def test_an_upload_made_before_the_last_upload_s_run_draws_is_shown(browser, slo
         flag.write_text("3")
         _upload_with_the_button(page, images[1])
         deadline = time.monotonic() + 30
-        while not waiting.exists():  # its run is asked for, and waits to start
+        while not waiting.exists():  # a run is asked for (its own, or the one removing the last file), and waits
             assert time.monotonic() < deadline, "no run was asked for after the upload"
             page.wait_for_timeout(50)
         flag.unlink()  # the runs after this one start at once
+        page.locator(f'.stElementContainer:not([data-stale=true]) [aria-label="Remove {images[1].name}"]'
+                     ).wait_for(timeout=30_000)  # the file is sent, its rerun asked for
         slow_sends.append(5.0)
         _upload_with_the_button(page, images[2])  # into the uploader that holds the last file
         page.get_by_text(f"{images[2].name} · {MODEL} · beam 3").wait_for(timeout=40_000)

@@ -82,12 +82,12 @@ def logged_run() -> Iterator[dict]:
 def forget_upload(upload) -> None:
     """Drop an uploaded file from Streamlit's store once the page has read it.
 
-    Why: the page takes the file and replaces the uploader by a fresh one, and the browser never
-    deletes a file it no longer shows, so without this every upload would stay in the server's
-    memory until its session ends. Streamlit has no public call for it: this is the one place
-    that uses its private runtime (the script run's context and its uploaded-file manager). If a
-    Streamlit release moves them, this does nothing and the page still works, each session then
-    holding its uploads until it ends; tests/app/test_app.py checks that the store is left empty."""
+    Why: the page keeps the file's bytes in the session (its "upload") and the uploader keeps
+    only the file's id, so the store's copy would double every upload's memory until the next
+    upload replaces it. Streamlit has no public call for it: this is the one place that uses its
+    private runtime (the script run's context and its uploaded-file manager). If a Streamlit
+    release moves them, this does nothing and the page still works, each session then holding
+    its last upload twice; tests/app/test_app.py checks that the store is left empty."""
     try:
         from streamlit.runtime.scriptrunner import get_script_run_ctx
 
@@ -96,31 +96,6 @@ def forget_upload(upload) -> None:
             ctx.uploaded_file_mgr.remove_file(ctx.session_id, upload.file_id)
     except (ImportError, AttributeError):
         pass
-
-
-def untaken_upload() -> tuple[str, bytes] | None:
-    """The newest file uploaded in this session that the page has not taken, as (name, bytes),
-    the others dropped; None when there is none (or Streamlit's private store moved).
-
-    Why: the page takes every upload it shows and drops it from the store (forget_upload), so a
-    file still there is one that never reached the page. That happens when the next upload lands
-    while a run is still drawing the last one: Streamlit then starts the next run without the
-    new uploader's value, and the page kept the previous picture, the upload lost. The store is
-    the one place the file is still known. Like forget_upload, this reads Streamlit's private
-    runtime; if it moves, this finds nothing and the page works as before."""
-    try:
-        from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-        ctx = get_script_run_ctx()
-        store = ctx.uploaded_file_mgr if ctx is not None else None
-        held = list(store.file_storage.get(ctx.session_id, {}).values()) if store is not None else []
-    except (ImportError, AttributeError, RuntimeError):  # RuntimeError: the store changed while read
-        return None
-    if not held:
-        return None
-    for rec in held:
-        store.remove_file(ctx.session_id, rec.file_id)
-    return held[-1].name, held[-1].data
 
 
 def cores() -> int:

@@ -13,13 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import streamlit as st
-from streamlit.errors import StreamlitAPIException
+from streamlit.runtime.uploaded_file_manager import DeletedFile
 
 from captioner.app import page
 from captioner.app.pictures import Picture
 from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
-                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap,
-                                   untaken_upload)
+                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
 from captioner import bundled, inference
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult
@@ -216,45 +215,28 @@ def model_details(captioner: Captioner) -> str:
     return " · ".join(parts)
 
 
-def _take_upload(key: str) -> None:
-    """The uploader's callback, before the script runs: the file becomes the page's own (the
-    session's "upload", Streamlit's copy dropped) and the uploader a fresh one (a new key). The
-    next file then simply arrives, in one script run; with the file left in the uploader, dropping
-    the next one would first remove it, in a run of its own."""
-    upload = st.session_state.get(key)
-    if upload is None:
+def _take_upload(upload) -> None:
+    """A file the uploader holds that the page has not taken yet (its file_id is new) becomes
+    the page's own: the session's "upload", shown until the next one or a picked example.
+
+    Why here, in the run, and with one uploader for the page's life (a fixed key): an upload made
+    while the last one's run is still going lands in the uploader that run draws, and Streamlit
+    sends the uploader's full value with every later rerun, so whichever run comes last finds
+    it. An uploader replaced after each upload (a new key) was unmounted under a file still on
+    its way, and that file reached no run at all (docs/app-serving.md). The bytes are read into
+    the session before anything is shown, so a run cut short by the next rerun loses nothing."""
+    if upload is None or isinstance(upload, DeletedFile) or upload.file_id == st.session_state.get("upload_id"):
         return
     st.session_state["upload"] = upload.name, upload.getvalue()
-    forget_upload(upload)
-    st.session_state["uploads"] = st.session_state.get("uploads", 0) + 1
+    st.session_state["upload_id"] = upload.file_id
+    forget_upload(upload)  # the session holds the bytes; later runs see the file as deleted, same file_id
     st.session_state["example"] = None  # no example picked, until the user picks one
-
-
-def _rerun_here() -> None:
-    """Run the fragment again now (the whole page, when the fragment runs as part of it)."""
-    try:
-        st.rerun(scope="fragment")
-    except StreamlitAPIException:  # a fragment-scoped rerun is refused in a full-page run
-        st.rerun()
 
 
 def choose_image() -> tuple[str, bytes] | None:
     """The last upload, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
-    key = f"upload-{st.session_state.get('uploads', 0)}"
-    if st.file_uploader("Upload an image", type=UPLOAD_TYPES, key=key, on_change=_take_upload, args=(key,),
-                        help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF.") is not None:
-        # A file that came without its callback (Streamlit calls none for a widget it holds no
-        # metadata for): taken now, and run again at once, so that a fresh uploader replaces
-        # this one. Left on the page holding the file, it would lose the next one: the browser
-        # first removes the file it holds, in a run of its own, and that run replaces the
-        # uploader under the new upload.
-        _take_upload(key)
-        _rerun_here()
-    late = untaken_upload()
-    if late is not None:  # an upload whose run came without it (serving.untaken_upload says when)
-        # Shown in this run: a rerun asked for now could itself come too late.
-        st.session_state["upload"] = late
-        st.session_state["example"] = None
+    _take_upload(st.file_uploader("Upload an image", type=UPLOAD_TYPES, key="uploader",
+                                  help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF."))
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:
         st.session_state["example"] = 0 if examples else None  # a new page starts with the first example

@@ -542,10 +542,10 @@ def test_the_collection_after_every_run_does_not_walk_the_whole_heap(tmp_path, m
     assert len(gc.get_objects()) < 60_000
 
 
-def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empty(app, monkeypatch):
-    """Once read, the upload is the page's own (the uploader is a fresh, empty one, so the next
-    file arrives in one run, and Streamlit's copy is dropped): it stays on the page through later
-    runs, with no example picked, until the user picks one."""
+def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_store_empty(app, monkeypatch):
+    """Once read, the upload is the page's own (Streamlit's copy is dropped; the uploader keeps
+    only its id): it stays on the page through later runs, with no example picked, until the
+    user picks one."""
     from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager
 
     stores = []
@@ -554,7 +554,6 @@ def test_an_upload_stays_until_an_example_is_picked_and_leaves_the_uploader_empt
     app.file_uploader[0].set_value(("mine.png", _png(seed=17), "image/png")).run()
     assert not app.exception and "mine.png" in _details(app)
     assert stores and all(not any(store.file_storage.values()) for store in stores)  # nothing left in Streamlit's
-    assert app.file_uploader[0].value is None  # a fresh uploader
     assert app.pills[0].value is None  # no example picked
     before = _details(app)
     calls = []
@@ -614,23 +613,29 @@ def test_a_one_head_result_has_no_head_picker():
     assert html.count('type="radio"') == 1 and html.count("var(--l0hm)") == 2  # the big view and the panel
 
 
-def test_a_file_taken_without_its_callback_leaves_a_fresh_uploader(app, monkeypatch):
-    """Streamlit calls no on_change for a widget it holds no metadata for; the page then takes
-    the file while the script runs. The uploader it shows afterwards must hold no file: in a
-    browser, a file dropped on an uploader that still holds one first removes that one, in a
-    run of its own, which replaces the uploader under the new upload, and the new upload is
-    lost (every second upload, a real-browser run of the page showed, when the callbacks
-    never came)."""
-    from streamlit.runtime.state.session_state import SessionState
+@pytest.mark.parametrize("store_kept", [False, True], ids=["store-emptied", "store-kept"])
+def test_one_uploader_for_the_page_s_life_and_each_new_file_in_it_is_shown(app, monkeypatch, store_kept):
+    """The uploader keeps its key through uploads (docs/app-serving.md: one replaced after each
+    upload dropped a file landing in it as the last upload's run drew), and a file in it is
+    shown once, when it is new: an example picked afterwards stays, and the same picture
+    uploaded again is a new file, shown again. The same where Streamlit's copy stays (a
+    release that moves its private store: forget_upload then does nothing)."""
+    if store_kept:
+        from captioner.app import serving
 
-    with monkeypatch.context() as patched:
-        patched.setattr(SessionState, "_call_callbacks", lambda self, **kw: None)
-        app.file_uploader[0].set_value(("first.png", _png(seed=21), "image/png")).run()
-    assert not app.exception
-    assert _details(app).startswith("first.png · ")
-    assert app.file_uploader[0].value is None  # a fresh uploader, holding nothing
+        monkeypatch.setattr(serving, "forget_upload", lambda upload: None)
+    app.file_uploader[0].set_value(("first.png", _png(seed=21), "image/png")).run()
+    assert not app.exception and _details(app).startswith("first.png · ")
+    key = app.file_uploader[0].key
     app.file_uploader[0].set_value(("second.png", _png(seed=22), "image/png")).run()
-    assert _details(app).startswith("second.png · ")
+    assert not app.exception and _details(app).startswith("second.png · ")
+    assert app.file_uploader[0].key == key == "uploader"
+    app.pills[0].set_value(1).run()
+    assert "second.png" not in _details(app)
+    app.run()  # the uploader still names the file: not shown again over the example
+    assert not app.exception and "second.png" not in _details(app) and app.pills[0].value == 1
+    app.file_uploader[0].set_value(("second.png", _png(seed=22), "image/png")).run()
+    assert not app.exception and _details(app).startswith("second.png · ") and app.pills[0].value is None
 
 
 def test_the_model_card_counts_a_chinese_vocabulary_in_characters():

@@ -348,8 +348,10 @@ def _runs(served) -> list[str]:
     return [line.split("\t")[1] for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_each_upload_is_one_script_run(page, served, tmp_path):
-    """A new file replaces the last one without a run of its own (one that only removes it)."""
+def test_each_upload_is_captioned_once_and_sends_only_its_file(page, served, tmp_path):
+    """A new file replaces the last one in the one uploader: Streamlit runs the page once as it
+    removes the last file (the page redraws the last picture, nothing captioned) and once with
+    the new one; no other run, and no request but the file itself and the removal of the last."""
     requests: list[str] = []
     page.on("request", lambda request: requests.append(f"{request.method} {request.url}"))
     before = len(_runs(served))
@@ -362,10 +364,14 @@ def test_each_upload_is_one_script_run(page, served, tmp_path):
         _wait_idle(page)
         names.append(image.name)
     page.wait_for_timeout(500)  # a late run would show up here
-    assert _runs(served)[before:] == names
+    runs = _runs(served)[before:]
+    assert [name for i, name in enumerate(runs) if i == 0 or runs[i - 1] != name] == names
+    assert len(runs) <= 2 * len(names) - 1  # the first upload into an empty uploader: one run
     uploads = [r for r in requests if r.startswith("PUT ") and "/_stcore/upload_file/" in r]
+    removed = [r for r in requests if r.startswith("DELETE ") and "/_stcore/upload_file/" in r]
     to_server = [r for r in requests if "/static/" not in r]  # the page's own code, loaded once
-    assert len(uploads) == 3 and to_server == uploads  # the file itself, nothing else: the pictures are in the page
+    assert len(uploads) == 3 and len(removed) <= 2
+    assert sorted(to_server) == sorted(uploads + removed)  # the pictures are in the page
     stylesheets = page.evaluate(
         "() => [...document.querySelectorAll('style')].filter(s => s.textContent.includes('.captioner-result')).length")
     assert stylesheets == 1  # the page's stylesheet stays while uploads rerun the fragment, and only once
@@ -374,7 +380,9 @@ def test_each_upload_is_one_script_run(page, served, tmp_path):
 def _upload_with_the_button(page, path: Path) -> None:
     """As a person uploads: the uploader's own button, then the file in the browser's chooser."""
     with page.expect_file_chooser() as chooser:
-        page.locator(".stElementContainer:not([data-stale=true]) [data-testid=stFileUploaderDropzone] button").click()
+        # The uploader holding a file shows its remove (or cancel) button there too.
+        page.locator(".stElementContainer:not([data-stale=true]) [data-testid=stFileUploaderDropzone] "
+                     "button:not([aria-label^=Remove]):not([aria-label^=Cancel])").click()
     chooser.value.set_files(str(path))
 
 
@@ -493,19 +501,18 @@ def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser)
         page.close()
 
 
-
 @pytest.fixture(scope="module")
-def dropping_server(weights_dir, tmp_path_factory):
-    """(address, flag file): a server as ``served``, whose next rerun request after the flag file
-    is made arrives without the uploaders' values (tests/app/dropped_upload/sitecustomize.py)."""
+def slow_server(weights_dir, tmp_path_factory):
+    """(address, flag file): a server as ``served``, whose script runs wait before they start
+    while the flag file exists (tests/app/slow_runs/sitecustomize.py)."""
     from captioner.app.cli import server_env, streamlit_command
 
-    workdir = tmp_path_factory.mktemp("dropping")
-    log, flag = workdir / "streamlit.log", workdir / "drop-next"
+    workdir = tmp_path_factory.mktemp("slow")
+    log, flag = workdir / "streamlit.log", workdir / "slow-runs"
     env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir),
-                           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "dropped_upload"),
+                           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_runs"),
                                                           *filter(None, [os.environ.get("PYTHONPATH")])]),
-                           "CAPTIONER_TEST_DROP_UPLOAD": str(flag)})
+                           "CAPTIONER_TEST_SLOW_RUNS": str(flag)})
     with open(log, "wb") as out:
         proc = subprocess.Popen(streamlit_command(_free_port(), "127.0.0.1"), cwd=workdir, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
@@ -522,17 +529,26 @@ def dropping_server(weights_dir, tmp_path_factory):
             proc.wait()
 
 
-def test_an_upload_whose_run_comes_without_its_file_is_still_shown(browser, dropping_server, tmp_path):
-    """The next upload landing as the last one's run ends: Streamlit may start the next run
-    without the new uploader's value (about 1 upload in 50, uploads one after another as a
-    person makes them; docs/app-serving.md), and the page kept the previous picture, the
-    upload lost. Here that run is made exactly so, on the server: the file must be shown all
-    the same, and the uploads after it too."""
-    url, flag = dropping_server
+def test_an_upload_made_before_the_last_upload_s_run_draws_is_shown(browser, slow_server, tmp_path):
+    """A person's next upload may land after the last upload's rerun request and before its run
+    draws anything, and its file may take longer to send than that run takes to start: here the
+    run waits 3 s to start and the browser sends the next file in 5 s. The page kept in the
+    uploader then must be the one the file arrives in: an uploader replaced by that run (a new
+    key after every upload) dropped the file, no run ever came with it, and the page kept the
+    previous picture (the uploads lost in docs/app-serving.md)."""
+    url, flag = slow_server
     context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
+    slow_sends = []
+
+    def send(route):
+        if route.request.method == "PUT" and slow_sends:
+            time.sleep(slow_sends[0])  # a slow connection: the browser is sending the file meanwhile
+        route.continue_()
+
     try:
         page = context.new_page()
         page.set_default_timeout(90_000)
+        page.route("**/_stcore/upload_file/**", send)
         page.goto(url)
         page.get_by_test_id("stSidebar").get_by_test_id("stSelectbox").click()
         page.get_by_role("option", name=MODEL, exact=True).click()
@@ -540,24 +556,29 @@ def test_an_upload_whose_run_comes_without_its_file_is_still_shown(browser, drop
         _wait_idle(page)
         images = []
         for i in range(3):
-            images.append(tmp_path / f"late-{i}.png")
-            tiny_image(60 + i, (96, 64)).save(images[-1])
+            images.append(tmp_path / f"next-{i}.png")
+            tiny_image(70 + i, (96, 64)).save(images[-1])
         _upload_with_the_button(page, images[0])
         page.get_by_text(f"{images[0].name} · {MODEL} · beam 3").wait_for()
         _wait_idle(page)
 
-        flag.touch()
+        waiting = Path(f"{flag}.waiting")
+        flag.write_text("3")
         _upload_with_the_button(page, images[1])
-        page.get_by_text(f"{images[1].name} · {MODEL} · beam 3").wait_for(timeout=30_000)
-        assert not flag.exists()  # the run came without the file
+        deadline = time.monotonic() + 30
+        while not waiting.exists():  # a run is asked for (its own, or the one removing the last file), and waits
+            assert time.monotonic() < deadline, "no run was asked for after the upload"
+            page.wait_for_timeout(50)
+        flag.unlink()  # the runs after this one start at once
+        page.locator(f'.stElementContainer:not([data-stale=true]) [aria-label="Remove {images[1].name}"]'
+                     ).wait_for(timeout=30_000)  # the file is sent, its rerun asked for
+        slow_sends.append(5.0)
+        _upload_with_the_button(page, images[2])  # into the uploader that holds the last file
+        page.get_by_text(f"{images[2].name} · {MODEL} · beam 3").wait_for(timeout=40_000)
         _wait_idle(page)
-
-        # The uploader may still list the file the run came without: its own button replaces it.
-        with page.expect_file_chooser() as chooser:
-            page.locator(".stElementContainer:not([data-stale=true]) [data-testid=stFileUploaderDropzone] button"
-                         ).last.click()
-        chooser.value.set_files(str(images[2]))
-        page.get_by_text(f"{images[2].name} · {MODEL} · beam 3").wait_for(timeout=30_000)
+        # Shown from the uploader it landed in, which still names it.
+        assert page.locator(f'.stElementContainer:not([data-stale=true]) [aria-label="Remove {images[2].name}"]'
+                            ).count() == 1
         assert page.get_by_test_id("stException").count() == 0
     finally:
         context.close()

@@ -174,11 +174,13 @@ class Captioner:
         # config saying how the model was trained.
         model = CaptionModel(replace(cfg, encoder_pretrained=False))
         model.config = replace(model.config, encoder_pretrained=cfg.encoder_pretrained)
-        wrong = shape_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
-                               {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()})
-        if wrong is not None:
-            raise CheckpointError(f"checkpoint weights do not fit its own config: {wrong}")
-        model.load_state_dict(ckpt["state_dict"])
+        try:
+            model.load_state_dict(ckpt["state_dict"])
+        except RuntimeError as e:  # a module's own reason (an earlier form, say), else the first misfit in words
+            wrong = shape_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                                   {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()})
+            reason = wrong if wrong is not None and str(e).startswith("Error(s) in loading") else str(e)
+            raise CheckpointError(f"checkpoint weights do not fit its own config: {reason}") from None
         try:
             tokenizer = tokenizer_named(ckpt.get("tokenizer", DEFAULT_TOKENIZER))
         except ValueError as e:

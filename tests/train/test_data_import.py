@@ -390,7 +390,7 @@ def test_the_data_set_is_named_after_the_output_folder_unless_named(tmp_path):
     assert data_main(["import", str(source), "--out", str(tmp_path / "kitchen"), "--quiet"]) == 0
     assert read_dataset(tmp_path / "kitchen")["dataset"] == "kitchen"
     assert data_main(["import", str(source), "--out", str(tmp_path / "kitchen"), "--name", "Cups and mugs",
-                      "--quiet"]) == 0
+                      "--overwrite", "--quiet"]) == 0
     assert read_dataset(tmp_path / "kitchen")["dataset"] == "Cups and mugs"
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from . import folder as fmt
+from .cli import _max_len, _positive, _share  # the caption command's own checks (the CLI module needs no torch)
 from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
 from .npsearch import Decoded, beam_search, greedy
 from .vocab import tokenizer_named
@@ -185,16 +186,6 @@ def discover(paths: list[str]) -> list[str]:
     return found
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -208,12 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", metavar="MODEL_FOLDER", help="the folder captioner export --onnx wrote")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files or folders (searched recursively)")
     p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_positive, default=None,
+    p.add_argument("--max-len", type=_max_len, default=None,
                    help="most tokens per caption (default: the longest caption the model was trained on)")
     p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
                    help='also write "alternatives": the N best finished captions, best first (N <= --beam-size)')
     p.add_argument("--with-attention", action="store_true", help='add "alphas" (T x H x W) and "betas" (T)')
-    p.add_argument("--unfamiliar-below", type=float, default=UNFAMILIAR_BELOW, metavar="SHARE",
+    p.add_argument("--unfamiliar-below", type=_share, default=UNFAMILIAR_BELOW, metavar="SHARE",
                    help="report an image as unfamiliar below this familiarity (default 0.01)")
     p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
     p.add_argument("--threads", type=_positive, default=None, help="onnxruntime's threads (default: its own)")

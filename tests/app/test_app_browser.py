@@ -46,6 +46,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """End a server started by a fixture: terminate, then kill if it lingers."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -86,12 +96,7 @@ def served(weights_dir, tmp_path_factory):
         _wait_healthy(url, proc, log)
         yield url, proc, workdir / "runs.log"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -521,12 +526,7 @@ def slow_server(weights_dir, tmp_path_factory):
         _wait_healthy(url, proc, log)
         yield url, flag
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 def test_an_upload_made_before_the_last_upload_s_run_draws_is_shown(browser, slow_server, tmp_path):

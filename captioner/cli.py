@@ -3,6 +3,7 @@
 Library commands live here (caption, evaluate, shapes). Commands that belong to other
 parts of the project (``train`` from train/, ``app`` from app/) register themselves
 through the ``captioner.commands`` entry-point group, so the library never imports them.
+What every subcommand shares (exit codes, UsageError, the model loader) is in cli_common.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Library commands live here (caption, evaluate, shapes). Commands that belong to other
 parts of the project (``train`` from train/, ``app`` from app/) register themselves
 through the ``captioner.commands`` entry-point group, so the library never imports them.
+What every subcommand shares (exit codes, UsageError, the model loader) is in cli_common.py.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .cli_common import (EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, UsageError, check_device,
+                         check_out_file, load_model, make_folders)
 from .export_cli import add_export_parser
 
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
+if TYPE_CHECKING:
+    from .batch import BatchSummary, Discovery, ResumePlan
+    from .distributed import DistContext
+    from .inference import Captioner
+
 RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
-
-
-class UsageError(Exception):
-    """Bad arguments or inputs the user must fix; exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,59 +90,6 @@ def _share(value: str) -> float:
     if not 0 <= x <= 1:
         raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {value}")
     return x
-
-
-def check_device(name: str) -> str:
-    """``name`` if this machine has that device ("auto": the GPU if there is one, else the CPU)."""
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"--device {name}: not a device name (cpu, cuda, cuda:N or auto)") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise UsageError(f"--device {name}: no such device (this machine has {count} CUDA "
-                             f"device{'s' if count != 1 else ''}; --device cpu runs on the CPU)")
-    return name
-
-
-def check_out_file(path: Path) -> None:
-    """Refuse, before any work, an output file that cannot be written. Its missing folders are
-    made now (the one rule of every --out), so that the file can be written when the work is done."""
-    if path.is_dir():
-        raise UsageError(f"--out {path} is a folder; give a file name, e.g. {path / 'captions.jsonl'}")
-    make_folders(path.parent)
-    existed = path.exists()
-    try:
-        open(path, "a").close()
-    except OSError as e:
-        raise UsageError(f"--out {path}: cannot write there ({e.strerror or e})") from None
-    if not existed:
-        path.unlink(missing_ok=True)
-
-
-def make_folders(folder: Path, option: str = "--out") -> None:
-    """``folder`` and its missing parents, or a one-line UsageError saying why not."""
-    for parent in (folder, *folder.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"{option}: {parent} is a file, not a folder")
-            break
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{option}: cannot make the folder {folder} ({e.strerror or e})") from None
-
-
-def demo_notice(command: str, captioner) -> None:
-    """One line on stderr when the model knows synthetic shapes only (the bundled demos)."""
-    notice = captioner.notice()
-    if notice:
-        print(f"captioner {command}: note: {notice}", file=sys.stderr)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -265,19 +215,13 @@ def default_batch_size(device) -> int:
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
-    from .batch import BatchSummary, caption_paths, compact, discover, merge_parts, part_path, plan_resume, read_resume
-    from .checkpoint import CheckpointError
     from .distributed import DeviceError, setup, teardown, work_done
-    from .images import DEFAULT_MAX_PIXELS
-    from .inference import Captioner, DecodeOptions
-    from .vocab import UNK
 
     check_device(args.device)
     if args.num_captions > args.beam_size:
         raise UsageError(f"--num-captions {args.num_captions} is more than --beam-size {args.beam_size}: the "
                          "alternatives are the beam's finished captions (raise --beam-size)")
-    if args.out is not None:
-        check_out_file(args.out)
+    check_out_file(args.out)
     if args.attention_dir is not None:
         make_folders(args.attention_dir, "--attention-dir")  # refuses a file in the way, in one line
     # Under torchrun each rank captions its share into a part file; rank 0 merges them.
@@ -286,74 +230,21 @@ def cmd_caption(args: argparse.Namespace) -> int:
     except DeviceError as e:
         raise UsageError(str(e)) from None
     try:
-        if ctx.active and args.out is None:
-            raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")
-        paths = given_paths(args.paths)
-        try:
-            found = discover(paths)
-        except FileNotFoundError as e:
-            raise UsageError(str(e)) from e
-        if not found.images:
-            others = f" ({found.skipped} other file{'s' if found.skipped != 1 else ''})" if found.skipped else ""
-            raise UsageError(f"no image files in {', '.join(paths)}{others}; images are found by their "
-                             "extension (.jpg, .png, ...)")
-        try:
-            captioner = Captioner.load(args.weights, device=ctx.device).use_precision(args.precision)
-        except CheckpointError as e:
-            raise UsageError(str(e)) from e
-        if ctx.is_main:
-            demo_notice("caption", captioner)
+        found = _caption_inputs(args, ctx)
+        captioner = load_model("caption", args.weights, ctx.device, notice=ctx.is_main).captioner
+        captioner.use_precision(args.precision)
         if args.compile:
             captioner.compile(backend=args.compile)
-        if ctx.active and ctx.is_main:
-            merge_parts(args.out)  # parts left by an earlier, killed distributed run
-        ctx.barrier()
-        resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
-                              heads=args.attention_heads, alternatives=args.num_captions > 1)
-                  if args.out is not None else None)
-        plan = plan_resume(found.images, resume)
-        already, retried, again = plan.already, plan.retried, plan.again
-        pending = plan.todo[ctx.rank::ctx.world]
-        workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
-        options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
-                                length_penalty=args.length_penalty, hard_attention=args.hard_attention,
-                                unfamiliar_below=args.unfamiliar_below, num_captions=args.num_captions)
-        target = part_path(args.out, ctx.rank) if ctx.active else args.out
-        out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
+        plan = _caption_plan(args, ctx, found.images)
         try:
-            summary = caption_paths(captioner, pending, out, options=options,
-                                    batch_size=args.batch_size or default_batch_size(captioner.device),
-                                    workers=workers, with_attention=args.with_attention,
-                                    attention_dir=args.attention_dir,
-                                    max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
-                                    progress=False if args.quiet or not ctx.is_main else None,
-                                    resolved=args.out is not None, heads=args.attention_heads,
-                                    decode_on_device=args.decode_on_device)
+            summary = _caption_share(args, ctx, captioner, plan.todo[ctx.rank::ctx.world])
         except KeyboardInterrupt:
             if ctx.is_main:
                 print(interrupted_caption(args.out), file=sys.stderr)
             return EXIT_INTERRUPTED
-        finally:
-            if out is not sys.stdout:
-                out.close()
-        if ctx.active:
-            ctx.barrier()
-            if ctx.is_main:
-                merge_parts(args.out)
-            summary = BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)),
-                                   round(ctx.sum(summary.wordless)))
-        elif args.out is not None and (retried or again):
-            compact(args.out)  # the new lines replace the error lines and the lines without attention
-        if not args.quiet and ctx.is_main:
-            extra = (f", retried {retried} (failed before)" if retried else "") + \
-                    (f", {again} again for their attention" if again else "")
-            print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {found.skipped} "
-                  f"(not image files), already done {already}{extra}", file=sys.stderr)
-        if summary.wordless and ctx.is_main:
-            print(f"captioner caption: note: {summary.wordless} caption{'s' if summary.wordless != 1 else ''} "
-                  f"with no word (empty, or only {UNK}): the model has nothing to say of "
-                  f"{'them' if summary.wordless != 1 else 'it'}; a model trained longer or on such "
-                  "images may", file=sys.stderr)
+        summary = _caption_gathered(args, ctx, summary, plan)
+        if ctx.is_main:
+            _caption_report(args, summary, found.skipped, plan)
         # torchrun stops every rank as soon as one exits non-zero (some images failed): no
         # rank leaves before rank 0 has merged the parts and printed the summary, and then
         # none is stopped half-way out (each ends with its own exit code).
@@ -362,6 +253,97 @@ def cmd_caption(args: argparse.Namespace) -> int:
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
         teardown(ctx)
+
+
+def _caption_inputs(args: argparse.Namespace, ctx: DistContext) -> Discovery:
+    """The image files of the PATHs (``discover``), or a one-line UsageError: no image among
+    them, a path that is not there, a URL, or no --out under torchrun."""
+    from .batch import discover
+
+    if ctx.active and args.out is None:
+        raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")
+    paths = given_paths(args.paths)
+    try:
+        found = discover(paths)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    if not found.images:
+        others = f" ({found.skipped} other file{'s' if found.skipped != 1 else ''})" if found.skipped else ""
+        raise UsageError(f"no image files in {', '.join(paths)}{others}; images are found by their "
+                         "extension (.jpg, .png, ...)")
+    return found
+
+
+def _caption_plan(args: argparse.Namespace, ctx: DistContext, images: list[str]) -> ResumePlan:
+    """The images this run captions: those found, less what --out already holds as asked for."""
+    from .batch import merge_parts, plan_resume, read_resume
+
+    if ctx.active and ctx.is_main:
+        merge_parts(args.out)  # parts left by an earlier, killed distributed run
+    ctx.barrier()
+    resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
+                          heads=args.attention_heads, alternatives=args.num_captions > 1)
+              if args.out is not None else None)
+    return plan_resume(images, resume)
+
+
+def _caption_share(args: argparse.Namespace, ctx: DistContext, captioner: Captioner,
+                   pending: list[str]) -> BatchSummary:
+    """Caption this rank's ``pending`` images into --out (a part file of it under torchrun), or
+    to standard output, with the decoding and outputs the options ask for."""
+    from .batch import caption_paths, part_path
+    from .images import DEFAULT_MAX_PIXELS
+    from .inference import DecodeOptions
+
+    workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
+    options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
+                            length_penalty=args.length_penalty, hard_attention=args.hard_attention,
+                            unfamiliar_below=args.unfamiliar_below, num_captions=args.num_captions)
+    target = part_path(args.out, ctx.rank) if ctx.active else args.out
+    out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
+    try:
+        return caption_paths(captioner, pending, out, options=options,
+                             batch_size=args.batch_size or default_batch_size(captioner.device),
+                             workers=workers, with_attention=args.with_attention, attention_dir=args.attention_dir,
+                             max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+                             progress=False if args.quiet or not ctx.is_main else None,
+                             resolved=args.out is not None, heads=args.attention_heads,
+                             decode_on_device=args.decode_on_device)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+def _caption_gathered(args: argparse.Namespace, ctx: DistContext, summary: BatchSummary,
+                      plan: ResumePlan) -> BatchSummary:
+    """The whole run's summary (every rank's, summed), once --out holds one line per image."""
+    from .batch import BatchSummary, compact, merge_parts
+
+    if ctx.active:
+        ctx.barrier()
+        if ctx.is_main:
+            merge_parts(args.out)
+        return BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)),
+                            round(ctx.sum(summary.wordless)))
+    if args.out is not None and (plan.retried or plan.again):
+        compact(args.out)  # the new lines replace the error lines and the lines without attention
+    return summary
+
+
+def _caption_report(args: argparse.Namespace, summary: BatchSummary, skipped: int, plan: ResumePlan) -> None:
+    """On stderr: what the run did (unless --quiet), and a note of the captions with no word."""
+    from .vocab import UNK
+
+    if not args.quiet:
+        extra = (f", retried {plan.retried} (failed before)" if plan.retried else "") + \
+                (f", {plan.again} again for their attention" if plan.again else "")
+        print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {skipped} "
+              f"(not image files), already done {plan.already}{extra}", file=sys.stderr)
+    if summary.wordless:
+        print(f"captioner caption: note: {summary.wordless} caption{'s' if summary.wordless != 1 else ''} "
+              f"with no word (empty, or only {UNK}): the model has nothing to say of "
+              f"{'them' if summary.wordless != 1 else 'it'}; a model trained longer or on such "
+              "images may", file=sys.stderr)
 
 
 def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
@@ -473,22 +455,16 @@ def _split_records(args: argparse.Namespace) -> list:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError
     from .evaluation import evaluate, format_table, write_report
-    from .inference import Captioner, DecodeOptions
+    from .inference import DecodeOptions
 
     device = check_device(args.device)
-    if args.out is not None:
-        check_out_file(args.out)
+    check_out_file(args.out)
     if args.captions is not None:
         return _evaluate_captions_file(args, device)
     # The data first: a missing file is the one line a user sees, before any model is loaded.
     records = _split_records(args)
-    try:
-        captioner = Captioner.load(args.weights, device=device)
-    except CheckpointError as e:
-        raise UsageError(str(e)) from e
-    demo_notice("evaluate", captioner)
+    captioner = load_model("evaluate", args.weights, device).captioner
     report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
                       options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
                                             hard_attention=args.hard_attention,
@@ -505,10 +481,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _evaluate_captions_file(args: argparse.Namespace, device: str) -> int:
     """`evaluate --captions FILE`: the file's captions scored on the split, no decoding."""
-    from .checkpoint import CheckpointError
     from .data.coco import load_split
     from .evaluation import evaluate_captions, format_table, write_report
-    from .inference import Captioner
 
     if not args.captions.is_file():
         raise UsageError(f"--captions {args.captions}: no such file")
@@ -518,10 +492,7 @@ def _evaluate_captions_file(args: argparse.Namespace, device: str) -> int:
         raise UsageError(str(e)) from e
     preprocess = None
     if args.weights is not None:
-        try:
-            preprocess = Captioner.load(args.weights, device="cpu").preprocess
-        except CheckpointError as e:
-            raise UsageError(str(e)) from e
+        preprocess = load_model("evaluate", args.weights, "cpu", notice=False).captioner.preprocess
     try:
         report, read = evaluate_captions(args.captions, args.data, args.split, karpathy=args.karpathy,
                                          records=records, meteor=False if args.no_meteor else None,
@@ -571,9 +542,8 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_familiarity(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, atomic_save, load_checkpoint
+    from .checkpoint import atomic_save
     from .familiarity import training_features
-    from .inference import Captioner, resolve_weights
 
     device = check_device(args.device)
     if args.out is not None:
@@ -582,12 +552,8 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
                              "it (without --out the record is added to CHECKPOINT in place)")
         check_out_file(args.out)
     records = _split_records(args)
-    try:
-        path = resolve_weights(args.checkpoint)
-        ckpt = load_checkpoint(path)
-        captioner = Captioner.from_file(path, ckpt, device)
-    except CheckpointError as e:
-        raise UsageError(str(e)) from e
+    model = load_model("familiarity", args.checkpoint, device, notice=False)
+    captioner, path, ckpt = model.captioner, model.path, model.checkpoint
     data = f"{args.data_name or captioner.training_data or args.data.name}, split {args.split}, {len(records)} images"
     try:
         record = training_features(captioner, records, data=data, batch_size=args.batch_size,
@@ -676,9 +642,5 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
-if __name__ == "__main__":
-    # `python -m captioner.cli` (as torchrun runs it) makes this file __main__, a second copy of
-    # the module: the subcommands raise captioner.cli.UsageError, which only that copy's main catches.
-    from captioner.cli import main as module_main
-
-    sys.exit(module_main())
+if __name__ == "__main__":  # `python -m captioner.cli`, as torchrun runs it
+    sys.exit(main())

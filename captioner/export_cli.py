@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+from .cli_common import EXIT_OK, UsageError, load_model
+
 LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: mit, apache-2.0, cc-by-4.0, other, ...
 
 
@@ -42,17 +44,13 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError
-    from .cli import EXIT_OK, UsageError, demo_notice
     from .export import ExportError, check_target, export
-    from .inference import Captioner
 
     try:
         check_target(args.out)
-        captioner = Captioner.load(args.checkpoint)
-        demo_notice("export", captioner)
+        captioner = load_model("export", args.checkpoint, "cpu").captioner
         done = export(captioner, args.out, onnx=args.onnx, license=args.license, source=captioner.name)
-    except (CheckpointError, ExportError) as e:
+    except ExportError as e:
         raise UsageError(str(e)) from None
     print(f"wrote {done.folder}: {', '.join(done.files)}", file=sys.stderr)
     return EXIT_OK

@@ -47,7 +47,7 @@ ON_RESUME = ("optim.epochs", "optim.max_steps", "optim.max_minutes", "val.patien
 
 def cmd_train(args: argparse.Namespace) -> int:
     from captioner.checkpoint import CheckpointError, load_checkpoint
-    from captioner.cli import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
+    from captioner.cli_common import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
 
     from .config import TrainConfig, apply_overrides, check_ignored, find_config, read_config, written_keys

@@ -186,7 +186,7 @@ def _wrapped(text: str) -> str:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from captioner.cli import EXIT_SOME_FAILED, UsageError, make_folders
+    from captioner.cli_common import EXIT_SOME_FAILED, UsageError, make_folders
     from captioner.data.check import unreadable_images
     from captioner.data.own import SourceError, draw_splits, read_source, split_sizes, write_dataset
     from captioner.vocab import guess_tokenizer
@@ -263,7 +263,7 @@ def _shown(path: Path) -> Path:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from captioner.cli import UsageError
+    from captioner.cli_common import UsageError
     from captioner.data.check import unreadable_images
     from captioner.images import Preprocess
 
@@ -304,7 +304,7 @@ def print_unusable(problems: dict[str, str], total: int, limit: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from captioner.cli import EXIT_USAGE, UsageError
+    from captioner.cli_common import EXIT_USAGE, UsageError
 
     parser = argparse.ArgumentParser(prog="captioner data", description="Data set tools.")
     _add_subcommands(parser)

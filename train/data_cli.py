@@ -169,7 +169,7 @@ def _wrapped(text: str) -> str:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from captioner.cli import EXIT_SOME_FAILED, UsageError, make_folders
-    from captioner.data.check import unreadable_images
+    from .image_check import unreadable_images
     from .own import SourceError, draw_splits, read_source, split_sizes, write_dataset
     from captioner.vocab import guess_tokenizer
     from captioner.images import Preprocess
@@ -246,7 +246,7 @@ def _shown(path: Path) -> Path:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from captioner.cli import UsageError
-    from captioner.data.check import unreadable_images
+    from .image_check import unreadable_images
     from captioner.images import Preprocess
 
     from .startup import StartupError, data_tokenizer

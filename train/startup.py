@@ -210,7 +210,7 @@ def build_model(cfg: TrainConfig, kept: TrainingCaptions, ckpt: dict | None, dev
 def _unreadable_images(splits: dict[str, list], preprocess: Preprocess, d: DataConfig, ctx: DistContext,
                        progress: bool) -> dict[Path, str]:
     """Path -> why, for every image of ``splits`` that does not decode; each rank checks its share."""
-    from captioner.data.check import unreadable_images
+    from .image_check import unreadable_images
 
     paths = sorted({r.path for records in splits.values() for r in records})
     mine = unreadable_images(paths[ctx.rank::ctx.world], preprocess, workers=d.loader_workers(),

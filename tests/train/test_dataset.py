@@ -34,8 +34,8 @@ def opened(monkeypatch) -> Counter:
     return counts
 
 
-def test_training_reads_each_annotation_file_and_its_config_once(tiny_coco, tmp_path, opened):
-    cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 1, "val.every_epochs": 0})
+def test_training_reads_each_annotation_file_and_its_config_once(tiny_coco, tmp_path, opened, capsys):
+    cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 1, "val.every_epochs": 0, "hard.entropy": 0.01})
     (tmp_path / "base.toml").write_text(to_toml(cfg))
     (tmp_path / "top.toml").write_text('base = "base.toml"\n[optim]\nmax_steps = 1\n')
     opened.clear()
@@ -44,6 +44,14 @@ def test_training_reads_each_annotation_file_and_its_config_once(tiny_coco, tmp_
     assert opened["top.toml"] == 1 and opened["base.toml"] == 1
     assert opened["captions_train.json"] == 1 and opened["captions_val.json"] == 1
     assert opened["captions_test.json"] == 0
+    # Read once, the file's own keys are still told from its base's: ignored in a base, a note ...
+    assert "note: ignored, REINFORCE is for hard attention" in capsys.readouterr().err
+
+    # ... and in the file itself, a refusal.
+    (tmp_path / "top.toml").write_text('base = "base.toml"\n[hard]\nentropy = 0.02\n')
+    assert captioner_main(["train", "--config", str(tmp_path / "top.toml"), "--run-dir", str(tmp_path / "run2"),
+                           "--quiet"]) == 2
+    assert "hard.entropy (from the config file) has no effect" in capsys.readouterr().err
 
 
 def test_data_check_reads_a_karpathy_split_file_once_for_all_three_splits(tmp_path, photos, opened, capsys):
@@ -109,3 +117,18 @@ def test_a_folder_holding_only_an_imported_dataset_json_is_named_own_data(tmp_pa
     assert data.split_file == tmp_path / "dataset.json"
     assert data.name == "holiday photos (own data)"
     assert load_dataset(tiny_train_config(tmp_path, **{"data.karpathy": "dataset.json"}).data).name == data.name
+
+
+def test_the_test_split_is_read_only_for_data_check_and_only_from_a_split_file(tiny_coco, tiny_karpathy):
+    coco_layout = tiny_train_config(tiny_coco).data  # captions_test.json is there, but not asked for
+    assert list(load_dataset(coco_layout).splits) == list(load_dataset(coco_layout, test=True).splits) == ["train",
+                                                                                                          "val"]
+    karpathy = tiny_train_config(tiny_coco, **{"data.karpathy": str(tiny_karpathy)}).data
+    assert list(load_dataset(karpathy).splits) == ["train", "val"]
+    assert [r.image_id for r in load_dataset(karpathy, test=True).splits["test"]] == [301, 302]
+
+
+def test_generated_shapes_are_named_synthetic_shapes_by_their_captions_file(tmp_path):
+    for split in ("train", "val"):
+        _captions_file(tmp_path / f"captions_{split}.json", {"description": "synthetic shapes, seed 3"}, ["a cat"])
+    assert load_dataset(tiny_train_config(tmp_path).data).name == "synthetic shapes"

@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 import captioner.train.scst as scst
-from captioner.data.coco import CaptionDataset, collate_captions, load_split
+from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
 from captioner.encoders import Annotations
 from captioner.inference import Captioner
+from captioner.train.captions import CaptionDataset, collate_captions
 from captioner.train.config import ScstConfig
 from captioner.train.losses import soft_loss
 

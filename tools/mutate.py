@@ -53,7 +53,7 @@ MODULES: dict[str, list[str]] = {
     "captioner/familiarity.py": ["tests/captioner/test_familiarity.py"],
     "captioner/decoding.py": ["tests/captioner/test_decoding.py"],
     "captioner/vocab.py": ["tests/captioner/test_vocab.py", "tests/captioner/test_tokenizer.py"],
-    "captioner/data/own.py": ["tests/train/test_data_import.py"],
+    "train/own.py": ["tests/train/test_data_import.py"],
 }
 
 # The cosmic-ray operators used: one natural replacement for each arithmetic and set operator,

@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from captioner.cli_common import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
 
-    from .config import TrainConfig, apply_overrides, check_ignored, find_config, read_config, written_keys
+    from .config import TrainConfig, apply_overrides, check_ignored, find_config, over_bases, written_keys
     from .data_cli import require_data
     from .loop import RunWriteError, new_run_dir, outcome_line, train
     from .startup import StartupError, check_new_run, check_run_folder, clear_run_folder
@@ -75,17 +75,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             cfg = apply_overrides(TrainConfig.from_dict(last["train_state"]["config"]), args.overrides)
         else:
             config = find_config(args.config)  # a file, or a shipped config's name
-            merged = read_config(config)  # the file over its bases, read once
-            in_chain = written_keys(merged)
-            cfg = apply_overrides(TrainConfig.from_dict(merged), args.overrides)
             with open(config, "rb") as f:
-                stated = written_keys(tomllib.load(f))  # the file's own keys, beside its bases'
+                own = tomllib.load(f)  # read once: its own keys, beside its bases', and merged over them
+            merged = over_bases(config, own)
+            in_chain, stated = written_keys(merged), written_keys(own)
+            cfg = apply_overrides(TrainConfig.from_dict(merged), args.overrides)
             overridden = {item.split("=", 1)[0] for item in args.overrides}
             notes = check_ignored(cfg, stated, in_chain, overridden)
             run_dir = args.run_dir or new_run_dir(cfg)
             check_run_folder(run_dir, args.overwrite)  # a run there is kept, unless asked
             check_new_run(cfg, config)
-        require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
+        data = require_data(cfg)  # missing annotations or images: a one-line error now, not a traceback later
     except (OSError, ValueError, KeyError, CheckpointError) as e:
         raise UsageError(str(e)) from e
     if is_main_process():
@@ -94,7 +94,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.overwrite and args.resume is None:
             clear_run_folder(run_dir)
     try:
-        outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet, last=last)
+        outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet, last=last,
+                        data=data)
     except (StartupError, RunWriteError) as e:
         # Under torchrun every rank stops on the same error: rank 0 says it.
         if is_main_process():

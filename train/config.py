@@ -324,6 +324,13 @@ def read_config(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     path = find_config(path) if not _chain else Path(path)
     with open(path, "rb") as f:
         data = tomllib.load(f)
+    return over_bases(path, data, _chain)
+
+
+def over_bases(path: Path, data: dict, _chain: tuple[Path, ...] = ()) -> dict:
+    """``data``, the TOML of the config file at ``path``, merged over its base's when it names
+    one: for a caller that has read the file already (for its own keys, say)."""
+    data = dict(data)
     base = data.pop("base", None)
     if base is None:
         return data

@@ -4,15 +4,16 @@ and training's start-up."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, TrainingCaptions
+from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, SplitSet, load_splits
 from captioner.bundled import SYNTHETIC_SHAPES
 from captioner.vocab import Tokenizer, Vocabulary
 
+from .captions import TrainingCaptions
 from .config import DataConfig
 
 # The "dataset" field of Karpathy's split files -> the data set's name.
@@ -20,53 +21,46 @@ KARPATHY_DATASETS = {"coco": "COCO 2014, Karpathy split", "flickr8k": "Flickr8k"
                      "flickr30k": "Flickr30k, Karpathy split"}
 
 
-def _description(captions_file: Path) -> str:
-    """``info.description`` of a COCO-format captions file ("COCO 2014 Dataset"), or ""."""
-    try:
-        with open(captions_file, encoding="utf-8") as f:
-            info = json.load(f).get("info") or {}
-    except (OSError, ValueError, AttributeError):
-        return ""
-    description = info.get("description") if isinstance(info, dict) else None
-    return description.strip() if isinstance(description, str) else ""
+@dataclass(frozen=True)
+class DataSet:
+    """A training config's data, its files read once at start-up and handed on: the records of
+    its splits, the tokenizer it names, and its name for the checkpoint and the app."""
+
+    dir: Path
+    splits: dict[str, list[ImageRecord]]  # the training and validation splits (`data check`: and test)
+    split_file: Path | None  # the Karpathy split file read (a folder's own dataset.json too); None: COCO's layout
+    tokenizer: str  # the tokenizer's name the data gives ("ptb" when it names none)
+    name: str  # what the model card calls it: see ``training_data_name``
+
+    def with_splits(self, splits: dict[str, list[ImageRecord]]) -> "DataSet":
+        """The same data set with other records (its readable images only, say)."""
+        return replace(self, splits=splits)
 
 
-def _karpathy_dataset(split_file: Path) -> str:
-    """The ``dataset`` field of a Karpathy split file ("coco", "flickr8k"), or "". The published
-    files end with it: reading the last few KB finds it without parsing COCO's 150 MB again."""
-    try:
-        with open(split_file, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - 4096))
-            tail = f.read().decode("utf-8", errors="replace")
-            found = re.search(r'"dataset"\s*:\s*"([^"]*)"\s*}?\s*$', tail)
-            if found is not None:
-                return found.group(1)
-            f.seek(0)
-            dataset = json.load(f).get("dataset")
-    except (OSError, ValueError, AttributeError):
-        return ""
-    return dataset if isinstance(dataset, str) else ""
+def load_dataset(d: DataConfig, test: bool = False) -> DataSet:
+    """The data of ``d``: its training and validation splits, with ``test`` also a Karpathy split
+    file's test split when it has one; each file read once. A missing file or split is a
+    one-line FileNotFoundError."""
+    found = load_splits(d.dir, [d.train_split, d.val_split], d.split_file,
+                        optional=["test"] if test and d.split_file is not None else [])
+    return DataSet(Path(d.dir), found.records, found.split_file, found.tokenizer, training_data_name(d, found))
 
 
-def training_data_name(d: DataConfig) -> str:
-    """The data set a model trains on, named from its layout and never by where it lies (the
-    name is shown to every visitor of the app): "COCO 2014, Karpathy split" and "Flickr8k" from
-    Karpathy's split files, "COCO 2014, split train2014" from COCO's own annotations, "synthetic
-    shapes" for the generated data. A name that starts with "synthetic shapes" tells the app and
-    the CLI that the model knows shapes only."""
-    folder = Path(d.dir)
-    captions = next((p for p in (folder / f"captions_{d.train_split}.json",
-                                 folder / "annotations" / f"captions_{d.train_split}.json") if p.is_file()), None)
-    description = _description(captions) if captions is not None else ""
-    if d.generate_shapes or description.startswith(SYNTHETIC_SHAPES):
+def training_data_name(d: DataConfig, found: SplitSet) -> str:
+    """The data set a model trains on, named from its layout and what its files call it
+    (``found``: its splits as read) and never by where it lies (the name is shown to every
+    visitor of the app): "COCO 2014, Karpathy split" and "Flickr8k" from Karpathy's split files,
+    "COCO 2014, split train2014" from COCO's own annotations, "NAME (own data)" from what
+    `captioner data import` wrote, "synthetic shapes" for the generated data. A name that starts
+    with "synthetic shapes" tells the app and the CLI that the model knows shapes only."""
+    folder, title, split_file = Path(d.dir), found.title, found.split_file
+    if d.generate_shapes or title.startswith(SYNTHETIC_SHAPES):
         return SYNTHETIC_SHAPES
-    if d.split_file is not None:
-        dataset = _karpathy_dataset(d.split_file)
-        if d.split_file.name == OWN_SPLIT_FILE:  # what `captioner data import` wrote: a seeded split of its own
-            return f"{dataset or folder.resolve().name} (own data)"
-        return KARPATHY_DATASETS.get(dataset.lower(), f"{dataset or d.split_file.stem}, Karpathy split")
-    name = re.sub(r"\s+dataset\b", "", description, flags=re.I).strip() or folder.resolve().name
+    if split_file is not None:
+        if split_file.name == OWN_SPLIT_FILE:  # what `captioner data import` wrote: a seeded split of its own
+            return f"{title or folder.resolve().name} (own data)"
+        return KARPATHY_DATASETS.get(title.lower(), f"{title or split_file.stem}, Karpathy split")
+    name = re.sub(r"\s+dataset\b", "", title, flags=re.I).strip() or folder.resolve().name
     return f"{name}, split {d.train_split}"
 
 

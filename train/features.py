@@ -20,12 +20,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.data.coco import ImageDataset, ImageRecord, TrainingCaptions, training_captions
+from captioner.data.coco import ImageDataset, ImageRecord
 from captioner.images import Preprocess
 from captioner.model import CaptionModel
 from captioner.vocab import Vocabulary
 
 from captioner.distributed import DistContext
+
+from .captions import TrainingCaptions, training_captions
 
 
 def cache_key(records: list[ImageRecord], model: CaptionModel, preprocess: Preprocess) -> str:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.checkpoint import atomic_save, load_checkpoint
-from captioner.data.coco import CaptionDataset, ImageRecord, TrainingCaptions, collate_captions, training_captions
+from captioner.data.coco import ImageRecord
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
 from captioner.evaluation import evaluate
@@ -40,9 +40,10 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel
 
 from .averaging import WeightAverage
+from .captions import CaptionDataset, TrainingCaptions, collate_captions, training_captions
 from .checkpoints import same_encoder
 from .config import TrainConfig, metric_parts, to_toml
-from .datainfo import summary_lines, training_data_name
+from .datainfo import DataSet, load_dataset, summary_lines
 from .losses import LossParts
 from .objectives import Objective, choose_objective
 from .precision import MixedPrecision
@@ -209,7 +210,7 @@ class Run:
     ctx: DistContext
     progress: bool
     preprocess: Preprocess
-    splits: dict[str, list[ImageRecord]]  # the training and validation splits, readable images only
+    data: DataSet  # its training and validation splits with readable images only
     left_out: dict[str, int]  # split -> images left out as unreadable
     kept: TrainingCaptions
     model: CaptionModel
@@ -227,11 +228,11 @@ class Run:
 
     @property
     def train_records(self) -> list[ImageRecord]:
-        return self.splits[self.cfg.data.train_split]
+        return self.data.splits[self.cfg.data.train_split]
 
     @property
     def val_records(self) -> list[ImageRecord]:
-        return self.splits[self.cfg.data.val_split]
+        return self.data.splits[self.cfg.data.val_split]
 
     @property
     def val_images(self) -> int:
@@ -305,10 +306,11 @@ class RunFiles:
 
 
 def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progress: bool = True,
-          last: dict | None = None) -> TrainOutcome:
+          last: dict | None = None, data: DataSet | None = None) -> TrainOutcome:
     """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly
     (``last``: that file's contents, when the caller has read it already: a COCO run's last.pt
-    with its optimiser state is large).
+    with its optimiser state is large; ``data``: the config's data, when the caller has read it:
+    COCO's annotations take seconds to parse).
 
     Under torchrun every rank calls this: each trains on its share of every global batch
     (DistributedDataParallel averages the gradients), rank 0 validates and writes."""
@@ -324,7 +326,7 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
     except DeviceError as e:
         raise StartupError(str(e)) from None
     try:
-        outcome = _train(cfg, run_dir, ckpt, ctx, progress)
+        outcome = _train(cfg, run_dir, ckpt, ctx, progress, data)
         work_done(ctx)  # every rank saved, or stopped on the same error: each ends with its own code
         return outcome
     except (StartupError, RunWriteError):
@@ -334,8 +336,9 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
         teardown(ctx)
 
 
-def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool) -> TrainOutcome:
-    run = build_run(cfg, run_dir, ckpt, ctx, progress)
+def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool,
+           data: DataSet | None) -> TrainOutcome:
+    run = build_run(cfg, run_dir, ckpt, ctx, progress, data)
     state = TrainState()
     if ckpt is not None:
         state = restore(run, ckpt)
@@ -400,9 +403,11 @@ def record_familiarity(run: Run) -> None:
                   "adds it later", file=sys.stderr)
 
 
-def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool) -> Run:
-    """The data, the model (fresh, from ``model.init_from`` / ``encoder_from``, or the checkpoint's
-    when resuming), the optimiser and the objectives; nothing written yet."""
+def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool,
+              data: DataSet | None = None) -> Run:
+    """The data (``data`` as the caller read it, else read here, after generating shapes), the model
+    (fresh, from ``model.init_from`` / ``encoder_from``, or the checkpoint's when resuming), the
+    optimiser and the objectives; nothing written yet."""
     d, o = cfg.data, cfg.optim
     if o.threads > 0:
         torch.set_num_threads(o.threads)
@@ -412,9 +417,10 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
         prepare_data(cfg)
     ctx.barrier()
 
-    preprocess, splits, left_out = readable_splits(cfg, ctx, progress)
-    tokenizer = data_tokenizer(cfg, ckpt)
-    kept = training_captions(splits[d.train_split], d.max_caption_len, tokenizer)
+    data = data if data is not None else load_dataset(d)
+    preprocess, data, left_out = readable_splits(cfg, data, ctx, progress)
+    tokenizer = data_tokenizer(data, ckpt)
+    kept = training_captions(data.splits[d.train_split], d.max_caption_len, tokenizer)
     model, vocab = build_model(cfg, kept, ckpt, ctx.device, tokenizer)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
@@ -426,14 +432,14 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
     optimizer = build_optimizer(groups, o)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, o.lr_decay_every), gamma=o.lr_decay)
     # Self-critical training's references are the training split's.
-    objective = choose_objective(cfg, model.config.attention, vocab, [r.captions for r in splits[d.train_split]],
+    objective = choose_objective(cfg, model.config.attention, vocab, [r.captions for r in data.splits[d.train_split]],
                                  ctx)
     average = WeightAverage(model, o.ema) if o.ema else None
     # "run": the run folder's name, which names its best.pt and last.pt (captioner.inference.checkpoint_name).
-    meta = {"name": cfg.name, "run": run_dir.name, "data": d.dir, "training_data": training_data_name(d),
+    meta = {"name": cfg.name, "run": run_dir.name, "data": d.dir, "training_data": data.name,
             "max_caption_len": d.max_caption_len,  # decoding's default length limit (Captioner.max_len)
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
-    return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, splits=splits,
+    return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, data=data,
                left_out=left_out, kept=kept, model=model, captioner=Captioner(model, vocab, preprocess),
                optimizer=optimizer, scheduler=scheduler, precision=MixedPrecision(o.precision, ctx.device),
                objective=objective, average=average, meta=meta)
@@ -711,7 +717,7 @@ def _print_summary(run: Run) -> None:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     threads = torch.get_num_threads()
-    lines = summary_lines(run.cfg.data, run.splits, run.captioner.vocab, run.kept, run.left_out) + [
+    lines = summary_lines(run.cfg.data, run.data.splits, run.captioner.vocab, run.kept, run.left_out) + [
         f"model: {m.attention} attention, {m.encoder} encoder"
         f"{' (ImageNet weights)' if m.encoder_pretrained else ''}, {total:,} parameters ({trainable:,} trained)",
         f"device: {run.ctx.device}, {threads} thread{'s' if threads != 1 else ''}"

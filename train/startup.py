@@ -20,7 +20,6 @@ import torch
 import captioner
 from captioner.checkpoint import CheckpointError, load_checkpoint
 from captioner.folder import is_model_folder
-from captioner.data.coco import ImageRecord, TrainingCaptions, dataset_tokenizer, load_splits
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
@@ -29,8 +28,9 @@ from captioner.inference import resolve_weights
 from captioner.model import CaptionModel, ModelConfig
 from captioner.vocab import DEFAULT_TOKENIZER, PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 
+from .captions import TrainingCaptions
 from .config import DataConfig, TrainConfig, grounding_metrics, model_config
-from .datainfo import vocabulary
+from .datainfo import DataSet, vocabulary
 
 
 class StartupError(ValueError):
@@ -150,13 +150,13 @@ def prepare_data(cfg: TrainConfig) -> None:
                          top_to_bottom=d.shapes_top_to_bottom, language=d.shapes_language)
 
 
-def readable_splits(cfg: TrainConfig, ctx: DistContext,
-                    progress: bool) -> tuple[Preprocess, dict[str, list[ImageRecord]], dict[str, int]]:
-    """The preprocessing, the training and validation splits less their unreadable images, and
-    split -> how many were left out. A damaged image stops the run here, each named (unless
-    ``data.skip_unreadable``), rather than with a traceback an hour in."""
+def readable_splits(cfg: TrainConfig, data: DataSet, ctx: DistContext,
+                    progress: bool) -> tuple[Preprocess, DataSet, dict[str, int]]:
+    """The preprocessing, ``data`` with its training and validation splits less their unreadable
+    images, and split -> how many were left out. A damaged image stops the run here, each named
+    (unless ``data.skip_unreadable``), rather than with a traceback an hour in."""
     d, m = cfg.data, cfg.model
-    splits = load_splits(d.dir, [d.train_split, d.val_split], d.split_file)
+    splits = data.splits
     preprocess = Preprocess(size=(m.image_size, m.image_size), mean=IMAGENET_MEAN, std=IMAGENET_STD,
                             resize=m.resize)
     # Every image decoded once now, the way training decodes it.
@@ -168,19 +168,17 @@ def readable_splits(cfg: TrainConfig, ctx: DistContext,
     if not readable[d.train_split] or not readable[d.val_split]:
         raise StartupError("no readable images left in split "
                            f"{d.train_split if not readable[d.train_split] else d.val_split!r}")
-    return preprocess, readable, left_out
+    return preprocess, data.with_splits(readable), left_out
 
 
-def data_tokenizer(cfg: TrainConfig, ckpt: dict | None = None) -> Tokenizer:
+def data_tokenizer(data: DataSet, ckpt: dict | None = None) -> Tokenizer:
     """The tokenizer a run trains with: the checkpoint's when resuming, else the one its data
     set names (the split file's or the captions file's; "ptb" when none)."""
-    d = cfg.data
-    name = (ckpt.get("tokenizer", DEFAULT_TOKENIZER) if ckpt is not None
-            else dataset_tokenizer(d.dir, d.split_file, d.train_split))
+    name = ckpt.get("tokenizer", DEFAULT_TOKENIZER) if ckpt is not None else data.tokenizer
     try:
         return tokenizer_named(name)
     except ValueError as e:
-        raise StartupError(f"{d.split_file or d.dir} names an {e}") from e
+        raise StartupError(f"{data.split_file or data.dir} names an {e}") from e
 
 
 def build_model(cfg: TrainConfig, kept: TrainingCaptions, ckpt: dict | None, device: torch.device,
@@ -212,7 +210,7 @@ def build_model(cfg: TrainConfig, kept: TrainingCaptions, ckpt: dict | None, dev
 def _unreadable_images(splits: dict[str, list], preprocess: Preprocess, d: DataConfig, ctx: DistContext,
                        progress: bool) -> dict[Path, str]:
     """Path -> why, for every image of ``splits`` that does not decode; each rank checks its share."""
-    from captioner.data.check import unreadable_images
+    from .image_check import unreadable_images
 
     paths = sorted({r.path for records in splits.values() for r in records})
     mine = unreadable_images(paths[ctx.rank::ctx.world], preprocess, workers=d.loader_workers(),

@@ -15,7 +15,8 @@ through that file, with no need to name it.
 
 Each data set has a tokenizer (``captioner.vocab``): the split file's top-level
 ``"tokenizer"``, or the captions file's ``info.tokenizer``; "ptb" (English) when neither
-names one. :func:`dataset_tokenizer` reads it.
+names one. :func:`load_splits` gives it with the records (``SplitSet.tokenizer``);
+:func:`dataset_tokenizer` reads it alone, from the file's ends, for a caller that has the records.
 
 Annotation files are read with pycocotools, so anything it accepts works here.
 """
@@ -28,16 +29,16 @@ import json
 import os
 import re
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
 from ..images import ImageLoadError, Preprocess
-from ..vocab import DEFAULT_TOKENIZER, PTB, Tokenizer, Vocabulary
+from ..vocab import DEFAULT_TOKENIZER
 
 # The split file ``captioner data import`` writes: a folder holding it is read through it.
 OWN_SPLIT_FILE = "dataset.json"
@@ -120,6 +121,12 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
     empty caption list: they can still be captioned, just not scored or trained on. A
     caption with no word in it is left out (``ImageRecord.empty_captions`` counts them).
     """
+    return _read_captions_file(captions_json, image_root)[0]
+
+
+def _read_captions_file(captions_json: str | os.PathLike, image_root: str | os.PathLike) -> tuple[list[ImageRecord],
+                                                                                                  dict]:
+    """:func:`load_records`, and the file's ``info`` (a dict, empty when the file has none)."""
     from pycocotools.coco import COCO  # imported here: only this function needs it
 
     captions_json = Path(captions_json)
@@ -144,16 +151,50 @@ def load_records(captions_json: str | os.PathLike, image_root: str | os.PathLike
             height=_int_or_none(info.get("height")),
             empty_captions=empty,
         ))
-    return records
+    info = coco.dataset.get("info")
+    return records, info if isinstance(info, dict) else {}
 
 
-def load_splits(data_dir: str | os.PathLike, splits: Sequence[str],
-                karpathy: str | os.PathLike | None = None) -> dict[str, list[ImageRecord]]:
-    """:func:`load_split` for several splits; a Karpathy split file is read once."""
-    karpathy = karpathy if karpathy is not None else own_split_file(data_dir)
+@dataclass(frozen=True)
+class SplitSet:
+    """Several splits of a data folder, each file read once, with what the files say of the
+    data set: the tokenizer it names and its own name for itself. "The files": the Karpathy
+    split file, else the first split's captions file."""
+
+    records: dict[str, list[ImageRecord]]
+    split_file: Path | None  # the Karpathy split file read (a folder's own dataset.json included)
+    tokenizer: str = DEFAULT_TOKENIZER  # the split file's "tokenizer", or the captions file's info.tokenizer
+    title: str = ""  # the split file's "dataset" ("coco", "flickr8k"), or the captions file's info.description
+
+
+def load_splits(data_dir: str | os.PathLike, splits: Sequence[str], karpathy: str | os.PathLike | None = None,
+                optional: Sequence[str] = ()) -> SplitSet:
+    """:func:`load_split` for several splits, each file read once (a Karpathy split file once for
+    all), and what the files name: the tokenizer and the data set's title. ``optional``: more
+    splits, left out when the data has none."""
+    data_dir = Path(data_dir)
+    karpathy = Path(karpathy) if karpathy is not None else own_split_file(data_dir)
     if karpathy is not None:
-        return load_karpathy_splits(karpathy, data_dir, splits)
-    return {split: load_split(data_dir, split) for split in splits}
+        data = _read_karpathy_file(karpathy, data_dir)
+        named = {"tokenizer": data.get("tokenizer"), "description": data.get("dataset")}
+
+        def read(split: str) -> tuple[list[ImageRecord], dict]:
+            return _karpathy_split(data["images"], karpathy, data_dir, split), named
+    else:
+        read = partial(_split_records, data_dir)  # records and the captions file's info
+    found = {split: read(split) for split in splits}
+    for split in optional:
+        if split not in found:
+            with contextlib.suppress(SplitNotFoundError):
+                found[split] = read(split)
+    info = found[splits[0]][1]  # the split file's names, or the first split's captions file's
+    return SplitSet({split: records for split, (records, _) in found.items()}, karpathy,
+                    _named(info.get("tokenizer")) or DEFAULT_TOKENIZER, _named(info.get("description")))
+
+
+def _named(value: object) -> str:
+    """A name a file gives (stripped), or "" for anything that is not a string."""
+    return value.strip() if isinstance(value, str) else ""
 
 
 def load_split(data_dir: str | os.PathLike, split: str,
@@ -174,14 +215,15 @@ def load_split(data_dir: str | os.PathLike, split: str,
     karpathy = karpathy if karpathy is not None else own_split_file(data_dir)
     if karpathy is not None:
         return load_karpathy(karpathy, data_dir, split)
+    return _split_records(data_dir, split)[0]
 
-    candidates = [
-        (data_dir / f"captions_{split}.json", data_dir / "images"),
-        (data_dir / "annotations" / f"captions_{split}.json", data_dir / split),
-    ]
+
+def _split_records(data_dir: Path, split: str) -> tuple[list[ImageRecord], dict]:
+    """:func:`load_split` without a split file, and the captions file's ``info``."""
+    candidates = _layouts(data_dir, split)
     for captions_json, image_root in candidates:
         if captions_json.is_file():
-            return load_records(captions_json, image_root)
+            return _read_captions_file(captions_json, image_root)
 
     available = available_splits(data_dir)
     listing = ", ".join(available) if available else "none"
@@ -189,6 +231,13 @@ def load_split(data_dir: str | os.PathLike, split: str,
     raise SplitNotFoundError(
         f"no split {split!r} in {data_dir}: expected {candidates[0][0].name} there "
         f"(or annotations/{candidates[1][0].name}); splits present: {listing}{hint}")
+
+
+def _layouts(data_dir: Path, split: str) -> list[tuple[Path, Path]]:
+    """(captions file, image folder) of a split in each layout the module docstring names, in
+    the order they are looked for."""
+    return [(data_dir / f"captions_{split}.json", data_dir / "images"),
+            (data_dir / "annotations" / f"captions_{split}.json", data_dir / split)]
 
 
 def own_split_file(data_dir: str | os.PathLike) -> Path | None:
@@ -208,8 +257,7 @@ def dataset_tokenizer(data_dir: str | os.PathLike, karpathy: str | os.PathLike |
     """
     data_dir = Path(data_dir)
     karpathy = Path(karpathy) if karpathy is not None else own_split_file(data_dir)
-    files = [karpathy] if karpathy is not None else [data_dir / f"captions_{split}.json",
-                                                       data_dir / "annotations" / f"captions_{split}.json"]
+    files = [karpathy] if karpathy is not None else [captions for captions, _ in _layouts(data_dir, split)]
     for path in files:
         if path.is_file():
             with open(path, "rb") as f:
@@ -247,13 +295,18 @@ def load_karpathy_splits(split_file: str | os.PathLike, data_dir: str | os.PathL
                          splits: Sequence[str]) -> dict[str, list[ImageRecord]]:
     """Several splits of a Karpathy split file, the file read once (COCO's is 150 MB)."""
     split_file = Path(split_file)
+    images = _read_karpathy_file(split_file, data_dir)["images"]
+    return {split: _karpathy_split(images, split_file, Path(data_dir), split) for split in splits}
+
+
+def _read_karpathy_file(split_file: Path, data_dir: str | os.PathLike) -> dict:
+    """The whole of a Karpathy split file; a missing one is a FileNotFoundError saying where to get it."""
     if not split_file.is_file():
         if split_file.name == OWN_SPLIT_FILE:  # what `captioner data import` writes
             raise FileNotFoundError(f"no data set in {data_dir}: {split_file} not found; {own_data_hint(data_dir)}")
         raise FileNotFoundError(f"Karpathy split file not found: {split_file} ({KARPATHY_HINT})")
     with open(split_file, encoding="utf-8") as f:
-        images = json.load(f)["images"]
-    return {split: _karpathy_split(images, split_file, Path(data_dir), split) for split in splits}
+        return json.load(f)
 
 
 def _karpathy_split(images: list[dict], split_file: Path, data_dir: Path, split: str) -> list[ImageRecord]:
@@ -296,53 +349,6 @@ def _int_or_none(value: object) -> int | None:
     return None if value is None else int(value)
 
 
-# --------------------------------------------------------------------------- vocabulary
-
-
-@dataclass
-class TrainingCaptions:
-    """The captions a model trains on, tokenised, and how many were left out."""
-
-    items: list[tuple[int, list[str]]]  # (index of the image in the records, tokens)
-    too_long: int  # captions over max_len words: left out, never cut
-    empty: int  # captions with no words after tokenisation
-
-
-def training_captions(records: Sequence[ImageRecord], max_len: int | None = None,
-                      tokenizer: Tokenizer = PTB) -> TrainingCaptions:
-    """Every caption of every record with at most ``max_len`` words (tokens of ``tokenizer``).
-
-    A longer caption is left out rather than cut: a cut caption followed by ``<end>``
-    would teach the model to stop mid-sentence.
-    """
-    items, too_long, empty = [], 0, 0
-    for i, record in enumerate(records):
-        for caption in record.captions:
-            tokens = tokenizer.tokenize(caption)
-            if not tokens:
-                empty += 1
-            elif max_len is not None and max_len > 0 and len(tokens) > max_len:
-                too_long += 1
-            else:
-                items.append((i, tokens))
-    return TrainingCaptions(items, too_long, empty)
-
-
-def build_vocab(train_records: Sequence[ImageRecord], min_count: int = 5,
-                max_size: int | None = None, max_len: int | None = None,
-                captions: TrainingCaptions | None = None, tokenizer: Tokenizer = PTB) -> Vocabulary:
-    """Vocabulary from the given (training) records' captions only, those the model trains
-    on (at most ``max_len`` words); ``captions``: ``training_captions`` of those records
-    (by the same ``tokenizer``) when the caller has them already (tokenising COCO's
-    captions takes a while).
-
-    Passing validation or test records here would leak their words into the model.
-    """
-    captions = captions if captions is not None else training_captions(train_records, max_len, tokenizer)
-    counts = Counter(t for _, tokens in captions.items for t in tokens)
-    return Vocabulary.from_counts(counts, min_count=min_count, max_size=max_size, tokenizer=tokenizer)
-
-
 # --------------------------------------------------------------------------- datasets
 
 
@@ -376,36 +382,6 @@ class _ImageSource:
         return tensor
 
 
-class CaptionDataset(Dataset):
-    """One item per (image, caption) pair: every caption of every image.
-
-    Items are ``(image (3, H, W), token ids (n + 2,), image index)``: the ids are
-    ``<start> w1 .. wn <end>``, and the image index is the position of the image in
-    ``records``. Captions over ``max_len`` words are left out (``too_long`` counts them),
-    never cut; captions with no words after tokenisation are skipped: there is nothing to
-    learn from them.
-    """
-
-    def __init__(self, records: Sequence[ImageRecord], vocab: Vocabulary, preprocess: Preprocess,
-                 max_len: int | None = None, cache_images: bool = False,
-                 captions: TrainingCaptions | None = None) -> None:
-        self.records = list(records)
-        self.vocab = vocab
-        self.max_len = max_len
-        self._images = _ImageSource(self.records, preprocess, cache_images)
-        kept = captions if captions is not None else training_captions(self.records, max_len, vocab.tokenizer)
-        self.too_long = kept.too_long
-        # Encoded once up front: cheap, and it keeps __getitem__ to image work only.
-        self.items: list[tuple[int, list[int]]] = [(i, vocab.encode(tokens)) for i, tokens in kept.items]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        image_index, ids = self.items[idx]
-        return self._images.image(image_index), torch.tensor(ids, dtype=torch.long), image_index
-
-
 class ImageDataset(Dataset):
     """One item per image, ``(image (3, H, W), image index)``: for decoding a split.
 
@@ -422,44 +398,6 @@ class ImageDataset(Dataset):
 
     def __getitem__(self, idx: int) -> tuple[torch.Tensor, int]:
         return self._images.image(idx), idx
-
-
-@dataclass
-class CaptionBatch:
-    """A padded training batch.
-
-    ``tokens`` is (B, T + 1), padded with 0 (the pad id) after each caption's end token:
-    inputs are ``tokens[:, :-1]`` and targets ``tokens[:, 1:]``, T steps. ``lengths``
-    counts each caption's tokens including start and end. The batch keeps the loader's
-    order (it is not sorted by length), so ``image_indices`` lines up with every row.
-    """
-
-    images: torch.Tensor
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    image_indices: torch.Tensor
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "CaptionBatch":
-        return CaptionBatch(*(t.to(device, non_blocking=non_blocking) for t in
-                              (self.images, self.tokens, self.lengths, self.image_indices)))
-
-    def pin_memory(self) -> "CaptionBatch":
-        # Called by DataLoader(pin_memory=True) on custom batch types.
-        return CaptionBatch(*(t.pin_memory() for t in
-                              (self.images, self.tokens, self.lengths, self.image_indices)))
-
-
-def collate_captions(batch: Sequence[tuple[torch.Tensor, torch.Tensor, int]]) -> CaptionBatch:
-    """Stack images and right-pad token ids with 0 into a :class:`CaptionBatch`."""
-    if not batch:
-        raise ValueError("cannot collate an empty batch")
-    images, token_seqs, indices = zip(*batch)
-    lengths = torch.tensor([len(t) for t in token_seqs], dtype=torch.long)
-    tokens = torch.zeros(len(batch), int(lengths.max()), dtype=torch.long)  # 0 is the pad id
-    for row, seq in enumerate(token_seqs):
-        tokens[row, : len(seq)] = seq
-    return CaptionBatch(images=torch.stack(images), tokens=tokens, lengths=lengths,
-                        image_indices=torch.tensor(indices, dtype=torch.long))
 
 
 # --------------------------------------------------------------------------- instances

@@ -1,4 +1,4 @@
-"""COCO-format loading, Karpathy splits, vocabulary, datasets and batching."""
+"""COCO-format loading, Karpathy splits, and the dataset of images that decoding reads."""
 
 from __future__ import annotations
 
@@ -11,16 +11,13 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from captioner.data.coco import (
-    CaptionDataset,
     ImageDataset,
     ImageRecord,
     SplitNotFoundError,
-    build_vocab,
-    collate_captions,
     load_records,
     load_split,
 )
-from captioner.images import ImageLoadError, Preprocess
+from captioner.images import Preprocess
 
 PRE = Preprocess(size=(8, 8))  # tiny, so image work costs nothing
 
@@ -105,73 +102,6 @@ def test_karpathy_flickr_form(tmp_path: Path) -> None:
     assert record == ImageRecord(0, tmp_path / "Flickr8k_Dataset" / "1.jpg", ["A dog ."], None, None)
     with pytest.raises(FileNotFoundError, match="test, train"):
         load_split(tmp_path, "val", karpathy=split_file)
-
-
-def test_vocab_from_training_captions_only(tiny_coco: Path) -> None:
-    train = load_split(tiny_coco, "train")
-    vocab = build_vocab(train, min_count=1)
-    assert "red" in vocab and "square" in vocab
-    assert "zebra" not in vocab  # only in a val caption
-    assert "giraffe" not in vocab  # only in a test caption
-    # min_count counts training occurrences: "a" is everywhere, "sky" appears once.
-    strict = build_vocab(train, min_count=2)
-    assert "a" in strict and "sky" not in strict
-    assert len(build_vocab(train, min_count=1, max_size=6)) == 6
-
-
-def test_caption_dataset_items(tiny_coco: Path) -> None:
-    records = load_split(tiny_coco, "train")
-    vocab = build_vocab(records, min_count=1)
-    ds = CaptionDataset(records, vocab, PRE, max_len=3)
-    # One item per caption of at most 3 words; the 6 longer ones are left out, not cut.
-    assert len(ds) == sum(len(r.captions) for r in records) - 6 and ds.too_long == 6
-
-    image, tokens, index = ds[0]
-    assert image.shape == (3, 8, 8) and image.dtype == torch.float32
-    assert index == 0
-    # "a red box" (the first caption, "A red square on a table.", is too long), framed by start and end.
-    assert tokens.tolist() == [vocab.start, vocab.index("a"), vocab.index("red"), vocab.index("box"), vocab.end]
-    assert tokens.dtype == torch.long
-    # The items of one image point at that image.
-    assert [ds[i][2] for i in range(len(records[0].captions) - 1)] == [0] * (len(records[0].captions) - 1)
-    assert ds[len(ds) - 1][2] == len(records) - 1
-
-
-def test_caption_dataset_cache(tiny_coco: Path) -> None:
-    records = load_split(tiny_coco, "val")
-    vocab = build_vocab(load_split(tiny_coco, "train"), min_count=1)
-    cached = CaptionDataset(records, vocab, PRE, cache_images=True)
-    first = cached[0][0]
-    records[0].path.unlink()  # served from memory from now on
-    assert cached[0][0] is first
-    assert cached[1][0] is first  # second caption of the same image shares the tensor
-
-    uncached = CaptionDataset(records, vocab, PRE)
-    with pytest.raises(ImageLoadError, match="val_201.png"):
-        uncached[0]
-
-
-def test_collate_pads_with_zero(tiny_coco: Path) -> None:
-    records = load_split(tiny_coco, "train")
-    vocab = build_vocab(records, min_count=1)
-    ds = CaptionDataset(records, vocab, PRE, max_len=20)
-    items = [ds[0], ds[1], ds[2]]  # 6, 3 and 2 words
-    batch = collate_captions(items)
-
-    assert batch.images.shape == (3, 3, 8, 8)
-    assert batch.lengths.tolist() == [8, 5, 4]  # words + start + end
-    assert batch.tokens.shape == (3, 8)
-    assert batch.image_indices.tolist() == [0, 0, 0]
-    for row, (_, tokens, _) in enumerate(items):
-        n = len(tokens)
-        assert batch.tokens[row, :n].tolist() == tokens.tolist()
-        assert (batch.tokens[row, n:] == vocab.pad).all()
-    assert vocab.pad == 0
-
-    loader = DataLoader(ds, batch_size=4, shuffle=False, collate_fn=collate_captions)
-    batches = list(loader)
-    assert sum(len(b.lengths) for b in batches) == len(ds)
-    assert all(b.tokens.shape[1] == int(b.lengths.max()) for b in batches)
 
 
 def test_image_dataset(tiny_coco: Path) -> None:

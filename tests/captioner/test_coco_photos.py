@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from captioner.data.coco import CaptionDataset, build_vocab, load_split, training_captions
-from captioner.images import Preprocess
-from captioner.vocab import tokenize
-
-PRE = Preprocess(size=(16, 16))
+from captioner.data.coco import load_split
 
 
 def test_official_layout_and_karpathy_split_agree(photos: Path) -> None:
@@ -34,29 +30,6 @@ def test_flickr8k_split_file(photos: Path) -> None:
     sizes = {s: len(load_split(folder, s, split_file)) for s in ("train", "val", "test")}
     assert sizes == {"train": 5, "val": 1, "test": 2}
     assert all(r.path.is_file() for r in load_split(folder, "train", split_file))
-
-
-def test_long_captions_are_left_out_not_cut(photos: Path) -> None:
-    coco = photos / "coco"
-    records = load_split(coco, "train", coco / "dataset_coco.json")
-    lengths = [len(tokenize(c)) for r in records for c in r.captions]
-    long = sum(n > 20 for n in lengths)
-    assert long == 3  # the fixture has three training captions over 20 words
-
-    kept = training_captions(records, max_len=20)
-    assert kept.too_long == long and len(kept.items) == len(lengths) - long
-    vocab = build_vocab(records, min_count=1, max_len=20)
-    ds = CaptionDataset(records, vocab, PRE, max_len=20)
-    assert ds.too_long == long and len(ds) == len(lengths) - long
-    full = {tuple(tokenize(c)) for r in records for c in r.captions}
-    for i in range(len(ds)):
-        words = vocab.decode(ds.items[i][1])
-        assert ds.items[i][1][-1] == vocab.end
-        assert tuple(words) in full  # every item is a whole caption, never a cut one
-        assert len(words) <= 20
-    # Words only found in the left-out captions are not in the vocabulary.
-    assert "tablecloth" not in vocab and "chipped" not in build_vocab(records, min_count=1, max_len=20)
-    assert "tablecloth" in build_vocab(records, min_count=1)
 
 
 def test_captions_are_written_as_coco_writes_them(photos: Path) -> None:

@@ -25,7 +25,7 @@ def test_every_module_and_its_own_test_files_exist():
 def test_each_module_s_installed_name_is_the_file_mutated():
     assert module_name("train/startup.py") == "captioner.train.startup"
     assert module_name("app/serving.py") == "captioner.app.serving"
-    assert module_name("captioner/data/own.py") == "captioner.data.own"
+    assert module_name("captioner/data/coco.py") == "captioner.data.coco"
     for module in MODULES:
         assert Path(importlib.util.find_spec(module_name(module)).origin).resolve() == (ROOT / module).resolve()
 

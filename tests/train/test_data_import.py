@@ -182,7 +182,7 @@ def test_captions_neither_english_nor_chinese_are_split_at_spaces_by_default(tmp
 
 # ------------------------------------------------------------- what users have at hand
 
-from captioner.data.own import SourceError, read_source, split_sizes  # noqa: E402
+from captioner.train.own import SourceError, read_source, split_sizes  # noqa: E402
 
 
 def csv_source(tmp_path: Path, rows: list[str], name: str = "c.csv", encoding: str = "utf-8") -> Path:

@@ -13,6 +13,7 @@ import torch
 from captioner.distributed import DistContext
 from captioner.model import CaptionModel
 from captioner.train.config import DataConfig, load_config
+from captioner.train.datainfo import load_dataset
 from captioner.train.startup import (StartupError, _init_from, check_new_run, check_shapes_folder,
                                      readable_splits)
 from captioner.vocab import Vocabulary
@@ -80,7 +81,7 @@ def test_a_split_left_without_readable_images_is_refused_even_when_skipping_unre
     for path in (tiny_coco / "images").glob(f"{split}_*.png"):
         _damage(path)
     with pytest.raises(StartupError, match=f"no readable images left in split '{split}'"):
-        readable_splits(cfg, DistContext(), progress=False)
+        readable_splits(cfg, load_dataset(cfg.data), DistContext(), progress=False)
 
 
 def test_skipping_unreadable_images_keeps_the_others_and_counts_those_left_out(tiny_coco):
@@ -88,13 +89,16 @@ def test_skipping_unreadable_images_keeps_the_others_and_counts_those_left_out(t
 
     _damage(tiny_coco / "images" / "val_201.png")
     _damage(tiny_coco / "images" / "train_103.png")
+    plain = tiny_train_config(tiny_coco)
     with pytest.raises(StartupError, match=r"2 images cannot be read: .*train_103\.png.*val_201\.png"):
-        readable_splits(tiny_train_config(tiny_coco), DistContext(), progress=False)
+        readable_splits(plain, load_dataset(plain.data), DistContext(), progress=False)
     cfg = tiny_train_config(tiny_coco, **{"data.skip_unreadable": True})
-    _, readable, left_out = readable_splits(cfg, DistContext(), progress=False)
+    data = load_dataset(cfg.data)
+    _, readable, left_out = readable_splits(cfg, data, DistContext(), progress=False)
     assert left_out == {"train": 1, "val": 1}
-    assert [r.path.name for r in readable["val"]] == ["val_202.png"]
-    assert len(readable["train"]) == 5 and "train_103.png" not in {r.path.name for r in readable["train"]}
+    assert [r.path.name for r in readable.splits["val"]] == ["val_202.png"]
+    assert len(readable.splits["train"]) == 5 and "train_103.png" not in {r.path.name for r in readable.splits["train"]}
+    assert (readable.name, readable.tokenizer) == (data.name, data.tokenizer)  # the same data set, fewer images
 
 
 def test_hidden_files_beside_generated_shapes_are_not_taken_for_other_files(tmp_path):
@@ -194,11 +198,12 @@ def test_a_resumed_run_s_tokenizer_is_its_checkpoint_s_and_an_unknown_one_is_one
     from captioner.vocab import DEFAULT_TOKENIZER, tokenizer_named
     from tests.builders import tiny_train_config
 
-    cfg = tiny_train_config(tiny_coco)
-    assert data_tokenizer(cfg) is tokenizer_named(DEFAULT_TOKENIZER)
-    assert data_tokenizer(cfg, {}) is tokenizer_named(DEFAULT_TOKENIZER)
+    data = load_dataset(tiny_train_config(tiny_coco).data)
+    assert data_tokenizer(data) is tokenizer_named(DEFAULT_TOKENIZER)
+    assert data_tokenizer(data, {}) is tokenizer_named(DEFAULT_TOKENIZER)
+    assert data_tokenizer(data, {"tokenizer": "chars2"}) is tokenizer_named("chars2")  # the checkpoint's
     with pytest.raises(StartupError, match=f"{tiny_coco} names an unknown tokenizer 'klingon'"):
-        data_tokenizer(cfg, {"tokenizer": "klingon"})
+        data_tokenizer(data, {"tokenizer": "klingon"})
 
 
 def test_take_back_keeps_only_a_complete_feature_cache(tmp_path):

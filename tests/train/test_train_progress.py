@@ -7,7 +7,7 @@ from captioner.checkpoint import load_checkpoint
 from captioner.cli import main
 from captioner.data.shapes import generate_dataset
 from captioner.inference import Captioner
-from captioner.train.datainfo import training_data_name
+from captioner.train.datainfo import load_dataset
 from captioner.train.loop import train
 from tests.builders import tiny_train_config
 
@@ -50,20 +50,21 @@ def test_checkpoints_name_their_training_data(tiny_coco, tmp_path):
 
 
 def test_shapes_data_is_named_synthetic_shapes(tmp_path):
-    generate_dataset(tmp_path / "shapes", {"train": 2}, seed=3, image_size=64)
+    generate_dataset(tmp_path / "shapes", {"train": 2, "val": 1}, seed=3, image_size=64)
     cfg = tiny_train_config(tmp_path / "shapes")
-    assert training_data_name(cfg.data) == "synthetic shapes"
+    assert load_dataset(cfg.data).name == "synthetic shapes"
 
 
 def test_the_training_data_is_named_from_its_layout_never_by_its_path(photos, tmp_path):
     coco, flickr = photos / "coco", photos / "flickr8k" / "Flicker8k_Dataset"
     named = {
         "COCO 2014, Karpathy split": tiny_train_config(coco, **{"data.karpathy": "dataset_coco.json"}),
-        "COCO 2014 (fixture), split train2014": tiny_train_config(coco, **{"data.train_split": "train2014"}),
+        "COCO 2014 (fixture), split train2014": tiny_train_config(coco, **{"data.train_split": "train2014",
+                                                                           "data.val_split": "val2014"}),
         "Flickr8k": tiny_train_config(flickr, **{"data.karpathy": "../dataset_flickr8k.json"}),
     }
     for name, cfg in named.items():
-        assert training_data_name(cfg.data) == name
+        assert load_dataset(cfg.data).name == name
 
     # What a checkpoint trained on COCO says, and what the app shows of it.
     cfg = tiny_train_config(coco, **{"data.karpathy": "dataset_coco.json", "optim.max_steps": 1, "val.limit": 1,

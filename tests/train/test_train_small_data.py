@@ -10,7 +10,7 @@ import pytest
 
 from captioner.checkpoint import load_checkpoint
 from captioner.cli import main as captioner_main
-from captioner.data.coco import TrainingCaptions
+from captioner.train.captions import TrainingCaptions
 from captioner.train import loop
 from captioner.train.config import DataConfig, load_config
 from captioner.train.datainfo import vocab_min_count, vocabulary
@@ -175,7 +175,8 @@ def test_the_own_data_recipe_keeps_every_word_of_a_small_data_set(tiny_coco, cap
     said = capsys.readouterr().out
     cfg = load_config("own-soft", sets)
     assert cfg.data.min_count > 1 and cfg.data.max_unk_share < 0.05
-    from captioner.data.coco import load_split, training_captions
+    from captioner.data.coco import load_split
+    from captioner.train.captions import training_captions
 
     kept = training_captions(load_split(tiny_coco, "train"), cfg.data.max_caption_len, PTB)
     words = {t for _, tokens in kept.items for t in tokens}

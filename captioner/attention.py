@@ -246,7 +246,6 @@ class Normalizer:
     name; ``windowed`` is the same under a local window's log-weights (local attention)."""
 
     name: str
-    sparse: bool  # its maps may hold exact zeros
 
     def __call__(self, e: torch.Tensor) -> torch.Tensor:
         """e (B, L) -> alpha (B, L), non-negative, summing to 1."""
@@ -260,7 +259,7 @@ class Normalizer:
 class Softmax(Normalizer):
     """alpha = softmax(e)."""
 
-    name, sparse = "softmax", False
+    name = "softmax"
 
     def __call__(self, e: torch.Tensor) -> torch.Tensor:
         return torch.softmax(e, dim=-1)
@@ -273,7 +272,7 @@ class Softmax(Normalizer):
 class Sparsemax(Normalizer):
     """alpha = sparsemax(e): exact zeros."""
 
-    name, sparse = "sparsemax", True
+    name = "sparsemax"
 
     def __call__(self, e: torch.Tensor) -> torch.Tensor:
         return sparsemax(e, dim=-1)

@@ -45,11 +45,6 @@ def test_each_mode_answers_what_depends_on_it(name, stochastic, attends):
     assert mode.attends is attends  # scores with gradients, the penalty, several heads, pointing
 
 
-@pytest.mark.parametrize("name, sparse", [("softmax", False), ("sparsemax", True)])
-def test_each_normalizer_says_whether_its_maps_hold_exact_zeros(name, sparse):
-    assert NORMALIZERS[name].sparse is sparse
-
-
 @pytest.mark.parametrize("name, learned, outputs", [("fixed", False, 2), ("learned", True, 3)])
 def test_each_local_width_says_what_the_centre_network_predicts(name, learned, outputs):
     width = LOCAL_WIDTHS[name]

@@ -12,6 +12,8 @@ PAGE = Path(__file__).parent / "streamlit_app.py"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from captioner.inference import INFERENCE_PRECISIONS
+
     p = sub.add_parser(
         "app", help="start the web app: upload an image, see its caption and the attention for every word",
         description="Start the Streamlit web app and print its address. Models offered: the bundled demo "
@@ -21,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to listen on (default localhost; 0.0.0.0 for every interface)")
     p.add_argument("--device", default="auto",
                    help="where the model runs: cpu, cuda, cuda:N or auto (default: the GPU if there is one)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="fp32 (default), or bf16/fp16 autocast: faster on a GPU, the same captions up to rounding")
     p.add_argument("--workers", type=int, default=None,
                    help="captions made at once, for all users together (default: on a GPU one, which batches "

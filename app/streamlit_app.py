@@ -20,6 +20,7 @@ from captioner.app.pictures import Picture
 from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
                                    forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
 from captioner import bundled, inference
+from captioner.attention import HARD_INFERENCE
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult
 from captioner.folder import is_model_folder
@@ -30,8 +31,6 @@ EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
-HARD_MODES = {"expected": "the expected mix of regions", "argmax": "the most likely region",
-              "sample": "a random draw"}
 
 
 class Html:
@@ -305,7 +304,7 @@ def show_preview(left, picture: Picture, name: str) -> None:
 
 def show_all(right, shown: Shown, captioner: Captioner, label: str, options: DecodeOptions) -> None:
     with right:
-        show_result(shown, label, options, captioner.model.config.attention == "hard",
+        show_result(shown, label, options, captioner.model.decoder.attention.phi.stochastic,
                     shapes_notice(captioner, label))
 
 
@@ -329,9 +328,9 @@ def main() -> None:
         st.error(f"Cannot load the model **{_markdown_text(label)}**: {_clause(e)}. "
                  "Pick another model in the sidebar.")
         return
-    if captioner.model.config.attention == "hard":
+    if captioner.model.decoder.attention.phi.stochastic:
         mode = st.sidebar.radio(
-            "Hard attention looks at", list(HARD_MODES), format_func=HARD_MODES.get,
+            "Hard attention looks at", list(HARD_INFERENCE), format_func=lambda look: HARD_INFERENCE[look].describes,
             help="A hard-attention model picks one region per word. At inference it can use the expected "
                  "mix of regions (deterministic), the single most likely region, or a random draw.")
         options = replace(options, hard_attention=mode)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from captioner.inference import Captioner, DecodeOptions
+from captioner.inference import INFERENCE_PRECISIONS, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig, attention_penalty
 from captioner.images import Preprocess
 from captioner.vocab import SPECIALS, Vocabulary
@@ -57,9 +57,6 @@ def _best(fn, repeats: int, dev: torch.device) -> float:
     return best
 
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-
-
 def parse_variant(variant: str) -> tuple[str, bool | str, bool]:
     """"bf16+cl+compile" -> ("bf16", compiled step, channels-last): a precision, then any of
     "+compile", "+static" and "+cl" in any order; anything else is refused before a model is
@@ -67,9 +64,9 @@ def parse_variant(variant: str) -> tuple[str, bool | str, bool]:
     "static" (fixed shapes)."""
     precision, *extras = variant.strip().split("+")
     unknown = [e for e in extras if e not in ("compile", "static", "cl")]
-    if precision not in PRECISIONS or unknown:
-        raise ValueError(f"variant {variant!r}: a precision ({', '.join(PRECISIONS)}), optionally +compile, "
-                         "+static and +cl")
+    if precision not in INFERENCE_PRECISIONS or unknown:
+        raise ValueError(f"variant {variant!r}: a precision ({', '.join(INFERENCE_PRECISIONS)}), optionally "
+                         "+compile, +static and +cl")
     compiled = "static" if "static" in extras else "compile" in extras
     return precision, compiled, "cl" in extras
 

@@ -20,7 +20,11 @@ size, A attention size.
 Each score is a small class (``Score``), registered by name (``register_score``) and
 chosen once when the module is built; it adds its layers to the module under the names
 checkpoints hold. Whatever depends only on the image (W_a a_i and the like) is computed
-once per image by ``prepare``, not once per step.
+once per image by ``prepare``, not once per step. The normaliser (``NORMALIZERS``), the
+local width (``LOCAL_WIDTHS``) and the mode, the paper's phi (``MODES``), are objects too,
+chosen once by name; whoever asks about a mode (the training objective, the config checks,
+the app) asks its object (``attention_mode(name).stochastic``), never its name, and the
+config's lists of names are these registries' keys.
 
 A step returns every head's map, (B, h, L) with h = 1 here (several heads: multihead.py);
 the map alpha is their mean. The fast forms of the additive scores and of sparsemax's
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +47,6 @@ from torch import nn
 
 from . import kernels
 
-# The choices, once: ModelConfig's fields are annotated with these (a training config is
-# checked against them), and the attention checks its arguments against their values.
-Normalizer = Literal["softmax", "sparsemax"]
-Mode = Literal["soft", "hard", "mean"]
-LocalWidth = Literal["fixed", "learned"]
-NORMALIZERS, MODES, LOCAL_WIDTHS = get_args(Normalizer), get_args(Mode), get_args(LocalWidth)
 # A learned half-width never goes below this many cells: the window's log, -d^2 / (2 sigma^2),
 # stays finite (and its gradient too) however far the centre network pushes the width down.
 MIN_HALF_WIDTH = 0.1
@@ -241,6 +239,212 @@ class Cosine(Dot):
 SCORES = tuple(_SCORES)  # the built-in scores, in the order of their definitions
 
 
+# ---------------------------------------------------------------------------- normalizers
+
+class Normalizer:
+    """alpha = normalize(e) over the L locations, the ``normalizer`` option, chosen once by
+    name; ``windowed`` is the same under a local window's log-weights (local attention)."""
+
+    name: str
+
+    def __call__(self, e: torch.Tensor) -> torch.Tensor:
+        """e (B, L) -> alpha (B, L), non-negative, summing to 1."""
+        raise NotImplementedError
+
+    def windowed(self, e: torch.Tensor, log_window: torch.Tensor) -> torch.Tensor:
+        """alpha'_i = alpha_i * window_i renormalised: e, log_window (B, L) -> (B, L)."""
+        raise NotImplementedError
+
+
+class Softmax(Normalizer):
+    """alpha = softmax(e)."""
+
+    name = "softmax"
+
+    def __call__(self, e: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(e, dim=-1)
+
+    def windowed(self, e: torch.Tensor, log_window: torch.Tensor) -> torch.Tensor:
+        # softmax(e) * window, renormalised, is exactly softmax(e + log window).
+        return torch.softmax(e + log_window, dim=-1)
+
+
+class Sparsemax(Normalizer):
+    """alpha = sparsemax(e): exact zeros."""
+
+    name = "sparsemax"
+
+    def __call__(self, e: torch.Tensor) -> torch.Tensor:
+        return sparsemax(e, dim=-1)
+
+    def windowed(self, e: torch.Tensor, log_window: torch.Tensor) -> torch.Tensor:
+        alpha = sparsemax(e, dim=-1)
+        # Rescale the window so that its largest value on the support of alpha is 1 (the
+        # scale cancels in the renormalisation); then the weighted total is never below the
+        # smallest non-zero alpha, and alpha' keeps the exact zeros of alpha.
+        shift = log_window.masked_fill(alpha <= 0, float("-inf")).amax(-1, keepdim=True).detach()
+        window = torch.exp((log_window - shift).clamp_max(0.0))
+        weighted = alpha * window
+        total = weighted.sum(-1, keepdim=True)
+        tiny = torch.finfo(alpha.dtype).tiny
+        # Only if even that underflows: fall back to the window itself.
+        fallback = torch.softmax(log_window, dim=-1)
+        return torch.where(total > tiny, weighted / total.clamp_min(tiny), fallback)
+
+
+NORMALIZERS: dict[str, Normalizer] = {n.name: n for n in (Softmax(), Sparsemax())}
+
+
+# ---------------------------------------------------------------------------- local widths
+
+class LocalWidth:
+    """The half-width of the local window, the ``local_width`` option, chosen once by name;
+    the centre network has ``outputs`` outputs, (row, col) of the centre and what else the
+    width needs."""
+
+    name: str
+    learned: bool  # predicted per query rather than local_window
+    outputs: int
+
+    def start(self, centre: nn.Linear, local_window: float) -> None:
+        """Set the centre network's last layer so that the width starts at local_window."""
+
+    def half_width(self, out: torch.Tensor, local_window: float) -> torch.Tensor | float:
+        """The centre network's outputs (B, outputs) -> the half-width in cells: a number,
+        or (B, 1, 1) one per query."""
+        raise NotImplementedError
+
+
+class FixedWidth(LocalWidth):
+    """half-width = local_window."""
+
+    name, learned, outputs = "fixed", False, 2
+
+    def half_width(self, out: torch.Tensor, local_window: float) -> float:
+        return local_window
+
+
+class LearnedWidth(LocalWidth):
+    """half-width = MIN_HALF_WIDTH + softplus(the centre network's third output), per query."""
+
+    name, learned, outputs = "learned", True, 3
+
+    def start(self, centre: nn.Linear, local_window: float) -> None:
+        # half-width = MIN + softplus(raw): exactly local_window for every query at the start
+        start = max(local_window - MIN_HALF_WIDTH, 1e-3)
+        with torch.no_grad():
+            centre.weight[2].zero_()
+            centre.bias[2] = _inverse_softplus(start)
+
+    def half_width(self, out: torch.Tensor, local_window: float) -> torch.Tensor:
+        return (MIN_HALF_WIDTH + F.softplus(out[:, 2])).view(-1, 1, 1)  # (B, 1, 1) cells
+
+
+LOCAL_WIDTHS: dict[str, LocalWidth] = {w.name: w for w in (FixedWidth(), LearnedWidth())}
+
+
+# ---------------------------------------------------------------------------- modes (phi)
+
+class AttentionMode:
+    """phi, the ``attention`` option: how the context z_t = phi({a_i}, {alpha_ti}) is formed
+    (the paper's notation), chosen once by name. What depends on the mode is asked of it:
+
+    stochastic  z_t may be one location drawn from alpha_t: REINFORCE trains it (the hard
+                objective and the [hard] section), and decoding chooses how it picks its
+                context (HARD_INFERENCE: the app's menu, --hard-attention)
+    attends     alpha_t comes from the scores; if not, alpha_ti = 1/L for every query: the
+                scores' layers take no gradient, the doubly stochastic penalty is a
+                constant (skipped), several heads could not differ, nothing is pointed at
+    """
+
+    name: str
+    stochastic: bool = False
+    attends: bool = True
+
+    def context(self, alpha: torch.Tensor, a: torch.Tensor, *, sample: bool = False, argmax: bool = False,
+                generator: torch.Generator | None = None) -> AttentionStep:
+        """The expected context z_t = sum_i alpha_ti a_i: alpha (B*k, L), a (B, L, D)."""
+        b, n, d = a.shape
+        # (B, k, L) x (B, L, D) -> (B, k, D): every image's annotations read once for its k queries
+        context = torch.bmm(alpha.view(b, -1, n), a).view(-1, d)
+        return AttentionStep(context, alpha.unsqueeze(1))
+
+
+class Soft(AttentionMode):
+    """Deterministic soft attention: z_t = sum_i alpha_ti a_i."""
+
+    name = "soft"
+
+
+class Hard(AttentionMode):
+    """Stochastic hard attention: z_t = a_{s_t}, s_t ~ Multinoulli(alpha_t) (``sample``), or
+    the most likely location (``argmax``); otherwise the expected context, as soft."""
+
+    name, stochastic = "hard", True
+
+    def context(self, alpha: torch.Tensor, a: torch.Tensor, *, sample: bool = False, argmax: bool = False,
+                generator: torch.Generator | None = None) -> AttentionStep:
+        if not (sample or argmax):
+            return super().context(alpha, a)
+        b = a.shape[0]
+        image = torch.div(torch.arange(alpha.shape[0], device=a.device), alpha.shape[0] // b, rounding_mode="floor")
+        if not sample:
+            s = alpha.argmax(-1)
+            return AttentionStep(a[image, s], alpha.unsqueeze(1), s)
+        s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B*k,)
+        context = a[image, s]  # (B*k, D): exactly one a_i
+        log_alpha = torch.log(alpha.clamp_min(1e-12))
+        log_p = log_alpha.gather(1, s.unsqueeze(1)).squeeze(1)
+        entropy = -(alpha * log_alpha).sum(-1)
+        return AttentionStep(context, alpha.unsqueeze(1), s, log_p, entropy)
+
+
+class Mean(AttentionMode):
+    """No attention: alpha_ti = 1/L, z_t = mean_i a_i (the baseline that shows what attention adds)."""
+
+    name, attends = "mean", False
+
+
+MODES: dict[str, AttentionMode] = {m.name: m for m in (Soft(), Hard(), Mean())}
+
+
+@dataclass(frozen=True)
+class HardInference:
+    """How a stochastic mode picks its context at inference, one of ``HARD_INFERENCE``."""
+
+    sample: bool  # s_t ~ Multinoulli(alpha_t)
+    argmax: bool  # the most likely location
+    describes: str  # in words, for a menu
+
+
+# "expected" (the default): the alpha-weighted mean of the annotations, the deterministic
+# expectation a hard model is also trained on (half of its minibatches).
+HARD_INFERENCE: dict[str, HardInference] = {
+    "expected": HardInference(sample=False, argmax=False, describes="the expected mix of regions"),
+    "argmax": HardInference(sample=False, argmax=True, describes="the most likely region"),
+    "sample": HardInference(sample=True, argmax=False, describes="a random draw"),
+}
+
+# The names, once: ModelConfig's fields are annotated with these (a training config is checked
+# against them), derived from the registries so that the lists cannot drift apart.
+ScoreName = Literal[SCORES]
+NormalizerName = Literal[tuple(NORMALIZERS)]
+ModeName = Literal[tuple(MODES)]
+LocalWidthName = Literal[tuple(LOCAL_WIDTHS)]
+
+
+def _chosen(registry: dict, name: str, what: str):
+    """``registry[name]``, or a one-line ValueError naming the choices."""
+    if not isinstance(name, str) or name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; choose from {', '.join(registry)}")
+    return registry[name]
+
+
+def attention_mode(name: str) -> AttentionMode:
+    """The mode (phi) named ``name``: what a config's ``model.attention`` names."""
+    return _chosen(MODES, name, "attention mode")
+
+
 class Attention(nn.Module):
     def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, score: str = "additive",
                  normalizer: str = "softmax", mode: str = "soft", local_window: float = 0.0,
@@ -248,38 +452,44 @@ class Attention(nn.Module):
         """``project_query``: the dot-product scores (dot, scaled_dot, cosine) project the query
         even when its size is the key size (the heads of a multi-head attention differ by it)."""
         super().__init__()
-        if score not in _SCORES:
-            raise ValueError(f"unknown attention score {score!r}; choose from {', '.join(_SCORES)}")
-        if normalizer not in NORMALIZERS:
-            raise ValueError(f"unknown normalizer {normalizer!r}; choose from {', '.join(NORMALIZERS)}")
-        if mode not in MODES:
-            raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(MODES)}")
-        if local_width not in LOCAL_WIDTHS:
-            raise ValueError(f"unknown local_width {local_width!r}; choose from {', '.join(LOCAL_WIDTHS)}")
-        if local_width == "learned" and not local_window > 0:
-            raise ValueError("local_width 'learned' needs local_window > 0 (its starting half-width, in cells)")
-        self.score, self.normalizer, self.mode = score, normalizer, mode
+        score_class = _chosen(_SCORES, score, "attention score")
+        self.normalize = _chosen(NORMALIZERS, normalizer, "normalizer")
+        self.phi = attention_mode(mode)
+        self.width = _chosen(LOCAL_WIDTHS, local_width, "local_width")
+        if self.width.learned and not local_window > 0:
+            raise ValueError(f"local_width {local_width!r} needs local_window > 0 (its starting half-width, in cells)")
         self.local_window = float(local_window)
-        self.local_width = local_width
         self.num_heads = 1
         self.key_dim = key_dim
-        self.f_att = _SCORES[score](key_dim, query_dim, attn_dim, project_query=project_query)
+        self.f_att = score_class(key_dim, query_dim, attn_dim, project_query=project_query)
         self.f_att.build(self)
         if self.local_window > 0:
-            # (row, col) of the centre, and with a learned width its half-width's softplus input
-            outputs = 3 if local_width == "learned" else 2
-            self.centre = nn.Sequential(nn.Linear(query_dim, attn_dim), nn.Tanh(), nn.Linear(attn_dim, outputs))
-            if local_width == "learned":
-                # half-width = MIN + softplus(raw): exactly local_window for every query at the start
-                start = max(self.local_window - MIN_HALF_WIDTH, 1e-3)
-                with torch.no_grad():
-                    self.centre[2].weight[2].zero_()
-                    self.centre[2].bias[2] = _inverse_softplus(start)
-        if mode == "mean":
+            # (row, col) of the centre, and what the width needs
+            self.centre = nn.Sequential(nn.Linear(query_dim, attn_dim), nn.Tanh(),
+                                        nn.Linear(attn_dim, self.width.outputs))
+            self.width.start(self.centre[2], self.local_window)
+        if not self.phi.attends:
             # The mean map never reads the scores: their layers stay in the state dict (files load
             # either way) but take no gradient, so that DistributedDataParallel, which waits for a
             # gradient of every parameter that wants one, does not wait for theirs.
             self.requires_grad_(False)
+
+    # The options' names, as configs and checkpoints write them.
+    @property
+    def score(self) -> str:
+        return self.f_att.name
+
+    @property
+    def normalizer(self) -> str:
+        return self.normalize.name
+
+    @property
+    def mode(self) -> str:
+        return self.phi.name
+
+    @property
+    def local_width(self) -> str:
+        return self.width.name
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.f_att.upgrade(state_dict, prefix)
@@ -298,12 +508,12 @@ class Attention(nn.Module):
     def weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
                 grid: tuple[int, int]) -> torch.Tensor:
         """alpha_t: (B*k, L), non-negative, summing to 1."""
-        if self.mode == "mean":
+        if not self.phi.attends:  # alpha_ti = 1/L
             return a.new_full((h.shape[0], a.shape[1]), 1.0 / a.shape[1])
         e = self.scores(keys, a, h)
         if self.local_window > 0:
             return self._local(e, h, grid)
-        return torch.softmax(e, dim=-1) if self.normalizer == "softmax" else sparsemax(e, dim=-1)
+        return self.normalize(e)
 
     def head_weights(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor,
                      grid: tuple[int, int]) -> torch.Tensor:
@@ -323,53 +533,21 @@ class Attention(nn.Module):
         cols = torch.arange(gw, device=h.device, dtype=h.dtype) + 0.5
         d2 = (rows.view(1, gh, 1) - centre[:, 0].view(-1, 1, 1)) ** 2 + \
              (cols.view(1, 1, gw) - centre[:, 1].view(-1, 1, 1)) ** 2  # (B, H, W)
-        if self.local_width == "learned":
-            sigma = ((MIN_HALF_WIDTH + F.softplus(out[:, 2])) / 2).view(-1, 1, 1)  # (B, 1, 1) cells
-        else:
-            sigma = self.local_window / 2
+        sigma = self.width.half_width(out, self.local_window) / 2  # a number, or (B, 1, 1) cells
         return (-d2 / (2 * sigma**2)).flatten(1)
 
     def _local(self, e: torch.Tensor, h: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """Local attention in 2-D: alpha'_i = alpha_i * exp(-d_i^2 / (2 sigma^2)), sigma =
         half-width / 2, renormalised; computed in the log domain so that a narrow window or
-        peaked scores cannot underflow every product to zero."""
-        log_window = self._log_window(h, grid)  # (B, L)
-        if self.normalizer == "softmax":
-            # softmax(e) * window, renormalised, is exactly softmax(e + log window).
-            return torch.softmax(e + log_window, dim=-1)
-        alpha = sparsemax(e, dim=-1)
-        # Rescale the window so that its largest value on the support of alpha is 1 (the
-        # scale cancels in the renormalisation); then the weighted total is never below the
-        # smallest non-zero alpha, and alpha' keeps the exact zeros of alpha.
-        shift = log_window.masked_fill(alpha <= 0, float("-inf")).amax(-1, keepdim=True).detach()
-        window = torch.exp((log_window - shift).clamp_max(0.0))
-        weighted = alpha * window
-        total = weighted.sum(-1, keepdim=True)
-        tiny = torch.finfo(alpha.dtype).tiny
-        # Only if even that underflows: fall back to the window itself.
-        fallback = torch.softmax(log_window, dim=-1)
-        return torch.where(total > tiny, weighted / total.clamp_min(tiny), fallback)
+        peaked scores cannot underflow every product to zero (``Normalizer.windowed``)."""
+        return self.normalize.windowed(e, self._log_window(h, grid))  # (B, L)
 
     def forward(self, keys: torch.Tensor, a: torch.Tensor, h: torch.Tensor, grid: tuple[int, int],
                 *, sample: bool = False, argmax: bool = False,
                 generator: torch.Generator | None = None) -> AttentionStep:
-        """One step: keys and a hold B images, h holds B*k queries (k per image, image-major).
-        Hard mode: ``sample`` draws s_t ~ Multinoulli(alpha_t) and returns a_{s_t};
-        ``argmax`` returns the most likely location's a_i; otherwise (and in soft mode) the
-        expected context sum_i alpha_i a_i."""
+        """One step: keys and a hold B images, h holds B*k queries (k per image, image-major):
+        alpha_t, then z_t = phi({a_i}, {alpha_ti}). Hard mode: ``sample`` draws
+        s_t ~ Multinoulli(alpha_t) and returns a_{s_t}; ``argmax`` returns the most likely
+        location's a_i; otherwise (and in soft mode) the expected context sum_i alpha_i a_i."""
         alpha = self.weights(keys, a, h, grid)  # (B*k, L)
-        b, n, d = a.shape
-        if self.mode == "hard" and (sample or argmax):
-            image = torch.div(torch.arange(h.shape[0], device=a.device), h.shape[0] // b, rounding_mode="floor")
-            if not sample:
-                s = alpha.argmax(-1)
-                return AttentionStep(a[image, s], alpha.unsqueeze(1), s)
-            s = torch.multinomial(alpha.detach(), 1, generator=generator).squeeze(1)  # (B*k,)
-            context = a[image, s]  # (B*k, D): exactly one a_i
-            log_alpha = torch.log(alpha.clamp_min(1e-12))
-            log_p = log_alpha.gather(1, s.unsqueeze(1)).squeeze(1)
-            entropy = -(alpha * log_alpha).sum(-1)
-            return AttentionStep(context, alpha.unsqueeze(1), s, log_p, entropy)
-        # (B, k, L) x (B, L, D) -> (B, k, D): every image's annotations read once for its k queries
-        context = torch.bmm(alpha.view(b, -1, n), a).view(-1, d)
-        return AttentionStep(context, alpha.unsqueeze(1))
+        return self.phi.context(alpha, a, sample=sample, argmax=argmax, generator=generator)

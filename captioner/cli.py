@@ -94,6 +94,8 @@ def _share(value: str) -> float:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
+    from .attention import HARD_INFERENCE  # torch: not at this module's import (captioner.onnx uses it)
+
     p.add_argument("--weights", default=None,
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard, demo-zh (Chinese "
                         "captions). The demo "
@@ -102,7 +104,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=_max_len, default=None,
                    help="most tokens per caption: words, or characters for a Chinese model (default: the longest "
                         f"caption the model was trained on, 20 for models that do not say; at most {MAX_WORDS})")
-    p.add_argument("--hard-attention", choices=("expected", "argmax", "sample"), default="expected",
+    p.add_argument("--hard-attention", choices=tuple(HARD_INFERENCE), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
     p.add_argument("--unfamiliar-below", type=_share, default=0.01, metavar="SHARE",
@@ -113,6 +115,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_caption_parser(sub: argparse._SubParsersAction) -> None:
+    from .inference import INFERENCE_PRECISIONS  # torch: not at this module's import (captioner.onnx uses it)
+
     p = sub.add_parser(
         "caption", help="caption image files and folders, one JSON line per image",
         description="Caption images. PATHs are image files or folders (searched recursively for image "
@@ -159,7 +163,7 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help="refuse images with more pixels than this, a guard against decompression bombs "
                         "(default: Pillow's 89,478,485); a higher value lets larger images through")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
                    help="fp32 (default), or bf16/fp16 autocast: faster on a GPU (bf16 also on CPUs with "
                         "bf16 instructions), the same captions up to rounding")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",

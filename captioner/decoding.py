@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .attention import HARD_INFERENCE
 from .encoders import Annotations
 from .familiarity import Familiarity
 from .model import Decoder
@@ -134,14 +135,11 @@ class DecodedIds:
         return self.alphas_heads.mean(1)
 
 
-HARD_INFERENCE = ("expected", "argmax", "sample")
-
-
 def _hard_kwargs(hard: str) -> dict:
     """How a hard-attention model picks its context at inference (soft models ignore it)."""
-    if hard not in HARD_INFERENCE:
+    if not isinstance(hard, str) or hard not in HARD_INFERENCE:
         raise ValueError(f"hard attention inference must be one of {', '.join(HARD_INFERENCE)}, got {hard!r}")
-    return {"argmax": hard == "argmax", "sample": hard == "sample"}
+    return {"argmax": HARD_INFERENCE[hard].argmax, "sample": HARD_INFERENCE[hard].sample}
 
 
 def _check_max_len(max_len: int) -> None:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import types
 from dataclasses import asdict, dataclass, fields
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import LocalWidth, Mode, Normalizer
+from .attention import LocalWidthName, ModeName, NormalizerName, ScoreName
 from .encoders import Annotations, create_encoder
 from .grid import GridSelfAttention, check_grid_fields
 from .multihead import build_attention
@@ -47,12 +46,12 @@ class ModelConfig:
     hidden_dim: int = 512
     attention_dim: int = 512
     dropout: float = 0.5
-    attention: Mode = "soft"
-    score: Literal["additive", "concat", "dot", "scaled_dot", "general", "cosine"] = "additive"
-    normalizer: Normalizer = "softmax"
+    attention: ModeName = "soft"
+    score: ScoreName = "additive"
+    normalizer: NormalizerName = "softmax"
     local_window: float = 0.0
     # fixed: local_window; learned: predicted per step, starting at local_window
-    local_width: LocalWidth = "fixed"
+    local_width: LocalWidthName = "fixed"
     heads: int = 1  # decoder attention heads; values of D/h each, concatenated and projected back to D
     # Self-attention over the grid cells before the decoder (grid.py): blocks (0: none),
     # heads, clip of the relative offsets, block width (0: min(D, 512)), feed-forward (0: 2x width).

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention, AttentionStep
+from .attention import Attention, AttentionMode, AttentionStep, attention_mode
 
 
 class MultiHeadAttention(nn.Module):
@@ -43,8 +43,8 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if heads < 2:
             raise ValueError(f"MultiHeadAttention needs heads >= 2, got {heads} (one head is Attention)")
-        if mode == "mean":
-            raise ValueError("attention 'mean' has no weights for several heads to differ in: use heads = 1")
+        if not attention_mode(mode).attends:
+            raise ValueError(f"attention {mode!r} has no weights for several heads to differ in: use heads = 1")
         head_dim = max(1, attn_dim // heads)
         self.heads = nn.ModuleList(
             Attention(key_dim, query_dim, head_dim, score=score, normalizer=normalizer, mode=mode,
@@ -54,10 +54,30 @@ class MultiHeadAttention(nn.Module):
         # W_v^j: each head's attended annotation to its value, (D -> V); no bias, as b_o adds one.
         self.value_proj = nn.ModuleList(nn.Linear(key_dim, self.value_dim, bias=False) for _ in range(heads))
         self.out_proj = nn.Linear(heads * self.value_dim, key_dim)  # W_o: the heads' values back to D
-        self.score, self.normalizer, self.mode = score, normalizer, mode
-        self.local_window, self.local_width = float(local_window), local_width
+        self.local_window = float(local_window)
         self.key_dim = key_dim
         self.num_heads = heads
+
+    # The heads' options, all alike: the first head's objects and names.
+    @property
+    def phi(self) -> AttentionMode:
+        return self.heads[0].phi
+
+    @property
+    def score(self) -> str:
+        return self.heads[0].score
+
+    @property
+    def normalizer(self) -> str:
+        return self.heads[0].normalizer
+
+    @property
+    def mode(self) -> str:
+        return self.heads[0].mode
+
+    @property
+    def local_width(self) -> str:
+        return self.heads[0].local_width
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A checkpoint from before values were projected per head has W_o of (D, h D) and

@@ -27,10 +27,13 @@ from functools import cache
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
+from captioner.attention import attention_mode
 from captioner.encoders import encoder_names
 from captioner.grounding import GroundingSummary
 from captioner.metrics import METRIC_NAMES
 from captioner.model import ModelConfig
+
+from .precision import PrecisionName
 
 
 @dataclass
@@ -143,7 +146,7 @@ class OptimConfig:
     doubly_stochastic: float = 1.0  # lambda of sum_i (1 - sum_t alpha_ti)^2
     seed: int = 0
     # auto: bf16 on CUDA, fp32 on CPU; fp16 with a gradient scaler (train/precision.py)
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: PrecisionName = "auto"
     # torch.compile the decoder's per-word step with this backend: "" (off), "inductor"
     # (fused kernels; pays off on CUDA), or e.g. "aot_eager" (traces without generating code).
     compile: str = ""
@@ -496,18 +499,19 @@ class Ignored:
 def ignored_values(cfg: TrainConfig) -> list[Ignored]:
     """What this config sets that its model or objective does not use."""
     m, s = cfg.model, cfg.scst
+    mode = attention_mode(m.attention)
     hard = tuple(f"hard.{f.name}" for f in fields(HardConfig))
     out = []
     if s.enabled:
         out.append(Ignored(hard + ("optim.doubly_stochastic",), "self-critical training (scst.enabled) replaces "
                            "the cross-entropy and REINFORCE objectives", ("scst.enabled",)))
     else:
-        if m.attention != "hard":
+        if not mode.stochastic:
             out.append(Ignored(hard, f"REINFORCE is for hard attention, and model.attention is {m.attention}",
                                ("model.attention",)))
-        if m.attention == "mean":
-            out.append(Ignored(("optim.doubly_stochastic",), "mean attention's maps are uniform: the penalty is "
-                               "a constant", ("model.attention",)))
+        if not mode.attends:
+            out.append(Ignored(("optim.doubly_stochastic",), f"{m.attention} attention's maps are uniform: the "
+                               "penalty is a constant", ("model.attention",)))
         out.append(Ignored(tuple(f"scst.{f.name}" for f in fields(ScstConfig) if f.name != "enabled"),
                            "scst.enabled is false", ("scst.enabled",)))
     if m.freeze_encoder:

@@ -12,6 +12,7 @@ from typing import get_args
 import torch
 
 from captioner import kernels
+from captioner.attention import attention_mode
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel, DecoderOutput, attention_penalty
 
@@ -54,13 +55,13 @@ def token_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor,
               doubly_stochastic: float) -> LossParts:
     """-log p(y|a) summed over words (mean over captions) + lambda * sum_i (1 - sum_t alpha_ti)^2,
-    as in the paper; with the 'mean' (no attention) mode the penalty is constant and skipped."""
+    as in the paper; with a mode that does not attend ('mean') the penalty is constant and skipped."""
     out = model(images, tokens, lengths)
     ll = caption_log_likelihood(out, tokens[:, 1:])
     nll = -ll.mean()
     penalty = attention_penalty(out.alphas.float(), out.mask)
-    mode = getattr(model, "module", model).config.attention  # model may be wrapped in DDP
-    loss = nll + doubly_stochastic * penalty if mode != "mean" else nll
+    mode = attention_mode(getattr(model, "module", model).config.attention)  # model may be wrapped in DDP
+    loss = nll + doubly_stochastic * penalty if mode.attends else nll
     return LossParts(loss, nll.detach(), penalty.detach(), out.mask.sum())
 
 

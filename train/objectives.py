@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from captioner.attention import attention_mode
 from captioner.distributed import DistContext
 from captioner.encoders import Annotations
 
@@ -103,11 +104,11 @@ class SelfCritical:
 
 def choose_objective(cfg: TrainConfig, attention: str, vocab, references, ctx: DistContext) -> Objective:
     """Self-critical training when ``[scst]`` is enabled (it replaces the others), REINFORCE for
-    a hard-attention model, else the soft objective."""
+    a model whose attention mode is stochastic (hard), else the soft objective."""
     o = cfg.optim
     if cfg.scst.enabled:
         return SelfCritical(ScstObjective(cfg.scst, vocab, references, seed=o.seed, rank=ctx.rank,
                                           device=ctx.device))
-    if attention == "hard":
+    if attention_mode(attention).stochastic:
         return Hard(HardAttentionObjective(cfg.hard, o.doubly_stochastic, seed=o.seed, dist=ctx))
     return Soft(o.doubly_stochastic)

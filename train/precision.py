@@ -16,12 +16,14 @@ a resumed fp16 run continues with the same scale.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 
 from captioner.inference import AUTOCAST_DTYPES
 
 PRECISIONS = ("auto", *AUTOCAST_DTYPES)
+PrecisionName = Literal[PRECISIONS]  # optim.precision's annotation: the config accepts these names
 
 
 class MixedPrecision:

@@ -128,7 +128,7 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
     from captioner.inference import DecodeOptions
 
     options = DecodeOptions(beam_size=beam_size, max_len=MAX_LEN, **decode)
-    with_pointing = cap.model.config.attention != "mean"  # a uniform map points nowhere
+    with_pointing = cap.model.decoder.attention.phi.attends  # a uniform map points nowhere
     out = {}
     for name, folder in test_sets.items():
         records = load_split(folder, "test")

@@ -41,7 +41,7 @@ class Widths:
 
 def learned_windows(cap: Captioner) -> list[Attention]:
     return [m for m in cap.model.modules()
-            if isinstance(m, Attention) and m.local_window > 0 and m.local_width == "learned"]
+            if isinstance(m, Attention) and m.local_window > 0 and m.width.learned]
 
 
 def half_widths(cap: Captioner, images: list, batch_size: int = 16) -> Widths:

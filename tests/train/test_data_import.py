@@ -431,3 +431,16 @@ def test_a_share_too_small_for_one_image_still_gives_one():
     asked for are never left empty."""
     assert split_sizes(10, 0.01, 0.01) == (1, 1)
     assert split_sizes(100, 0.004, None) == (1, 10)
+
+
+def test_sentence_ids_count_from_zero_across_the_images(tmp_path, capsys):
+    """Karpathy's numbering: sentid 0, 1, 2, ... over every sentence of the file, in image order,
+    each image listing its own."""
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption", "pics/p0.png,a cup", "pics/p0.png,a mug", "pics/p1.png,a jar", "pics/p2.png,a pot"]
+    assert data_main(["import", str(csv_source(tmp_path, rows)), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    images = read_dataset(tmp_path / "out")["images"]
+    sentences = [s for im in images for s in im["sentences"]]
+    assert [s["sentid"] for s in sentences] == [0, 1, 2, 3]
+    assert all(im["sentids"] == [s["sentid"] for s in im["sentences"]] for im in images)
+    assert [im["imgid"] for im in images] == [0, 1, 2]

@@ -299,3 +299,12 @@ def test_features_that_do_not_vary_still_make_a_record():
     record = TrainingFeatures.fit(same)
     assert record.values(same[:1]).tolist() == [1.0]
     assert record.values(same[:1] + 0.1).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("field, bad", [("mean", torch.zeros(1, 12)), ("whiten", torch.zeros(12, 11)),
+                                        ("reference", torch.zeros(5, 1)), ("reference", torch.zeros(0))])
+def test_a_record_with_any_one_tensor_of_the_wrong_shape_is_refused(field, bad):
+    d = TrainingFeatures.fit(_gaussian(20, seed=0)).to_dict()
+    TrainingFeatures.from_dict(d)
+    with pytest.raises(ValueError, match="wrong shapes"):
+        TrainingFeatures.from_dict({**d, field: bad})

@@ -158,3 +158,14 @@ def test_an_ignored_value_is_named_with_where_it_came_from():
     assert check_ignored(soft, stated={"hard.lambda_r"}, written={"hard.lambda_r"},
                          overridden={"model.attention"}) == [
         "ignored, REINFORCE is for hard attention, and model.attention is soft: hard.lambda_r = 0.1"]
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+def test_a_config_name_near_a_shipped_one_is_suggested_and_one_like_none_is_not():
+    from captioner.train.config import find_config
+
+    with pytest.raises(ValueError, match="no config file own-sfot; did you mean own-soft\\?"):
+        find_config("own-sfot")
+    with pytest.raises(ValueError, match="no config file zzzz; shipped configs") as refused:
+        find_config("zzzz")
+    assert "did you mean" not in str(refused.value)

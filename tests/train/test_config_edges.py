@@ -169,3 +169,20 @@ def test_a_config_name_near_a_shipped_one_is_suggested_and_one_like_none_is_not(
     with pytest.raises(ValueError, match="no config file zzzz; shipped configs") as refused:
         find_config("zzzz")
     assert "did you mean" not in str(refused.value)
+
+
+# More bounds at their edges, as EDGES above.
+MORE_EDGES = [
+    ("data.shapes_train", "1", "0", "data.shapes_train must be >= 1, got 0"),
+    ("optim.epochs", "1", "0", "optim.epochs must be >= 1, got 0"),
+    ("optim.weight_decay", "0", "-0.5", "optim.weight_decay must be >= 0, got -0.5"),
+]
+
+
+@pytest.mark.parametrize("key, edge, beyond, message", MORE_EDGES, ids=[f"{e[0]}={e[2]}" for e in MORE_EDGES])
+def test_more_bounds_take_their_edge_and_refuse_what_lies_beyond(key, edge, beyond, message):
+    test_each_bound_takes_its_edge_and_refuses_what_lies_beyond(key, edge, beyond, message)
+
+
+def test_a_run_name_keeps_every_character_after_the_first_equals_sign():
+    assert load_config(None, ["name=lr=3e-4"]).name == "lr=3e-4"

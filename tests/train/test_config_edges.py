@@ -171,17 +171,39 @@ def test_a_config_name_near_a_shipped_one_is_suggested_and_one_like_none_is_not(
     assert "did you mean" not in str(refused.value)
 
 
-# More bounds at their edges, as EDGES above.
-MORE_EDGES = [
-    ("data.shapes_train", "1", "0", "data.shapes_train must be >= 1, got 0"),
-    ("optim.epochs", "1", "0", "optim.epochs must be >= 1, got 0"),
-    ("optim.weight_decay", "0", "-0.5", "optim.weight_decay must be >= 0, got -0.5"),
-]
+# Every lower bound, written out: a bound moved is a change to what runs accept. (EDGES above
+# has the bounds of other shapes.)
+AT_LEAST = {"data.min_count": 1, "data.max_vocab": 0, "data.max_caption_len": 1, "data.workers": 0,
+            "data.shapes_train": 1, "data.shapes_val": 1, "data.shapes_image_size": 1, "model.image_size": 1,
+            "model.resize": 0, "optim.epochs": 1, "optim.max_steps": 0, "optim.max_minutes": 0,
+            "optim.batch_size": 1, "optim.weight_decay": 0, "optim.lr_decay_every": 1, "optim.grad_clip": 0,
+            "optim.doubly_stochastic": 0, "optim.threads": 0, "optim.log_every": 1, "optim.save_every": 0,
+            "val.every_epochs": 0, "val.beam_size": 1, "val.max_len": 1, "val.limit": 0, "val.patience": 0,
+            "val.min_images": 0, "hard.lambda_r": 0, "hard.entropy": 0}
 
 
-@pytest.mark.parametrize("key, edge, beyond, message", MORE_EDGES, ids=[f"{e[0]}={e[2]}" for e in MORE_EDGES])
-def test_more_bounds_take_their_edge_and_refuse_what_lies_beyond(key, edge, beyond, message):
-    test_each_bound_takes_its_edge_and_refuses_what_lies_beyond(key, edge, beyond, message)
+@pytest.mark.parametrize("key, low", AT_LEAST.items(), ids=list(AT_LEAST))
+def test_every_lower_bound_takes_its_edge_and_refuses_the_value_below(key, low):
+    section, name = key.split(".")
+    default = getattr(getattr(load_config(None, []), section), name)
+    below = low - 1 if isinstance(default, int) else low - 0.5
+    assert getattr(getattr(load_config(None, [f"{key}={low}"]), section), name) == low
+    with pytest.raises(ValueError) as caught:
+        load_config(None, [f"{key}={below}"])
+    assert str(caught.value) == f"{key} must be >= {low}, got {below}"
+
+
+def test_the_table_of_lower_bounds_names_every_one():
+    from captioner.train.config import BOUNDS
+
+    assert {k for k, (_, what) in BOUNDS.items() if what.startswith(">=")} == set(AT_LEAST)
+
+
+def test_counts_and_chance_levels_are_no_figures_to_validate_on():
+    for name in ("n_images", "relation_chance", "pointing_chance"):
+        with pytest.raises(ValueError, match=f"'{name}' is not a figure validation gives"):
+            load_config(None, [f"val.metric={name}"])
+    assert load_config(None, ["val.metric=relation_accuracy"]).val.metric == "relation_accuracy"
 
 
 def test_a_run_name_keeps_every_character_after_the_first_equals_sign():

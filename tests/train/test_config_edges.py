@@ -208,3 +208,15 @@ def test_counts_and_chance_levels_are_no_figures_to_validate_on():
 
 def test_a_run_name_keeps_every_character_after_the_first_equals_sign():
     assert load_config(None, ["name=lr=3e-4"]).name == "lr=3e-4"
+
+
+def test_what_a_config_ignores_is_a_frozen_record():
+    import dataclasses
+
+    from captioner.train.config import ignored_values
+
+    found = ignored_values(load_config(None, ["scst.samples=3"]))  # SCST's settings, with SCST off
+    assert any(i.keys[0] == "scst.samples" and i.because == "scst.enabled is false" for i in found), found
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found[0].because = "changed"
+    assert len(set(found)) == len(found)  # hashable: a record, compared by value

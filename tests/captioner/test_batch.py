@@ -154,3 +154,23 @@ def test_discover_follows_a_link_to_a_folder_elsewhere(tmp_path):
     (root / "album").symlink_to(elsewhere, target_is_directory=True)
     assert discover([str(root)]).images == [os.path.join(str(root), "a.png"),
                                             os.path.join(str(root), "album", "x.jpg")]
+
+
+def test_caption_paths_writes_no_attention_unless_asked(tmp_path):
+    """The library's default, as `captioner caption` without --with-attention: maps are large,
+    and only asked for."""
+    import io
+
+    from captioner.batch import caption_paths
+    from captioner.inference import DecodeOptions
+    from tests.tiny import tiny_captioner, tiny_image
+
+    path = tmp_path / "a.png"
+    tiny_image(0).save(path)
+    cap, options = tiny_captioner(seed=1), DecodeOptions(beam_size=1, max_len=3)
+    out = io.StringIO()
+    caption_paths(cap, [str(path)], out, options=options, progress=False)
+    assert "alphas" not in json.loads(out.getvalue())
+    out = io.StringIO()
+    caption_paths(cap, [str(path)], out, options=options, progress=False, with_attention=True)
+    assert "alphas" in json.loads(out.getvalue())

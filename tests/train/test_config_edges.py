@@ -220,3 +220,10 @@ def test_what_a_config_ignores_is_a_frozen_record():
     with pytest.raises(dataclasses.FrozenInstanceError):
         found[0].because = "changed"
     assert len(set(found)) == len(found)  # hashable: a record, compared by value
+
+
+def test_the_keys_a_config_writes_name_the_run_s_name_only_when_it_is_written():
+    from captioner.train.config import written_keys
+
+    assert written_keys({"name": "x", "optim": {"lr": 1.0}, "val": {}}) == {"name", "optim.lr"}
+    assert written_keys({"optim": {"lr": 1.0, "epochs": 2}}) == {"optim.lr", "optim.epochs"}

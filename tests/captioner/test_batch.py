@@ -135,3 +135,42 @@ def test_the_loader_leaves_jpeg_bytes_to_the_device_only_when_asked(tmp_path):
     assert "truncated" in done.errors[2] and done.errors[3] == cpu.errors[3]
     assert torch.equal(done.pixels[0], decode_resize([plain_jpeg(paths[0], 10**6)], pre, "cpu")[0])
     assert torch.equal(done.pixels[1], cpu.pixels[1])
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+def test_discover_follows_a_link_to_a_folder_elsewhere(tmp_path):
+    """A folder of photographs that links to another (an album on another disk): the linked
+    folder's images are found under the link's path."""
+    import os
+
+    from captioner.batch import discover
+
+    elsewhere = tmp_path / "disk2" / "album"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "x.jpg").write_bytes(b"")
+    root = tmp_path / "photos"
+    root.mkdir()
+    (root / "a.png").write_bytes(b"")
+    (root / "album").symlink_to(elsewhere, target_is_directory=True)
+    assert discover([str(root)]).images == [os.path.join(str(root), "a.png"),
+                                            os.path.join(str(root), "album", "x.jpg")]
+
+
+def test_caption_paths_writes_no_attention_unless_asked(tmp_path):
+    """The library's default, as `captioner caption` without --with-attention: maps are large,
+    and only asked for."""
+    import io
+
+    from captioner.batch import caption_paths
+    from captioner.inference import DecodeOptions
+    from tests.tiny import tiny_captioner, tiny_image
+
+    path = tmp_path / "a.png"
+    tiny_image(0).save(path)
+    cap, options = tiny_captioner(seed=1), DecodeOptions(beam_size=1, max_len=3)
+    out = io.StringIO()
+    caption_paths(cap, [str(path)], out, options=options, progress=False)
+    assert "alphas" not in json.loads(out.getvalue())
+    out = io.StringIO()
+    caption_paths(cap, [str(path)], out, options=options, progress=False, with_attention=True)
+    assert "alphas" in json.loads(out.getvalue())

@@ -277,3 +277,34 @@ def test_the_captioner_keeps_its_record_on_its_model_s_device():
     assert on_host.familiarity.mean.device.type == "cpu"
     features = pooled(on_host.model.encode(torch.zeros(2, 3, 64, 64)).vectors)
     assert on_host.familiarity.to("meta").values(features).device.type == "meta"
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+@pytest.mark.parametrize("n, dim", [(6, 10), (40, 3)])
+@pytest.mark.parametrize("unit", [1e-3, 0.5, 1e3])
+def test_familiarity_does_not_depend_on_the_features_units(n, dim, unit):
+    """The ridge is a share of the features' own variance, whatever their scale: an encoder whose
+    pooled features vary by thousandths (a mean variance below 1) is scored as one whose features
+    vary by units. At N < D the ridge alone fills the directions the images do not span."""
+    x, fresh = _gaussian(n, seed=n, dim=dim), _gaussian(5, seed=99, dim=dim)
+    plain, scaled = TrainingFeatures.fit(x), TrainingFeatures.fit(x * unit)
+    torch.testing.assert_close(scaled.reference, plain.reference, rtol=1e-4, atol=0)
+    torch.testing.assert_close(scaled.distances(fresh * unit), plain.distances(fresh), rtol=1e-4, atol=0)
+
+
+def test_features_that_do_not_vary_still_make_a_record():
+    """Every training image the same (no variance at all): the fit needs a ridge of its own; an
+    image equal to them is typical, any other is unlike all of them."""
+    same = torch.full((5, 4), 2.0, dtype=torch.float64)
+    record = TrainingFeatures.fit(same)
+    assert record.values(same[:1]).tolist() == [1.0]
+    assert record.values(same[:1] + 0.1).tolist() == [0.0]
+
+
+@pytest.mark.parametrize("field, bad", [("mean", torch.zeros(1, 12)), ("whiten", torch.zeros(12, 11)),
+                                        ("reference", torch.zeros(5, 1)), ("reference", torch.zeros(0))])
+def test_a_record_with_any_one_tensor_of_the_wrong_shape_is_refused(field, bad):
+    d = TrainingFeatures.fit(_gaussian(20, seed=0)).to_dict()
+    TrainingFeatures.from_dict(d)
+    with pytest.raises(ValueError, match="wrong shapes"):
+        TrainingFeatures.from_dict({**d, field: bad})

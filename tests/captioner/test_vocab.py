@@ -218,3 +218,19 @@ def test_guesses_read_decomposed_accents_and_the_nine_in_ten_edge():
 def test_encode_keeps_at_most_max_len_words():
     v = Vocabulary.build(["a red star"], min_count=1)
     assert v.encode("a red star", max_len=2) == [v.start, v.index("a"), v.index("red"), v.end]
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+def test_each_special_index_names_its_own_token_and_decode_skips_padding_and_start():
+    v = Vocabulary.build(["a red star"], min_count=1)
+    assert [v.words[i] for i in (v.pad, v.start, v.end, v.unk)] == list(SPECIALS)
+    assert [v.index(w) for w in SPECIALS] == [v.pad, v.start, v.end, v.unk]
+    red = v.index("red")
+    assert v.decode([v.pad, v.start, red, v.pad, v.unk, v.end, red]) == ["red", "<unk>"]
+
+
+def test_the_vocabulary_shows_its_words_not_its_index():
+    """The word -> index table is derived from the words: a repr (a log line, a debugger) shows
+    the words once, not the table of a vocabulary of thousands again."""
+    v = Vocabulary.build(["a red star"], min_count=1)
+    assert "_index" not in repr(v) and "'star'" in repr(v)

@@ -158,3 +158,72 @@ def test_an_ignored_value_is_named_with_where_it_came_from():
     assert check_ignored(soft, stated={"hard.lambda_r"}, written={"hard.lambda_r"},
                          overridden={"model.attention"}) == [
         "ignored, REINFORCE is for hard attention, and model.attention is soft: hard.lambda_r = 0.1"]
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+def test_a_config_name_near_a_shipped_one_is_suggested_and_one_like_none_is_not():
+    from captioner.train.config import find_config
+
+    with pytest.raises(ValueError, match="no config file own-sfot; did you mean own-soft\\?"):
+        find_config("own-sfot")
+    with pytest.raises(ValueError, match="no config file zzzz; shipped configs") as refused:
+        find_config("zzzz")
+    assert "did you mean" not in str(refused.value)
+
+
+# Every lower bound, written out: a bound moved is a change to what runs accept. (EDGES above
+# has the bounds of other shapes.)
+AT_LEAST = {"data.min_count": 1, "data.max_vocab": 0, "data.max_caption_len": 1, "data.workers": 0,
+            "data.shapes_train": 1, "data.shapes_val": 1, "data.shapes_image_size": 1, "model.image_size": 1,
+            "model.resize": 0, "optim.epochs": 1, "optim.max_steps": 0, "optim.max_minutes": 0,
+            "optim.batch_size": 1, "optim.weight_decay": 0, "optim.lr_decay_every": 1, "optim.grad_clip": 0,
+            "optim.doubly_stochastic": 0, "optim.threads": 0, "optim.log_every": 1, "optim.save_every": 0,
+            "val.every_epochs": 0, "val.beam_size": 1, "val.max_len": 1, "val.limit": 0, "val.patience": 0,
+            "val.min_images": 0, "hard.lambda_r": 0, "hard.entropy": 0}
+
+
+@pytest.mark.parametrize("key, low", AT_LEAST.items(), ids=list(AT_LEAST))
+def test_every_lower_bound_takes_its_edge_and_refuses_the_value_below(key, low):
+    section, name = key.split(".")
+    default = getattr(getattr(load_config(None, []), section), name)
+    below = low - 1 if isinstance(default, int) else low - 0.5
+    assert getattr(getattr(load_config(None, [f"{key}={low}"]), section), name) == low
+    with pytest.raises(ValueError) as caught:
+        load_config(None, [f"{key}={below}"])
+    assert str(caught.value) == f"{key} must be >= {low}, got {below}"
+
+
+def test_the_table_of_lower_bounds_names_every_one():
+    from captioner.train.config import BOUNDS
+
+    assert {k for k, (_, what) in BOUNDS.items() if what.startswith(">=")} == set(AT_LEAST)
+
+
+def test_counts_and_chance_levels_are_no_figures_to_validate_on():
+    for name in ("n_images", "relation_chance", "pointing_chance"):
+        with pytest.raises(ValueError, match=f"'{name}' is not a figure validation gives"):
+            load_config(None, [f"val.metric={name}"])
+    assert load_config(None, ["val.metric=relation_accuracy"]).val.metric == "relation_accuracy"
+
+
+def test_a_run_name_keeps_every_character_after_the_first_equals_sign():
+    assert load_config(None, ["name=lr=3e-4"]).name == "lr=3e-4"
+
+
+def test_what_a_config_ignores_is_a_frozen_record():
+    import dataclasses
+
+    from captioner.train.config import ignored_values
+
+    found = ignored_values(load_config(None, ["scst.samples=3"]))  # SCST's settings, with SCST off
+    assert any(i.keys[0] == "scst.samples" and i.because == "scst.enabled is false" for i in found), found
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found[0].because = "changed"
+    assert len(set(found)) == len(found)  # hashable: a record, compared by value
+
+
+def test_the_keys_a_config_writes_name_the_run_s_name_only_when_it_is_written():
+    from captioner.train.config import written_keys
+
+    assert written_keys({"name": "x", "optim": {"lr": 1.0}, "val": {}}) == {"name", "optim.lr"}
+    assert written_keys({"optim": {"lr": 1.0, "epochs": 2}}) == {"optim.lr", "optim.epochs"}

@@ -409,3 +409,38 @@ def test_avif_images_are_found_in_folders(tmp_path):
     assert str(folder / "a" / "kite.avif") in discover([str(folder)]).images
     got = read_source(folder)
     assert (folder / "a" / "kite.avif") in [im.path for im in got.images]
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+def test_the_line_quoted_from_a_refused_file_is_whole_when_it_is_the_last_without_a_line_break(tmp_path):
+    """The failing byte on the last line, which no line break ends: the line is quoted to its
+    last character, as any other line is."""
+    rows = ["image,caption"] + [f"pics/p{i}.png,a cup on a table {i}" for i in range(3)]
+    rows.append("pics/p3.png,un café près de la fenêtre numéro 3")
+    source = tmp_path / "last.csv"
+    source.write_bytes("\n".join(rows).encode("latin-1"))  # no line break after the last row
+    with pytest.raises(SourceError) as refused:
+        read_source(source)
+    message = str(refused.value)
+    assert "on line 5" in message and "fen" in message
+    assert "numéro 3'" in message, message  # the line's last character, then the closing quote
+
+
+def test_a_share_too_small_for_one_image_still_gives_one():
+    """A positive share that rounds to no image (1% of 10) is one image: validation and test
+    asked for are never left empty."""
+    assert split_sizes(10, 0.01, 0.01) == (1, 1)
+    assert split_sizes(100, 0.004, None) == (1, 10)
+
+
+def test_sentence_ids_count_from_zero_across_the_images(tmp_path, capsys):
+    """Karpathy's numbering: sentid 0, 1, 2, ... over every sentence of the file, in image order,
+    each image listing its own."""
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption", "pics/p0.png,a cup", "pics/p0.png,a mug", "pics/p1.png,a jar", "pics/p2.png,a pot"]
+    assert data_main(["import", str(csv_source(tmp_path, rows)), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    images = read_dataset(tmp_path / "out")["images"]
+    sentences = [s for im in images for s in im["sentences"]]
+    assert [s["sentid"] for s in sentences] == [0, 1, 2, 3]
+    assert all(im["sentids"] == [s["sentid"] for s in im["sentences"]] for im in images)
+    assert [im["imgid"] for im in images] == [0, 1, 2]

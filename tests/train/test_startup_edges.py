@@ -308,3 +308,28 @@ def test_a_new_run_starts_its_encoder_from_encoder_from(tiny_coco, tmp_path):
     trained = load_checkpoint(run / "last.pt")["state_dict"]
     encoder = [k for k in source if k.startswith("encoder.")]
     assert encoder and all(torch.equal(trained[k], source[k]) for k in encoder)
+
+
+# --- mutation testing's survivors (docs/testing.md) -----------------------------------------
+def test_pretrained_weights_are_downloaded_into_a_torch_home_that_holds_nothing_yet(tmp_path, monkeypatch):
+    """A first run on a new machine: neither TORCH_HOME nor its hub/checkpoints folder exists."""
+    from captioner.encoders import pretrained_file
+    from captioner.train.startup import _require_pretrained
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "new" / "torch"))
+    path, url = pretrained_file("resnet18")
+    monkeypatch.setattr(torch.hub, "download_url_to_file", lambda u, dst, *a, **k: Path(dst).write_bytes(b"w"))
+    _require_pretrained("resnet18")
+    assert path.read_bytes() == b"w" and path.is_relative_to(tmp_path / "new" / "torch")
+
+
+def test_a_run_folder_in_use_says_whether_the_run_can_be_resumed(tmp_path):
+    from captioner.train.startup import check_run_folder
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(StartupError, match=r"\(metrics.jsonl\): it cannot be resumed \(no last.pt\)"):
+        check_run_folder(tmp_path, overwrite=False)
+    (tmp_path / "last.pt").write_bytes(b"")
+    with pytest.raises(StartupError, match=f"continue it with --resume {tmp_path}, "):
+        check_run_folder(tmp_path, overwrite=False)
+    check_run_folder(tmp_path, overwrite=True)

@@ -560,3 +560,30 @@ def test_a_batch_reads_its_maps_back_to_the_host_once_not_per_image(beam, monkey
         assert len(results) == n and all(r.alphas.device.type == "cpu" for r in results)
     # Growing the batch by 14 images adds far fewer copies than images (three per image before).
     assert counts[16] - counts[2] < 14, counts
+
+
+# --- the records ---------------------------------------------------------------------------
+def test_an_alternative_is_a_frozen_record():
+    """The N best travel from the search to the CLI, the API and the app: nobody may change one
+    on the way, and equal ones are one (hashable)."""
+    import dataclasses
+
+    from captioner.decoding import Alternative
+
+    a = Alternative(("a", "red", "circle"), -1.5, rank=-0.375)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.score = 0.0
+    assert len({a, Alternative(("a", "red", "circle"), -1.5, rank=-0.375)}) == 1
+
+
+def test_a_caption_s_json_rounds_scores_to_four_decimals_and_probabilities_to_four_digits():
+    from captioner.decoding import Alternative, CaptionResult
+
+    r = CaptionResult(["a", "circle"], torch.full((2, 1, 1), 1.0), torch.ones(2), -1.2345678,
+                      word_probs=(0.123456789, 0.000123456), end_prob=0.98765,
+                      alternatives=(Alternative(("a", "circle"), -1.2345678, rank=-0.41152),
+                                    Alternative(("circle",), -2.3456789, rank=-1.17283945)))
+    line = r.to_json()
+    assert line["score"] == -1.2346
+    assert line["word_probs"] == [0.1235, 0.0001235] and line["end_prob"] == 0.9877
+    assert line["alternatives"][1] == {"caption": "circle", "score": -2.3457, "rank": -1.1728}

@@ -587,3 +587,18 @@ def test_a_caption_s_json_rounds_scores_to_four_decimals_and_probabilities_to_fo
     assert line["score"] == -1.2346
     assert line["word_probs"] == [0.1235, 0.0001235] and line["end_prob"] == 0.9877
     assert line["alternatives"][1] == {"caption": "circle", "score": -2.3457, "rank": -1.1728}
+
+
+def test_greedy_stops_at_the_step_where_every_caption_has_ended():
+    table = [{A: 0.9, END: 0.1}, {END: 0.8, B: 0.2}] + [{A: 1.0}] * 6
+    stub = _StepTable(table)
+    calls = _counted(stub)
+    g = greedy(stub, Annotations(torch.zeros(3, 4, 3), (2, 2)), start=START, end=END, pad=PAD, max_len=6)
+    assert [x.ids for x in g] == [[A, END]] * 3 and len(calls) == 2
+
+
+@pytest.mark.parametrize("beam_size,num_captions", [(0, 1), (3, 0), (3, 4)])
+def test_a_beam_size_below_1_and_a_number_of_captions_outside_1_to_k_are_refused(beam_size, num_captions):
+    with pytest.raises(ValueError, match="beam_size" if beam_size < 1 else "num_captions"):
+        beam_search(_StepTable([{END: 1.0}]), Annotations(torch.zeros(1, 4, 3), (2, 2)), start=START, end=END,
+                    pad=PAD, beam_size=beam_size, max_len=2, num_captions=num_captions)

@@ -12,7 +12,7 @@ lays over the one photo. Laid over an image with ordinary alpha blending,
 a function of m alone: a layer is a map of 8-bit levels of m and a palette of 256 (C, a),
 
 it gives the overlay of ``captioner.overlay.overlays``: photo * lit(m) + TINT * warm(m), with
-lit(m) = (0.2 + 0.8 m)(1 - 0.35 m) and warm(m) = 0.35 m, m the map scaled to [0, 1].
+lit and warm the library's ``captioner.overlay.shading``, m the map scaled to [0, 1].
 
 Layers are keyed by (word, head); head None is the map a word's step used (the heads' mean
 when a model has several heads).
@@ -31,7 +31,7 @@ from PIL import Image
 
 from captioner.decoding import CaptionResult
 from captioner.images import Preprocess, load_image
-from captioner.overlay import TINT, upsample_alpha
+from captioner.overlay import TINT, shading, unit_maps, upsample_alpha
 
 LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 JPEG_QUALITY = 90
@@ -126,9 +126,9 @@ def seen_by_model(preprocess: Preprocess, data: bytes, max_pixels: int, picture:
 
 def _palette() -> bytes:
     """256 RGBA entries, level i for m = i / 255: a layer is a map of 8-bit levels, a palette PNG."""
-    m = np.arange(256) / 255.0
-    a = 1 - (0.2 + 0.8 * m) * (1 - 0.35 * m)  # in [0.48, 0.8]: never 0
-    colour = (0.35 * m / a)[:, None] * np.array(TINT)
+    lit, warm = shading(np.arange(256) / 255.0)
+    a = 1 - lit  # in [0.48, 0.8]: never 0
+    colour = (warm / a)[:, None] * np.array(TINT)
     return np.concatenate([colour, 255.0 * a[:, None]], 1).round().clip(0, 255).astype(np.uint8).tobytes()
 
 
@@ -148,9 +148,7 @@ def attention_layers(alphas: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
     """(T, H, W) maps -> (T, h, w) uint8 levels of m, the image's aspect, all in one pass.
     The layer's colours and opacities are PALETTE's entries for those levels."""
     lw, lh = layer_size(tuple(alphas.shape[-2:]), size)
-    m = torch.from_numpy(upsample_alpha(alphas, (lw, lh)))  # (T, lh, lw), blurred as the overlays are
-    lo = m.amin(dim=(1, 2), keepdim=True)
-    m = (m - lo) / (m.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-8)  # each map in [0, 1]
+    m = unit_maps(torch.from_numpy(upsample_alpha(alphas, (lw, lh))))  # (T, lh, lw), blurred as the overlays are
     return m.mul_(255.0).add_(0.5).clamp_(0, 255).to(torch.uint8).numpy()
 
 

@@ -1,14 +1,6 @@
 """Greedy and beam-search decoding, batched across images.
 
-Legend: B images, k beams, L locations, V vocabulary, T steps.
-
-Beam search runs B images x k beams as one (B*k)-row tensor program. A caption that
-emits <end> leaves the open beams for a pool of finished captions kept apart, per image
-(as in the authors' code), so open beams can never push it out; the best of the pool is
-returned. The search is exact for its width: it stops for an image only when no open
-beam can still beat the pool's best, or at the length limit; with no <end> by then, the
-best open beam is returned (no crash). Asked for the N best (N <= k), it stops only when no
-open beam can beat the pool's N-th best, and returns the pool's N best (``beam_search``).
+Legend: B images, k beams, L locations, V vocabulary, T steps; b' the images still in the batch.
 
 ``max_len`` counts words, never the <end> token: a caption of exactly ``max_len`` words
 followed by <end> can come out. After the ``max_len``-th word only <end> may come (every
@@ -16,6 +8,37 @@ other word is masked at that step, in greedy and beam search alike), so the sear
 finished captions of at most ``max_len`` words: a word that would be cut off anyway never
 outranks an <end> there. A caption is cut off at ``max_len`` words only where <end>
 itself cannot come (its probability is 0).
+
+Beam search keeps the finished captions in a pool apart from the open beams (as in the
+authors' code), so open beams can never push one out. It is exact for its width, and
+returns the best caption by rank (log p, or with a length penalty P > 0 log p / length**P,
+the length counting <end>) and, asked for N (``num_captions``, N <= k), the N best. The rule
+(an exporter's search must follow it to give the same captions; ``npsearch`` does):
+1. Each image keeps k open beams (at first one, the empty caption) and, apart from them,
+   a pool of the best k captions that ended.
+2. Every step ranks the k*V extensions of the open beams by log p (<start> and <pad>
+   never come). The extensions ending in <end> among the best k join the pool, if they
+   rank among its best k (so a finished caption is never pushed out by open ones); the
+   best k extensions that did not end are the new open beams.
+3. An image is done when no open beam can still beat the pool's N-th best (N = 1: its
+   best): log p only falls as words are added, so an open beam's best possible rank is
+   its log p / (max_len + 1)**P (the longest caption it can still become); done when
+   the pool's N-th best rank >= the best open beam's log p / (max_len + 1)**P. A full
+   pool is no reason to stop. N = 1 stops exactly where the search for the best alone
+   does; N > 1 may go on longer, never shorter, and its best is the same.
+4. After the ``max_len``-th word only <end> may come: at that step the extensions that
+   end are the only candidates, each joins the pool if it ranks among its best k, and
+   the image is done.
+5. It returns the pool's best and, with N > 1, the pool's next best up to N in all, in
+   the order of their rank (with a length penalty, not necessarily of their log p). A
+   caption cut off at ``max_len`` words is returned only when none ended (where <end>
+   has probability 0); then it is the only one.
+
+B images x k beams run as one (B*k)-row tensor program; the k beams of an image share one
+copy of its annotations and keys. Each step records, per beam, its word, the beam it extends
+and the attention map it was computed with (``_Trace``); a caption is read back along these
+pointers when its image is done, and the image leaves the batch then. ``_Pool`` holds the
+finished captions and knows when an image is done.
 """
 
 from __future__ import annotations
@@ -194,33 +217,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
                 num_captions: int = 1) -> list[DecodedIds]:
     """The caption of highest rank per image: rank = log p, or with ``length_penalty`` P > 0
     log p / length**P (length counts the <end> token). With ``num_captions`` N > 1 (at most
-    k), the N best finished captions of the search (``runners_up``: the 2nd to N-th).
-
-    The rule (an exporter's search must follow it to give the same captions):
-    1. Each image keeps k open beams (at first one, the empty caption) and, apart from them,
-       a pool of the best k captions that ended.
-    2. Every step ranks the k*V extensions of the open beams by log p (<start> and <pad>
-       never come). The extensions ending in <end> among the best k join the pool, if they
-       rank among its best k (so a finished caption is never pushed out by open ones); the
-       best k extensions that did not end are the new open beams.
-    3. An image is done when no open beam can still beat the pool's N-th best (N = 1: its
-       best): log p only falls as words are added, so an open beam's best possible rank is
-       its log p / (max_len + 1)**P (the longest caption it can still become); done when
-       the pool's N-th best rank >= the best open beam's log p / (max_len + 1)**P. A full
-       pool is no reason to stop. N = 1 stops exactly where the search for the best alone
-       does; N > 1 may go on longer, never shorter, and its best is the same.
-    4. After the ``max_len``-th word only <end> may come: at that step the extensions that
-       end are the only candidates, each joins the pool if it ranks among its best k, and
-       the image is done.
-    5. It returns the pool's best and, with N > 1, the pool's next best up to N in all, in
-       the order of their rank (with a length penalty, not necessarily of their log p). A
-       caption cut off at ``max_len`` words is returned only when none ended (where <end>
-       has probability 0); then it is the only one.
-
-    B images x k beams run as one tensor program; the k beams of an image share one copy of
-    its annotations and keys. Each step records, per beam, its word, the beam it extends and
-    the attention map it was computed with; a caption is read back along these pointers when
-    its image is done. An image leaves the batch as soon as it is done."""
+    k), the N best finished captions of the search (``runners_up``: the 2nd to N-th), in the
+    order of their rank. The search follows the rule of the module's docstring."""
     kw = _hard_kwargs(hard)
     if beam_size < 1:
         raise ValueError("beam_size must be >= 1")
@@ -228,123 +226,176 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
     _check_max_len(max_len)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
-    a = ann.vectors
-    b, n, _ = a.shape
-    k = beam_size
-    steps = max_len + 1  # max_len words, then a step that can only end
-    dev = a.device
-    ninf = float("-inf")
+    a, k = ann.vectors, beam_size
+    b, dev = a.shape[0], a.device
     keys = decoder.attention.prepare(a)  # once per image, shared by its beams
-    h, c = decoder.init_state(a)
-    h, c = h.repeat_interleave(k, 0), c.repeat_interleave(k, 0)  # (B*k, H)
-
-    scores = torch.full((b, k), ninf, device=dev)  # open beams' log p
+    h, c = (s.repeat_interleave(k, 0) for s in decoder.init_state(a))  # (B*k, H)
+    scores = torch.full((b, k), float("-inf"), device=dev)  # the open beams' log p
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
-    # The pool of finished captions, (B, k) each: rank, log p, the step of their <end> and
-    # the open beam that <end> extended (an empty entry has rank -inf).
-    pool_rank = torch.full((b, k), ninf, device=dev)
-    pool_score = torch.full((b, k), ninf, device=dev)
-    pool_step = torch.zeros(b, k, dtype=torch.long, device=dev)
-    pool_parent = torch.zeros(b, k, dtype=torch.long, device=dev)
-    # Per step, indexed by the original image: the open beams' words, the beam each extends
-    # (its parent) and the maps and gates each beam's step computed (indexed by that beam).
-    words = torch.full((steps, b, k), pad, dtype=torch.long, device=dev)
-    parents = torch.zeros(steps, b, k, dtype=torch.long, device=dev)
-    score_steps = torch.zeros(steps, b, k, device=dev)  # each open beam's log p after its word
-    head_steps = torch.zeros(steps, b, k, decoder.attention.num_heads, n, device=dev)  # each head's map
-    beta_steps = torch.zeros(steps, b, k, device=dev)
+    pool = _Pool(b, k, num_captions, length_penalty, dev)
+    trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=max_len, end=end, pad=pad, device=dev)
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
     active = torch.arange(b, device=dev)  # original index of each image still in the batch
     out: list[DecodedIds | None] = [None] * b
-    best_possible = steps ** length_penalty if length_penalty > 0 else 1.0  # divides an open score
-    width = 2 * k  # k may end, k go on
-
-    def read_back(rows: torch.Tensor, places: torch.Tensor, last: int) -> list[DecodedIds]:
-        """Entry ``places[r]`` of the pool (0: its best) of image ``rows[r]`` (batch-relative;
-        an image may come several times); none ends after step ``last``. Where no caption
-        ended: the best open beam, cut off by the length limit."""
-        img = active[rows]
-        cut = min(last, max_len - 1)  # the last step whose open beams are kept
-        ended = torch.isfinite(pool_rank[rows, places])  # the pool is sorted: entry 0 is its best
-        slot = scores[rows].argmax(1)
-        step = torch.where(ended, pool_step[rows, places], torch.full_like(slot, cut))
-        word = torch.where(ended, torch.full_like(slot, end), words[cut, img, slot])
-        j = torch.where(ended, pool_parent[rows, places], parents[cut, img, slot])
-        score = torch.where(ended, pool_score[rows, places], scores[rows].gather(1, slot[:, None]).squeeze(1))
-        ids = torch.full((len(img), last + 1), pad, dtype=torch.long, device=dev)
-        heads = head_steps.new_zeros(len(img), last + 1, *head_steps.shape[3:])  # (b', T, h, L)
-        betas = torch.zeros(len(img), last + 1, device=dev)
-        running = torch.zeros(len(img), last + 1, device=dev)  # log p of the caption up to each step
-        for t in range(last, -1, -1):
-            before = step > t  # rows whose caption goes on after step t
-            ids[:, t] = torch.where(step == t, word, torch.where(before, words[t, img, j], ids[:, t]))
-            running[:, t] = torch.where(step == t, score, torch.where(before, score_steps[t, img, j], running[:, t]))
-            j = torch.where(before, parents[t, img, j], j)  # now the beam that computed step t
-            heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
-        logps = (running - F.pad(running[:, :-1], (1, 0))).cpu()  # (b', T) each token's log p
-        m, ids_, score_ = (step + 1).tolist(), ids.tolist(), score.tolist()  # one transfer each, not one per row
-        heads, betas = heads.cpu(), betas.cpu()
-        return [_trim(ids_[r][:m[r]], heads[r, :m[r]], betas[r, :m[r]], score_[r], end, pad, logps[r, :m[r]])
-                for r in range(len(img))]
-
-    def emit(rows: torch.Tensor, last: int) -> None:
-        """Store the best caption of these (batch-relative) images, and its runners-up: the
-        pool's next finished captions, up to num_captions in all, read back in one pass."""
-        found = torch.isfinite(pool_rank[rows, :num_captions]).sum(1).clamp_min(1).tolist()  # (b',)
-        places = torch.cat([torch.arange(f, device=dev) for f in found])
-        captions = iter(read_back(rows.repeat_interleave(torch.tensor(found, device=dev)), places, last))
-        for i, f in zip(active[rows].tolist(), found):
-            best = next(captions)
-            best.runners_up = [next(captions) for _ in range(f - 1)]
-            out[i] = best
-
-    for t in range(steps):
-        bb = len(active)
+    reach = (max_len + 1) ** length_penalty if length_penalty > 0 else 1.0  # log p / reach: an open beam's best rank
+    for t in range(max_len + 1):  # max_len words, then a step that can only end
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
-        if t == steps - 1:
+        if t == max_len:
             logp = _only_end(logp, end)
-        logp = logp.view(bb, k, -1)  # (b', k, V)
-        v = logp.shape[-1]
-        head_steps[t, active] = o.alpha_heads.view(bb, k, -1, n).float()
-        beta_steps[t, active] = o.beta.view(bb, k).float()
-        cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)  # (b', 2k) sorted
-        beam = torch.div(idx, v, rounding_mode="floor")  # the open beam each candidate extends
-        word = idx % v
+        trace.record_maps(t, active, o.alpha_heads, o.beta)
+        cand, beam, word = _extend(scores, logp.view(len(active), k, -1), 2 * k)  # (b', 2k) each, best first
         ended = (word == end) & torch.isfinite(cand)
-        # Into the pool: the ended candidates among the best k, if they rank among the pool's best k.
-        joins = ended.clone()
-        joins[:, k:] = False
-        rank = cand / (t + 1) ** length_penalty if length_penalty > 0 else cand
-        merged = torch.cat([pool_rank, torch.where(joins, rank, torch.full_like(rank, ninf))], 1)
-        pool_rank, pick = merged.topk(k, dim=1)  # (b', k), sorted: entry 0 is the best
-        pool_score = torch.cat([pool_score, cand], 1).gather(1, pick)
-        pool_step = torch.cat([pool_step, torch.full_like(beam, t)], 1).gather(1, pick)
-        pool_parent = torch.cat([pool_parent, beam], 1).gather(1, pick)
-        if t == steps - 1:
-            emit(torch.arange(bb, device=dev), t)  # the length limit: the best of what is there
-            break
-        # The new open beams: the best k candidates that did not end (at most k of 2k ended).
-        position = torch.arange(cand.shape[1], device=dev).expand_as(cand)
-        go_on = torch.sort(position + cand.shape[1] * ended.long(), dim=1).values[:, :k] % cand.shape[1]  # (b', k)
-        scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
-        words[t, active], parents[t, active], score_steps[t, active] = word, beam, scores
-        rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parent rows
-        h, c = o.h[rows], o.c[rows]
-        y = word.view(-1)
-        nth = pool_rank[:, num_captions - 1]  # the pool's N-th best (sorted; -inf while it holds fewer)
-        done = torch.isfinite(nth) & (nth >= scores[:, 0] / best_possible)  # no open beam can beat it
+        pool.push(t, cand, beam, ended)
+        if t == max_len:  # the length limit: the best of what is there
+            done = torch.ones(len(active), dtype=torch.bool, device=dev)
+        else:
+            go_on = _open_beams(ended, k)  # (b', k)
+            scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
+            trace.record_beams(t, active, word, beam, scores)
+            rows = (torch.arange(len(active), device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parents
+            h, c, y = o.h[rows], o.c[rows], word.view(-1)
+            done = pool.beaten(scores[:, 0] / reach)
         if bool(done.any()):
-            emit(done.nonzero().flatten(), t)
+            rows = done.nonzero().flatten()
+            for i, caption in zip(active[rows].tolist(), trace.captions(pool, scores, active, rows, t)):
+                out[i] = caption
             keep = (~done).nonzero().flatten()
             if keep.numel() == 0:
                 break
             kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
-            active, a, keys = active[keep], a[keep], keys[keep]
-            scores, pool_rank, pool_score = scores[keep], pool_rank[keep], pool_score[keep]
-            pool_step, pool_parent = pool_step[keep], pool_parent[keep]
+            active, a, keys, scores = active[keep], a[keep], keys[keep], scores[keep]
+            pool.keep(keep)
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
     return out  # type: ignore[return-value]
+
+
+def _extend(scores: torch.Tensor, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """The best ``width`` extensions of each image's open beams of log p ``scores`` (b', k) by a
+    word of log p ``logp`` (b', k, V): their log p, the open beam each extends and its word,
+    (b', width) each, best first."""
+    bb, k, v = logp.shape
+    cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)
+    return cand, torch.div(idx, v, rounding_mode="floor"), idx % v
+
+
+def _open_beams(ended: torch.Tensor, k: int) -> torch.Tensor:
+    """(b', k) the places, among candidates (b', 2k) best first, of the best k that did not end
+    (at most k of 2k end): the new open beams."""
+    width = ended.shape[1]
+    position = torch.arange(width, device=ended.device).expand_as(ended)
+    return torch.sort(position + width * ended.long(), dim=1).values[:, :k] % width
+
+
+class _Pool:
+    """The finished captions of each image still in the batch, kept apart from its open beams
+    (rule 1): its best k, sorted (entry 0 the best), as their rank, log p, the step of their
+    <end> and the open beam that <end> extended, (b', k) each; an empty entry has rank -inf."""
+
+    def __init__(self, b: int, k: int, num_captions: int, length_penalty: float, device: torch.device):
+        self.k, self.n, self.length_penalty = k, num_captions, length_penalty
+        self.rank = torch.full((b, k), float("-inf"), device=device)
+        self.score = torch.full((b, k), float("-inf"), device=device)
+        self.step = torch.zeros(b, k, dtype=torch.long, device=device)
+        self.parent = torch.zeros(b, k, dtype=torch.long, device=device)
+
+    def push(self, t: int, cand: torch.Tensor, beam: torch.Tensor, ended: torch.Tensor) -> None:
+        """Step ``t``'s candidates (b', 2k), best first: those among the best k that ended join
+        the pool if they rank among its best k (rule 2)."""
+        joins = ended.clone()
+        joins[:, self.k:] = False
+        rank = cand / (t + 1) ** self.length_penalty if self.length_penalty > 0 else cand
+        merged = torch.cat([self.rank, torch.where(joins, rank, torch.full_like(rank, float("-inf")))], 1)
+        self.rank, pick = merged.topk(self.k, dim=1)  # (b', k), sorted: entry 0 is the best
+        self.score = torch.cat([self.score, cand], 1).gather(1, pick)
+        self.step = torch.cat([self.step, torch.full_like(beam, t)], 1).gather(1, pick)
+        self.parent = torch.cat([self.parent, beam], 1).gather(1, pick)
+
+    def beaten(self, reach: torch.Tensor) -> torch.Tensor:
+        """(b',) whether each image is done (rule 3): its N-th best ranks at least ``reach`` (b'),
+        the best rank its open beams can still reach (never while it holds fewer than N)."""
+        nth = self.rank[:, self.n - 1]
+        return torch.isfinite(nth) & (nth >= reach)
+
+    def found(self, rows: torch.Tensor) -> list[int]:
+        """How many captions the images ``rows`` return: their N best, fewer where fewer ended,
+        and 1 where none did (the best open beam, cut off)."""
+        return torch.isfinite(self.rank[rows, :self.n]).sum(1).clamp_min(1).tolist()
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only the images ``rows`` go on."""
+        self.rank, self.score = self.rank[rows], self.score[rows]
+        self.step, self.parent = self.step[rows], self.parent[rows]
+
+
+class _Trace:
+    """Per step, indexed by the original image: the open beams' words, the beam each extends (its
+    parent), their log p, and the maps and gates each beam's step computed (indexed by that
+    beam). A caption is read back along these pointers when its image is done."""
+
+    def __init__(self, b: int, k: int, heads: int, locations: int, *, max_len: int, end: int, pad: int,
+                 device: torch.device):
+        steps = max_len + 1
+        self.max_len, self.end, self.pad = max_len, end, pad
+        self.words = torch.full((steps, b, k), pad, dtype=torch.long, device=device)
+        self.parents = torch.zeros(steps, b, k, dtype=torch.long, device=device)
+        self.scores = torch.zeros(steps, b, k, device=device)  # each open beam's log p after its word
+        self.heads = torch.zeros(steps, b, k, heads, locations, device=device)  # each head's map
+        self.betas = torch.zeros(steps, b, k, device=device)
+
+    def record_maps(self, t: int, active: torch.Tensor, alpha_heads: torch.Tensor, beta: torch.Tensor) -> None:
+        """Step ``t``'s maps (b'*k, h, L) and gates (b'*k,), one row per beam."""
+        bb, k = len(active), self.words.shape[2]
+        self.heads[t, active] = alpha_heads.view(bb, k, -1, self.heads.shape[-1]).float()
+        self.betas[t, active] = beta.view(bb, k).float()
+
+    def record_beams(self, t: int, active: torch.Tensor, word: torch.Tensor, beam: torch.Tensor,
+                     scores: torch.Tensor) -> None:
+        """The open beams after step ``t``: their word, the beam each extends, their log p (b', k)."""
+        self.words[t, active], self.parents[t, active], self.scores[t, active] = word, beam, scores
+
+    def captions(self, pool: _Pool, scores: torch.Tensor, active: torch.Tensor, rows: torch.Tensor,
+                 last: int) -> list[DecodedIds]:
+        """The best caption of each of the (batch-relative) images ``rows``, done at step ``last``,
+        with its runners-up (rule 5), read back in one pass. ``scores`` (b', k): open log p."""
+        found = pool.found(rows)  # (b',)
+        places = torch.cat([torch.arange(f, device=rows.device) for f in found])  # 0: the pool's best
+        rows = rows.repeat_interleave(torch.tensor(found, device=rows.device))
+        ended = torch.isfinite(pool.rank[rows, places])
+        img = active[rows]
+        cut = min(last, self.max_len - 1)  # the last step whose open beams are kept
+        slot = scores[rows].argmax(1)  # the best open beam: the caption where none ended
+        step = torch.where(ended, pool.step[rows, places], torch.full_like(slot, cut))
+        word = torch.where(ended, torch.full_like(slot, self.end), self.words[cut, img, slot])
+        parent = torch.where(ended, pool.parent[rows, places], self.parents[cut, img, slot])
+        score = torch.where(ended, pool.score[rows, places], scores[rows].gather(1, slot[:, None]).squeeze(1))
+        read = iter(self.read_back(img, step, word, parent, score, last))
+        best = []
+        for f in found:
+            best.append(next(read))
+            best[-1].runners_up = [next(read) for _ in range(f - 1)]
+        return best
+
+    def read_back(self, img: torch.Tensor, step: torch.Tensor, word: torch.Tensor, parent: torch.Tensor,
+                  score: torch.Tensor, last: int) -> list[DecodedIds]:
+        """The captions (c of them) of images ``img`` (c,) whose last token ``word`` comes at ``step``
+        after open beam ``parent``, of log p ``score``: back along the parents from step ``last``."""
+        n, j = len(img), parent
+        ids = torch.full((n, last + 1), self.pad, dtype=torch.long, device=img.device)
+        heads = self.heads.new_zeros(n, last + 1, *self.heads.shape[3:])  # (c, T, h, L)
+        betas = torch.zeros(n, last + 1, device=img.device)
+        running = torch.zeros(n, last + 1, device=img.device)  # log p of the caption up to each step
+        for t in range(last, -1, -1):
+            before = step > t  # captions that go on after step t
+            ids[:, t] = torch.where(step == t, word, torch.where(before, self.words[t, img, j], ids[:, t]))
+            running[:, t] = torch.where(step == t, score, torch.where(before, self.scores[t, img, j], running[:, t]))
+            j = torch.where(before, self.parents[t, img, j], j)  # now the beam that computed step t
+            heads[:, t], betas[:, t] = self.heads[t, img, j], self.betas[t, img, j]
+        logps = (running - F.pad(running[:, :-1], (1, 0))).cpu()  # (c, T) each token's log p
+        m, ids_, score_ = (step + 1).tolist(), ids.tolist(), score.tolist()  # one transfer each, not one per row
+        heads, betas = heads.cpu(), betas.cpu()
+        return [_trim(ids_[r][:m[r]], heads[r, :m[r]], betas[r, :m[r]], score_[r], self.end, self.pad,
+                      logps[r, :m[r]]) for r in range(n)]
 
 
 def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:

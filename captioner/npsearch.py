@@ -107,110 +107,161 @@ def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c
     if not 1 <= num_captions <= beam_size:
         raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
     _check(max_len)
-    b, n, _ = ann.shape
-    k, steps = beam_size, max_len + 1
+    b, k = len(ann), beam_size
     a, kk = np.repeat(ann, k, 0), np.repeat(keys, k, 0)  # (B*k, L, D), (B*k, L, A): one row per beam
     h, c = np.repeat(h0, k, 0), np.repeat(c0, k, 0)  # (B*k, H)
-    scores = np.full((b, k), NINF, dtype=np.float32)
+    scores = np.full((b, k), NINF, dtype=np.float32)  # the open beams' log p
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
-    pool_rank = np.full((b, k), NINF, dtype=np.float32)
-    pool_score = np.full((b, k), NINF, dtype=np.float32)
-    pool_step = np.zeros((b, k), dtype=np.int64)
-    pool_parent = np.zeros((b, k), dtype=np.int64)
-    words = np.full((steps, b, k), pad, dtype=np.int64)
-    parents = np.zeros((steps, b, k), dtype=np.int64)
-    score_steps = np.zeros((steps, b, k), dtype=np.float32)
-    head_steps: np.ndarray | None = None  # (T, B, k, h, L), made at the first step (h is known then)
-    beta_steps = np.zeros((steps, b, k), dtype=np.float32)
+    pool = _Pool(b, k, num_captions, length_penalty)
+    trace = _Trace(b, k, max_len=max_len, end=end, pad=pad)
     y = np.full(b * k, start, dtype=np.int64)
-    active = np.arange(b)
+    active = np.arange(b)  # original index of each image still in the batch
     out: list[Decoded | None] = [None] * b
-    best_possible = steps ** length_penalty if length_penalty > 0 else 1.0
-    width = 2 * k
-
-    def read_back(rows: np.ndarray, places: np.ndarray, last: int) -> list[Decoded]:
-        img = active[rows]
-        r = np.arange(len(rows))
-        cut = min(last, max_len - 1)
-        ended = np.isfinite(pool_rank[rows, places])
-        slot = scores[rows].argmax(1)
-        step_ = np.where(ended, pool_step[rows, places], cut)
-        word = np.where(ended, end, words[cut, img, slot])
-        j = np.where(ended, pool_parent[rows, places], parents[cut, img, slot])
-        score = np.where(ended, pool_score[rows, places], scores[rows, slot])
-        ids = np.full((len(img), last + 1), pad, dtype=np.int64)
-        heads = np.zeros((len(img), last + 1, *head_steps.shape[3:]), dtype=np.float32)
-        betas = np.zeros((len(img), last + 1), dtype=np.float32)
-        running = np.zeros((len(img), last + 1), dtype=np.float32)
-        for t in range(last, -1, -1):
-            before = step_ > t
-            ids[:, t] = np.where(step_ == t, word, np.where(before, words[t, img, j], ids[:, t]))
-            running[:, t] = np.where(step_ == t, score, np.where(before, score_steps[t, img, j], running[:, t]))
-            j = np.where(before, parents[t, img, j], j)
-            heads[:, t], betas[:, t] = head_steps[t, img, j], beta_steps[t, img, j]
-        logps = running - np.pad(running[:, :-1], ((0, 0), (1, 0)))
-        m = step_ + 1
-        return [_trim(ids[i, :m[i]].tolist(), heads[i, :m[i]], betas[i, :m[i]], float(score[i]), end, pad,
-                      logps[i, :m[i]]) for i in r]
-
-    def emit(rows: np.ndarray, last: int) -> None:
-        found = np.maximum(np.isfinite(pool_rank[rows, :num_captions]).sum(1), 1)
-        places = np.concatenate([np.arange(f) for f in found])
-        captions = iter(read_back(np.repeat(rows, found), places, last))
-        for i, f in zip(active[rows].tolist(), found.tolist()):
-            best = next(captions)
-            best.runners_up = [next(captions) for _ in range(f - 1)]
-            out[i] = best
-
-    for t in range(steps):
-        bb = len(active)
+    reach = np.float32((max_len + 1) ** length_penalty if length_penalty > 0 else 1.0)
+    for t in range(max_len + 1):  # max_len words, then a step that can only end
         logp, h_next, c_next, alpha, beta = step(y, h, c, a, kk)
         logp = _never_emit(logp, start, pad)
-        if t == steps - 1:
+        if t == max_len:
             logp = _only_end(logp, end)
-        logp = logp.reshape(bb, k, -1)  # (b', k, V)
-        v = logp.shape[-1]
-        if head_steps is None:
-            head_steps = np.zeros((steps, b, k, alpha.shape[1], n), dtype=np.float32)
-        head_steps[t, active] = alpha.reshape(bb, k, -1, n)
-        beta_steps[t, active] = beta.reshape(bb, k)
-        flat = (scores[:, :, None] + logp).reshape(bb, k * v)
-        w = min(width, k * v)
-        idx = _topk(flat, w)  # (b', 2k), best first
-        cand = np.take_along_axis(flat, idx, 1)
-        beam, word = idx // v, idx % v
+        trace.record_maps(t, active, alpha, beta)
+        cand, beam, word = _extend(scores, logp.reshape(len(active), k, -1), 2 * k)  # (b', 2k) each, best first
         ended = (word == end) & np.isfinite(cand)
-        joins = ended.copy()
-        joins[:, k:] = False
-        rank = cand / np.float32((t + 1) ** length_penalty) if length_penalty > 0 else cand
-        merged = np.concatenate([pool_rank, np.where(joins, rank, NINF)], 1)
-        pick = _topk(merged, k)
-        pool_rank = np.take_along_axis(merged, pick, 1)
-        pool_score = np.take_along_axis(np.concatenate([pool_score, cand], 1), pick, 1)
-        pool_step = np.take_along_axis(np.concatenate([pool_step, np.full_like(beam, t)], 1), pick, 1)
-        pool_parent = np.take_along_axis(np.concatenate([pool_parent, beam], 1), pick, 1)
-        if t == steps - 1:
-            emit(np.arange(bb), t)  # the length limit: the best of what is there
-            break
-        # The new open beams: the best k candidates that did not end.
-        position = np.broadcast_to(np.arange(w), cand.shape)
-        go_on = np.sort(position + w * ended.astype(np.int64), axis=1)[:, :k] % w  # (b', k)
-        scores = np.take_along_axis(cand, go_on, 1)
-        beam, word = np.take_along_axis(beam, go_on, 1), np.take_along_axis(word, go_on, 1)
-        words[t, active], parents[t, active], score_steps[t, active] = word, beam, scores
-        rows = (np.arange(bb)[:, None] * k + beam).reshape(-1)  # (b'*k,) parent rows
-        h, c = h_next[rows], c_next[rows]
-        y = word.reshape(-1)
-        bar = pool_rank[:, num_captions - 1]  # the pool's N-th best
-        done = np.isfinite(bar) & (bar >= scores[:, 0] / np.float32(best_possible))
+        pool.push(t, cand, beam, ended)
+        if t == max_len:  # the length limit: the best of what is there
+            done = np.ones(len(active), dtype=bool)
+        else:
+            go_on = _open_beams(ended, k)  # (b', k)
+            scores, beam, word = (np.take_along_axis(x, go_on, 1) for x in (cand, beam, word))
+            trace.record_beams(t, active, word, beam, scores)
+            rows = (np.arange(len(active))[:, None] * k + beam).reshape(-1)  # (b'*k,) parents
+            h, c, y = h_next[rows], c_next[rows], word.reshape(-1)
+            done = pool.beaten(scores[:, 0] / reach)
         if done.any():
-            emit(np.flatnonzero(done), t)
+            rows = np.flatnonzero(done)
+            for i, caption in zip(active[rows].tolist(), trace.captions(pool, scores, active, rows, t)):
+                out[i] = caption
             keep = np.flatnonzero(~done)
             if keep.size == 0:
                 break
             kept_rows = (keep[:, None] * k + np.arange(k)).reshape(-1)
-            active, a, kk = active[keep], a[kept_rows], kk[kept_rows]
-            scores, pool_rank, pool_score = scores[keep], pool_rank[keep], pool_score[keep]
-            pool_step, pool_parent = pool_step[keep], pool_parent[keep]
+            active, a, kk, scores = active[keep], a[kept_rows], kk[kept_rows], scores[keep]
+            pool.keep(keep)
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
     return out  # type: ignore[return-value]
+
+
+def _extend(scores: np.ndarray, logp: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
+    """decoding._extend: the best ``width`` extensions (b', width) of the open beams, best first:
+    their log p, the open beam each extends and its word."""
+    bb, k, v = logp.shape
+    flat = (scores[:, :, None] + logp).reshape(bb, k * v)
+    idx = _topk(flat, min(width, k * v))
+    return np.take_along_axis(flat, idx, 1), idx // v, idx % v
+
+
+def _open_beams(ended: np.ndarray, k: int) -> np.ndarray:
+    """decoding._open_beams: (b', k) the places of the best k candidates that did not end."""
+    width = ended.shape[1]
+    position = np.broadcast_to(np.arange(width), ended.shape)
+    return np.sort(position + width * ended.astype(np.int64), axis=1)[:, :k] % width
+
+
+class _Pool:
+    """decoding._Pool: each image's best k finished captions, sorted, as rank, log p, the step of
+    their <end> and the open beam it extended, (b', k) each; an empty entry has rank -inf."""
+
+    def __init__(self, b: int, k: int, num_captions: int, length_penalty: float):
+        self.k, self.n, self.length_penalty = k, num_captions, length_penalty
+        self.rank = np.full((b, k), NINF, dtype=np.float32)
+        self.score = np.full((b, k), NINF, dtype=np.float32)
+        self.step = np.zeros((b, k), dtype=np.int64)
+        self.parent = np.zeros((b, k), dtype=np.int64)
+
+    def push(self, t: int, cand: np.ndarray, beam: np.ndarray, ended: np.ndarray) -> None:
+        """The candidates among the best k that ended join, if they rank among the pool's best k."""
+        joins = ended.copy()
+        joins[:, self.k:] = False
+        rank = cand / np.float32((t + 1) ** self.length_penalty) if self.length_penalty > 0 else cand
+        merged = np.concatenate([self.rank, np.where(joins, rank, NINF)], 1)
+        pick = _topk(merged, self.k)
+        self.rank = np.take_along_axis(merged, pick, 1)
+        self.score = np.take_along_axis(np.concatenate([self.score, cand], 1), pick, 1)
+        self.step = np.take_along_axis(np.concatenate([self.step, np.full_like(beam, t)], 1), pick, 1)
+        self.parent = np.take_along_axis(np.concatenate([self.parent, beam], 1), pick, 1)
+
+    def beaten(self, reach: np.ndarray) -> np.ndarray:
+        """(b',) done: the N-th best ranks at least ``reach``, the best an open beam can still reach."""
+        nth = self.rank[:, self.n - 1]
+        return np.isfinite(nth) & (nth >= reach)
+
+    def found(self, rows: np.ndarray) -> np.ndarray:
+        """How many captions the images ``rows`` return (at least 1: the best open beam, cut off)."""
+        return np.maximum(np.isfinite(self.rank[rows, :self.n]).sum(1), 1)
+
+    def keep(self, rows: np.ndarray) -> None:
+        self.rank, self.score = self.rank[rows], self.score[rows]
+        self.step, self.parent = self.step[rows], self.parent[rows]
+
+
+class _Trace:
+    """decoding._Trace: per step and original image, the open beams' words, parents and log p,
+    and the maps and gates each beam's step computed; captions are read back along the parents."""
+
+    def __init__(self, b: int, k: int, *, max_len: int, end: int, pad: int):
+        steps = max_len + 1
+        self.max_len, self.end, self.pad, self.k = max_len, end, pad, k
+        self.words = np.full((steps, b, k), pad, dtype=np.int64)
+        self.parents = np.zeros((steps, b, k), dtype=np.int64)
+        self.scores = np.zeros((steps, b, k), dtype=np.float32)
+        self.heads: np.ndarray | None = None  # (T, B, k, h, L), made at the first step (h is known then)
+        self.betas = np.zeros((steps, b, k), dtype=np.float32)
+
+    def record_maps(self, t: int, active: np.ndarray, alpha: np.ndarray, beta: np.ndarray) -> None:
+        bb, (h, n) = len(active), alpha.shape[1:]
+        if self.heads is None:
+            self.heads = np.zeros((*self.words.shape, h, n), dtype=np.float32)
+        self.heads[t, active] = alpha.reshape(bb, self.k, -1, n)
+        self.betas[t, active] = beta.reshape(bb, self.k)
+
+    def record_beams(self, t: int, active: np.ndarray, word: np.ndarray, beam: np.ndarray,
+                     scores: np.ndarray) -> None:
+        self.words[t, active], self.parents[t, active], self.scores[t, active] = word, beam, scores
+
+    def captions(self, pool: _Pool, scores: np.ndarray, active: np.ndarray, rows: np.ndarray,
+                 last: int) -> list[Decoded]:
+        """The best caption of each of the images ``rows``, done at step ``last``, with its runners-up."""
+        found = pool.found(rows)
+        places = np.concatenate([np.arange(f) for f in found])
+        rows = np.repeat(rows, found)
+        ended = np.isfinite(pool.rank[rows, places])
+        img = active[rows]
+        cut = min(last, self.max_len - 1)
+        slot = scores[rows].argmax(1)
+        step = np.where(ended, pool.step[rows, places], cut)
+        word = np.where(ended, self.end, self.words[cut, img, slot])
+        parent = np.where(ended, pool.parent[rows, places], self.parents[cut, img, slot])
+        score = np.where(ended, pool.score[rows, places], scores[rows, slot])
+        read = iter(self.read_back(img, step, word, parent, score, last))
+        best = []
+        for f in found.tolist():
+            best.append(next(read))
+            best[-1].runners_up = [next(read) for _ in range(f - 1)]
+        return best
+
+    def read_back(self, img: np.ndarray, step: np.ndarray, word: np.ndarray, parent: np.ndarray,
+                  score: np.ndarray, last: int) -> list[Decoded]:
+        n, j = len(img), parent
+        ids = np.full((n, last + 1), self.pad, dtype=np.int64)
+        heads = np.zeros((n, last + 1, *self.heads.shape[3:]), dtype=np.float32)
+        betas = np.zeros((n, last + 1), dtype=np.float32)
+        running = np.zeros((n, last + 1), dtype=np.float32)
+        for t in range(last, -1, -1):
+            before = step > t
+            ids[:, t] = np.where(step == t, word, np.where(before, self.words[t, img, j], ids[:, t]))
+            running[:, t] = np.where(step == t, score, np.where(before, self.scores[t, img, j], running[:, t]))
+            j = np.where(before, self.parents[t, img, j], j)
+            heads[:, t], betas[:, t] = self.heads[t, img, j], self.betas[t, img, j]
+        logps = running - np.pad(running[:, :-1], ((0, 0), (1, 0)))
+        m = step + 1
+        return [_trim(ids[i, :m[i]].tolist(), heads[i, :m[i]], betas[i, :m[i]], float(score[i]), self.end, self.pad,
+                      logps[i, :m[i]]) for i in range(n)]

@@ -85,15 +85,33 @@ def overlay(image: Image.Image, alpha: torch.Tensor | np.ndarray, smooth: bool =
 def overlays(image: Image.Image, alphas: torch.Tensor | np.ndarray, smooth: bool = True) -> list[Image.Image]:
     """One overlay per map of ``alphas`` (T, H, W), upsampled and smoothed together: what a
     page showing every word draws, at the cost of one pass instead of T."""
-    base = image.convert("RGB")
     a = torch.as_tensor(np.asarray(alphas), dtype=torch.float32)
-    m = _upsample(a.reshape(-1, *a.shape[-2:]), image.size, smooth)  # (T, h, w)
-    lo = m.amin(dim=(1, 2), keepdim=True)
-    m = (m - lo) / (m.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-8)  # each map in [0, 1]
-    # pixel = rgb * (0.2 + 0.8 m) * (1 - 0.35 m) + tint * 0.35 m: the two weights as 8-bit masks,
-    # then Pillow's 8-bit multiply and add (a fraction of the cost of float maths on every channel).
-    lit = ((0.2 + 0.8 * m) * (1 - 0.35 * m)).mul_(255.0).add_(0.5).to(torch.uint8).numpy()  # (T, h, w)
-    warm = (0.35 * m).mul_(255.0).add_(0.5).to(torch.uint8).numpy()
+    return shaded(image, unit_maps(_upsample(a.reshape(-1, *a.shape[-2:]), image.size, smooth)))
+
+
+def shading(m: float | np.ndarray | torch.Tensor) -> tuple:
+    """The overlay's two weights at m, a map's value scaled to [0, 1] (a float, an array or a
+    tensor): pixel = rgb * lit(m) + TINT * warm(m), lit(m) = (0.2 + 0.8 m)(1 - 0.35 m) and
+    warm(m) = 0.35 m. The image is lit where the model looked (0.2 of its light where it did not
+    look at all) and tinted warm at the peak. The one formula of every overlay: the figures',
+    and the app's layers, laid over the photo by the browser."""
+    return (0.2 + 0.8 * m) * (1 - 0.35 * m), 0.35 * m
+
+
+def unit_maps(maps: torch.Tensor) -> torch.Tensor:
+    """(T, h, w) maps, each scaled to [0, 1] (its lowest value 0, its highest 1), as ``shading`` takes them."""
+    lo = maps.amin(dim=(1, 2), keepdim=True)
+    return (maps - lo) / (maps.amax(dim=(1, 2), keepdim=True) - lo).clamp_min(1e-8)
+
+
+def shaded(image: Image.Image, m: torch.Tensor) -> list[Image.Image]:
+    """One overlay per map of ``m`` (T, h, w), scaled to [0, 1] and of the image's size (h, w):
+    ``shading``'s two weights as 8-bit masks, then Pillow's 8-bit multiply and add (a fraction of
+    the cost of float maths on every channel)."""
+    base = image.convert("RGB")
+    lit, warm = shading(m)  # (T, h, w) each
+    lit = lit.mul_(255.0).add_(0.5).to(torch.uint8).numpy()
+    warm = warm.mul_(255.0).add_(0.5).to(torch.uint8).numpy()
     tint = Image.new("RGB", base.size, TINT)
     return [ImageChops.add(ImageChops.multiply(base, Image.fromarray(lt, "L").convert("RGB")),
                            ImageChops.multiply(tint, Image.fromarray(wt, "L").convert("RGB")))

@@ -300,6 +300,22 @@ def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
     assert not np.array_equal(layers[0], layers[1])
 
 
+def test_the_page_s_layer_and_the_library_s_overlay_shade_each_pixel_alike():
+    """Pixel by pixel, at every 8-bit level of a map: the photo under the app's layer (its palette
+    entry for the level, blended as the browser does) is the library's overlay of that pixel."""
+    from captioner.app.pictures import PALETTE
+    from captioner.overlay import shaded
+
+    levels = np.tile(np.arange(256, dtype=np.uint8), (4, 1))  # (4, 256): every level, on 4 rows
+    photo = tiny_image(8, (256, 4))
+    drawn = np.asarray(shaded(photo, torch.from_numpy(levels / 255.0).float()[None])[0], dtype=np.float32)
+    rgba = np.frombuffer(PALETTE, dtype=np.uint8).reshape(256, 4)[levels].astype(np.float32)  # (4, 256, 4)
+    a = rgba[..., 3:] / 255.0
+    blended = np.asarray(photo, dtype=np.float32) * (1 - a) + rgba[..., :3] * a
+    assert np.abs(blended - drawn).max() <= 3  # 8-bit rounding of both
+    assert np.abs(drawn[:, -1] - drawn[:, 0]).max() > 100  # the levels do shade differently
+
+
 def test_the_pictures_of_a_result_are_small():
     """A result travels inside the page: one photo and one small layer per word."""
     from captioner.app.pictures import attention_layers, png

@@ -560,3 +560,45 @@ def test_a_batch_reads_its_maps_back_to_the_host_once_not_per_image(beam, monkey
         assert len(results) == n and all(r.alphas.device.type == "cpu" for r in results)
     # Growing the batch by 14 images adds far fewer copies than images (three per image before).
     assert counts[16] - counts[2] < 14, counts
+
+
+# --- the records ---------------------------------------------------------------------------
+def test_an_alternative_is_a_frozen_record():
+    """The N best travel from the search to the CLI, the API and the app: nobody may change one
+    on the way, and equal ones are one (hashable)."""
+    import dataclasses
+
+    from captioner.decoding import Alternative
+
+    a = Alternative(("a", "red", "circle"), -1.5, rank=-0.375)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.score = 0.0
+    assert len({a, Alternative(("a", "red", "circle"), -1.5, rank=-0.375)}) == 1
+
+
+def test_a_caption_s_json_rounds_scores_to_four_decimals_and_probabilities_to_four_digits():
+    from captioner.decoding import Alternative, CaptionResult
+
+    r = CaptionResult(["a", "circle"], torch.full((2, 1, 1), 1.0), torch.ones(2), -1.2345678,
+                      word_probs=(0.123456789, 0.000123456), end_prob=0.98765,
+                      alternatives=(Alternative(("a", "circle"), -1.2345678, rank=-0.41152),
+                                    Alternative(("circle",), -2.3456789, rank=-1.17283945)))
+    line = r.to_json()
+    assert line["score"] == -1.2346
+    assert line["word_probs"] == [0.1235, 0.0001235] and line["end_prob"] == 0.9877
+    assert line["alternatives"][1] == {"caption": "circle", "score": -2.3457, "rank": -1.1728}
+
+
+def test_greedy_stops_at_the_step_where_every_caption_has_ended():
+    table = [{A: 0.9, END: 0.1}, {END: 0.8, B: 0.2}] + [{A: 1.0}] * 6
+    stub = _StepTable(table)
+    calls = _counted(stub)
+    g = greedy(stub, Annotations(torch.zeros(3, 4, 3), (2, 2)), start=START, end=END, pad=PAD, max_len=6)
+    assert [x.ids for x in g] == [[A, END]] * 3 and len(calls) == 2
+
+
+@pytest.mark.parametrize("beam_size,num_captions", [(0, 1), (3, 0), (3, 4)])
+def test_a_beam_size_below_1_and_a_number_of_captions_outside_1_to_k_are_refused(beam_size, num_captions):
+    with pytest.raises(ValueError, match="beam_size" if beam_size < 1 else "num_captions"):
+        beam_search(_StepTable([{END: 1.0}]), Annotations(torch.zeros(1, 4, 3), (2, 2)), start=START, end=END,
+                    pad=PAD, beam_size=beam_size, max_len=2, num_captions=num_captions)

@@ -52,6 +52,7 @@ from .attention import HARD_INFERENCE
 from .encoders import Annotations
 from .familiarity import Familiarity
 from .model import Decoder
+from .record import caption_record
 
 
 @dataclass(frozen=True)
@@ -102,39 +103,26 @@ class CaptionResult:
 
     def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4,
                 heads: bool = False, *, model: str | None = None, training_data: str | None = None) -> dict:
-        """The caption's JSON record, as `captioner caption` writes a line and the app's download
-        holds it (built here only). Scores (log p) are rounded to ``digits`` decimals,
+        """The caption's JSON record (captioner.record), as `captioner caption` writes a line and
+        the app's download holds it. Scores (log p) are rounded to ``digits`` decimals,
         probabilities to ``digits`` significant digits (never 0 for a positive one); "end_prob"
         is the <end> token's (null: cut off), so score = sum(log word_probs) + log end_prob.
         ``model`` and ``training_data`` name the model that wrote it (each left out when not
         given). ``heads`` adds "alphas_heads" (T x h x H x W) to the attention."""
-        out: dict = {} if image is None else {"image": image}
-        out.update(caption=self.caption, words=list(self.words), score=round(float(self.score), digits))
         fam = self.familiarity
-        out.update(familiarity=None if fam is None else round(fam.value, digits),
-                   unfamiliar=None if fam is None else fam.unfamiliar,
-                   word_probs=[significant(p, digits) for p in self.word_probs],
-                   end_prob=None if self.end_prob is None else significant(self.end_prob, digits))
-        if self.alternatives:
-            out["alternatives"] = [{"caption": a.caption, "score": round(a.score, digits),
-                                    **({} if a.rank is None else {"rank": round(a.rank, digits)})}
-                                   for a in self.alternatives]
-        if model is not None:
-            out["model"] = model
-        if training_data:
-            out["training_data"] = training_data
+        attention = {}
         # Rounded in float64: a float32 0.0012 is 0.0012000000569969416 once it is a Python float.
         if with_attention or heads:
-            out["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
-            out["betas"] = torch.round(self.betas.double(), decimals=digits).tolist()
+            attention["alphas"] = torch.round(self.alphas.double(), decimals=digits).tolist()
+            attention["betas"] = torch.round(self.betas.double(), decimals=digits).tolist()
         if heads:
-            out["alphas_heads"] = torch.round(self.alphas_heads.double(), decimals=digits).tolist()
-        return out
-
-
-def significant(p: float, digits: int = 4) -> float:
-    """``p`` to ``digits`` significant digits: 0.0000123456 -> 1.235e-05, never 0 unless p is."""
-    return float(f"{p:.{digits}g}")
+            attention["alphas_heads"] = torch.round(self.alphas_heads.double(), decimals=digits).tolist()
+        return caption_record(image=image, caption=self.caption, words=self.words, score=self.score,
+                              familiarity=None if fam is None else fam.value,
+                              unfamiliar=None if fam is None else fam.unfamiliar,
+                              word_probs=self.word_probs, end_prob=self.end_prob,
+                              alternatives=[(a.caption, a.score, a.rank) for a in self.alternatives],
+                              model=model, training_data=training_data, attention=attention, digits=digits)
 
 
 @dataclass

@@ -28,15 +28,10 @@ from . import folder as fmt
 from .cli import _max_len, _positive, _share  # the caption command's own checks (the CLI module needs no torch)
 from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
 from .npsearch import Decoded, beam_search, greedy
+from .record import DIGITS, caption_record
 from .vocab import tokenizer_named
 
 UNFAMILIAR_BELOW = 0.01  # familiarity.DEFAULT_THRESHOLD (that module loads torch)
-DIGITS = 4
-
-
-def round_prob(p: float, digits: int = DIGITS) -> float:
-    """A probability to ``digits`` significant digits (a small one keeps its figures)."""
-    return float(f"{p:.{digits}g}") if p else 0.0
 
 
 @dataclass(frozen=True)
@@ -55,17 +50,15 @@ class Caption:
     alternatives: tuple[tuple[str, float], ...] = ()  # (caption, score), best first, with --num-captions > 1
 
     def to_json(self, image: str, with_attention: bool = False, digits: int = DIGITS) -> dict:
-        out = {"image": image, "caption": self.text, "words": list(self.words), "score": round(self.score, digits),
-               "familiarity": None if self.familiarity is None else round(self.familiarity, digits),
-               "unfamiliar": self.unfamiliar,
-               "word_probs": [round_prob(p, digits) for p in self.word_probs],
-               "end_prob": None if self.end_prob is None else round_prob(self.end_prob, digits)}
-        if self.alternatives:
-            out["alternatives"] = [{"caption": t, "score": round(s, digits)} for t, s in self.alternatives]
+        attention = {}
         if with_attention:
-            out["alphas"] = np.round(self.alphas.astype(np.float64), digits).tolist()
-            out["betas"] = np.round(self.betas.astype(np.float64), digits).tolist()
-        return out
+            attention["alphas"] = np.round(self.alphas.astype(np.float64), digits).tolist()
+            attention["betas"] = np.round(self.betas.astype(np.float64), digits).tolist()
+        return caption_record(image=image, caption=self.text, words=self.words, score=self.score,
+                              familiarity=self.familiarity, unfamiliar=self.unfamiliar,
+                              word_probs=self.word_probs, end_prob=self.end_prob,
+                              alternatives=[(text, score, None) for text, score in self.alternatives],
+                              attention=attention, digits=digits)
 
 
 class OnnxCaptioner:

@@ -20,7 +20,8 @@ from captioner.cli import main as cli_main
 from captioner.export import export
 from captioner.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from captioner.inference import Captioner, DecodeOptions
-from captioner.onnx import UNFAMILIAR_BELOW, OnnxCaptioner, round_prob
+from captioner.onnx import UNFAMILIAR_BELOW, OnnxCaptioner
+from captioner.record import significant
 from captioner.onnx import main as onnx_main
 from tests.tiny import tiny_captioner, tiny_image
 
@@ -202,7 +203,7 @@ def test_several_captions_and_a_broken_image(model, images, tmp_path):
 
 
 def test_probabilities_keep_four_significant_digits():
-    assert round_prob(0.000123456) == 0.0001235 and round_prob(0.99996) == 1.0 and round_prob(0.0) == 0.0
+    assert significant(0.000123456) == 0.0001235 and significant(0.99996) == 1.0 and significant(0.0) == 0.0
     assert UNFAMILIAR_BELOW == DEFAULT_THRESHOLD
 
 

@@ -212,6 +212,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
         raise ValueError("beam_size must be >= 1")
     if not 1 <= num_captions <= beam_size:
         raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
+    if not length_penalty >= 0:  # NaN too
+        raise ValueError(f"length_penalty must be >= 0 (0: rank by log p), got {length_penalty}")
     _check_max_len(max_len)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
     a, k = ann.vectors, beam_size

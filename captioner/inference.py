@@ -92,6 +92,8 @@ class DecodeOptions:
         if not 1 <= self.num_captions <= self.beam_size:
             raise ValueError(f"num_captions must be from 1 to the beam size ({self.beam_size}), "
                              f"got {self.num_captions}")
+        if not self.length_penalty >= 0:  # NaN too
+            raise ValueError(f"length_penalty must be >= 0 (0: rank by log p), got {self.length_penalty}")
 
 
 class Captioner:

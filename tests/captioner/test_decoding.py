@@ -602,3 +602,14 @@ def test_a_beam_size_below_1_and_a_number_of_captions_outside_1_to_k_are_refused
     with pytest.raises(ValueError, match="beam_size" if beam_size < 1 else "num_captions"):
         beam_search(_StepTable([{END: 1.0}]), Annotations(torch.zeros(1, 4, 3), (2, 2)), start=START, end=END,
                     pad=PAD, beam_size=beam_size, max_len=2, num_captions=num_captions)
+
+
+@pytest.mark.parametrize("penalty", [-0.5, float("nan")])
+def test_a_negative_or_undefined_length_penalty_is_refused_not_taken_for_none(penalty):
+    with pytest.raises(ValueError, match="length_penalty must be >= 0"):
+        beam_search(_StepTable([{END: 1.0}]), Annotations(torch.zeros(1, 4, 3), (2, 2)), start=START, end=END,
+                    pad=PAD, beam_size=2, max_len=2, length_penalty=penalty)
+    from captioner.inference import DecodeOptions
+    with pytest.raises(ValueError, match="length_penalty must be >= 0"):
+        DecodeOptions(length_penalty=penalty)
+    assert DecodeOptions(length_penalty=0.0).length_penalty == 0.0

@@ -339,8 +339,9 @@ class Checkpoint:
 
 
 def _upgrade(d: dict, source: str) -> dict:
-    """Today's form of a checkpoint's dict: every upgrade of an older form, in one place. The
-    fields each is checked for type first, so that an upgrade reads what it expects."""
+    """Today's form of a checkpoint's dict: every upgrade of an older form, in one place (those
+    of a run's training state in ``TrainingState.from_dict``). The fields the upgrades read are
+    checked for type first."""
     d = dict(d)
     for key, kind in (("model_config", dict), ("vocab", (list, tuple)), ("preprocess", dict),
                       ("state_dict", dict)):

@@ -91,7 +91,7 @@ def test_training_killed_by_sigkill_resumes_to_identical_weights(tiny_coco, tmp_
         proc.send_signal(signal.SIGKILL)  # at any moment, possibly in the middle of a save
         proc.wait()
     state = load_checkpoint(killed / "last.pt").train_state  # the last checkpoint still loads
-    assert 5 <= state["step"] < 14
+    assert 5 <= state.step < 14
     subprocess.run([*CAPTIONER, "train", "--resume", str(killed), "--quiet"], check=True,
                    capture_output=True, timeout=300)
     a = load_checkpoint(straight / "last.pt")
@@ -115,7 +115,7 @@ def test_training_stops_cleanly_and_saves_on_signal(tiny_coco, tmp_path, sig):
     assert proc.returncode == 130, err
     assert "interrupted" in err
     state = load_checkpoint(run / "last.pt").train_state
-    assert state["step"] >= 3  # saved where it stopped, not at step 0
+    assert state.step >= 3  # saved where it stopped, not at step 0
 
 
 def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):

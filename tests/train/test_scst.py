@@ -405,11 +405,11 @@ def test_two_ranks_run_an_scst_phase_and_resume_it(tiny_coco, tmp_path):
     run = tmp_path / "run"
     run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(path), "--run-dir", str(run), "--quiet"])
     first = load_checkpoint(run / "last.pt").train_state
-    samplers = [s["generator"] for s in first["scst"]]
-    assert first["step"] == 4 and len(samplers) == 2 and not torch.equal(*samplers)
+    samplers = [s["generator"] for s in first.objective["scst"]]
+    assert first.step == 4 and len(samplers) == 2 and not torch.equal(*samplers)
     run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--resume", str(run), "--set", "optim.max_steps=6", "--quiet"])
     again = load_checkpoint(run / "last.pt").train_state
-    assert again["step"] == 6 and not torch.equal(again["scst"][0]["generator"], samplers[0])
+    assert again.step == 6 and not torch.equal(again.objective["scst"][0]["generator"], samplers[0])
 
 
 @pytest.mark.parametrize("setting,message", [("scst.baseline=mean", "scst.baseline must be one of loo, greedy"),

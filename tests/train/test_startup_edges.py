@@ -190,15 +190,21 @@ def test_the_unreadable_images_message_names_ten_and_counts_the_rest():
 
 
 def test_a_resumed_run_s_tokenizer_is_its_checkpoint_s_and_an_unknown_one_is_one_line(tiny_coco):
+    from dataclasses import replace
+
+    from captioner.checkpoint import Checkpoint
     from captioner.train.startup import data_tokenizer
     from captioner.vocab import DEFAULT_TOKENIZER, tokenizer_named
     from tests.builders import tiny_train_config
 
     cfg = tiny_train_config(tiny_coco)
     assert data_tokenizer(cfg) is tokenizer_named(DEFAULT_TOKENIZER)
-    assert data_tokenizer(cfg, {}) is tokenizer_named(DEFAULT_TOKENIZER)
+    older = tiny_captioner().checkpoint().to_dict()
+    del older["tokenizer"]  # a file from before checkpoints named their tokenizer
+    ckpt = Checkpoint.from_dict(older)
+    assert data_tokenizer(cfg, ckpt) is tokenizer_named(DEFAULT_TOKENIZER)
     with pytest.raises(StartupError, match=f"{tiny_coco} names an unknown tokenizer 'klingon'"):
-        data_tokenizer(cfg, {"tokenizer": "klingon"})
+        data_tokenizer(cfg, replace(ckpt, tokenizer="klingon"))
 
 
 def test_take_back_keeps_only_a_complete_feature_cache(tmp_path):

@@ -511,7 +511,7 @@ def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_el
                        chosen.state_dict["decoder.L_o.weight"])
     assert cli.main([*there, *here, "--skip-timing"]) == 0
     rec = _record(store.Results(tmp_path / "out" / "tiny-12steps"), "chosen-best", 0)
-    assert rec["checkpoint"].startswith(f"best.pt at step {chosen['meta']['step']} of 12")
+    assert rec["checkpoint"].startswith(f"best.pt at step {chosen.meta['step']} of 12")
 
 
 def test_unpack_refuses_anything_but_a_pack_of_runs_and_writes_nothing(tmp_path, capsys):

@@ -138,9 +138,6 @@ class Score:
         """e: keys (B, L, K), a (B, L, D), queries grouped by image hq (B, k, Q) -> (B, k, L)."""
         raise NotImplementedError
 
-    def upgrade(self, state_dict: dict, prefix: str) -> None:
-        """Complete a state dict saved before this score gained a parameter."""
-
 
 @register_score("additive")
 class Additive(Score):
@@ -230,10 +227,6 @@ class Cosine(Dot):
     def __call__(self, att: nn.Module, keys: torch.Tensor, a: torch.Tensor, hq: torch.Tensor) -> torch.Tensor:
         scale = torch.exp(-att.log_temperature.clamp(min=math.log(MIN_TEMPERATURE)))  # 1 / tau
         return torch.einsum("bld,bkd->bkl", keys, F.normalize(self.query(att, hq), dim=-1)) * scale
-
-    def upgrade(self, state_dict: dict, prefix: str) -> None:
-        # Saved before cosine had a temperature: tau = 1, the scores it was trained with.
-        state_dict.setdefault(prefix + "log_temperature", torch.zeros(()))
 
 
 SCORES = tuple(_SCORES)  # the built-in scores, in the order of their definitions
@@ -490,10 +483,6 @@ class Attention(nn.Module):
     @property
     def local_width(self) -> str:
         return self.width.name
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self.f_att.upgrade(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""

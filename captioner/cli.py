@@ -546,7 +546,8 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_familiarity(args: argparse.Namespace) -> int:
-    from .checkpoint import atomic_save
+    from dataclasses import replace
+
     from .familiarity import training_features
 
     device = check_device(args.device)
@@ -564,14 +565,13 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
                                    progress=not args.quiet)
     except ValueError as e:  # too few images
         raise UsageError(str(e)) from e
-    ckpt["familiarity"] = record.to_dict()
     target = args.out or path
     if target.is_dir():  # an exported model folder: its record file and config
         from .export import write_familiarity
 
-        write_familiarity(target, ckpt["familiarity"])
+        write_familiarity(target, record.to_dict())
     else:
-        atomic_save(ckpt, target)
+        replace(ckpt, familiarity=record).save(target)
     if not args.quiet:
         print(f"wrote {target}: familiarity from {data}", file=sys.stderr)
     return EXIT_OK

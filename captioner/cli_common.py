@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
     from .inference import Captioner
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
@@ -87,7 +88,7 @@ class LoadedModel:
 
     captioner: Captioner
     path: Path
-    checkpoint: dict
+    checkpoint: Checkpoint
 
 
 def load_model(command: str, weights: str | None, device: str, *, notice: bool = True) -> LoadedModel:

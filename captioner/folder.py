@@ -12,7 +12,7 @@
     decoder_step.onnx         with --onnx: one word of the decoder (see captioner.export)
 
 Both readers start here: the torch one (``captioner.checkpoint.load_checkpoint``, which
-rebuilds a checkpoint's dict from the folder) and the onnxruntime one (``captioner.onnx``).
+reads the folder into a Checkpoint record) and the onnxruntime one (``captioner.onnx``).
 A folder with a file missing, a config written by a newer captioner, or tensors whose shapes
 do not fit the config is refused with one line saying which.
 """

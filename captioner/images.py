@@ -174,9 +174,7 @@ class Preprocess:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Preprocess":
-        # Checkpoints saved before the crop option have no "resize": whole-image resizing.
-        return cls(size=tuple(d["size"]), mean=tuple(d["mean"]), std=tuple(d["std"]),
-                   resize=int(d.get("resize", 0)))
+        return cls(size=tuple(d["size"]), mean=tuple(d["mean"]), std=tuple(d["std"]), resize=int(d["resize"]))
 
 
 def is_image_path(path: str | os.PathLike) -> bool:

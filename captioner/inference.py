@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from .bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at, shapes_only_notice
-from .checkpoint import CheckpointError, atomic_save, load_checkpoint, make_checkpoint
+from .checkpoint import Checkpoint, CheckpointError, TrainingState, load_checkpoint, training_data_of
 from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
 from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from .folder import CONFIG, WEIGHTS, is_model_folder, shape_mismatch
 from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
-from .model import CaptionModel, ModelConfig
-from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
+from .model import CaptionModel
+from .vocab import Vocabulary
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
@@ -37,15 +36,6 @@ def resolve_weights(weights: str | os.PathLike | None) -> Path:
         raise CheckpointError(f"no such checkpoint: {name} (use a file path, an exported model folder, or one "
                               f"of {', '.join(DEMOS)})")
     return path
-
-
-def _without_paths(name: str) -> str:
-    """Older checkpoints named their data "NAME (FOLDER, split ...)": the folder goes."""
-    found = re.fullmatch(r"(.*?) \((.*)\)", name)
-    if found is None:
-        return name
-    kept = [part for part in found.group(2).split(", ") if "/" not in part and "\\" not in part]
-    return f"{found.group(1)} ({', '.join(kept)})" if kept else found.group(1)
 
 
 # The files every run of `captioner train` writes: named alone, they would not say which model.
@@ -113,11 +103,12 @@ class Captioner:
     def training_data(self) -> str | None:
         """What the model was trained on, in words, when known, and never where it lay on the
         trainer's disk (the app shows it to every visitor). Checkpoints from ``captioner train``
-        store it as ``meta["training_data"]``; the bundled models are trained on the synthetic
-        shapes whatever their metadata says (older files name only the data folder)."""
-        for key in ("training_data", "trained_on"):
-            if isinstance(self.meta.get(key), str) and self.meta[key]:
-                return _without_paths(self.meta[key])
+        store it as ``meta["training_data"]`` (``checkpoint.training_data_of``); the bundled models
+        are trained on the synthetic shapes whatever their metadata says (older files name only
+        the data folder)."""
+        said = training_data_of(self.meta)
+        if said is not None:
+            return said
         if self.demo is not None:
             return self.demo.training_data
         data = self.meta.get("data")
@@ -168,36 +159,31 @@ class Captioner:
         return next(self.model.parameters()).device
 
     @classmethod
-    def from_checkpoint(cls, ckpt: dict, device: str | torch.device = "cpu", *, name: str | None = None,
+    def from_checkpoint(cls, ckpt: Checkpoint, device: str | torch.device = "cpu", *, name: str | None = None,
                         demo: BundledModel | None = None) -> "Captioner":
-        cfg = ModelConfig.from_dict(ckpt["model_config"])
+        """The one way a model is rebuilt from a checkpoint (captioning, evaluation, export,
+        resuming a run, the studies)."""
+        cfg = ckpt.model_config
         # The checkpoint holds every encoder weight: build the encoder without asking
         # torchvision for ImageNet weights (no network, no hub cache needed), and keep the
         # config saying how the model was trained.
         model = CaptionModel(replace(cfg, encoder_pretrained=False))
         model.config = replace(model.config, encoder_pretrained=cfg.encoder_pretrained)
         try:
-            model.load_state_dict(ckpt["state_dict"])
-        except RuntimeError as e:  # a module's own reason (an earlier form, say), else the first misfit in words
+            model.load_state_dict(ckpt.state_dict)
+        except RuntimeError as e:  # a module's own reason, else the first misfit in words
             wrong = shape_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()},
-                                   {k: tuple(v.shape) for k, v in ckpt["state_dict"].items()})
+                                   {k: tuple(v.shape) for k, v in ckpt.state_dict.items()})
             reason = wrong if wrong is not None and str(e).startswith("Error(s) in loading") else str(e)
             raise CheckpointError(f"checkpoint weights do not fit its own config: {reason}") from None
-        try:
-            tokenizer = tokenizer_named(ckpt.get("tokenizer", DEFAULT_TOKENIZER))
-        except ValueError as e:
-            raise CheckpointError(f"checkpoint names an {e}") from e
-        vocab = Vocabulary(list(ckpt["vocab"]), tokenizer)
+        vocab = ckpt.vocabulary
         if len(vocab) != cfg.vocab_size:
             raise CheckpointError(f"vocabulary has {len(vocab)} words but the model expects {cfg.vocab_size}")
-        try:
-            familiarity = TrainingFeatures.from_dict(ckpt["familiarity"]) if "familiarity" in ckpt else None
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint's familiarity record is unusable: {e}") from e
+        familiarity = ckpt.familiarity
         if familiarity is not None and len(familiarity.mean) != model.encoder.dim:
             raise CheckpointError(f"checkpoint's familiarity record describes {len(familiarity.mean)}-dimensional "
                                   f"features, its encoder gives {model.encoder.dim}")
-        return cls(model.to(device), vocab, Preprocess.from_dict(ckpt["preprocess"]), ckpt.get("meta"),
+        return cls(model.to(device), vocab, ckpt.preprocess, ckpt.meta,
                    name=name, demo=demo, familiarity=None if familiarity is None else familiarity.to(device))
 
     @classmethod
@@ -206,13 +192,13 @@ class Captioner:
         return cls.from_file(path, load_checkpoint(path, map_location=device), device)
 
     @classmethod
-    def from_file(cls, path: Path, ckpt: dict, device: str | torch.device = "cpu") -> "Captioner":
+    def from_file(cls, path: Path, ckpt: Checkpoint, device: str | torch.device = "cpu") -> "Captioner":
         """The captioner of ``ckpt``, read from ``path``: named by its file, and a demo (its
         record, its notice) when the file is a shipped one, however it was named."""
         demo = bundled_at(path)
-        name = demo.name if demo is not None else checkpoint_name(path, ckpt.get("meta"))
-        if demo is None and ckpt.get("demo") in DEMOS:  # a demo's exported folder: its record and notice
-            demo = DEMOS[ckpt["demo"]]
+        name = demo.name if demo is not None else checkpoint_name(path, ckpt.meta)
+        if demo is None and ckpt.demo in DEMOS:  # a demo's exported folder: its record and notice
+            demo = DEMOS[ckpt.demo]
         try:
             return cls.from_checkpoint(ckpt, device, name=name, demo=demo)
         except CheckpointError as e:
@@ -221,15 +207,15 @@ class Captioner:
             raise CheckpointError(str(e).replace("checkpoint weights do not fit its own config",
                                                  f"{path / WEIGHTS} does not fit its {CONFIG}")) from None
 
-    def checkpoint(self, meta: dict | None = None, train_state: dict | None = None) -> dict:
-        return make_checkpoint(model_state=self.model.state_dict(), model_config=self.model.config.to_dict(),
-                               vocab=self.vocab.to_list(), tokenizer=self.vocab.tokenizer.name,
-                               preprocess=self.preprocess.to_dict(),
-                               meta={**self.meta, **(meta or {})}, train_state=train_state,
-                               familiarity=self.familiarity.to_dict() if self.familiarity is not None else None)
+    def checkpoint(self, meta: dict | None = None, train_state: TrainingState | None = None) -> Checkpoint:
+        """This captioner as a checkpoint, ``meta`` added to its own."""
+        return Checkpoint(model_config=self.model.config, vocab=tuple(self.vocab.to_list()),
+                          tokenizer=self.vocab.tokenizer.name, preprocess=self.preprocess,
+                          state_dict=self.model.state_dict(), meta={**self.meta, **(meta or {})},
+                          train_state=train_state, familiarity=self.familiarity)
 
     def save(self, path: str | os.PathLike, meta: dict | None = None) -> None:
-        atomic_save(self.checkpoint(meta), path)
+        self.checkpoint(meta).save(path)
 
     def autocast(self) -> torch.autocast:
         """The autocast of this captioner's precision (off for fp32), on its device."""

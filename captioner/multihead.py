@@ -79,17 +79,6 @@ class MultiHeadAttention(nn.Module):
     def local_width(self) -> str:
         return self.heads[0].local_width
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """A checkpoint from before values were projected per head has W_o of (D, h D) and
-        no W_v: it cannot be mapped onto this form; say so instead of a size mismatch."""
-        w_o = state_dict.get(prefix + "out_proj.weight")
-        if w_o is not None and prefix + "value_proj.0.weight" not in state_dict \
-                and w_o.shape[-1] == self.num_heads * self.key_dim != self.out_proj.in_features:
-            raise RuntimeError(
-                f"this multi-head checkpoint keeps all {self.key_dim} values per head (an earlier form, "
-                f"before values were projected to {self.value_dim} per head); retrain it with this version")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of every head's score, once per image: (B, L, D) -> (B, h, L, K)."""
         return torch.stack([head.prepare(a) for head in self.heads], 1)

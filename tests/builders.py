@@ -87,9 +87,9 @@ def one_and_two_ranks(tiny_coco, tmp_path, **sets):
             "--quiet"])
     run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"])
     a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
-    assert b["train_state"]["step"] == 6 and len(b["train_state"]["rng_per_rank"]) == 2
-    for k, v in a["state_dict"].items():
-        torch.testing.assert_close(b["state_dict"][k], v, rtol=1e-4, atol=1e-5)
+    assert b.train_state.step == 6 and len(b.train_state.rng_per_rank) == 2
+    for k, v in a.state_dict.items():
+        torch.testing.assert_close(b.state_dict[k], v, rtol=1e-4, atol=1e-5)
     return cfg, a, b
 
 

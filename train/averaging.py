@@ -17,6 +17,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from captioner.checkpoint import AverageState
+
 
 class WeightAverage:
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -51,13 +53,21 @@ class WeightAverage:
         finally:
             model.load_state_dict(own)
 
-    def state_dict(self) -> dict:
-        return {"decay": self.decay, "updates": self.updates, "tensors": self.tensors}
+    def state(self) -> AverageState:
+        """What last.pt keeps of it (``train_state.weight_average``)."""
+        return AverageState(self.decay, self.updates, self.tensors)
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["tensors"].keys() != self.tensors.keys():
+    def load(self, state: AverageState) -> None:
+        if state.tensors.keys() != self.tensors.keys():
             raise ValueError("the saved weight average does not match this model")
-        self.decay = float(state["decay"])
-        self.updates = int(state["updates"])
-        for k, v in state["tensors"].items():
+        self.decay = float(state.decay)
+        self.updates = int(state.updates)
+        for k, v in state.tensors.items():
             self.tensors[k].copy_(v)
+
+
+def same_encoder(a: dict, b: dict) -> bool:
+    """Two state dicts hold the same encoder weights (wherever each lies): an average of a
+    frozen encoder is that encoder."""
+    keys = [k for k in a if k.startswith("encoder.")]
+    return keys == [k for k in b if k.startswith("encoder.")] and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in keys)

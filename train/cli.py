@@ -72,7 +72,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                     raise ValueError(f"--set {item}: a resumed run keeps its config; --set may change "
                                      f"{', '.join(ON_RESUME)} (start a new run for the rest)")
             last = load_checkpoint(run_dir / "last.pt")  # read once: train() takes it as it is
-            cfg = apply_overrides(TrainConfig.from_dict(last["train_state"]["config"]), args.overrides)
+            if last.train_state is None:
+                raise ValueError(f"{run_dir / 'last.pt'} has no training state to resume from")
+            cfg = apply_overrides(TrainConfig.from_dict(last.train_state.config), args.overrides)
         else:
             config = find_config(args.config)  # a file, or a shipped config's name
             with open(config, "rb") as f:

@@ -237,8 +237,6 @@ class TrainConfig:
             if section is None or not isinstance(value, dict):
                 raise ValueError(f"unknown config section [{key}]")
             for k, v in value.items():
-                if key == "optim" and k == "amp":  # older runs: a bool for bf16 autocast on CUDA
-                    k, v = "precision", "auto" if v else "fp32"
                 _set_field(section, key, k, v)
         return cfg
 

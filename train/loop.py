@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.checkpoint import atomic_save, load_checkpoint
+from captioner.checkpoint import Checkpoint, TrainingState, atomic_save, load_checkpoint
 from captioner.data.coco import ImageRecord
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
@@ -39,15 +39,14 @@ from captioner.images import Preprocess
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model import CaptionModel
 
-from .averaging import WeightAverage
+from .averaging import WeightAverage, same_encoder
 from .captions import CaptionDataset, TrainingCaptions, collate_captions, training_captions
-from .checkpoints import same_encoder
 from .config import TrainConfig, metric_parts, to_toml
 from .datainfo import DataSet, load_dataset, summary_lines
 from .losses import LossParts
 from .objectives import Objective, choose_objective
 from .precision import MixedPrecision
-from .startup import StartupError, build_model, data_tokenizer, on_main, prepare_data, readable_splits, take_back
+from .startup import StartupError, data_tokenizer, new_model, on_main, prepare_data, readable_splits, take_back
 
 
 class RunWriteError(Exception):
@@ -142,13 +141,11 @@ def _rng_state(device: torch.device) -> dict:
 
 
 def _set_rng_state(state: dict, device: torch.device) -> list[str]:
-    """Restore what fits this process's devices; returns what could not be restored, in words."""
+    """Restore what fits this process's devices (``state``: ``TrainingState.rng_of`` this rank
+    and device); returns what could not be restored, in words."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     saved = state.get("cuda")
-    if isinstance(saved, (list, tuple)):  # older checkpoints: every visible GPU's state
-        index = (device.index or 0) if device.type == "cuda" else 0
-        saved = saved[index] if index < len(saved) else None
     if device.type == "cuda":
         if saved is None:
             return ["the GPU's random state (none was saved for it: the run was saved on the CPU or on "
@@ -287,15 +284,15 @@ class RunFiles:
         if self.log is not None:
             self.guarded(self.run_dir / "metrics.jsonl", append)
 
-    def save_last(self, checkpoint: dict, step: int) -> None:
+    def save_last(self, checkpoint: Checkpoint, step: int) -> None:
         def save() -> None:
-            atomic_save(checkpoint, self.run_dir / "last.pt")
+            atomic_save(checkpoint.to_dict(), self.run_dir / "last.pt")
             self.saved_step = step
 
         self.guarded(self.run_dir / "last.pt", save)
 
-    def save_best(self, checkpoint: dict) -> None:
-        self.guarded(self.run_dir / "best.pt", lambda: atomic_save(checkpoint, self.run_dir / "best.pt"))
+    def save_best(self, checkpoint: Checkpoint) -> None:
+        self.guarded(self.run_dir / "best.pt", lambda: atomic_save(checkpoint.to_dict(), self.run_dir / "best.pt"))
 
     def close(self) -> None:
         if self.log is not None:
@@ -306,7 +303,7 @@ class RunFiles:
 
 
 def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progress: bool = True,
-          last: dict | None = None, data: DataSet | None = None) -> TrainOutcome:
+          last: Checkpoint | None = None, data: DataSet | None = None) -> TrainOutcome:
     """Train into ``run_dir``; with ``resume``, continue from ``run_dir/last.pt`` exactly
     (``last``: that file's contents, when the caller has read it already: a COCO run's last.pt
     with its optimiser state is large; ``data``: the config's data, when the caller has read it:
@@ -317,9 +314,9 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
     ckpt = None
     if resume:
         ckpt = last if last is not None else load_checkpoint(run_dir / "last.pt")
-        if "train_state" not in ckpt:
+        if ckpt.train_state is None:
             raise ValueError(f"{run_dir / 'last.pt'} has no training state to resume from")
-        cfg = cfg if cfg is not None else TrainConfig.from_dict(ckpt["train_state"]["config"])
+        cfg = cfg if cfg is not None else TrainConfig.from_dict(ckpt.train_state.config)
     assert cfg is not None
     try:
         ctx = setup(cfg.optim.device)
@@ -336,7 +333,7 @@ def train(cfg: TrainConfig | None, run_dir: Path, *, resume: bool = False, progr
         teardown(ctx)
 
 
-def _train(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool,
+def _train(cfg: TrainConfig, run_dir: Path, ckpt: Checkpoint | None, ctx: DistContext, progress: bool,
            data: DataSet | None) -> TrainOutcome:
     run = build_run(cfg, run_dir, ckpt, ctx, progress, data)
     state = TrainState()
@@ -360,7 +357,7 @@ def record_familiarity(run: Run) -> None:
     """Add to best.pt and last.pt their training images' features (captioner.familiarity),
     each through its own encoder (best.pt's may be an earlier one), and to last.pt's weight
     average, where the run keeps one, the record of the averaged encoder (the weights a
-    finished run is scored and shipped with, train/checkpoints.py): what the familiarity of an
+    finished run is scored and shipped with, studies/attention/checkpoints.py): what the familiarity of an
     image is measured against. With the feature cache (a frozen encoder) the features are the
     cache's, pooled (fp16 annotations, so within fp16 rounding of encoding the images again),
     not the images encoded once more. A write that fails leaves the checkpoint as it was; with
@@ -370,9 +367,9 @@ def record_familiarity(run: Run) -> None:
               f"{'s' if len(run.train_records) != 1 else ''}, it needs at least {MIN_IMAGES}", file=sys.stderr)
         return
     data = f"{run.meta['training_data']}, split {run.cfg.data.train_split}, {len(run.train_records)} images"
-    done: list[tuple[dict, dict]] = []  # (state dict, record): one pass per distinct encoder
+    done: list[tuple[dict, TrainingFeatures]] = []  # (state dict, record): one pass per distinct encoder
 
-    def record_of(ckpt: dict, state: dict) -> dict:
+    def record_of(ckpt: Checkpoint, state: dict) -> TrainingFeatures:
         found = next((r for e, r in done if same_encoder(e, state)), None)
         if found is not None:
             return found
@@ -380,11 +377,11 @@ def record_familiarity(run: Run) -> None:
         if cache is not None and same_encoder(state, run.model.state_dict()):
             from .features import cache_features
 
-            found = TrainingFeatures.fit(cache_features(cache), data=data).to_dict()
+            found = TrainingFeatures.fit(cache_features(cache), data=data)
         else:
-            cap = Captioner.from_checkpoint({**ckpt, "state_dict": state}, run.ctx.device)
+            cap = Captioner.from_checkpoint(replace(ckpt, state_dict=state), run.ctx.device)
             found = training_features(cap, run.train_records, data=data, progress=run.progress,
-                                      workers=run.cfg.data.loader_workers()).to_dict()
+                                      workers=run.cfg.data.loader_workers())
         done.append((state, found))
         return found
 
@@ -392,18 +389,19 @@ def record_familiarity(run: Run) -> None:
         if not path.is_file():
             continue
         ckpt = load_checkpoint(path)
-        ckpt["familiarity"] = record_of(ckpt, ckpt["state_dict"])
-        average = ckpt.get("train_state", {}).get("weight_average")
-        if average is not None:
-            average["familiarity"] = record_of(ckpt, average["tensors"])
+        ckpt = replace(ckpt, familiarity=record_of(ckpt, ckpt.state_dict))
+        ts = ckpt.train_state
+        if ts is not None and ts.weight_average is not None:
+            average = replace(ts.weight_average, familiarity=record_of(ckpt, ts.weight_average.tensors))
+            ckpt = replace(ckpt, train_state=replace(ts, weight_average=average))
         try:
-            atomic_save(ckpt, path)
+            atomic_save(ckpt.to_dict(), path)
         except OSError as e:
             print(f"could not add the familiarity record to {path} ({e.strerror or e}); `captioner familiarity` "
                   "adds it later", file=sys.stderr)
 
 
-def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistContext, progress: bool,
+def build_run(cfg: TrainConfig, run_dir: Path, ckpt: Checkpoint | None, ctx: DistContext, progress: bool,
               data: DataSet | None = None) -> Run:
     """The data (``data`` as the caller read it, else read here, after generating shapes), the model
     (fresh, from ``model.init_from`` / ``encoder_from``, or the checkpoint's when resuming), the
@@ -421,7 +419,11 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
     preprocess, data, left_out = readable_splits(cfg, data, ctx, progress)
     tokenizer = data_tokenizer(data, ckpt)
     kept = training_captions(data.splits[d.train_split], d.max_caption_len, tokenizer)
-    model, vocab = build_model(cfg, kept, ckpt, ctx.device, tokenizer)
+    if ckpt is not None:  # resuming: the checkpoint's model and vocabulary
+        resumed = Captioner.from_checkpoint(ckpt, ctx.device)
+        model, vocab = resumed.model.train(), resumed.vocab
+    else:
+        model, vocab = new_model(cfg, kept, ctx.device, tokenizer)
     # Dropout masks and attention samples: a different stream on each rank (rank 0 = a single run).
     torch.manual_seed(o.seed + ctx.rank)
 
@@ -445,22 +447,20 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: dict | None, ctx: DistConte
                objective=objective, average=average, meta=meta)
 
 
-def restore(run: Run, ckpt: dict) -> TrainState:
+def restore(run: Run, ckpt: Checkpoint) -> TrainState:
     """Put the optimiser, the scheduler, the objectives' and the random states back as
     ``ckpt`` (a last.pt) holds them; the run's position."""
-    ts, ctx = ckpt["train_state"], run.ctx
-    run.optimizer.load_state_dict(ts["optimizer"])
-    run.scheduler.load_state_dict(ts["scheduler"])
-    # A field a checkpoint lacks (saved before the field existed) keeps its default.
-    state = TrainState(**{f.name: ts[f.name] for f in fields(TrainState) if f.name in ts})
+    ts, ctx = ckpt.train_state, run.ctx
+    run.optimizer.load_state_dict(ts.optimizer)
+    run.scheduler.load_state_dict(ts.scheduler)
+    state = TrainState(**{f.name: getattr(ts, f.name) for f in fields(TrainState)})
     lost = run.objective.restore(ts, ctx.rank)
-    if run.average is not None and "weight_average" in ts:  # else the average starts from here
-        run.average.load_state_dict(ts["weight_average"])
-    run.precision.load_state_dict(ts.get("grad_scaler"))
-    rngs = ts.get("rng_per_rank") or [ts["rng"]]
-    if len(rngs) != ctx.world:
-        raise StartupError(f"the run was saved with {len(rngs)} processes; resume it with as many")
-    lost = _set_rng_state(rngs[ctx.rank], ctx.device) + lost
+    if run.average is not None and ts.weight_average is not None:  # else the average starts from here
+        run.average.load(ts.weight_average)
+    run.precision.load_state_dict(ts.grad_scaler)
+    if len(ts.rng_per_rank) != ctx.world:
+        raise StartupError(f"the run was saved with {len(ts.rng_per_rank)} processes; resume it with as many")
+    lost = _set_rng_state(ts.rng_of(ctx.rank, ctx.device), ctx.device) + lost
     if lost and ctx.is_main:
         print(f"resume: not restored, so the run's random draws differ from here on: {'; '.join(lost)}",
               file=sys.stderr)
@@ -651,12 +651,11 @@ def save(run: Run, state: TrainState) -> None:
     rngs = ctx.gather(_rng_state(ctx.device))
     objective = run.objective.save(ctx)
     if ctx.is_main:
-        train_state = {**asdict(state), "optimizer": run.optimizer.state_dict(),
-                       "scheduler": run.scheduler.state_dict(), "rng": rngs[0], "rng_per_rank": rngs,
-                       "config": run.cfg.to_dict(), "grad_scaler": run.precision.state_dict()}
-        train_state.update(objective)  # hard: its baseline and coin; SCST: each rank's sampler
-        if run.average is not None:
-            train_state["weight_average"] = run.average.state_dict()
+        train_state = TrainingState(config=run.cfg.to_dict(), **asdict(state), optimizer=run.optimizer.state_dict(),
+                                    scheduler=run.scheduler.state_dict(), rng_per_rank=tuple(rngs),
+                                    grad_scaler=run.precision.state_dict(),
+                                    objective=objective,  # hard: its baseline and coin; SCST: each rank's sampler
+                                    weight_average=run.average.state() if run.average is not None else None)
         checkpoint = run.captioner.checkpoint(meta={**run.meta, "step": state.step}, train_state=train_state)
         run.files.save_last(checkpoint, state.step)
     run.files.stop_on_failure()

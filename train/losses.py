@@ -118,8 +118,7 @@ class HardAttentionObjective:
 
     def load_state_dict(self, state: dict) -> None:
         self.baseline = float(state["baseline"])
-        if "coin" in state:
-            self.coin.set_state(state["coin"])
+        self.coin.set_state(state["coin"])
 
     def use_expected_context(self) -> bool:
         """The per-minibatch coin."""

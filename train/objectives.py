@@ -6,7 +6,8 @@ Each one is an object with the same four parts, so that the loop never asks whic
 its loss on a batch, what it saves in ``last.pt`` for an exact resume, how it takes that back,
 and the fields it adds to a log line. The checkpoint keys are those the loop always wrote
 (``baseline`` and ``hard`` for hard attention, ``scst`` for each rank's sampler), so runs
-saved before this module resume unchanged.
+saved before this module resume unchanged; ``TrainingState.objective`` holds them, older forms
+upgraded (captioner.checkpoint).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from captioner.attention import attention_mode
+from captioner.checkpoint import TrainingState
 from captioner.distributed import DistContext
 from captioner.encoders import Annotations
 
@@ -32,7 +34,7 @@ class Objective(Protocol):
     def save(self, ctx: DistContext) -> dict:
         """Entries for last.pt's training state (every rank calls it: it may gather)."""
 
-    def restore(self, train_state: dict, rank: int) -> list[str]:
+    def restore(self, train_state: TrainingState, rank: int) -> list[str]:
         """Take back what ``save`` wrote; what could not be restored, in words."""
 
     def log_fields(self, parts: LossParts, ctx: DistContext) -> dict:
@@ -72,7 +74,9 @@ class Hard:
         return {"baseline": self.objective.baseline, "hard": self.objective.state_dict()}
 
     def restore(self, train_state, rank):
-        self.objective.load_state_dict({"baseline": train_state.get("baseline", 0.0), **train_state.get("hard", {})})
+        saved = train_state.objective.get("hard")
+        if saved is not None:  # else its baseline and coin start from here
+            self.objective.load_state_dict(saved)
         return []
 
     def log_fields(self, parts, ctx):
@@ -92,9 +96,10 @@ class SelfCritical:
         return {"scst": ctx.gather(self.objective.state_dict())}
 
     def restore(self, train_state, rank):
-        if "scst" not in train_state:  # else its samples start from here
+        saved = train_state.objective.get("scst")
+        if saved is None:  # else its samples start from here
             return []
-        if not self.objective.load_state_dict(train_state["scst"][rank]):
+        if not self.objective.load_state_dict(saved[rank]):
             return ["the SCST sampler's random state (saved on another kind of device)"]
         return []
 

@@ -183,12 +183,9 @@ class ScstObjective:
     def load_state_dict(self, state: dict) -> bool:
         """Restore the sampling generator; False (and the generator left as seeded) when it was
         saved on another kind of device, whose generator state this one cannot take."""
-        if state.get("device", self.generator.device.type) != self.generator.device.type:
+        if state["device"] != self.generator.device.type:
             return False
-        try:
-            self.generator.set_state(state["generator"])
-        except RuntimeError:  # saved before the device was recorded, on another kind of device
-            return False
+        self.generator.set_state(state["generator"])
         return True
 
     def rewards(self, captions: Sequence[Sequence[str]], images: Sequence[int]) -> torch.Tensor:

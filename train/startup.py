@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 import captioner
-from captioner.checkpoint import CheckpointError, load_checkpoint
+from captioner.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from captioner.folder import is_model_folder
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from captioner.bundled import DEMOS
 from captioner.inference import resolve_weights
-from captioner.model import CaptionModel, ModelConfig
-from captioner.vocab import DEFAULT_TOKENIZER, PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
+from captioner.model import CaptionModel
+from captioner.vocab import PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 
 from .captions import TrainingCaptions
 from .config import DataConfig, TrainConfig, grounding_metrics, model_config
@@ -171,38 +171,31 @@ def readable_splits(cfg: TrainConfig, data: DataSet, ctx: DistContext,
     return preprocess, data.with_splits(readable), left_out
 
 
-def data_tokenizer(data: DataSet, ckpt: dict | None = None) -> Tokenizer:
+def data_tokenizer(data: DataSet, ckpt: Checkpoint | None = None) -> Tokenizer:
     """The tokenizer a run trains with: the checkpoint's when resuming, else the one its data
     set names (the split file's or the captions file's; "ptb" when none)."""
-    name = ckpt.get("tokenizer", DEFAULT_TOKENIZER) if ckpt is not None else data.tokenizer
+    name = ckpt.tokenizer if ckpt is not None else data.tokenizer
     try:
         return tokenizer_named(name)
     except ValueError as e:
         raise StartupError(f"{data.split_file or data.dir} names an {e}") from e
 
 
-def build_model(cfg: TrainConfig, kept: TrainingCaptions, ckpt: dict | None, device: torch.device,
-                tokenizer: Tokenizer = PTB) -> tuple[CaptionModel, Vocabulary]:
-    """The model and its vocabulary: the checkpoint's when resuming, else built from the
-    training captions (``kept``, tokens of ``tokenizer``), the weights fresh or from
-    ``model.init_from`` / ``model.encoder_from``."""
+def new_model(cfg: TrainConfig, kept: TrainingCaptions, device: torch.device,
+              tokenizer: Tokenizer = PTB) -> tuple[CaptionModel, Vocabulary]:
+    """A new run's model and its vocabulary, built from the training captions (``kept``,
+    tokens of ``tokenizer``), the weights fresh or from ``model.init_from`` /
+    ``model.encoder_from``. (A resumed run's comes from its checkpoint:
+    ``Captioner.from_checkpoint``.)"""
     d, m = cfg.data, cfg.model
-    if ckpt is not None:
-        vocab = Vocabulary(list(ckpt["vocab"]), tokenizer)
-        model_cfg = ModelConfig.from_dict(ckpt["model_config"])
-        model_cfg.encoder_pretrained = False  # the weights come from the checkpoint
-    else:
-        vocab = vocabulary(d, kept, tokenizer)
-        if len(vocab) <= len(SPECIALS):
-            raise StartupError(f"the vocabulary has no words: none of the training captions' words is seen "
-                               f"data.min_count = {d.min_count} times; lower it (--set data.min_count=1)")
-        model_cfg = model_config(m, len(vocab))
-    model = CaptionModel(model_cfg).to(device)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["state_dict"])
-    elif m.init_from:
+    vocab = vocabulary(d, kept, tokenizer)
+    if len(vocab) <= len(SPECIALS):
+        raise StartupError(f"the vocabulary has no words: none of the training captions' words is seen "
+                           f"data.min_count = {d.min_count} times; lower it (--set data.min_count=1)")
+    model = CaptionModel(model_config(m, len(vocab))).to(device)
+    if m.init_from:
         _init_from(model, vocab, m.init_from)
-    if ckpt is None and m.encoder_from:
+    if m.encoder_from:
         _encoder_from(model, m.encoder_from)
     return model, vocab
 
@@ -297,10 +290,10 @@ def _init_from(model: CaptionModel, vocab: Vocabulary, path: str) -> None:
         src = load_checkpoint(resolve_weights(path))
     except CheckpointError as e:
         raise StartupError(f"model.init_from: {e}") from e
-    if list(src["vocab"]) != vocab.words:
+    if list(src.vocab) != vocab.words:
         raise StartupError(f"{path} has a different vocabulary; it cannot initialise this run")
     try:
-        model.load_state_dict(src["state_dict"])
+        model.load_state_dict(src.state_dict)
     except RuntimeError as e:
         raise StartupError(f"{path} does not fit this model: {e}") from e
 
@@ -312,11 +305,11 @@ def _encoder_from(model: CaptionModel, name: str) -> None:
         src = load_checkpoint(resolve_weights(name))
     except CheckpointError as e:
         raise StartupError(f"model.encoder_from: {e}") from e
-    theirs = src["model_config"].get("encoder")
+    theirs = src.model_config.encoder
     if theirs != model.config.encoder:
         raise StartupError(f"model.encoder_from: {name} has the encoder {theirs!r}, this model "
                            f"{model.config.encoder!r}")
-    weights = {k.removeprefix("encoder."): v for k, v in src["state_dict"].items() if k.startswith("encoder.")}
+    weights = {k.removeprefix("encoder."): v for k, v in src.state_dict.items() if k.startswith("encoder.")}
     try:
         model.encoder.load_state_dict(weights)
     except RuntimeError as e:

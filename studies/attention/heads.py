@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
-    from captioner.train.checkpoints import load_weights
+    from .checkpoints import load_weights
 
     check_test_set(args.data, args.images)
     print("| weights | map | strict pointing | mass in box |\n|---|---|---|---|")

@@ -97,7 +97,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_misses(args: argparse.Namespace) -> int:
-    from captioner.train.checkpoints import load_weights
+    from .checkpoints import load_weights
 
     check_test_set(args.data, args.images)
     print("| weights | " + " | ".join(PLACES) + " | words |\n" + "|---" * (len(PLACES) + 2) + "|")

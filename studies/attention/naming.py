@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_naming(args: argparse.Namespace) -> int:
-    from captioner.train.checkpoints import load_weights
+    from .checkpoints import load_weights
 
     for folder in args.data:
         check_test_set(folder, args.images)

@@ -35,8 +35,9 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
 
     from captioner.checkpoint import load_checkpoint
     from captioner.inference import Captioner
-    from captioner.train.checkpoints import last_step, model_at_last_step, run_device
     from captioner.train.loop import train
+
+    from .checkpoints import last_step, model_at_last_step, run_config, run_device
 
     pending = [r for r in rows if results is None or not results.done(r.name, seed)]
     if not pending:
@@ -62,14 +63,14 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     vals = [r for r in log if "val" in r]
     last = load_checkpoint(run_dir / "last.pt")
-    state = last["train_state"]
+    state, config = last.train_state, run_config(last)
     records = []
     for row in pending:
         if row.checkpoint == "best":
             best = load_checkpoint(run_dir / "best.pt")
-            chosen = best["meta"]["step"]
+            chosen = best.meta["step"]
             cap, val = Captioner.from_checkpoint(best), next(r for r in reversed(vals) if r["step"] == chosen)
-            metric = state["config"]["val"]["metric"]
+            metric = config.val.metric
             which = f"best.pt at step {chosen} of {steps}, chosen on validation {metric}"
         else:
             cap, val = model_at_last_step(last), vals[-1] if vals else None  # the validation at the end
@@ -78,8 +79,8 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
         for t in tests.values():
             t["stats"] = compact_columns(t["stats"])  # about 100 bytes an image as text
         records.append({"row": row.name, "seed": seed, "recipe": recipe_name, "steps": steps, "sets": list(row.sets),
-                        "decode": row.decode, "checkpoint": which, "train_seconds": round(state["train_seconds"], 1),
-                        "trained_on": state["config"]["optim"]["device"], "validation": val, "tests": tests})
+                        "decode": row.decode, "checkpoint": which, "train_seconds": round(state.train_seconds, 1),
+                        "trained_on": config.optim.device, "validation": val, "tests": tests})
     if results is None:
         write_handoff(run_dir, records)
     else:
@@ -93,7 +94,7 @@ def run_all(rows: list[Row], seeds: list[int], args, recipe: dict, steps: int, t
     returns the failures."""
     from tqdm import tqdm
 
-    from captioner.train.checkpoints import last_step
+    from .checkpoints import last_step
 
     by_key = by_training(rows)
     for key in by_key:  # records a job handed over before this process could add them

@@ -175,7 +175,7 @@ def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, a
     together) is printed, its interval at ``level``. Returns the differences (empty without
     ``against``)."""
     from captioner.checkpoint import CheckpointError
-    from captioner.train.checkpoints import load_weights
+    from .checkpoints import load_weights
 
     scored = {}
     for w in list(weights) + ([against] if against else []):

@@ -1,5 +1,5 @@
 """Trained on one machine, scored on another: finished runs packed as slim checkpoints
-(captioner.train.checkpoints.slim_checkpoint) with their logs into tar files, and unpacked into the
+(checkpoints.slim_checkpoint) with their logs into tar files, and unpacked into the
 runs folder of the machine that scores them.
 """
 
@@ -28,7 +28,8 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
     import torch
 
     from captioner.checkpoint import load_checkpoint
-    from captioner.train.checkpoints import slim_checkpoint
+
+    from .checkpoints import run_config, slim_checkpoint
 
     dest.mkdir(parents=True, exist_ok=True)
     start = len(list(dest.glob("runs-*.tar")))
@@ -39,13 +40,13 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
         if (run_dir / PACKED).exists() or not (run_dir / "last.pt").is_file():
             continue
         ckpt = load_checkpoint(run_dir / "last.pt")
-        if ckpt["train_state"]["step"] != steps:
+        if ckpt.train_state is None or ckpt.train_state.step != steps:
             continue
         buf = io.BytesIO()
         torch.save(slim_checkpoint(ckpt), buf)
         members = {"last.pt": buf.getvalue(), "metrics.jsonl": (run_dir / "metrics.jsonl").read_bytes(),
                    "config.toml": (run_dir / "config.toml").read_bytes()}
-        if ckpt["train_state"]["config"]["val"]["every_epochs"] > 0:  # a row may score the checkpoint chosen
+        if run_config(ckpt).val.every_epochs > 0:  # a row may score the checkpoint chosen
             members["best.pt"] = (run_dir / "best.pt").read_bytes()  # weights and metadata alone: already slim
         need = sum(len(v) + 1024 for v in members.values())
         if tar is None or (size and size + need > limit_bytes):
@@ -73,7 +74,8 @@ def unpack_runs(files: list[Path], runs: Path, steps: int) -> list[str]:
     import tarfile
 
     from captioner.checkpoint import CheckpointError
-    from captioner.train.checkpoints import last_step
+
+    from .checkpoints import last_step
 
     found: list[str] = []
     for file in files:

@@ -86,7 +86,7 @@ def cmd_widths(args: argparse.Namespace) -> int:
     """Exit status 2 for a model without a learned window, said in one line."""
     from PIL import Image
 
-    from captioner.train.checkpoints import load_weights
+    from .checkpoints import load_weights
 
     torch.set_num_threads(args.threads)
     if not args.images.is_dir():

@@ -1,6 +1,7 @@
 """Decoders saved before multi-head attention, learned widths and the cosine temperature
-existed (tests/fixtures/build_attention_golden.py) load into today's code unchanged and
-give the same numbers: teacher forcing, hard samples, greedy and beam search (the
+existed (tests/fixtures/build_attention_golden.py) load into today's code, through the
+checkpoint's upgrade of older weights (captioner.checkpoint.upgrade_weights), and give the
+same numbers: teacher forcing, hard samples, greedy and beam search (the
 searches' entries re-made by today's search rules: see the builder's ``--searches``)."""
 
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner.checkpoint import upgrade_weights
 from captioner.decoding import beam_search, greedy
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig
@@ -17,7 +19,7 @@ GOLDEN = torch.load(Path(__file__).parents[1] / "fixtures" / "attention_golden" 
 
 def _load(g: dict) -> Decoder:
     dec = Decoder(ModelConfig.from_dict(g["config"])).eval()
-    dec.load_state_dict(g["state_dict"])  # strict: no key missing, none unexpected
+    dec.load_state_dict(upgrade_weights(g["config"], g["state_dict"], prefix=""))  # strict: none missing or extra
     return dec
 
 

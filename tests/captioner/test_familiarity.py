@@ -69,7 +69,7 @@ def _with_familiarity(tmp_path: Path, tiny_coco: Path) -> Path:
 def test_the_command_adds_the_record_to_an_existing_checkpoint(tmp_path, tiny_coco):
     path = _with_familiarity(tmp_path, tiny_coco)
     ckpt = load_checkpoint(path)
-    record = TrainingFeatures.from_dict(ckpt["familiarity"])
+    record = ckpt.familiarity
     assert record.images == 6  # the tiny training split
     cap = Captioner.load(path)
     assert cap.familiarity is not None
@@ -167,7 +167,7 @@ def test_a_demo_s_record_names_what_the_demo_was_trained_on(tmp_path, tiny_coco)
     out = tmp_path / "demo.pt"
     assert main(["familiarity", "demo-soft", "--data", str(tiny_coco), "--split", "train", "--quiet",
                  "--out", str(out)]) == 0
-    record = TrainingFeatures.from_dict(load_checkpoint(out)["familiarity"])
+    record = load_checkpoint(out).familiarity
     assert record.data.startswith("synthetic shapes, split train"), record.data
 
 
@@ -260,7 +260,7 @@ def test_a_record_loaded_on_another_device_scores_features_there():
     """The meta device stands in for a GPU: a checkpoint read with map_location=device keeps the
     record there, and the image's features come from the model on that device (or the host)."""
     ckpt = load_checkpoint(bundled.DEMOS["demo-soft"].path, map_location="meta")
-    record = TrainingFeatures.from_dict(ckpt["familiarity"])
+    record = ckpt.familiarity
     assert record.mean.device.type == "meta"
     for features in (torch.randn(2, 128), torch.randn(2, 128, device="meta")):
         values = record.values(features)

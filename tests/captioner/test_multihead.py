@@ -104,19 +104,19 @@ def test_values_are_projected_to_d_over_h_so_the_size_does_not_grow_with_the_hea
 
 
 def test_a_checkpoint_of_the_earlier_form_is_refused_with_a_reason():
-    from captioner.checkpoint import CheckpointError
+    from captioner.checkpoint import Checkpoint, CheckpointError
     from captioner.inference import Captioner
     from tests.tiny import tiny_captioner
 
     cap = tiny_captioner(seed=0, heads=2)
-    ckpt = cap.checkpoint()
+    ckpt = cap.checkpoint().to_dict()
     state = dict(ckpt["state_dict"])
     d = cap.model.decoder.attention.key_dim
     for j in range(2):
         del state[f"decoder.attention.value_proj.{j}.weight"]
     state["decoder.attention.out_proj.weight"] = torch.zeros(d, 2 * d)
     with pytest.raises(CheckpointError, match="earlier form"):
-        Captioner.from_checkpoint({**ckpt, "state_dict": state})
+        Captioner.from_checkpoint(Checkpoint.from_dict({**ckpt, "state_dict": state}))
 
 
 def test_multi_head_queries_sharing_an_image_equal_queries_with_their_own_copy():

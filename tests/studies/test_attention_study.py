@@ -15,7 +15,7 @@ import torch
 from studies.attention import cli, plan, runner, scoring, store
 from studies.attention import stats as cs
 from studies.attention import table as ct
-from captioner.train.checkpoints import last_step, last_step_model
+from studies.attention.checkpoints import last_step, last_step_model
 
 
 # ----------------------------------------------------------------------------- BLEU
@@ -296,10 +296,10 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     from captioner.checkpoint import load_checkpoint
 
     last = load_checkpoint(run_dir / "last.pt")
-    average = last["train_state"]["weight_average"]["tensors"]
+    average = last.train_state.weight_average.tensors
     scored = last_step_model(run_dir).model.state_dict()
     key = "decoder.L_o.weight"
-    assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last["state_dict"][key])
+    assert torch.equal(scored[key], average[key]) and not torch.equal(average[key], last.state_dict[key])
 
 
 
@@ -322,7 +322,9 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
     here twelve steps): one scores last.pt's weights, the other best.pt, chosen on validation
     among the epoch's end and the last step; each record says which. best.pt is made to hold
     step 10 and weights of its own, so that scoring the last step for it would show."""
-    from captioner.checkpoint import atomic_save, load_checkpoint
+    from dataclasses import replace
+
+    from captioner.checkpoint import load_checkpoint
 
     rows = _rows_file(tmp_path, CHOSEN_ROWS)
     scored = {}
@@ -339,9 +341,9 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
     log = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "val" in r] == [10, 12]
     best = load_checkpoint(run_dir / "best.pt")
-    best["meta"]["step"] = 10
-    best["state_dict"]["decoder.L_o.weight"] = best["state_dict"]["decoder.L_o.weight"] + 1.0
-    atomic_save(best, run_dir / "best.pt")
+    best = replace(best, meta={**best.meta, "step": 10},
+                   state_dict={**best.state_dict, "decoder.L_o.weight": best.state_dict["decoder.L_o.weight"] + 1.0})
+    best.save(run_dir / "best.pt")
     assert cli.main(args) == 0
     results = store.Results(tmp_path / "out" / "tiny-12steps")
     last_rec, best_rec = _record(results, "chosen-last", 0), _record(results, "chosen-best", 0)
@@ -350,9 +352,9 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
     assert best_rec["validation"]["step"] == 10 and last_rec["validation"]["step"] == 12
     header = (tmp_path / "out" / "tiny-12steps" / "table.md").read_text().splitlines()[0]
     assert "the weights at the last step (chosen-best: the checkpoint chosen on validation)" in header
-    average = load_checkpoint(run_dir / "last.pt")["train_state"]["weight_average"]["tensors"]
+    average = load_checkpoint(run_dir / "last.pt").train_state.weight_average.tensors
     assert all(torch.equal(scored[0][k], average[k]) for k in average)  # rows in the file's order
-    assert all(torch.equal(scored[1][k], best["state_dict"][k]) for k in best["state_dict"])
+    assert all(torch.equal(scored[1][k], best.state_dict[k]) for k in best.state_dict)
 
 
 @pytest.mark.parametrize("extra,says", [
@@ -505,11 +507,11 @@ def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_el
                      *map(str, packs.glob("*.tar"))]) == 0
     unpacked = tmp_path / "here" / "tiny-12steps" / "chosen" / "seed0" / "best.pt"
     chosen = load_checkpoint(run_dir / "best.pt")
-    assert torch.equal(load_checkpoint(unpacked)["state_dict"]["decoder.L_o.weight"],
-                       chosen["state_dict"]["decoder.L_o.weight"])
+    assert torch.equal(load_checkpoint(unpacked).state_dict["decoder.L_o.weight"],
+                       chosen.state_dict["decoder.L_o.weight"])
     assert cli.main([*there, *here, "--skip-timing"]) == 0
     rec = _record(store.Results(tmp_path / "out" / "tiny-12steps"), "chosen-best", 0)
-    assert rec["checkpoint"].startswith(f"best.pt at step {chosen['meta']['step']} of 12")
+    assert rec["checkpoint"].startswith(f"best.pt at step {chosen.meta['step']} of 12")
 
 
 def test_unpack_refuses_anything_but_a_pack_of_runs_and_writes_nothing(tmp_path, capsys):

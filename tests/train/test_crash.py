@@ -81,7 +81,7 @@ def test_training_killed_by_sigkill_resumes_to_identical_weights(tiny_coco, tmp_
 
     def step_at_least(n):
         try:
-            return load_checkpoint(killed / "last.pt")["train_state"]["step"] >= n
+            return load_checkpoint(killed / "last.pt").train_state.step >= n
         except Exception:  # not written yet
             return False
 
@@ -90,15 +90,15 @@ def test_training_killed_by_sigkill_resumes_to_identical_weights(tiny_coco, tmp_
     finally:
         proc.send_signal(signal.SIGKILL)  # at any moment, possibly in the middle of a save
         proc.wait()
-    state = load_checkpoint(killed / "last.pt")["train_state"]  # the last checkpoint still loads
-    assert 5 <= state["step"] < 14
+    state = load_checkpoint(killed / "last.pt").train_state  # the last checkpoint still loads
+    assert 5 <= state.step < 14
     subprocess.run([*CAPTIONER, "train", "--resume", str(killed), "--quiet"], check=True,
                    capture_output=True, timeout=300)
     a = load_checkpoint(straight / "last.pt")
     b = load_checkpoint(killed / "last.pt")
-    assert b["train_state"]["step"] == 14
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    assert b.train_state.step == 14
+    for k in a.state_dict:
+        assert torch.equal(a.state_dict[k], b.state_dict[k]), k
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -114,8 +114,8 @@ def test_training_stops_cleanly_and_saves_on_signal(tiny_coco, tmp_path, sig):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    state = load_checkpoint(run / "last.pt")["train_state"]
-    assert state["step"] >= 3  # saved where it stopped, not at step 0
+    state = load_checkpoint(run / "last.pt").train_state
+    assert state.step >= 3  # saved where it stopped, not at step 0
 
 
 def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
@@ -136,4 +136,4 @@ def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.count("SIGINT: saving and stopping after this step") == 1, err
-    assert load_checkpoint(run / "last.pt")["train_state"]["step"] >= 3
+    assert load_checkpoint(run / "last.pt").train_state.step >= 3

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from captioner.model import CaptionModel, ModelConfig
+from captioner.model import CaptionModel
 from tests.builders import TORCHRUN, one_and_two_ranks
 from tests.tiny import tiny_captioner, tiny_image
 
@@ -17,8 +17,8 @@ def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, 
     cfg, a, _ = one_and_two_ranks(tiny_coco, tmp_path)
     multi = tmp_path / "multi"
     torch.manual_seed(cfg.optim.seed)  # the weights both runs started from
-    start = CaptionModel(ModelConfig.from_dict(a["model_config"])).state_dict()
-    assert not torch.allclose(start["decoder.L_o.weight"], a["state_dict"]["decoder.L_o.weight"])  # they trained
+    start = CaptionModel(a.model_config).state_dict()
+    assert not torch.allclose(start["decoder.L_o.weight"], a.state_dict["decoder.L_o.weight"])  # they trained
     # Only rank 0 wrote: one log line per logged step, not two.
     steps = [json.loads(x)["step"] for x in (multi / "metrics.jsonl").read_text().splitlines() if '"nll"' in x]
     assert steps == sorted(set(steps))
@@ -28,7 +28,7 @@ def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, 
 def test_mean_attention_trains_on_two_ranks(tiny_coco, tmp_path):
     """The mean map reads no scores: DDP must not wait for their gradients (it stopped at step 2)."""
     _, a, b = one_and_two_ranks(tiny_coco, tmp_path, **{"model.attention": "mean"})
-    assert b["train_state"]["step"] == 6
+    assert b.train_state.step == 6
 
 
 @pytest.mark.slow

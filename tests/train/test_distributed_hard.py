@@ -24,11 +24,11 @@ def test_two_rank_hard_attention_run_resumes_exactly(tiny_coco, tmp_path):
     run_ok([*train, "--resume", str(split), "--set", "optim.max_steps=6"])
 
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
-    assert a["train_state"]["step"] == b["train_state"]["step"] == 6
-    for k, v in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][k], v), k
-    assert a["train_state"]["baseline"] == b["train_state"]["baseline"] != 0.0
-    assert torch.equal(a["train_state"]["hard"]["coin"], b["train_state"]["hard"]["coin"])
+    assert a.train_state.step == b.train_state.step == 6
+    for k, v in a.state_dict.items():
+        assert torch.equal(b.state_dict[k], v), k
+    assert a.train_state.objective["baseline"] == b.train_state.objective["baseline"] != 0.0
+    assert torch.equal(a.train_state.objective["hard"]["coin"], b.train_state.objective["hard"]["coin"])
 
 
 @pytest.mark.slow
@@ -43,4 +43,4 @@ def test_two_ranks_train_hard_attention_like_one_process_over_the_global_batch(t
     to tell apart here). Set up as the soft two-rank test (SAME_AS_ONE)."""
     _, a, b = one_and_two_ranks(tiny_coco, tmp_path, **{"model.attention": "hard", "hard.entropy": 0.05,
                                                          "hard.expected_context_prob": 1.0})
-    assert b["train_state"]["baseline"] == pytest.approx(a["train_state"]["baseline"], rel=1e-5)
+    assert b.train_state.objective["baseline"] == pytest.approx(a.train_state.objective["baseline"], rel=1e-5)

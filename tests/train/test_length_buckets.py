@@ -48,10 +48,10 @@ def test_resume_with_length_buckets_reproduces_the_uninterrupted_run(tiny_coco, 
     assert train(tiny_train_config(tiny_coco, **{**sets, "optim.max_steps": 5}), split, progress=False).step == 5
     assert train(tiny_train_config(tiny_coco, **sets), split, resume=True, progress=False).step == 9
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
-    assert a["train_state"]["epoch"] >= 1  # an epoch boundary was crossed
-    assert a["train_state"]["config"]["data"]["length_buckets"] is True
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    assert a.train_state.epoch >= 1  # an epoch boundary was crossed
+    assert a.train_state.config["data"]["length_buckets"] is True
+    for k in a.state_dict:
+        assert torch.equal(a.state_dict[k], b.state_dict[k]), k
 
 
 def test_length_buckets_change_the_batches_training_sees(tiny_coco, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import random
 
 import torch
 
+from captioner.checkpoint import TrainingState
 from captioner.train.config import ScstConfig
 from captioner.train.loop import _rng_state, _set_rng_state
 from captioner.train.scst import ScstObjective
@@ -41,8 +42,9 @@ def test_a_gpu_run_saves_only_its_own_gpu(monkeypatch):
 def test_resumed_with_fewer_visible_gpus_takes_its_own_gpus_state(monkeypatch):
     """Older checkpoints hold every visible GPU's state; the resume sees one GPU."""
     restored = _fake_cuda(monkeypatch)
-    state = {**_rng_state(CPU), "cuda": [FAKE_CUDA_STATE, FAKE_CUDA_STATE + 1]}
-    assert _set_rng_state(state, GPU0) == []
+    every_gpu = {**_rng_state(CPU), "cuda": [FAKE_CUDA_STATE, FAKE_CUDA_STATE + 1]}
+    saved = TrainingState(config={}, rng_per_rank=(every_gpu,))
+    assert _set_rng_state(saved.rng_of(0, GPU0), GPU0) == []
     assert len(restored) == 1 and torch.equal(restored[0][0], FAKE_CUDA_STATE) and restored[0][1] == GPU0
 
 
@@ -65,7 +67,8 @@ def test_scst_sampler_from_another_kind_of_device_starts_from_its_seed():
     sampler = ScstObjective(ScstConfig(enabled=True), tiny_vocab(), refs, seed=3)
     fresh = sampler.generator.get_state()
     assert not sampler.load_state_dict({"generator": FAKE_CUDA_STATE, "device": "cuda"})
-    assert not sampler.load_state_dict({"generator": FAKE_CUDA_STATE})  # older files name no device
+    older = TrainingState.from_dict({"config": {}, "scst": [{"generator": FAKE_CUDA_STATE}]})  # no device named
+    assert not sampler.load_state_dict(older.objective["scst"][0])
     assert torch.equal(sampler.generator.get_state(), fresh)
     other = ScstObjective(ScstConfig(enabled=True), tiny_vocab(), refs, seed=9)
     assert sampler.load_state_dict(other.state_dict())  # the same kind: restored exactly

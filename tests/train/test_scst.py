@@ -308,10 +308,10 @@ def test_a_resumed_scst_run_equals_the_uninterrupted_one(tiny_coco, tmp_path, se
     assert train(tiny_train_config(tiny_coco, **sets), split, resume=True, progress=False).step == 9
 
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
-    assert a["train_state"]["epoch"] >= 1  # an epoch boundary was crossed
-    assert torch.equal(a["train_state"]["scst"][0]["generator"], b["train_state"]["scst"][0]["generator"])
+    for k in a.state_dict:
+        assert torch.equal(a.state_dict[k], b.state_dict[k]), k
+    assert a.train_state.epoch >= 1  # an epoch boundary was crossed
+    assert torch.equal(a.train_state.objective["scst"][0]["generator"], b.train_state.objective["scst"][0]["generator"])
     logged = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in logged if "reward" in r]
     assert len(rewards) == 9 and all(r >= 0 for r in rewards) and any(r > 0 for r in rewards)
@@ -331,8 +331,8 @@ def test_the_evaluation_split_s_captions_do_not_change_the_reward(tiny_coco, tmp
     val.write_text(json.dumps(data))
     train(tiny_train_config(tiny_coco, **sets), tmp_path / "b", progress=False)
     a, b = load_checkpoint(tmp_path / "a" / "last.pt"), load_checkpoint(tmp_path / "b" / "last.pt")
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
+    for k in a.state_dict:
+        assert torch.equal(a.state_dict[k], b.state_dict[k]), k
     rewards = [json.loads(x).get("reward") for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert any(r for r in rewards if r)  # samples earned rewards: the weights moved by them
 
@@ -346,8 +346,8 @@ def test_shapes_scst_starts_from_demo_soft_on_its_data():
     cfg, soft = load_config(CONFIGS / "shapes-scst.toml"), load_config(CONFIGS / "shapes-soft.toml")
     assert cfg.scst.enabled and cfg.optim.lr == 5e-5
     source = load_checkpoint(resolve_weights(cfg.model.init_from))  # a bundled model's name
-    model = CaptionModel(model_config(cfg.model, len(source["vocab"])))
-    model.load_state_dict(source["state_dict"])  # strict: every weight fits
+    model = CaptionModel(model_config(cfg.model, len(source.vocab)))
+    model.load_state_dict(source.state_dict)  # strict: every weight fits
     for key in ("dir", "train_split", "shapes_train", "shapes_seed", "shapes_image_size", "min_count",
                 "max_vocab", "max_caption_len"):
         assert getattr(cfg.data, key) == getattr(soft.data, key), key
@@ -385,7 +385,7 @@ def test_an_scst_phase_fine_tunes_a_coco_checkpoint_offline(tmp_path, photos, mo
                       "optim.max_steps=3", "optim.log_every=1"]) == 0
     logged = [json.loads(x) for x in (scst / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "reward" in r] == [1, 2, 3]
-    start, tuned = load_checkpoint(xe / "last.pt")["state_dict"], load_checkpoint(scst / "last.pt")["state_dict"]
+    start, tuned = load_checkpoint(xe / "last.pt").state_dict, load_checkpoint(scst / "last.pt").state_dict
     assert all(torch.equal(start[k], tuned[k]) for k in start if k.startswith("encoder."))  # frozen
     assert not torch.equal(start["decoder.L_o.weight"], tuned["decoder.L_o.weight"])  # fine-tuned
     assert main(["evaluate", "--data", str(coco), "--karpathy", str(split_file), "--split", "test",
@@ -404,12 +404,12 @@ def test_two_ranks_run_an_scst_phase_and_resume_it(tiny_coco, tmp_path):
     path.write_text(to_toml(cfg))
     run = tmp_path / "run"
     run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(path), "--run-dir", str(run), "--quiet"])
-    first = load_checkpoint(run / "last.pt")["train_state"]
-    samplers = [s["generator"] for s in first["scst"]]
-    assert first["step"] == 4 and len(samplers) == 2 and not torch.equal(*samplers)
+    first = load_checkpoint(run / "last.pt").train_state
+    samplers = [s["generator"] for s in first.objective["scst"]]
+    assert first.step == 4 and len(samplers) == 2 and not torch.equal(*samplers)
     run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--resume", str(run), "--set", "optim.max_steps=6", "--quiet"])
-    again = load_checkpoint(run / "last.pt")["train_state"]
-    assert again["step"] == 6 and not torch.equal(again["scst"][0]["generator"], samplers[0])
+    again = load_checkpoint(run / "last.pt").train_state
+    assert again.step == 6 and not torch.equal(again.objective["scst"][0]["generator"], samplers[0])
 
 
 @pytest.mark.parametrize("setting,message", [("scst.baseline=mean", "scst.baseline must be one of loo, greedy"),

@@ -194,16 +194,22 @@ def test_the_unreadable_images_message_names_ten_and_counts_the_rest():
 
 
 def test_a_resumed_run_s_tokenizer_is_its_checkpoint_s_and_an_unknown_one_is_one_line(tiny_coco):
+    from dataclasses import replace
+
+    from captioner.checkpoint import Checkpoint
     from captioner.train.startup import data_tokenizer
     from captioner.vocab import DEFAULT_TOKENIZER, tokenizer_named
     from tests.builders import tiny_train_config
 
     data = load_dataset(tiny_train_config(tiny_coco).data)
     assert data_tokenizer(data) is tokenizer_named(DEFAULT_TOKENIZER)
-    assert data_tokenizer(data, {}) is tokenizer_named(DEFAULT_TOKENIZER)
-    assert data_tokenizer(data, {"tokenizer": "chars2"}) is tokenizer_named("chars2")  # the checkpoint's
+    older = tiny_captioner().checkpoint().to_dict()
+    del older["tokenizer"]  # a file from before checkpoints named their tokenizer
+    ckpt = Checkpoint.from_dict(older)
+    assert data_tokenizer(data, ckpt) is tokenizer_named(DEFAULT_TOKENIZER)
+    assert data_tokenizer(data, replace(ckpt, tokenizer="chars2")) is tokenizer_named("chars2")  # the checkpoint's
     with pytest.raises(StartupError, match=f"{tiny_coco} names an unknown tokenizer 'klingon'"):
-        data_tokenizer(data, {"tokenizer": "klingon"})
+        data_tokenizer(data, replace(ckpt, tokenizer="klingon"))
 
 
 def test_take_back_keeps_only_a_complete_feature_cache(tmp_path):
@@ -252,15 +258,15 @@ def test_encoder_from_copies_the_encoder_only_and_refuses_another_encoder(tmp_pa
     model = CaptionModel(tiny_config(hidden_dim=20))  # another decoder, the same encoder
     decoder = {k: v.clone() for k, v in model.decoder.state_dict().items()}
     _encoder_from(model, str(tmp_path / "source.pt"))
-    theirs = {k.removeprefix("encoder."): v for k, v in ckpt["state_dict"].items() if k.startswith("encoder.")}
+    theirs = {k.removeprefix("encoder."): v for k, v in ckpt.state_dict.items() if k.startswith("encoder.")}
     assert theirs and all(torch.equal(model.encoder.state_dict()[k], v) for k, v in theirs.items())
     assert all(torch.equal(model.decoder.state_dict()[k], v) for k, v in decoder.items())
 
-    other = dict(ckpt, model_config={**ckpt["model_config"], "encoder": "resnet18"})
+    other = dict(ckpt.to_dict(), model_config={**ckpt.model_config.to_dict(), "encoder": "resnet18"})
     with pytest.raises(StartupError, match="has the encoder 'resnet18', this model 'small'"):
         _encoder_from(model, _saved(tmp_path, "other.pt", other))
-    first = next(k for k in ckpt["state_dict"] if k.startswith("encoder."))
-    short = dict(ckpt, state_dict={k: v for k, v in ckpt["state_dict"].items() if k != first})
+    first = next(k for k in ckpt.state_dict if k.startswith("encoder."))
+    short = dict(ckpt.to_dict(), state_dict={k: v for k, v in ckpt.state_dict.items() if k != first})
     with pytest.raises(StartupError, match="encoder does not fit this model"):
         _encoder_from(model, _saved(tmp_path, "short.pt", short))
     (tmp_path / "notes.pt").write_text("not a checkpoint")
@@ -299,13 +305,13 @@ def test_a_new_run_starts_its_encoder_from_encoder_from(tiny_coco, tmp_path):
     from tests.builders import tiny_train_config
 
     tiny_captioner(seed=1, image_size=(32, 32)).save(tmp_path / "source.pt")
-    source = load_checkpoint(tmp_path / "source.pt")["state_dict"]
+    source = load_checkpoint(tmp_path / "source.pt").state_dict
     cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 1, "val.every_epochs": 0, "model.freeze_encoder": True,
                                           "model.encoder_from": str(tmp_path / "source.pt")})
     (tmp_path / "cfg.toml").write_text(to_toml(cfg))
     run = tmp_path / "run"
     assert captioner_main(["train", "--config", str(tmp_path / "cfg.toml"), "--run-dir", str(run), "--quiet"]) == 0
-    trained = load_checkpoint(run / "last.pt")["state_dict"]
+    trained = load_checkpoint(run / "last.pt").state_dict
     encoder = [k for k in source if k.startswith("encoder.")]
     assert encoder and all(torch.equal(trained[k], source[k]) for k in encoder)
 

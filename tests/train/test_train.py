@@ -8,7 +8,7 @@ import torch
 
 from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
-from captioner.model import CaptionModel, ModelConfig
+from captioner.model import CaptionModel
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import HardConfig
 from captioner.train.loop import train, validation_value
@@ -29,17 +29,17 @@ def test_the_encoder_starts_from_a_checkpoint_and_the_decoder_fresh(tiny_coco, t
     first = tmp_path / "first"
     train(tiny_train_config(tiny_coco, **{"optim.max_steps": 4, "val.every_epochs": 0, "optim.seed": 7}), first,
           progress=False)
-    source = load_checkpoint(first / "last.pt")["state_dict"]
+    source = load_checkpoint(first / "last.pt").state_dict
     run = tmp_path / "run"
     cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 3, "val.every_epochs": 0, "model.attention": "hard",
                                           "model.encoder_from": str(first / "last.pt"), "model.freeze_encoder": True,
                                           "data.feature_cache": True})
     train(cfg, run, progress=False)
-    got = load_checkpoint(run / "last.pt")["state_dict"]
+    got = load_checkpoint(run / "last.pt").state_dict
     encoder = [k for k in source if k.startswith("encoder.")]
     assert encoder and all(torch.equal(got[k], source[k]) for k in encoder)  # copied, then never trained
     torch.manual_seed(cfg.optim.seed)
-    fresh = CaptionModel(ModelConfig.from_dict(load_checkpoint(run / "last.pt")["model_config"])).state_dict()
+    fresh = CaptionModel(load_checkpoint(run / "last.pt").model_config).state_dict()
     # The decoder started fresh (the seed's initialisation), not from the source's decoder:
     # the bias of the last layer moved by three small steps from the fresh one.
     start = fresh["decoder.L_o.bias"]
@@ -78,20 +78,20 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, at
 
     a = load_checkpoint(straight / "last.pt")
     b = load_checkpoint(split / "last.pt")
-    assert a["state_dict"].keys() == b["state_dict"].keys()
-    for k in a["state_dict"]:
-        assert torch.equal(a["state_dict"][k], b["state_dict"][k]), k
-    assert a["train_state"]["epoch"] == b["train_state"]["epoch"] >= 1  # an epoch boundary was crossed
+    assert a.state_dict.keys() == b.state_dict.keys()
+    for k in a.state_dict:
+        assert torch.equal(a.state_dict[k], b.state_dict[k]), k
+    assert a.train_state.epoch == b.train_state.epoch >= 1  # an epoch boundary was crossed
     if attention == "hard":
-        assert a["train_state"]["baseline"] == b["train_state"]["baseline"] != 0.0
+        assert a.train_state.objective["baseline"] == b.train_state.objective["baseline"] != 0.0
     if ema:
-        wa, wb = a["train_state"]["weight_average"], b["train_state"]["weight_average"]
-        assert wa["updates"] == wb["updates"] == 9
-        for k in wa["tensors"]:
-            assert torch.equal(wa["tensors"][k], wb["tensors"][k]), k
+        wa, wb = a.train_state.weight_average, b.train_state.weight_average
+        assert wa.updates == wb.updates == 9
+        for k in wa.tensors:
+            assert torch.equal(wa.tensors[k], wb.tensors[k]), k
         best_a, best_b = load_checkpoint(straight / "best.pt"), load_checkpoint(split / "best.pt")
-        for k in best_a["state_dict"]:
-            assert torch.equal(best_a["state_dict"][k], best_b["state_dict"][k]), k
+        for k in best_a.state_dict:
+            assert torch.equal(best_a.state_dict[k], best_b.state_dict[k]), k
 
 
 @pytest.mark.parametrize("limit,reason", [({"optim.max_steps": 5}, "max_steps"),
@@ -115,9 +115,9 @@ def test_resuming_a_finished_run_says_so_and_changes_nothing(tiny_coco, tmp_path
             "time_budget": "stopped at optim.max_minutes = 0.0001: step"}[reason]
     assert f"already finished ({said}" in capsys.readouterr().err
     after = load_checkpoint(run / "last.pt")
-    assert after["train_state"]["step"] == first.step
-    for k in before["state_dict"]:
-        assert torch.equal(before["state_dict"][k], after["state_dict"][k]), k
+    assert after.train_state.step == first.step
+    for k in before.state_dict:
+        assert torch.equal(before.state_dict[k], after.state_dict[k]), k
     assert {p.name: p.read_bytes() for p in run.iterdir()} == files  # nothing rewritten
 
     if reason == "max_steps":  # a higher limit continues the run
@@ -154,11 +154,11 @@ def test_best_checkpoint_holds_the_averaged_weights(tiny_coco, tmp_path):
     outcome = train(tiny_train_config(tiny_coco, **{"optim.epochs": 1, "optim.ema": 0.9}), run, progress=False)
     assert outcome.reason == "finished"
     last, best = load_checkpoint(run / "last.pt"), load_checkpoint(run / "best.pt")
-    averaged = last["train_state"]["weight_average"]["tensors"]
-    assert best["meta"]["weight_average"] == 0.9
+    averaged = last.train_state.weight_average.tensors
+    assert best.meta["weight_average"] == 0.9
     key = "decoder.L_o.weight"
-    assert torch.equal(best["state_dict"][key], averaged[key])  # validated and saved: the average
-    assert not torch.equal(best["state_dict"][key], last["state_dict"][key])  # not the last step's weights
+    assert torch.equal(best.state_dict[key], averaged[key])  # validated and saved: the average
+    assert not torch.equal(best.state_dict[key], last.state_dict[key])  # not the last step's weights
 
 
 def test_validation_value_takes_one_figure_or_the_smallest_of_several():
@@ -220,7 +220,7 @@ def test_a_run_stopped_by_its_step_limit_validates_its_final_weights(tiny_coco, 
     log = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert outcome.reason == "max_steps" and outcome.step == 6
     assert [(r["epoch"], r["step"]) for r in log if "val" in r] == [(1, 4), (1, 6)]
-    assert load_checkpoint(run / "last.pt")["train_state"]["validated_at"] == 6
+    assert load_checkpoint(run / "last.pt").train_state.validated_at == 6
 
 
 def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
@@ -231,8 +231,8 @@ def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
     train(tiny_train_config(tiny_coco, **sets, **{"val.every_epochs": 0}), tmp_path / "plain", progress=False)
     train(tiny_train_config(tiny_coco, **sets, **{"val.every_epochs": 1}), tmp_path / "validated", progress=False)
     a, b = (load_checkpoint(tmp_path / name / "last.pt") for name in ("plain", "validated"))
-    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
-    wa, wb = (c["train_state"]["weight_average"]["tensors"] for c in (a, b))
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    wa, wb = (c.train_state.weight_average.tensors for c in (a, b))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     log = [json.loads(line) for line in (tmp_path / "validated" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log if "val" in r] == [4, 8, 9]
@@ -241,7 +241,7 @@ def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
 def test_a_finished_run_records_its_training_images_features_with_each_checkpoint_s_encoder(tiny_coco, tmp_path,
                                                                                              monkeypatch):
     from captioner.data.coco import load_split
-    from captioner.familiarity import TrainingFeatures, training_features
+    from captioner.familiarity import training_features
     from captioner.train import loop
 
     figures = iter([0.9, 0.5, 0.4, 0.3, 0.2])  # falling: best.pt is the first epoch's, last.pt the fourth's
@@ -249,12 +249,12 @@ def test_a_finished_run_records_its_training_images_features_with_each_checkpoin
     run = tmp_path / "run"
     train(tiny_train_config(tiny_coco, **{"optim.epochs": 4, "val.every_epochs": 1}), run, progress=False)
     records = load_split(tiny_coco, "train")
-    best, last = (load_checkpoint(run / name)["state_dict"] for name in ("best.pt", "last.pt"))
+    best, last = (load_checkpoint(run / name).state_dict for name in ("best.pt", "last.pt"))
     # Two encoders, so that each file's record must come from its own, not the other's.
     assert any(not torch.equal(best[k], last[k]) for k in best if k.startswith("encoder."))
     for name in ("best.pt", "last.pt"):
         ckpt = load_checkpoint(run / name)
-        record = TrainingFeatures.from_dict(ckpt["familiarity"])
+        record = ckpt.familiarity
         assert record.images == len(records) and "split train" in record.data
         again = training_features(Captioner.from_checkpoint(ckpt), records, progress=False)
         assert torch.allclose(record.reference, again.reference, rtol=1e-4)
@@ -278,9 +278,11 @@ def test_too_few_training_images_for_familiarity_end_the_run_with_a_note(tmp_pat
 def test_the_averaged_weights_are_scored_and_shipped_with_their_own_record(tiny_coco, tmp_path):
     """optim.ema with a trained encoder: the averaged encoder is not last.pt's, so the record of
     the model scored at the last step (and of its slim copy) is fitted on the averaged encoder."""
+    from dataclasses import replace
+
     from captioner.data.coco import load_split
     from captioner.familiarity import TrainingFeatures, training_features
-    from captioner.train.checkpoints import model_at_last_step, slim_checkpoint
+    from studies.attention.checkpoints import model_at_last_step, slim_checkpoint
 
     run = tmp_path / "run"
     train(tiny_train_config(tiny_coco, **{"optim.max_steps": 6, "optim.ema": 0.5, "val.every_epochs": 0}), run,
@@ -289,13 +291,14 @@ def test_the_averaged_weights_are_scored_and_shipped_with_their_own_record(tiny_
     records = load_split(tiny_coco, "train")
     scored = model_at_last_step(ckpt)
     refit = training_features(scored, records, progress=False)
-    raw = TrainingFeatures.from_dict(ckpt["familiarity"])
+    raw = ckpt.familiarity
     assert not torch.allclose(raw.mean, refit.mean, atol=1e-3)  # two encoders: the test can tell them apart
     for record in (scored.familiarity, TrainingFeatures.from_dict(slim_checkpoint(ckpt)["familiarity"])):
         torch.testing.assert_close(record.mean, refit.mean, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(record.reference, refit.reference, rtol=1e-3, atol=1e-4)
     # A last.pt whose average has no record of its own (made before): familiarity unknown, not another's.
-    del ckpt["train_state"]["weight_average"]["familiarity"]
+    average = replace(ckpt.train_state.weight_average, familiarity=None)
+    ckpt = replace(ckpt, train_state=replace(ckpt.train_state, weight_average=average))
     assert model_at_last_step(ckpt).familiarity is None and "familiarity" not in slim_checkpoint(ckpt)
 
 
@@ -303,9 +306,9 @@ def test_a_frozen_encoder_s_record_comes_from_the_feature_cache(tiny_coco, tmp_p
     """The end of a run with the feature cache reads the cached features instead of encoding
     every training image again; the record is the one encoding gives, within fp16 rounding."""
     from captioner.data.coco import load_split
-    from captioner.familiarity import TrainingFeatures, training_features
+    from captioner.familiarity import training_features
     from captioner.train import loop
-    from captioner.train.checkpoints import model_at_last_step
+    from studies.attention.checkpoints import model_at_last_step
 
     def no_encoding(*args, **kwargs):
         raise AssertionError("the training images were encoded again")
@@ -316,7 +319,7 @@ def test_a_frozen_encoder_s_record_comes_from_the_feature_cache(tiny_coco, tmp_p
                                           "model.freeze_encoder": True, "data.feature_cache": True})
     train(cfg, run, progress=False)
     ckpt = load_checkpoint(run / "last.pt")
-    record = TrainingFeatures.from_dict(ckpt["familiarity"])
+    record = ckpt.familiarity
     again = training_features(Captioner.from_checkpoint(ckpt), load_split(tiny_coco, "train"), progress=False)
     torch.testing.assert_close(record.mean, again.mean, rtol=1e-2, atol=2e-3)
     assert record.images == again.images

@@ -181,11 +181,14 @@ def test_captioner_train_refuses_an_unknown_choice_inone_line(tmp_path, capsys):
 
 
 def test_configs_of_older_runs_with_amp_still_load(tmp_path):
+    from captioner.checkpoint import TrainingState
+
     saved = tiny_train_config(tmp_path).to_dict()
     del saved["optim"]["precision"]
     for amp, precision in ((True, "auto"), (False, "fp32")):
         saved["optim"]["amp"] = amp
-        assert TrainConfig.from_dict(saved).optim.precision == precision
+        config = TrainingState.from_dict({"config": saved}).config  # a last.pt's, upgraded
+        assert TrainConfig.from_dict(config).optim.precision == precision
 
 
 # --- configs as deltas ----------------------------------------------------------------------

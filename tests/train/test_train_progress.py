@@ -43,7 +43,7 @@ def test_checkpoints_name_their_training_data(tiny_coco, tmp_path):
     cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 2, "val.every_epochs": 0})
     train(cfg, tmp_path / "run", progress=False)
     for name in ("best.pt", "last.pt"):
-        meta = load_checkpoint(tmp_path / "run" / name)["meta"]
+        meta = load_checkpoint(tmp_path / "run" / name).meta
         assert meta["training_data"] == "tiny test set, train, split train"  # its description, not its folder
     cap = Captioner.load(tmp_path / "run" / "best.pt")
     assert cap.training_data.startswith("tiny test set") and not cap.shapes_only and cap.notice() is None

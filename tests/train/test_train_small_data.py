@@ -57,8 +57,8 @@ def test_the_own_data_recipe_does_not_stop_early_on_two_validation_images(tiny_c
     assert "finished every epoch: step" in err and "stopped early" not in err
     assert "validation: 2 images, fewer than val.min_images = 50" in err
     assert "too few to choose by" in err and "last val CIDEr" in err
-    assert validated_steps(run)[-1] == load_checkpoint(run / "best.pt")["meta"]["step"] == \
-        load_checkpoint(run / "last.pt")["meta"]["step"]
+    assert validated_steps(run)[-1] == load_checkpoint(run / "best.pt").meta["step"] == \
+        load_checkpoint(run / "last.pt").meta["step"]
 
 
 @pytest.mark.parametrize("min_images,reason,epochs", [(3, "finished", 4), (2, "early_stop", 2)])
@@ -96,7 +96,7 @@ def test_best_pt_holds_the_weights_validation_chose(tiny_coco, tmp_path, monkeyp
     outcome = train(cfg, run, progress=False)
     steps = validated_steps(run)
     assert len(steps) == len(values)
-    best = load_checkpoint(run / "best.pt")["meta"]
+    best = load_checkpoint(run / "best.pt").meta
     assert best["step"] == steps[kept] and best["val_BLEU-1"] == values[kept] == outcome.best_metric
 
 

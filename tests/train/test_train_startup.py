@@ -56,7 +56,7 @@ def test_a_damaged_training_image_stops_training_at_start_up_in_one_line_leaving
     (photos / "coco" / "train2014" / DAMAGED).write_bytes(
         (ROOT / "tests" / "fixtures" / "photos" / "coco" / "train2014" / DAMAGED).read_bytes())
     assert captioner_main(["train", "--config", str(config), "--run-dir", str(run), *WHOLE_EPOCH, "--quiet"]) == 0
-    assert load_checkpoint(run / "last.pt")["train_state"]["epoch"] == 1
+    assert load_checkpoint(run / "last.pt").train_state.epoch == 1
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["images", "feature-cache"])
@@ -69,7 +69,7 @@ def test_with_skip_unreadable_training_leaves_damaged_images_out_and_counts_them
     assert "Traceback" not in err
     assert "train: 7 images, 35 captions" in err  # 8 images, one left out
     assert "1 unreadable image left out" in err
-    assert load_checkpoint(run / "last.pt")["train_state"]["epoch"] == 1  # every kept image was read
+    assert load_checkpoint(run / "last.pt").train_state.epoch == 1  # every kept image was read
 
 
 class _ReadOnly:
@@ -175,7 +175,7 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_last_checkpoint_stays_int
     line = err.strip().splitlines()[-1]  # after the start-up summary
     assert code == 1 and "Traceback" not in err and line.startswith("captioner train: error: ")
     assert "No space left on device" in line and str(run / "last.pt") in line and f"--resume {run}" in line
-    assert load_checkpoint(run / "last.pt")["train_state"]["step"] == saved[-1]  # the last good one, whole
+    assert load_checkpoint(run / "last.pt").train_state.step == saved[-1]  # the last good one, whole
     assert sorted(p.name for p in run.iterdir()) == ["config.toml", "last.pt", "metrics.jsonl"]  # no temporary file
 
 
@@ -275,7 +275,7 @@ def test_training_says_what_it_did_in_figures_a_reader_can_use(tiny_coco, tmp_pa
     assert last.startswith("stopped at optim.max_steps = 6: step 6, 1 of 30 epochs done;"), last
     figure = re.search(r"best val BLEU-1 (\S+) ", last).group(1)
     assert re.fullmatch(r"\d\.\d{4}|\d\.\d\de-\d\d", figure), last  # 0.1234, or 3.83e-13: never 17 digits
-    assert float(figure) == pytest.approx(load_checkpoint(run / "best.pt")["meta"]["val_BLEU-1"], rel=1e-2)
+    assert float(figure) == pytest.approx(load_checkpoint(run / "best.pt").meta["val_BLEU-1"], rel=1e-2)
 
 
 def test_checking_the_images_draws_nothing_from_the_global_random_state(tiny_coco):
@@ -331,7 +331,7 @@ def test_resume_refuses_another_config_and_changes_beyond_the_run_s_length(tiny_
     assert (run / "last.pt").read_bytes() == before  # nothing merged, nothing trained
 
     assert captioner_main(["train", "--resume", str(run), "--set", "optim.max_steps=3", "--quiet"]) == 0
-    assert load_checkpoint(run / "last.pt")["train_state"]["step"] == 3  # a longer run goes on
+    assert load_checkpoint(run / "last.pt").train_state.step == 3  # a longer run goes on
 
 
 def test_shapes_are_generated_only_into_an_empty_folder_or_a_shapes_one(tmp_path, capsys):
@@ -374,7 +374,7 @@ def test_init_from_takes_a_bundled_name_or_a_path_beside_the_config_from_any_fol
     capsys.readouterr()
     assert captioner_main(["train", "--config", str(cfg_path), "--run-dir", "run", "--quiet"]) == 0, \
         capsys.readouterr().err
-    assert load_checkpoint(elsewhere / "run" / "last.pt")["train_state"]["config"]["model"]["init_from"] == \
+    assert load_checkpoint(elsewhere / "run" / "last.pt").train_state.config["model"]["init_from"] == \
         str(configs / "start.pt")
 
     # The shipped SCST config from another folder: its demo-soft is found, and a missing

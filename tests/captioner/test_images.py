@@ -5,8 +5,10 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner.checkpoint import Checkpoint
 from captioner.images import ImageLoadError, Preprocess, load_image
 from tests.badfiles import exif_rotated_jpeg, make_bad_folder
+from tests.tiny import tiny_captioner
 
 ERRORS = {
     "zero.jpg": "empty file",
@@ -139,8 +141,11 @@ def test_training_evaluate_caption_and_app_see_the_same_pixels(photos, pre):
 def test_preprocess_round_trips_and_reads_older_checkpoints():
     pre = Preprocess(size=(224, 224), resize=256)
     assert Preprocess.from_dict(pre.to_dict()) == pre
-    old = {"size": [128, 128], "mean": [0.5] * 3, "std": [0.25] * 3}  # saved before crop existed
-    assert Preprocess.from_dict(old) == Preprocess(size=(128, 128), mean=(0.5,) * 3, std=(0.25,) * 3, resize=0)
+    # Older files (saved before crop existed) are upgraded where every upgrade is: Checkpoint.from_dict.
+    old = tiny_captioner().checkpoint().to_dict()
+    old["preprocess"] = {"size": [128, 128], "mean": [0.5] * 3, "std": [0.25] * 3}
+    assert Checkpoint.from_dict(old).preprocess == Preprocess(size=(128, 128), mean=(0.5,) * 3, std=(0.25,) * 3,
+                                                              resize=0)
 
 
 @pytest.mark.parametrize("pre", [Preprocess(size=(40, 56)), Preprocess(size=(40, 56), resize=61)],

@@ -114,11 +114,12 @@ def test_the_loader_gives_the_model_its_file_and_the_checkpoint_as_read(place, c
     model = load_model("caption", str(path), "cpu")
     assert model.path == path
     as_read = load_checkpoint(path)
-    assert model.checkpoint.keys() == as_read.keys()
-    for key, value in as_read["state_dict"].items():
-        assert torch.equal(model.checkpoint["state_dict"][key], value)
-        assert model.checkpoint["state_dict"][key].device.type == "cpu"
-    assert model.captioner.vocab.to_list() == as_read["vocab"]
+    assert model.checkpoint.to_dict().keys() == as_read.to_dict().keys()
+    assert model.checkpoint.state_dict.keys() == as_read.state_dict.keys()
+    for key, value in as_read.state_dict.items():
+        assert torch.equal(model.checkpoint.state_dict[key], value)
+        assert model.checkpoint.state_dict[key].device.type == "cpu"
+    assert model.captioner.vocab.to_list() == list(as_read.vocab)
     assert capsys.readouterr().err == ""  # a model of one's own: no notice
 
 

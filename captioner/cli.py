@@ -9,7 +9,6 @@ What every subcommand shares (exit codes, UsageError, the model loader) is in cl
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -17,8 +16,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_common import (EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, UsageError, check_device,
-                         check_out_file, load_model, make_folders)
+from .cli_common import (EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, MAX_WORDS, UsageError,
+                         caption_length, check_device, check_out_file, length_penalty, load_model, make_folders,
+                         non_negative, positive, share, whole_number)
 from .export_cli import add_export_parser
 
 if TYPE_CHECKING:
@@ -36,62 +36,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _integer(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
-
-
-def _positive(value: str) -> int:
-    n = _integer(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
-# The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
-# (COCO's longest training captions, which the configs keep, are 50 words); a larger limit only
-# lets an undertrained model run on.
-MAX_WORDS = 100
-
-
-def _max_len(value: str) -> int:
-    n = _positive(value)
-    if n > MAX_WORDS:
-        raise argparse.ArgumentTypeError(f"at most {MAX_WORDS} words, got {n}")
-    return n
-
-
-def _non_negative(value: str) -> int:
-    n = _integer(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
-
-
-def _penalty(value: str) -> float:
-    """A length penalty: a finite number >= 0 (0: rank by the raw log-probability)."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
-    return x
-
-
-def _share(value: str) -> float:
-    """A share of images, from 0 to 1."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not 0 <= x <= 1:
-        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {value}")
-    return x
-
-
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
     from .attention import HARD_INFERENCE  # torch: not at this module's import (captioner.onnx uses it)
@@ -100,14 +44,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard, demo-zh (Chinese "
                         "captions). The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
-    p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_max_len, default=None,
+    p.add_argument("--beam-size", type=positive, default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=caption_length, default=None,
                    help="most tokens per caption: words, or characters for a Chinese model (default: the longest "
                         f"caption the model was trained on, 20 for models that do not say; at most {MAX_WORDS})")
     p.add_argument("--hard-attention", choices=tuple(HARD_INFERENCE), default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
-    p.add_argument("--unfamiliar-below", type=_share, default=0.01, metavar="SHARE",
+    p.add_argument("--unfamiliar-below", type=share, default=0.01, metavar="SHARE",
                    help='report an image as "unfamiliar" when its "familiarity" (the share of the model\'s '
                         "training images at least as far from their distribution: 1 typical, near 0 unlike all "
                         "of them) is below SHARE (default 0.01). Checkpoints without a record of their training "
@@ -134,18 +78,18 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help="image files or folders; - reads paths from standard input, one per line (e.g. from "
                         "find ... | captioner caption -). URLs are not fetched: download the image first")
     _add_model_args(p)
-    p.add_argument("--length-penalty", type=_penalty, default=0.0,
+    p.add_argument("--length-penalty", type=length_penalty, default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
-    p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
+    p.add_argument("--num-captions", type=positive, default=1, metavar="N",
                    help='also write "alternatives": the N best finished captions of the beam search with '
                         "their scores, best first (the first is the caption); the search goes on until no open "
                         "beam can beat the N-th best, so fewer than N only where fewer can end within --max-len. "
                         'With --length-penalty they come in the order of the search\'s rank, log p / '
                         'length**P, given as "rank". N at most --beam-size (default 1: none)')
-    p.add_argument("--batch-size", type=_positive, default=None,
+    p.add_argument("--batch-size", type=positive, default=None,
                    help="images per batch (default 16 on a CPU, 64 on a GPU, where a batch of 32 images' beam "
                         "search takes about the time of one image's)")
-    p.add_argument("--workers", type=_non_negative, default=None,
+    p.add_argument("--workers", type=non_negative, default=None,
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON-lines output file (default stdout; missing folders are made); resumable: each line "
@@ -159,7 +103,7 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help='each attention head\'s maps too (models with model.heads > 1; the default maps are '
                         'the heads\' mean): "alphas_heads" (T x heads x H x W) on each line, with "alphas" and '
                         '"betas", and in --attention-dir a row per word, its mean map then one overlay per head')
-    p.add_argument("--max-pixels", type=_positive, default=None,
+    p.add_argument("--max-pixels", type=positive, default=None,
                    help="refuse images with more pixels than this, a guard against decompression bombs "
                         "(default: Pillow's 89,478,485); a higher value lets larger images through")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -355,11 +299,11 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
                        description="Write the synthetic shapes dataset: images of 1-3 coloured shapes with 5 "
                                    "captions each, as images/, captions_<split>.json, instances_<split>.json.")
     p.add_argument("--out", type=Path, required=True, help="output folder (missing folders are made)")
-    p.add_argument("--train", type=_non_negative, default=3000, help="training images (default 3000)")
-    p.add_argument("--val", type=_non_negative, default=200, help="validation images (default 200)")
-    p.add_argument("--test", type=_non_negative, default=500, help="test images (default 500)")
-    p.add_argument("--seed", type=_integer, default=0, help="random seed (default 0)")
-    p.add_argument("--image-size", type=_positive, default=128, help="image side in pixels (default 128)")
+    p.add_argument("--train", type=non_negative, default=3000, help="training images (default 3000)")
+    p.add_argument("--val", type=non_negative, default=200, help="validation images (default 200)")
+    p.add_argument("--test", type=non_negative, default=500, help="test images (default 500)")
+    p.add_argument("--seed", type=whole_number, default=0, help="random seed (default 0)")
+    p.add_argument("--image-size", type=positive, default=128, help="image side in pixels (default 128)")
     p.add_argument("--top-to-bottom", action="store_true",
                    help="also caption images of 2-3 objects \"from top to bottom: ...\" (same images; "
                         "off by default, as the test sets are made)")
@@ -427,8 +371,8 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
     p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file (dataset_coco.json)")
     _add_model_args(p)
-    p.add_argument("--batch-size", type=_positive, default=32, help="images per batch (default 32)")
-    p.add_argument("--limit", type=_positive, default=None, help="evaluate only the first N images")
+    p.add_argument("--batch-size", type=positive, default=32, help="images per batch (default 32)")
+    p.add_argument("--limit", type=positive, default=None, help="evaluate only the first N images")
     p.add_argument("--out", type=Path, default=None,
                    help="write metrics JSON here, and the COCO results JSON beside it (missing folders are "
                         "made; default: print only)")
@@ -531,11 +475,11 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", type=Path, required=True, help="the folder the model was trained on")
     p.add_argument("--split", default="train", help="the split it was trained on (default train)")
     p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file, if it was trained with one")
-    p.add_argument("--limit", type=_positive, default=None, help="the first N images only")
+    p.add_argument("--limit", type=positive, default=None, help="the first N images only")
     p.add_argument("--data-name", default=None,
                    help="what the data is, in words, kept with the record (default: what the checkpoint says "
                         "it was trained on, or the folder's name); the split and the image count are added")
-    p.add_argument("--batch-size", type=_positive, default=64, help="images per batch (default 64)")
+    p.add_argument("--batch-size", type=positive, default=64, help="images per batch (default 64)")
     p.add_argument("--out", type=Path, default=None,
                    help="write the checkpoint here instead of in place (a file that is there already, another "
                         "checkpoint say, is refused unless --overwrite)")

@@ -8,6 +8,8 @@ Nothing slow is imported until a check or a model needs it.
 
 from __future__ import annotations
 
+import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,3 +110,60 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
     if notice:
         demo_notice(command, captioner)
     return LoadedModel(captioner, path, checkpoint)
+
+
+# Option values, checked as argparse reads them (one line each when refused).
+def whole_number(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+
+
+def positive(value: str) -> int:
+    n = whole_number(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+# The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
+# (COCO's longest training captions, which the configs keep, are 50 words); a larger limit only
+# lets an undertrained model run on.
+MAX_WORDS = 100
+
+
+def caption_length(value: str) -> int:
+    n = positive(value)
+    if n > MAX_WORDS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_WORDS} words, got {n}")
+    return n
+
+
+def non_negative(value: str) -> int:
+    n = whole_number(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def length_penalty(value: str) -> float:
+    """A length penalty: a finite number >= 0 (0: rank by the raw log-probability)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return x
+
+
+def share(value: str) -> float:
+    """A share of images, from 0 to 1."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {value}")
+    return x

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from . import folder as fmt
-from .cli import _max_len, _positive, _share  # the caption command's own checks (the CLI module needs no torch)
+from .cli_common import caption_length, positive, share  # the caption command's own checks (no torch)
 from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
 from .npsearch import Decoded, beam_search, greedy
 from .record import DIGITS, caption_record
@@ -191,16 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
                             "caption writes them. Exit code: 0 all captioned, 1 some failed, 2 usage error.")
     p.add_argument("folder", metavar="MODEL_FOLDER", help="the folder captioner export --onnx wrote")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files or folders (searched recursively)")
-    p.add_argument("--beam-size", type=_positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=_max_len, default=None,
+    p.add_argument("--beam-size", type=positive, default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=caption_length, default=None,
                    help="most tokens per caption (default: the longest caption the model was trained on)")
-    p.add_argument("--num-captions", type=_positive, default=1, metavar="N",
+    p.add_argument("--num-captions", type=positive, default=1, metavar="N",
                    help='also write "alternatives": the N best finished captions, best first (N <= --beam-size)')
     p.add_argument("--with-attention", action="store_true", help='add "alphas" (T x H x W) and "betas" (T)')
-    p.add_argument("--unfamiliar-below", type=_share, default=UNFAMILIAR_BELOW, metavar="SHARE",
+    p.add_argument("--unfamiliar-below", type=share, default=UNFAMILIAR_BELOW, metavar="SHARE",
                    help="report an image as unfamiliar below this familiarity (default 0.01)")
-    p.add_argument("--batch-size", type=_positive, default=16, help="images per batch (default 16)")
-    p.add_argument("--threads", type=_positive, default=None, help="onnxruntime's threads (default: its own)")
+    p.add_argument("--batch-size", type=positive, default=16, help="images per batch (default 16)")
+    p.add_argument("--threads", type=positive, default=None, help="onnxruntime's threads (default: its own)")
     p.add_argument("--out", type=Path, default=None, help="JSON-lines output file (default stdout)")
     return p
 

@@ -15,11 +15,23 @@ from pathlib import Path
 import streamlit as st
 from streamlit.runtime.uploaded_file_manager import DeletedFile
 
+from captioner import bundled, inference
 from captioner.app import page
 from captioner.app.pictures import Picture
-from captioner.app.serving import (Shown, app_device, app_precision, caption_gate, caption_image, figure_png,
-                                   forget_upload, logged_run, pixel_limit, result_json, results_cache, settle_heap)
-from captioner import bundled, inference
+from captioner.app.serving import (
+    Shown,
+    app_device,
+    app_precision,
+    caption_gate,
+    caption_image,
+    figure_png,
+    forget_upload,
+    logged_run,
+    pixel_limit,
+    result_json,
+    results_cache,
+    settle_heap,
+)
 from captioner.attention import HARD_INFERENCE
 from captioner.checkpoint import CheckpointError
 from captioner.decoding import CaptionResult

@@ -47,7 +47,6 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import psutil
-
 from bench_caption import photo_images  # the same generated photographs as the caption benchmark
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ import torch
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel
 from captioner.train.config import OptimConfig, load_config, model_config
-from captioner.train.losses import soft_loss
 from captioner.train.loop import build_optimizer
+from captioner.train.losses import soft_loss
 from captioner.train.precision import MixedPrecision
 
 COCO_CAPTIONS = 113_287 * 5

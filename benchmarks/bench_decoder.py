@@ -95,7 +95,6 @@ def _model_options(items: list[str]) -> dict:
 
 def demo(args) -> None:
     from captioner.model import CaptionModel
-
     from captioner.train.losses import caption_log_likelihood
 
     torch.manual_seed(0)

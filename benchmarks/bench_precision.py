@@ -28,14 +28,14 @@ from collections.abc import Callable
 
 import torch
 
+from captioner.images import Preprocess
 from captioner.inference import INFERENCE_PRECISIONS, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig, attention_penalty
-from captioner.images import Preprocess
-from captioner.vocab import SPECIALS, Vocabulary
-from captioner.train.losses import caption_log_likelihood
 from captioner.train.config import OptimConfig
 from captioner.train.loop import build_optimizer
+from captioner.train.losses import caption_log_likelihood
 from captioner.train.precision import MixedPrecision
+from captioner.vocab import SPECIALS, Vocabulary
 
 STEPS = 20
 

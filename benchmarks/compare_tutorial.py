@@ -41,8 +41,8 @@ from captioner.decoding import beam_search
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
 from captioner.train.config import OptimConfig
-from captioner.train.losses import caption_log_likelihood
 from captioner.train.loop import build_optimizer
+from captioner.train.losses import caption_log_likelihood
 
 V, D, E, H, A, L, GRID = 10_000, 2048, 512, 512, 512, 196, (14, 14)
 START, END, PAD = 1, 2, 0

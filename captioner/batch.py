@@ -22,8 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from .decoding import CaptionResult
-from .images import (DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError, Preprocess, is_image_path,
-                     load_image)
+from .images import DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError, Preprocess, is_image_path, load_image
 from .inference import Captioner, DecodeOptions
 from .jpeg_device import decode_resize, plain_jpeg
 from .vocab import UNK

@@ -16,9 +16,24 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_common import (EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, MAX_WORDS, UsageError,
-                         caption_length, check_device, check_out_file, length_penalty, load_model, make_folders,
-                         non_negative, positive, share, whole_number)
+from .cli_common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    EXIT_USAGE,
+    MAX_WORDS,
+    UsageError,
+    caption_length,
+    check_device,
+    check_out_file,
+    length_penalty,
+    load_model,
+    make_folders,
+    non_negative,
+    positive,
+    share,
+    whole_number,
+)
 from .export_cli import add_export_parser
 
 if TYPE_CHECKING:

@@ -26,7 +26,6 @@ from PIL.PngImagePlugin import PngInfo
 from .decoding import CaptionResult
 from .vocab import has_cjk
 
-
 TINT = (255, 140, 26)  # warm orange at the peak of a map
 
 

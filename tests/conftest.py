@@ -11,6 +11,7 @@ import pytest
 from captioner import kernels
 from tests.tiny import TINY_COCO, tiny_captioner, write_tiny_coco
 
+
 @pytest.fixture
 def tiny_coco(tmp_path: Path) -> Path:
     """A folder with captions_{train,val,test}.json (6/2/2 images, 2-3 captions each) and images/."""

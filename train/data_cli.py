@@ -90,8 +90,9 @@ def _count_or_share(value: str) -> float:
 
 
 def _add_import(sub: argparse._SubParsersAction) -> None:
-    from .own import CAPTION_KEYS, CAPTION_LIST_KEYS, FORMATS, IMAGE_KEYS
     from captioner.vocab import TOKENIZERS
+
+    from .own import CAPTION_KEYS, CAPTION_LIST_KEYS, FORMATS, IMAGE_KEYS
 
     c = sub.add_parser(
         "import", help="turn own images and captions (CSV/TSV, JSON Lines, folder + .txt) into a data set",
@@ -169,10 +170,11 @@ def _wrapped(text: str) -> str:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from captioner.cli_common import EXIT_SOME_FAILED, UsageError, make_folders
+    from captioner.images import Preprocess
+    from captioner.vocab import guess_tokenizer
+
     from .image_check import unreadable_images
     from .own import SourceError, draw_splits, read_source, split_sizes, write_dataset
-    from captioner.vocab import guess_tokenizer
-    from captioner.images import Preprocess
 
     earlier = args.out / "dataset.json"
     if earlier.exists() and not args.overwrite:
@@ -246,9 +248,9 @@ def _shown(path: Path) -> Path:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from captioner.cli_common import UsageError
-    from .image_check import unreadable_images
     from captioner.images import Preprocess
 
+    from .image_check import unreadable_images
     from .startup import StartupError, data_tokenizer
 
     try:

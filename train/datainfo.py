@@ -9,8 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, SplitSet, load_splits
 from captioner.bundled import SYNTHETIC_SHAPES
+from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, SplitSet, load_splits
 from captioner.vocab import Tokenizer, Vocabulary
 
 from .captions import TrainingCaptions

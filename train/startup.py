@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 import captioner
+from captioner.bundled import DEMOS
 from captioner.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from captioner.folder import is_model_folder
 from captioner.distributed import DistContext
 from captioner.encoders import pretrained_file
+from captioner.folder import is_model_folder
 from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
-from captioner.bundled import DEMOS
 from captioner.inference import resolve_weights
 from captioner.model import CaptionModel
 from captioner.vocab import PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named

@@ -11,8 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import goal, heads, misses, naming, relations, widths
-from .plan import (DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of,
-                   select_rows)
+from .plan import DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of, select_rows
 
 DESCRIPTION = """\
 The attention family on shapes, compared so that the table can rank: every variant trained

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from captioner.data.coco import load_split
-from .forced import forced_outputs
 from captioner.grounding import load_shape_objects, pointing_game
 from captioner.inference import Captioner
 
+from .forced import forced_outputs
 from .scoring import check_test_set, test_set_arguments
 
 

@@ -77,6 +77,7 @@ def shares(places: Sequence[str]) -> dict[str, float]:
 @torch.inference_mode()
 def places_of(cap, folder: Path, images: int) -> list[str]:
     from captioner.data.coco import load_split
+
     from .forced import forced_maps
 
     records = load_split(folder, "test")[:images]

@@ -133,6 +133,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_relations(args: argparse.Namespace) -> int:
     from captioner.data.coco import load_split
+
     from .checkpoints import load_weights
 
     forced = []

@@ -123,9 +123,10 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
 
     from captioner.data.coco import load_split
     from captioner.evaluation import decode_records
-    from .forced import forced_maps
     from captioner.grounding import load_shape_objects
     from captioner.inference import DecodeOptions
+
+    from .forced import forced_maps
 
     options = DecodeOptions(beam_size=beam_size, max_len=MAX_LEN, **decode)
     with_pointing = cap.model.decoder.attention.phi.attends  # a uniform map points nowhere
@@ -175,6 +176,7 @@ def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, a
     together) is printed, its interval at ``level``. Returns the differences (empty without
     ``against``)."""
     from captioner.checkpoint import CheckpointError
+
     from .checkpoints import load_weights
 
     scored = {}

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner.app.serving import figure_png, result_json
 from captioner import bundled, inference
+from captioner.app.serving import figure_png, result_json
 from captioner.cli import build_parser, main
 from captioner.inference import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image

@@ -8,8 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from captioner import attention
-from captioner.attention import (HARD_INFERENCE, LOCAL_WIDTHS, MIN_HALF_WIDTH, MODES, NORMALIZERS, Attention,
-                                 attention_mode, sparsemax)
+from captioner.attention import (
+    HARD_INFERENCE,
+    LOCAL_WIDTHS,
+    MIN_HALF_WIDTH,
+    MODES,
+    NORMALIZERS,
+    Attention,
+    attention_mode,
+    sparsemax,
+)
 from captioner.decoding import _hard_kwargs
 from captioner.multihead import MultiHeadAttention
 

@@ -97,10 +97,9 @@ def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch):
 def test_loading_never_asks_for_pretrained_weights(tmp_path, monkeypatch):
     # A checkpoint trained from ImageNet weights holds every weight it needs: loading it
     # on a machine without them (empty TORCH_HOME, no network) must not try to fetch them.
-    from tests.pretrained import forbid_downloads
-
     from captioner.images import Preprocess
     from captioner.model import CaptionModel
+    from tests.pretrained import forbid_downloads
     from tests.tiny import tiny_config, tiny_vocab
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "empty"))

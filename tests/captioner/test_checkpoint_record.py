@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from captioner.bundled import DEMOS
-from captioner.checkpoint import (Checkpoint, CheckpointError, TrainingState, load_checkpoint, training_data_of,
-                                  upgrade_weights)
+from captioner.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TrainingState,
+    load_checkpoint,
+    training_data_of,
+    upgrade_weights,
+)
 from captioner.inference import Captioner, DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image
 

@@ -180,9 +180,9 @@ DEMO_CAPTIONS = {
 
 
 def test_grid_layers_zero_is_todays_model(tmp_path):
+    from captioner.bundled import DEMOS
     from captioner.data.shapes import generate_dataset
     from captioner.images import load_image
-    from captioner.bundled import DEMOS
     from captioner.inference import resolve_weights
 
     if not DEMOS["demo-soft"].installed:

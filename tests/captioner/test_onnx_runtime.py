@@ -21,8 +21,8 @@ from captioner.export import export
 from captioner.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from captioner.inference import Captioner, DecodeOptions
 from captioner.onnx import UNFAMILIAR_BELOW, OnnxCaptioner
-from captioner.record import significant
 from captioner.onnx import main as onnx_main
+from captioner.record import significant
 from tests.tiny import tiny_captioner, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]

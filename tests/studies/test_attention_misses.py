@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from studies.attention import cli, misses, scoring
 from captioner.grounding import ShapeObject
+from studies.attention import cli, misses, scoring
 from tests.tiny import tiny_captioner
 
 # A 4 x 4 grid over 64 x 64 px (16-px cells, centres at 8, 24, 40, 56).

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from studies.attention import cli, naming, scoring
 from captioner.grounding import ShapeObject
+from studies.attention import cli, naming, scoring
 from tests.tiny import tiny_captioner
 
 RED_CIRCLE = ShapeObject("circle", "red", "small", (10.0, 10.0, 20.0, 20.0))

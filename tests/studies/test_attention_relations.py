@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from studies.attention import cli, relations, scoring
 from captioner.data.coco import ImageRecord
 from captioner.grounding import ShapeObject
 from captioner.images import Preprocess
 from captioner.inference import Captioner
 from captioner.model import CaptionModel
 from captioner.vocab import Vocabulary
+from studies.attention import cli, relations, scoring
 from tests.tiny import tiny_captioner, tiny_config, tiny_image
 
 # 128 x 128 px. The red circle is up and to the left of the blue square; the green star sits

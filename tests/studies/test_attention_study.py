@@ -17,7 +17,6 @@ from studies.attention import stats as cs
 from studies.attention import table as ct
 from studies.attention.checkpoints import last_step, last_step_model
 
-
 # ----------------------------------------------------------------------------- BLEU
 
 REFS = {1: ["a red circle", "a small red circle on the left", "one red circle"],

@@ -9,8 +9,8 @@ import torch
 from captioner.data.coco import ImageDataset, load_split
 from captioner.data.shapes import generate_dataset
 from captioner.encoders import Annotations
-from studies.attention.forced import forced_maps, forced_outputs
 from captioner.vocab import tokenize
+from studies.attention.forced import forced_maps, forced_outputs
 from tests.tiny import tiny_captioner
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from studies.attention import cli
-from studies.attention import heads as hp
 from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
-from studies.attention.forced import forced_maps
 from captioner.grounding import load_shape_objects, pointing_game
+from studies.attention import cli
+from studies.attention import heads as hp
+from studies.attention.forced import forced_maps
 from tests.tiny import tiny_captioner
 
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from captioner.inference import DecodeOptions
 from studies.attention import cli
 from studies.attention import widths as local_widths
-from captioner.inference import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image
 
 

@@ -13,8 +13,8 @@ import pytest
 from captioner.cli import main as captioner_main
 from captioner.data.coco import SplitNotFoundError, load_splits
 from captioner.train.config import to_toml
-from captioner.train.datainfo import load_dataset
 from captioner.train.data_cli import main as data_main
+from captioner.train.datainfo import load_dataset
 from tests.builders import coco_config, tiny_train_config
 
 

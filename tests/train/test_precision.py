@@ -10,7 +10,6 @@ from captioner.inference import Captioner
 from captioner.model import Decoder, ModelConfig
 from captioner.train.loop import train
 from captioner.train.precision import MixedPrecision
-
 from tests.builders import tiny_train_config
 from tests.tiny import tiny_captioner
 

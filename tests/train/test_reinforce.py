@@ -18,9 +18,9 @@ from torch import nn
 
 from captioner.encoders import Annotations
 from captioner.model import CaptionModel, ModelConfig
-from tests.tiny import tiny_captioner, token_batch
 from captioner.train.config import HardConfig
 from captioner.train.losses import HardAttentionObjective, caption_log_likelihood
+from tests.tiny import tiny_captioner, token_batch
 
 CAPTION = "red circle"
 

@@ -14,17 +14,17 @@ from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.cider.cider_scorer import CiderScorer
 
 from captioner.checkpoint import load_checkpoint
-from captioner.cli import main
 from captioner.cider import CiderD, cider_d
+from captioner.cli import main
 from captioner.encoders import Annotations
 from captioner.images import Preprocess
 from captioner.inference import resolve_weights
 from captioner.metrics import _prepare
 from captioner.model import CaptionModel
-from captioner.vocab import tokenize
 from captioner.train.config import ScstConfig, load_config, model_config, to_toml
 from captioner.train.loop import train
 from captioner.train.scst import ScstObjective, sample_captions, sample_log_probs
+from captioner.vocab import tokenize
 from tests.builders import TORCHRUN, run_ok, tiny_train_config
 from tests.pretrained import fake_torch_home, forbid_downloads
 from tests.tiny import tiny_config, tiny_image, tiny_vocab

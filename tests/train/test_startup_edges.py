@@ -14,8 +14,7 @@ from captioner.distributed import DistContext
 from captioner.model import CaptionModel
 from captioner.train.config import DataConfig, load_config
 from captioner.train.datainfo import load_dataset
-from captioner.train.startup import (StartupError, _init_from, check_new_run, check_shapes_folder,
-                                     readable_splits)
+from captioner.train.startup import StartupError, _init_from, check_new_run, check_shapes_folder, readable_splits
 from captioner.vocab import Vocabulary
 from tests.tiny import tiny_captioner, tiny_config, tiny_vocab
 

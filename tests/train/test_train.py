@@ -14,6 +14,7 @@ from captioner.train.config import HardConfig
 from captioner.train.loop import train, validation_value
 from tests.builders import nll_log, tiny_train_config
 
+
 def test_reinforce_defaults_are_the_authors_settings_averaged_per_caption():
     """capgen.py: the per-word mean cost against a baseline of the same, /10., entropy 0.002,
     b <- 0.9 b + 0.1 cost, the 0.5 coin; the known gradients averaged over the captions like

@@ -12,8 +12,19 @@ import pytest
 from captioner.attention import LOCAL_WIDTHS, MODES, NORMALIZERS, SCORES
 from captioner.cli import main as captioner_main
 from captioner.model import ModelConfig
-from captioner.train.config import (SET_BY_THE_RUN, HardConfig, ModelSection, ModelStart, OptimConfig, TrainConfig,
-                          apply_overrides, load_config, model_config, read_config, to_toml)
+from captioner.train.config import (
+    SET_BY_THE_RUN,
+    HardConfig,
+    ModelSection,
+    ModelStart,
+    OptimConfig,
+    TrainConfig,
+    apply_overrides,
+    load_config,
+    model_config,
+    read_config,
+    to_toml,
+)
 from captioner.train.losses import REDUCTIONS, REWARDS
 from captioner.train.precision import PRECISIONS
 from tests.builders import one_line, tiny_train_config

@@ -10,8 +10,8 @@ import pytest
 
 from captioner.checkpoint import load_checkpoint
 from captioner.cli import main as captioner_main
-from captioner.train.captions import TrainingCaptions
 from captioner.train import loop
+from captioner.train.captions import TrainingCaptions
 from captioner.train.config import DataConfig, load_config
 from captioner.train.datainfo import vocab_min_count, vocabulary
 from captioner.train.loop import TrainOutcome, outcome_line, train

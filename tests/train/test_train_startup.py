@@ -281,8 +281,8 @@ def test_training_says_what_it_did_in_figures_a_reader_can_use(tiny_coco, tmp_pa
 def test_checking_the_images_draws_nothing_from_the_global_random_state(tiny_coco):
     """Training checks its images before it builds the model: its initial weights (the same on
     every rank, the same as before the check existed) must not depend on the check."""
-    from captioner.train.image_check import unreadable_images
     from captioner.images import Preprocess
+    from captioner.train.image_check import unreadable_images
 
     paths = sorted((tiny_coco / "images").glob("*.png"))
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """How long training's start-up takes to read a COCO-sized data set: ``load_dataset`` (each file
-parsed once) against the reads start-up made before the DataSet record (#56), on the same
+parsed once) against the reads start-up made before the DataSet record, on the same
 generated files in the same run.
 
     python -m benchmarks.bench_data_startup [--images 120000] [--layout coco karpathy] [--rounds 3]

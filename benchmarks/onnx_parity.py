@@ -8,7 +8,7 @@ in tests/fixtures/photos with torch (Captioner, the checkpoint) and with onnxrun
 (captioner.onnx, the folder), from the same decoded pixels, and print per model and image
 set: the share of identical captions, and over the images captioned alike the largest
 difference of score, word probability, attention map, gate and familiarity.
-Targets (issue #58): >= 99% identical captions; scores and maps within 1e-3.
+Targets: >= 99% identical captions; scores and maps within 1e-3.
 """
 
 from __future__ import annotations

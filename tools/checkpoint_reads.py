@@ -1,7 +1,7 @@
 """Where code outside captioner/checkpoint.py reads a checkpoint by key: a subscript or a
 ``.get`` with a key of the checkpoint file (top level, its train_state, its weight average) on
-a name that holds one, at a git revision. A shape figure for #56 (before and after the typed
-record); writes (``x["k"] = ...``) are not counted, and it cannot tell a metrics line's
+a name that holds one, at a git revision: how far the typed record reaches, before and after
+it; writes (``x["k"] = ...``) are not counted, and it cannot tell a metrics line's
 ``last["step"]`` from a checkpoint's: read the lines it lists.
 
     python tools/checkpoint_reads.py [REVISION]     # default HEAD

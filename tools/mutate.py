@@ -153,11 +153,13 @@ class Outcome:
         return self.killed / self.run if self.run else float("nan")
 
 
-def _sample(items: list, cap: int) -> list:
-    """At most ``cap`` of ``items``, spread evenly (items sorted by their place in the file)."""
+def _sample(items: list, cap: int, offset: float = 0.0) -> list:
+    """At most ``cap`` of ``items``, spread evenly (items sorted by their place in the file),
+    each ``offset`` (0 to 1) of the way to the next: 0.5 draws a second sample between the
+    first's (the default's) mutants, to check a rate on mutants no test was written for."""
     if cap <= 0 or len(items) <= cap:
         return items
-    return [items[i * len(items) // cap] for i in range(cap)]
+    return [items[int((i + offset) * len(items) / cap)] for i in range(cap)]
 
 
 def unevaluated_annotations(source: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -221,7 +223,7 @@ def mutate_module(module: str, tests: list[str], args, out_dir: Path, deadline: 
             items = sorted((w for w in db.work_items if w.mutations[0].operator_name in OPERATORS
                             and not _inside(annotations, tuple(w.mutations[0].start_pos))),
                            key=lambda w: (w.mutations[0].start_pos, w.mutations[0].operator_name))
-            chosen = _sample(items, args.max_mutants)
+            chosen = _sample(items, args.max_mutants, args.offset)
             chosen_ids = {w.job_id for w in chosen}
             db.set_multiple_results([w.job_id for w in db.work_items if w.job_id not in chosen_ids],
                                     WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("modules", nargs="*", help="module paths from the repository root (default: all of MODULES)")
     p.add_argument("--max-mutants", type=int, default=60, help="mutants per module at most, spread evenly over "
                    "the file (0: all; default 60)")
+    p.add_argument("--offset", type=float, default=0.0, help="where in each stretch of the file its sampled "
+                   "mutant stands, 0 to 1 (default 0; 0.5: a second sample, between the first's)")
     p.add_argument("--minutes", type=float, default=60.0, help="no new mutant after this long (default 60)")
     p.add_argument("--jobs", type=int, default=1, help="mutants tested side by side, each in its own copy "
                    "(default 1)")
@@ -306,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default out/mutation)")
     p.add_argument("--list", action="store_true", help="print the modules and their test files, and stop")
     args = p.parse_args(argv)
+    if not 0 <= args.offset < 1:
+        p.error(f"--offset must be from 0 to below 1, got {args.offset}")
     if args.list:
         for module, tests in MODULES.items():
             print(f"{module}: {' '.join(tests)}")

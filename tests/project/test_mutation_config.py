@@ -60,3 +60,13 @@ def test_only_function_annotations_never_evaluated_are_left_unmutated():
     assert len(spans) == 4
     assert _inside(spans, (5, 13)) and _inside(spans, (5, 43))  # int | None, dict | None
     assert not _inside(spans, (3, 7)) and not _inside(spans, (6, 11))  # the class field, the body's a | 1
+
+
+def test_a_sample_is_spread_evenly_and_an_offset_draws_another_between_its_mutants():
+    from tools.mutate import _sample
+
+    items = list(range(100))
+    first, second = _sample(items, 10), _sample(items, 10, 0.5)
+    assert first == list(range(0, 100, 10)) and second == list(range(5, 100, 10))
+    assert _sample(items, 0) == items and _sample(items[:5], 10) == items[:5]
+    assert _sample(list(range(7)), 3, 0.99) == [2, 4, 6]  # never past the end

@@ -227,3 +227,11 @@ def test_the_keys_a_config_writes_name_the_run_s_name_only_when_it_is_written():
 
     assert written_keys({"name": "x", "optim": {"lr": 1.0}, "val": {}}) == {"name", "optim.lr"}
     assert written_keys({"optim": {"lr": 1.0, "epochs": 2}}) == {"optim.lr", "optim.epochs"}
+
+
+def test_a_set_value_may_itself_hold_an_equals_sign():
+    """Only the first '=' of --set parts key and value: a folder named "a=b" is a value."""
+    from captioner.train.config import TrainConfig, apply_overrides
+
+    cfg = apply_overrides(TrainConfig(), ["data.dir=runs/lr=0.1/data", "name=a=b"])
+    assert cfg.data.dir == "runs/lr=0.1/data" and cfg.name == "a=b"

@@ -147,12 +147,16 @@ def non_negative(value: str) -> int:
     return n
 
 
-def length_penalty(value: str) -> float:
-    """A length penalty: a finite number >= 0 (0: rank by the raw log-probability)."""
+def number(value: str) -> float:
     try:
-        x = float(value)
+        return float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+
+
+def length_penalty(value: str) -> float:
+    """A length penalty: a finite number >= 0 (0: rank by the raw log-probability)."""
+    x = number(value)
     if not math.isfinite(x) or x < 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
     return x
@@ -160,10 +164,7 @@ def length_penalty(value: str) -> float:
 
 def share(value: str) -> float:
     """A share of images, from 0 to 1."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    x = number(value)
     if not 0 <= x <= 1:
         raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {value}")
     return x

@@ -10,6 +10,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from captioner.cli_common import number
+
 from . import goal, heads, misses, naming, relations, widths
 from .plan import DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of, select_rows
 
@@ -63,10 +65,7 @@ def _at_least(low: int):
 
 
 def _level(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = number(text)
     if not 0.5 <= value < 1:
         raise argparse.ArgumentTypeError("must be at least 0.5 and below 1")
     return value

@@ -219,9 +219,17 @@ class Decoder(nn.Module):
         return StepOutput(logits, h, c, att.alpha_heads, beta.squeeze(1), att.sample_log_prob, att.entropy)
 
     def forward(self, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
-                sample: bool = False, generator: torch.Generator | None = None) -> DecoderOutput:
+                sample: bool = False, generator: torch.Generator | None = None,
+                steps: int | None = None) -> DecoderOutput:
         """Teacher forcing. tokens (B, T+1) = <start> w_1 .. w_n <end> <pad>..; lengths (B,)
         count the tokens including start and end.
+
+        ``steps``: run exactly this many steps (tokens then hold at least steps + 1 columns)
+        and give the output layer every step, padding ones included, so that the call waits
+        for the device nowhere and its shapes depend on the arguments' shapes alone: the form
+        a CUDA graph records (captioner.train's graphed step). The padding steps come after
+        every caption's last word and are masked out of the loss, so the loss and its
+        gradients are the plain call's; only the padding logits differ (not 0).
 
         The same model as ``forward_stepwise`` (T calls of ``step``), arranged for speed:
         only what needs h_{t-1} runs inside the time loop (attention, gate, the LSTM's
@@ -231,7 +239,10 @@ class Decoder(nn.Module):
         ann = self.annotate(ann)
         a = ann.vectors
         compiled = self._compiled_recur is not None
-        b, steps = a.shape[0], int(lengths.max()) - 1
+        fixed = steps is not None
+        if fixed and tokens.shape[1] < steps + 1:
+            raise ValueError(f"{steps} fixed steps need tokens of at least {steps + 1} columns, got {tokens.shape[1]}")
+        b, steps = a.shape[0], (steps if fixed else int(lengths.max()) - 1)
         mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
         keys = self.attention.prepare(a)  # once per image
         h, c = self.init_state(a)
@@ -256,7 +267,7 @@ class Decoder(nn.Module):
                 ents.append(att.entropy)
         hs_, zs_ = torch.stack(hs, 1), torch.stack(zs, 1)  # (B, T, H), (B, T, D)
         x = self.dropout(emb + self.L_h(hs_) + self.L_z(zs_))  # (B, T, E)
-        if bool(mask.all()):
+        if fixed or bool(mask.all()):
             logits = self.L_o(x)  # (B, T, V)
         else:
             real = self.L_o(x[mask])  # (N, E) -> (N, V), N real steps

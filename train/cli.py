@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 # What --set may change when a run resumes: how long it goes on and where it runs. The rest
 # (the data, the model, the rates) is the run's own: changed, it would no longer be that run.
 ON_RESUME = ("optim.epochs", "optim.max_steps", "optim.max_minutes", "val.patience", "optim.threads",
-             "optim.device", "data.workers")
+             "optim.device", "data.workers", "optim.cuda_graphs")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -52,6 +52,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .config import TrainConfig, apply_overrides, check_ignored, find_config, over_bases, written_keys
     from .data_cli import require_data
+    from .graphed import GraphCaptureError
     from .loop import RunWriteError, new_run_dir, outcome_line, train
     from .startup import StartupError, check_new_run, check_run_folder, clear_run_folder
 
@@ -98,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         outcome = train(cfg, run_dir, resume=args.resume is not None, progress=not args.quiet, last=last,
                         data=data)
-    except (StartupError, RunWriteError) as e:
+    except (StartupError, RunWriteError, GraphCaptureError) as e:
         # Under torchrun every rank stops on the same error: rank 0 says it.
         if is_main_process():
             print(f"captioner train: error: {e}", file=sys.stderr)

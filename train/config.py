@@ -150,6 +150,12 @@ class OptimConfig:
     # torch.compile the decoder's per-word step with this backend: "" (off), "inductor"
     # (fused kernels; pays off on CUDA), or e.g. "aot_eager" (traces without generating code).
     compile: str = ""
+    # On a CUDA device, the soft objective's forward and backward recorded once per (batch size,
+    # padded caption length) and replayed as CUDA graphs (train/graphed.py): the same losses and
+    # gradients, without the launch of each small kernel. Taken with one process, fp32 or bf16,
+    # no compile, and the kernels on (CAPTIONER_KERNELS); elsewhere the plain step runs. Off by
+    # default until its gradients have been compared with the plain step's on a GPU.
+    cuda_graphs: bool = False
     device: str = "auto"
     threads: int = 0  # CPU threads for this run (0: torch's default); 1 lets runs share a machine
     log_every: int = 20

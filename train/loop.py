@@ -43,7 +43,8 @@ from .averaging import WeightAverage, same_encoder
 from .captions import CaptionDataset, TrainingCaptions, collate_captions, training_captions
 from .config import TrainConfig, metric_parts, to_toml
 from .datainfo import DataSet, load_dataset, summary_lines
-from .losses import LossParts
+from .graphed import GraphedSoftStep, graphs_apply
+from .losses import LossParts, soft_loss
 from .objectives import Objective, choose_objective
 from .precision import MixedPrecision
 from .startup import StartupError, data_tokenizer, new_model, on_main, prepare_data, readable_splits, take_back
@@ -222,6 +223,7 @@ class Run:
     dataset: Dataset | None = None
     grid: tuple[int, int] | None = None  # the annotations' grid, when they come from the feature cache
     files: RunFiles | None = None
+    graphed: GraphedSoftStep | None = None  # the step as CUDA graphs, where it may run (graphed.py)
 
     @property
     def train_records(self) -> list[ImageRecord]:
@@ -502,6 +504,29 @@ def open_run(run: Run, resumed_at: int | None) -> None:
     run.files = RunFiles(run_dir, ctx, resumed_at)
     if cfg.optim.compile:
         run.model.decoder.compile_step(backend=cfg.optim.compile)
+    run.graphed = _graphed_step(run)
+
+
+def _graphed_step(run: Run) -> GraphedSoftStep | None:
+    """The training step as CUDA graphs (graphed.py) where it may run, else None; a run on a GPU
+    says which it takes, and why not the graphs."""
+    o, ctx = run.cfg.optim, run.ctx
+    why_not = graphs_apply(device=ctx.device, objective=run.objective.name, world=ctx.world,
+                           precision=run.precision.name, compiled=bool(o.compile), enabled=o.cuda_graphs)
+    if ctx.is_main and ctx.device.type == "cuda":
+        print(f"training step: {'CUDA graphs' if why_not is None else f'plain, not CUDA graphs ({why_not})'}",
+              file=sys.stderr)
+    if why_not is not None:
+        return None
+    dtype, lam = run.precision.dtype, o.doubly_stochastic
+
+    def loss(inputs, tokens, lengths, steps):
+        return soft_loss(run.net, inputs, tokens, lengths, lam, steps=steps)
+
+    def autocast():  # a graph cannot hold autocast's cache of cast weights
+        return torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None, cache_enabled=False)
+
+    return GraphedSoftStep(loss, [p for p in run.model.parameters() if p.requires_grad], autocast)
 
 
 def _training_set(run: Run) -> tuple[Dataset, tuple[int, int] | None]:
@@ -605,13 +630,20 @@ def _train_step(run: Run, batch, global_size: int) -> LossParts:
     o, ctx, precision = run.cfg.optim, run.ctx, run.precision
     batch = batch.to(ctx.device, non_blocking=True)
     inputs = Annotations(batch.images, run.grid) if run.grid is not None else batch.images
-    with precision.autocast():
-        parts: LossParts = run.objective.loss(run.net, inputs, batch, global_size)
     # DDP averages gradients over ranks; weighting each rank's mean by its share
     # makes that the mean over the global batch even when shares differ.
     share = len(batch.tokens) * ctx.world / global_size
-    run.optimizer.zero_grad(set_to_none=True)
-    precision.backward(parts.loss * share)
+    parts = None
+    if run.graphed is not None and share == 1:  # the same forward and backward, replayed (graphed.py)
+        parts = run.graphed.step(inputs, batch.tokens, batch.lengths)
+    if parts is None:
+        with precision.autocast():
+            parts = run.objective.loss(run.net, inputs, batch, global_size)
+        run.optimizer.zero_grad(set_to_none=True)
+        precision.backward(parts.loss * share)
+        # Nothing keeps the step's autograd graph alive past it: a CUDA graph captured later
+        # (graphed.py) must not meet this step's gradient accumulators.
+        parts = replace(parts, loss=parts.loss.detach())
     precision.step(run.optimizer, run.model.parameters(), o.grad_clip)
     if run.average is not None:
         run.average.update(run.model)

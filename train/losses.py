@@ -53,10 +53,11 @@ def token_log_prob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def soft_loss(model: CaptionModel, images: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor,
-              doubly_stochastic: float) -> LossParts:
+              doubly_stochastic: float, *, steps: int | None = None) -> LossParts:
     """-log p(y|a) summed over words (mean over captions) + lambda * sum_i (1 - sum_t alpha_ti)^2,
-    as in the paper; with a mode that does not attend ('mean') the penalty is constant and skipped."""
-    out = model(images, tokens, lengths)
+    as in the paper; with a mode that does not attend ('mean') the penalty is constant and skipped.
+    ``steps``: a fixed number of decoder steps (Decoder.forward), for a CUDA graph (graphed.py)."""
+    out = model(images, tokens, lengths) if steps is None else model(images, tokens, lengths, steps=steps)
     ll = caption_log_likelihood(out, tokens[:, 1:])
     nll = -ll.mean()
     penalty = attention_penalty(out.alphas.float(), out.mask)

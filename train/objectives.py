@@ -28,6 +28,8 @@ from .scst import ScstObjective
 
 
 class Objective(Protocol):
+    name: str  # "soft", "hard" or "scst"
+
     def loss(self, net: nn.Module, inputs: torch.Tensor | Annotations, batch, global_size: int) -> LossParts:
         """This rank's loss on its share of a global batch of ``global_size`` captions."""
 
@@ -43,6 +45,8 @@ class Objective(Protocol):
 
 class Soft:
     """-log p(y|a) + lambda * sum_i (1 - sum_t alpha_ti)^2: no state beyond the model's."""
+
+    name = "soft"
 
     def __init__(self, doubly_stochastic: float):
         self.doubly_stochastic = doubly_stochastic
@@ -63,6 +67,8 @@ class Soft:
 class Hard:
     """REINFORCE for hard attention; its moving-average baseline and expected-context coin are
     state (the same on every rank)."""
+
+    name = "hard"
 
     def __init__(self, objective: HardAttentionObjective):
         self.objective = objective
@@ -85,6 +91,8 @@ class Hard:
 
 class SelfCritical:
     """Self-critical training; each rank's sampling generator is state of its own."""
+
+    name = "scst"
 
     def __init__(self, objective: ScstObjective):
         self.objective = objective

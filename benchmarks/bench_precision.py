@@ -15,7 +15,9 @@ Variants are "fp32", "bf16", "fp16", each optionally with "+compile" (the decode
 compiled by inductor), "+static" (compiled for fixed shapes, ``dynamic=False``: what the
 dynamic batch dimension costs a compiled call) and "+cl" (channels-last: the encoder's weights
 and the images in torch.channels_last memory format, the layout a GPU's convolutions prefer;
-a speed switch, off unless asked for), in any order: "bf16+cl", "bf16+cl+compile". Each variant
+a speed switch, off unless asked for) and "+graphs" (the training step's forward and backward
+replayed as a CUDA graph, train/graphed.py; fp32 and bf16, not compiled), in any order:
+"bf16+cl", "bf16+cl+compile", "bf16+cl+graphs". Each variant
 builds its own model, and each model compiles its own copy of the decoder step (see
 Decoder.compile_step), so a later variant never runs on an earlier one's compiled graphs.
 """
@@ -32,8 +34,9 @@ from captioner.images import Preprocess
 from captioner.inference import INFERENCE_PRECISIONS, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig, attention_penalty
 from captioner.train.config import OptimConfig
+from captioner.train.graphed import GraphedSoftStep
 from captioner.train.loop import build_optimizer
-from captioner.train.losses import caption_log_likelihood
+from captioner.train.losses import LossParts, caption_log_likelihood
 from captioner.train.precision import MixedPrecision
 from captioner.vocab import SPECIALS, Vocabulary
 
@@ -63,10 +66,12 @@ def parse_variant(variant: str) -> tuple[str, bool | str, bool]:
     built. The compiled step is False, True (dynamic batch, as `captioner` compiles it) or
     "static" (fixed shapes)."""
     precision, *extras = variant.strip().split("+")
-    unknown = [e for e in extras if e not in ("compile", "static", "cl")]
+    unknown = [e for e in extras if e not in ("compile", "static", "cl", "graphs")]
     if precision not in INFERENCE_PRECISIONS or unknown:
         raise ValueError(f"variant {variant!r}: a precision ({', '.join(INFERENCE_PRECISIONS)}), optionally "
-                         "+compile, +static and +cl")
+                         "+compile, +static, +cl and +graphs")
+    if "graphs" in extras and (precision == "fp16" or "compile" in extras or "static" in extras):
+        raise ValueError(f"variant {variant!r}: +graphs is for fp32 and bf16, not compiled (train/graphed.py)")
     compiled = "static" if "static" in extras else "compile" in extras
     return precision, compiled, "cl" in extras
 
@@ -108,16 +113,33 @@ def use_channels_last(model: CaptionModel, images: torch.Tensor) -> torch.Tensor
     return images.contiguous(memory_format=torch.channels_last)
 
 
-def make_train_step(cap: Captioner, precision: str, images: torch.Tensor) -> Callable[[], None]:
+def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False) -> Callable[[], None]:
     """One training step on ``images`` as `captioner train` runs it: frozen encoder forward,
     teacher-forced decoder forward and backward on random 20-word captions, doubly stochastic
-    penalty, training's fused Adam, autocast and gradient scaling (train/precision.py)."""
+    penalty, training's fused Adam, autocast and gradient scaling (train/precision.py).
+    ``graphs``: the forward and backward replayed as a CUDA graph (train/graphed.py)."""
     model, dev, batch = cap.model, images.device, images.shape[0]
     tokens = torch.randint(len(SPECIALS), len(cap.vocab), (batch, STEPS + 1), device=dev)
     tokens[:, 0] = cap.vocab.start
     lengths = torch.full((batch,), STEPS + 1, device=dev)
     mp = MixedPrecision(precision, dev)
     opt = build_optimizer([{"params": list(model.decoder.parameters()), "lr": 1e-4}], OptimConfig())  # training's
+    if graphs:
+        def loss(inputs, toks, lens, steps) -> LossParts:
+            out = model(inputs, toks, lens, steps=steps)
+            nll = -caption_log_likelihood(out, toks[:, 1:]).mean()
+            penalty = attention_penalty(out.alphas.float(), out.mask)
+            return LossParts(nll + penalty, nll.detach(), penalty.detach(), out.mask.sum())
+
+        graphed = GraphedSoftStep(loss, list(model.decoder.parameters()), lambda: torch.autocast(
+            dev.type, dtype=mp.dtype or torch.float32, enabled=mp.dtype is not None, cache_enabled=False))
+
+        def graphed_step() -> None:
+            model.train()
+            graphed.step(images, tokens, lengths)  # one shape: always its graph
+            mp.step(opt, model.decoder.parameters(), 5.0)
+
+        return graphed_step
 
     def train_step() -> None:
         model.train()
@@ -150,7 +172,8 @@ def prepare(variant: str, dev: torch.device, batch: int,
     images = torch.randn(batch, 3, 224, 224, device=dev)
     if channels_last:
         images = use_channels_last(cap.model, images)
-    return make_train_step(cap, precision, images), make_caption(cap, precision, images)
+    graphs = "graphs" in variant.split("+")
+    return make_train_step(cap, precision, images, graphs), make_caption(cap, precision, images)
 
 
 def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> tuple[float, float]:

@@ -41,8 +41,9 @@ from captioner.decoding import beam_search
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
 from captioner.train.config import OptimConfig
+from captioner.train.graphed import GraphedSoftStep
 from captioner.train.loop import build_optimizer
-from captioner.train.losses import caption_log_likelihood
+from captioner.train.losses import LossParts, caption_log_likelihood
 
 V, D, E, H, A, L, GRID = 10_000, 2048, 512, 512, 512, 196, (14, 14)
 START, END, PAD = 1, 2, 0
@@ -147,6 +148,56 @@ def tutorial_beam_search(dec, encoder_out: torch.Tensor, beam_size: int, max_ste
     return complete[complete_scores.index(max(complete_scores))]
 
 
+def decoder_loss(dec: Decoder):
+    """The project's loss as graphed.py takes it: (annotations, tokens, lengths, steps) -> LossParts."""
+    def loss(a, tokens, lengths, steps) -> LossParts:
+        out = dec(Annotations(a, GRID), tokens, lengths, steps=steps)
+        nll = -caption_log_likelihood(out, tokens[:, 1:]).mean()
+        penalty = attention_penalty(out.alphas, out.mask)
+        return LossParts(nll + penalty, nll.detach(), penalty.detach(), out.mask.sum())
+    return loss
+
+
+def graphed_step(dec: Decoder, opt, a, tokens, lengths):
+    """The project's training step with its forward and backward replayed as a CUDA graph."""
+    step = GraphedSoftStep(decoder_loss(dec), list(dec.parameters()), lambda: torch.autocast("cuda", enabled=False))
+
+    def run() -> None:
+        step.step(a, tokens, lengths)  # one shape: always its graph
+        torch.nn.utils.clip_grad_norm_(dec.parameters(), 5.0)
+        opt.step()
+        _sync(a.device)
+    return run
+
+
+def graphs_check(cfg: ModelConfig, dev: torch.device, a, tokens, lengths) -> str:
+    """The graphed step's loss and gradients against the plain step's, from the same weights,
+    without dropout (its masks differ), over two batches of captions of different lengths."""
+    torch.manual_seed(1)
+    dec = Decoder(ModelConfig.from_dict({**cfg.to_dict(), "dropout": 0.0})).to(dev).train()
+    params = list(dec.parameters())
+    step = GraphedSoftStep(decoder_loss(dec), params, lambda: torch.autocast("cuda", enabled=False))
+    worst_loss = worst_grad = 0.0
+    for seed in (0, 1, 0):  # the third replays the first batch's graph
+        g = torch.Generator().manual_seed(seed)
+        lens = torch.randint(3, tokens.shape[1] + 1, (tokens.shape[0],), generator=g).to(dev)
+        lens = lens.clamp(max=tokens.shape[1] - 4 * seed)  # the longest caption sets the graph's steps
+        lens[0] = tokens.shape[1] - 4 * seed
+        toks = tokens[:, : int(lens.max())]
+        dec.zero_grad(set_to_none=True)
+        plain = decoder_loss(dec)(a, toks, lens, None)  # steps None: the plain forward
+        plain.loss.backward()
+        want_loss = float(plain.loss.detach())
+        del plain  # its autograd graph must not outlive it: see graphed.py, _capture
+        want = [p.grad.clone() for p in params]
+        got = step.step(a, toks, lens)
+        worst_loss = max(worst_loss, abs(float(got.loss) - want_loss) / abs(want_loss))
+        for p, w in zip(params, want):
+            worst_grad = max(worst_grad, float((p.grad - w).abs().max() / w.abs().max().clamp_min(1e-30)))
+    return (f"{len(step.graphs)} graphs; largest relative difference: loss {worst_loss:.1e}, "
+            f"gradients {worst_grad:.1e} (of each gradient's largest entry)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tutorial", type=Path, help="folder of the tutorial's models.py (or the file itself)")
@@ -161,9 +212,14 @@ def main() -> None:
     ap.add_argument("--compile", default="", metavar="BACKEND",
                     help="also time the project's step under torch.compile with this backend (e.g. inductor)")
     ap.add_argument("--no-stepwise", action="store_true", help="leave out the project's step-by-step reference")
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time the project's step with its forward and backward replayed as a CUDA graph "
+                         "(train/graphed.py; CUDA only), after checking its gradients against the plain step's")
     args = ap.parse_args()
     if args.rounds < 1 or args.train_steps < 1 or args.batch < 1 or args.steps < 1:
         ap.error("--rounds, --train-steps, --batch and --steps must be >= 1")
+    if args.graphs and not args.device.startswith("cuda"):
+        ap.error("--graphs: CUDA graphs need --device cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
     if args.threads:
@@ -241,6 +297,11 @@ def main() -> None:
         train_runs["project, step by step"] = project_step(ours, opt_ours, stepwise=True)
     if compiled is not None:
         train_runs[f"project, compiled ({args.compile})"] = project_step(compiled, opt_compiled)
+    if args.graphs:
+        print(f"CUDA graph against the plain step: {graphs_check(cfg, dev, a, tokens, lengths)}", flush=True)
+        graphed_dec = Decoder(cfg).to(dev).train()
+        train_runs["project, CUDA graph"] = graphed_step(graphed_dec, project_optimizer(graphed_dec), a, tokens,
+                                                         lengths)
     print(f"device {dev}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads; "
           f"batch {b}, L={L}, D={D}, {E}/{H}/{A}, vocabulary {V}, {t} steps", flush=True)
     for name, fn in train_runs.items():  # warm-up (and compilation)

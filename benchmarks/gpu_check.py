@@ -11,7 +11,7 @@ goes to the screen and to ``LOGS/summary.txt``. Recompilations are counted from
 recompiling shows up in the summary, not only in a slow figure.
 
 The steps: the environment (GPU name, missing packages); training fp32, bf16 + compile, fp16
-(gradient scaling), soft and hard (hard over the feature cache, as its config trains it), a
+(gradient scaling), bf16 with CUDA graphs (``optim.cuda_graphs``), soft and hard (hard over the feature cache, as its config trains it), a
 resume, SCST; greedy and beam captioning on the device compared caption for caption with the
 CPU's on the same images, and bf16 + compile captioning; torchrun on one process (NCCL on a
 GPU); the app's captioning path; then the benchmarks at the paper's sizes with small counts:
@@ -19,9 +19,11 @@ bench_decoder at batch 32 and 256; bench_precision at batch 32 (fp32, bf16, fp16
 at batch 32 (fp32, bf16, the compiled step: where a training step's and a captioning batch's
 time goes, launch-bound or device-bound, Chrome traces in ``LOGS/profile``); bench_precision at
 batch 128 (fp32, bf16, channels-last bf16, the compiled step with a dynamic batch as captioner
-compiles it and for fixed shapes); bench_caption with ResNet-101 on 2,000 JPEGs at the GPU's
+compiles it and for fixed shapes, fp32 and channels-last bf16 with the training step as a CUDA
+graph); bench_caption with ResNet-101 on 2,000 JPEGs at the GPU's
 default batch, also with JPEGs decoded on the GPU (--decode-on-device); bench_coco_train; and
-compare_tutorial where ``--tutorial`` names the tutorial's folder.
+compare_tutorial where ``--tutorial`` names the tutorial's folder (on a GPU with ``--graphs``:
+the graphed step's loss and gradients against the plain step's, then its speed).
 ``--quick`` shrinks every count (the profile runs on the small encoder) and compiles with
 torch.compile's eager backend (the compiler's capture and its guards, no code generation), so
 that a CPU test can run the whole check.
@@ -135,6 +137,8 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
         train("train-soft-fp32", "shapes-soft.toml", "optim.precision=fp32"),
         train("train-soft-bf16-compile", "shapes-soft.toml", "optim.precision=bf16", f"optim.compile={backend}"),
         train("train-soft-fp16", "shapes-soft.toml", f"optim.precision={fp16}"),
+        # The forward and backward as CUDA graphs (train/graphed.py; the plain step on a CPU).
+        train("train-soft-graphs", "shapes-soft.toml", "optim.precision=bf16", "optim.cuda_graphs=true"),
         # Hard attention and SCST start from the soft run above (their configs start from demo-soft,
         # whose vocabulary needs the whole shapes training set).
         train("train-hard-fp32", "shapes-hard.toml", "optim.precision=fp32", f"model.init_from={soft}",
@@ -210,7 +214,8 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
                                      "--variants", "fp32,bf16,fp32+compile", "--out", traces], 150),
                Step("bench-precision-128", py + ["benchmarks.bench_precision", "--device", device,
                                                 "--batch-size", "128", "--repeats", "2",
-                                                "--variants", "fp32,bf16,bf16+cl,fp32+compile,fp32+static"],
+                                                "--variants", "fp32,bf16,bf16+cl,fp32+compile,fp32+static,"
+                                                              "fp32+graphs,bf16+cl+graphs"],
                     210),
                # A few thousand JPEGs, timed twice (the first pass meets new shapes), with the batch
                # `captioner caption` takes on a GPU, and with JPEGs decoded there.
@@ -223,6 +228,7 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
     if tutorial is not None:
         out.append(Step("compare-tutorial", py + ["benchmarks.compare_tutorial", str(tutorial), "--device", device,
                                                   "--rounds", "1" if quick else "3"]
+                        + ([] if device == "cpu" else ["--graphs"])
                         + (["--batch", "4", "--beam-images", "4", "--steps", "6", "--beam-steps", "6"]
                            if quick else []), 300))
     return out

@@ -36,7 +36,7 @@ from captioner.model import CaptionModel, ModelConfig, attention_penalty
 from captioner.train.config import OptimConfig
 from captioner.train.graphed import GraphedSoftStep
 from captioner.train.loop import build_optimizer
-from captioner.train.losses import LossParts, caption_log_likelihood
+from captioner.train.losses import LossParts, caption_log_likelihood, soft_loss
 from captioner.train.precision import MixedPrecision
 from captioner.vocab import SPECIALS, Vocabulary
 
@@ -125,11 +125,8 @@ def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs
     mp = MixedPrecision(precision, dev)
     opt = build_optimizer([{"params": list(model.decoder.parameters()), "lr": 1e-4}], OptimConfig())  # training's
     if graphs:
-        def loss(inputs, toks, lens, steps) -> LossParts:
-            out = model(inputs, toks, lens, steps=steps)
-            nll = -caption_log_likelihood(out, toks[:, 1:]).mean()
-            penalty = attention_penalty(out.alphas.float(), out.mask)
-            return LossParts(nll + penalty, nll.detach(), penalty.detach(), out.mask.sum())
+        def loss(inputs, toks, lens, steps) -> LossParts:  # the same loss as train_step's below
+            return soft_loss(model, inputs, toks, lens, 1.0, steps=steps)
 
         graphed = GraphedSoftStep(loss, list(model.decoder.parameters()), lambda: torch.autocast(
             dev.type, dtype=mp.dtype or torch.float32, enabled=mp.dtype is not None, cache_enabled=False))

@@ -141,13 +141,12 @@ class GraphedSoftStep:
 
     @staticmethod
     def _load(graph: _Graph, inputs, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Copy a batch into the graph's input tensors; token columns past the batch's own are 0
-        (any id would do: those steps are masked out of the loss)."""
+        """Copy a batch into the graph's input tensors. Token columns past the batch's own keep
+        what an earlier batch left there: any word would do, those steps come after every
+        caption's <end> and are masked out of the loss."""
         vectors = inputs.vectors if isinstance(inputs, Annotations) else inputs
         graph.inputs.copy_(vectors)
-        n = tokens.shape[1]
-        graph.tokens[:, :n].copy_(tokens)
-        graph.tokens[:, n:].zero_()
+        graph.tokens[:, :tokens.shape[1]].copy_(tokens)
         graph.lengths.copy_(lengths)
 
     def _capture(self, inputs, tokens: torch.Tensor, lengths: torch.Tensor, steps: int) -> _Graph:

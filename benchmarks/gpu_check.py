@@ -11,19 +11,20 @@ goes to the screen and to ``LOGS/summary.txt``. Recompilations are counted from
 recompiling shows up in the summary, not only in a slow figure.
 
 The steps: the environment (GPU name, missing packages); training fp32, bf16 + compile, fp16
-(gradient scaling), bf16 with CUDA graphs (``optim.cuda_graphs``), soft and hard (hard over
-the feature cache, as its config trains it), a resume, SCST; greedy and beam captioning on the device compared caption for caption with the
-CPU's on the same images, and bf16 + compile captioning; torchrun on one process (NCCL on a
-GPU); the app's captioning path; then the benchmarks at the paper's sizes with small counts:
-bench_decoder at batch 32 and 256; bench_precision at batch 32 (fp32, bf16, fp16); profile_step
-at batch 32 (fp32, bf16, the compiled step: where a training step's and a captioning batch's
-time goes, launch-bound or device-bound, Chrome traces in ``LOGS/profile``); bench_precision at
-batch 128 (fp32, bf16, channels-last bf16, the compiled step with a dynamic batch as captioner
-compiles it and for fixed shapes, fp32 and channels-last bf16 with the training step as a CUDA
-graph); bench_caption with ResNet-101 on 2,000 JPEGs at the GPU's
-default batch, also with JPEGs decoded on the GPU (--decode-on-device); bench_coco_train; and
-compare_tutorial where ``--tutorial`` names the tutorial's folder (on a GPU with ``--graphs``:
-the graphed step's loss and gradients against the plain step's, then its speed).
+(gradient scaling), bf16 with CUDA graphs (``optim.cuda_graphs``), soft and hard (hard over the
+feature cache, as its config trains it), a resume, SCST; greedy and beam captioning on the
+device compared caption for caption with the CPU's on the same images, and bf16 + compile
+captioning; torchrun on one process (NCCL on a GPU); the app's captioning path; then the
+benchmarks at the paper's sizes with small counts: bench_decoder at batch 32 and 256;
+bench_precision at batch 32 (fp32, bf16, fp16); profile_step at batch 32 (fp32, bf16, the
+compiled step: where a training step's and a captioning batch's time goes, launch-bound or
+device-bound, Chrome traces in ``LOGS/profile``); bench_precision at batch 128 (fp32, bf16,
+channels-last bf16, the compiled step with a dynamic batch as captioner compiles it and for
+fixed shapes, fp32 and channels-last bf16 with the training step as a CUDA graph); bench_caption
+with ResNet-101 on 2,000 JPEGs at the GPU's default batch, also with JPEGs decoded on the GPU
+(--decode-on-device); bench_coco_train; and compare_tutorial where ``--tutorial`` names the
+tutorial's folder (on a GPU with ``--graphs``: the graphed step's loss and gradients against the
+plain step's, then its speed).
 ``--quick`` shrinks every count (the profile runs on the small encoder) and compiles with
 torch.compile's eager backend (the compiler's capture and its guards, no code generation), so
 that a CPU test can run the whole check.

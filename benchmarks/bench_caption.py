@@ -186,20 +186,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="each timing is the best of this many")
     ap.add_argument("--weights", default=None, help="the default model (demo-soft) or another checkpoint")
     ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--skip-resnet", action="store_true")
+    ap.add_argument("--skip-resnet", action="store_true", help="leave out the ResNet-101 model at the paper's sizes")
+    ap.add_argument("--skip-demo", action="store_true",
+                    help="leave out the default (or --weights) model: ResNet-101 alone, e.g. on a time-boxed GPU")
     ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: both halves run there")
     ap.add_argument("--precision", choices=tuple(AUTOCAST_DTYPES), default="fp32")
     ap.add_argument("--decode-on-device", action="store_true",
                     help="also time the pipeline and the loading with JPEGs decoded on --device")
     args = ap.parse_args()
+    if args.skip_demo and args.skip_resnet:
+        ap.error("--skip-demo and --skip-resnet leave no model to time")
     where = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     print(f"torch {torch.__version__}, {args.device} ({where}), {args.precision}, threads {torch.get_num_threads()}, "
           f"batch {args.batch_size}, workers {args.workers}, beam 3, best of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "photos"
         paths = make_photos(folder, args.images)
-        models = [(f"{args.weights or 'demo-soft'} (small encoder, 128 px)",
-                   Captioner.load(args.weights, device=args.device))]
+        models = [] if args.skip_demo else [(f"{args.weights or 'demo-soft'} (small encoder, 128 px)",
+                                             Captioner.load(args.weights, device=args.device))]
         if not args.skip_resnet:
             models.append(("resnet101, paper sizes", resnet101_captioner(args.device)))
         for name, cap in models:

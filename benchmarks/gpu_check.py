@@ -223,7 +223,8 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
                Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "2000",
                                           "--batch-size", str(default_batch_size("cuda")),
                                           "--workers", str(min(16, os.cpu_count() or 1)),
-                                          "--repeats", "2", "--skip-memory", "--decode-on-device"], 240),
+                                          "--repeats", "2", "--skip-memory", "--skip-demo", "--decode-on-device"],
+                    240),
                Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "64",
                                              "--steps", "10"], 150)]
     if tutorial is not None:

@@ -54,6 +54,7 @@ MODULES: dict[str, list[str]] = {
     "captioner/decoding.py": ["tests/captioner/test_decoding.py"],
     "captioner/vocab.py": ["tests/captioner/test_vocab.py", "tests/captioner/test_tokenizer.py"],
     "train/own.py": ["tests/train/test_data_import.py"],
+    "train/graphed.py": ["tests/train/test_graphed.py"],
 }
 
 # The cosmic-ray operators used: one natural replacement for each arithmetic and set operator,

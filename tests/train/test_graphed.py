@@ -15,6 +15,7 @@ import torch
 
 from captioner import kernels
 from captioner.encoders import Annotations
+from captioner.train import graphed
 from captioner.train.graphed import GraphCaptureError, GraphedSoftStep, graphs_apply, padded_steps
 from captioner.train.losses import LossParts, soft_loss
 from tests.tiny import tiny_captioner, tiny_image, token_batch
@@ -368,3 +369,79 @@ def test_a_capture_failing_mid_run_is_one_line_and_the_run_resumes_without_graph
     assert 1 <= saved < 6
     assert captioner_main(["train", "--resume", str(run), "--set", "optim.cuda_graphs=false", "--quiet"]) == 0
     assert load_checkpoint(run / "last.pt").train_state.step == 6 and len(captures) == 2
+
+
+def test_the_cuda_capture_warms_up_on_a_side_stream_then_records_one_pass(monkeypatch):
+    """cuda_capture with torch.cuda's stream and graph calls stood in for: WARMUP eager passes on
+    a side stream, each one's gradients dropped, the streams joined both ways, then one pass
+    recorded into a graph sharing the pool it is given, errors of other threads not its own."""
+    events = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    main_stream = Stream("main")
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            events.append(("on", self.stream.name))
+
+        def __exit__(self, *exc):
+            events.append(("off", self.stream.name))
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+        def pool(self):
+            return "new pool"
+
+    class Recording:
+        def __init__(self, graph, pool=None, capture_error_mode="global"):
+            events.append(("record", pool, capture_error_mode))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append("recorded")
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main_stream)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Recording)
+    w = torch.nn.Parameter(torch.ones(2))
+
+    def run():
+        w.grad = torch.full_like(w, 3.0)
+        events.append(("pass", w.grad is None))
+        return "parts"
+
+    replay, parts, pool = graphed.cuda_capture(run, [w], "old pool")
+    warm = [("pass", False)] * graphed.WARMUP
+    assert events == [("wait", "side", "main"), ("on", "side"), *warm, ("off", "side"), ("wait", "main", "side"),
+                      ("record", "old pool", "thread_local"), ("pass", False), "recorded"]
+    assert parts == "parts" and pool == "new pool"
+    replay()
+    assert events[-1] == "replay"
+    assert w.grad is not None  # the recorded pass's gradients stay: they are the graph's
+
+    events.clear()
+    seen = []
+
+    def run_checking():
+        seen.append(w.grad is None)  # each warm-up pass starts from dropped gradients
+        w.grad = torch.zeros_like(w)
+        return "parts"
+
+    w.grad = None
+    graphed.cuda_capture(run_checking, [w], None)
+    assert seen == [True] * (graphed.WARMUP + 1) and graphed.WARMUP >= 1

@@ -17,6 +17,10 @@ is in docs/benchmarks.md.
       closed-form Jacobian                 (attention.py, sparsemax)
     token_log_prob: log softmax(x)[y]      log_softmax(x).gather(y)              always
       from one log-sum-exp per row         (train/losses.py, token_log_prob)
+    channels_last_ok: the encoder's        NCHW (torch's default layout)         training on CUDA with bf16 or
+      weights and the images in NHWC       (train/loop.py, open_run)             fp16 autocast, the encoder in
+      memory: the same values, in the                                            the step (no feature cache)
+      order cuDNN computes them in
 
 The switch: ``CAPTIONER_KERNELS=0`` (or ``false``, ``off``, ``no``) in the environment when
 this module is first imported, or ``set_enabled(False)`` from code, turns every fast form
@@ -56,6 +60,15 @@ def set_enabled(on: bool) -> bool:
     global _enabled
     before, _enabled = _enabled, bool(on)
     return before
+
+
+def channels_last_ok(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """May training put the encoder's weights and its images in channels-last (NHWC) memory?
+    On CUDA under bf16 or fp16 autocast: there cuDNN computes convolutions and batch norm in
+    NHWC, and on NCHW tensors it turns the layout around each convolution and leaves batch norm
+    to a slower kernel of torch's (docs/benchmarks.md, "On a GPU, second session"). Only the
+    order of the values in memory changes. ``dtype``: the autocast's, None for fp32."""
+    return _enabled and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
 # ---------------------------------------------------------------------------- the LSTM's weights

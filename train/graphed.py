@@ -151,7 +151,7 @@ class GraphedSoftStep:
 
     def _capture(self, inputs, tokens: torch.Tensor, lengths: torch.Tensor, steps: int) -> _Graph:
         vectors = inputs.vectors if isinstance(inputs, Annotations) else inputs
-        static_inputs = torch.empty_like(vectors, memory_format=torch.contiguous_format)
+        static_inputs = torch.empty_like(vectors)  # in the batch's layout (channels-last on a GPU in bf16)
         static_tokens = tokens.new_zeros(tokens.shape[0], steps + 1)
         static_lengths = torch.empty_like(lengths)
         fed = Annotations(static_inputs, inputs.grid) if isinstance(inputs, Annotations) else static_inputs

@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from captioner import kernels
 from captioner.checkpoint import Checkpoint, TrainingState, atomic_save, load_checkpoint
 from captioner.data.coco import ImageRecord
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
@@ -224,6 +225,7 @@ class Run:
     grid: tuple[int, int] | None = None  # the annotations' grid, when they come from the feature cache
     files: RunFiles | None = None
     graphed: GraphedSoftStep | None = None  # the step as CUDA graphs, where it may run (graphed.py)
+    channels_last: bool = False  # the encoder and its images in NHWC memory (kernels.channels_last_ok)
 
     @property
     def train_records(self) -> list[ImageRecord]:
@@ -495,6 +497,10 @@ def open_run(run: Run, resumed_at: int | None) -> None:
         if created and ctx.is_main:
             take_back(run_dir)
         raise
+    run.channels_last = run.grid is None and kernels.channels_last_ok(ctx.device, run.precision.dtype)
+    if run.channels_last:  # before DDP takes the parameters' layout for its buckets
+        run.model.encoder.to(memory_format=torch.channels_last)
+    optimizer_state_like_params(run.optimizer)
     run.net = run.model
     if ctx.active:
         from torch.nn.parallel import DistributedDataParallel
@@ -505,6 +511,19 @@ def open_run(run: Run, resumed_at: int | None) -> None:
     if cfg.optim.compile:
         run.model.decoder.compile_step(backend=cfg.optim.compile)
     run.graphed = _graphed_step(run)
+
+
+def optimizer_state_like_params(optimizer: torch.optim.Optimizer) -> None:
+    """Each optimiser state tensor of a parameter's shape in that parameter's memory layout. A
+    run resumed with another layout (channels-last on one GPU, not on another device or with
+    the kernels off) would otherwise hand a fused optimiser a state laid out unlike its
+    parameter, which a GPU's fused kernels read element by element in memory order."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, value in list(state.items()):
+                if torch.is_tensor(value) and value.shape == p.shape and value.stride() != p.stride():
+                    state[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
 def _graphed_step(run: Run) -> GraphedSoftStep | None:
@@ -630,6 +649,8 @@ def _train_step(run: Run, batch, global_size: int) -> LossParts:
     o, ctx, precision = run.cfg.optim, run.ctx, run.precision
     batch = batch.to(ctx.device, non_blocking=True)
     inputs = Annotations(batch.images, run.grid) if run.grid is not None else batch.images
+    if run.channels_last:  # the encoder's weights are (open_run); kernels.channels_last_ok
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
     # DDP averages gradients over ranks; weighting each rank's mean by its share
     # makes that the mean over the global batch even when shares differ.
     share = len(batch.tokens) * ctx.world / global_size

@@ -16,7 +16,8 @@ def test_a_variant_is_a_precision_then_compile_and_channels_last_in_any_order():
     assert bench_precision.parse_variant("fp16+compile+cl") == ("fp16", True, True)
     assert bench_precision.parse_variant("fp32+static") == ("fp32", "static", False)
     assert bench_precision.parse_variant("bf16+compile+static+cl") == ("bf16", "static", True)
-    for bad in ("fp64", "bf16+fast", "cl+bf16", ""):
+    assert bench_precision.parse_variant("bf16+cl+graphs") == ("bf16", False, True)
+    for bad in ("fp64", "bf16+fast", "cl+bf16", "", "fp16+graphs", "fp32+graphs+compile", "bf16+static+graphs"):
         with pytest.raises(ValueError, match="variant"):
             bench_precision.parse_variant(bad)
 

@@ -305,7 +305,7 @@ def test_training_with_the_graphed_step_matches_the_plain_training(monkeypatch):
         class _Run:
             from captioner.train.config import TrainConfig
             cfg, ctx, precision, objective, net = TrainConfig(), _Ctx(), _Precision(), _Objective(), model
-            optimizer, average, grid = opt, None, None
+            optimizer, average, grid, channels_last = opt, None, None, False
             graphed = _graphed(model) if use_graphs else None
 
         _Run.model = model

@@ -1,0 +1,55 @@
+"""compare_tutorial --graphs: its check of the graphed step against the plain one, run on a CPU
+with a stand-in capture that keeps a graph's contract (tests/train/test_graphed.py), passes when
+the two agree and fails when a replay computes something else."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import compare_tutorial as ct
+from captioner.model import ModelConfig
+from tests.train.test_graphed import eager_capture
+
+CFG = ModelConfig(vocab_size=50, annotation_dim=16, embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.5)
+
+
+def _inputs():
+    torch.manual_seed(0)
+    a = torch.randn(3, ct.L, 16)
+    tokens = torch.randint(4, 50, (3, 10))
+    tokens[:, 0] = ct.START
+    return a, tokens, torch.full((3,), 10)
+
+
+def test_the_graphed_step_agrees_with_the_plain_one(monkeypatch):
+    monkeypatch.setattr(ct, "CAPTURE", eager_capture)
+    line, same = ct.graphs_check(CFG, torch.device("cpu"), *_inputs())
+    assert same and "2 graphs" in line and "within 1e-04" in line
+
+
+def test_a_replay_that_computes_something_else_is_caught(monkeypatch):
+    def slightly_off(run, params, pool):
+        replay, parts, pool = eager_capture(run, params, pool)
+        grads = [p.grad for p in params]  # the graph's own, which each replay writes
+
+        def wrong():
+            replay()
+            for g in grads:
+                if g is not None:
+                    g.mul_(1.001)  # gradients 0.1% off
+        return wrong, parts, pool
+
+    monkeypatch.setattr(ct, "CAPTURE", slightly_off)
+    line, same = ct.graphs_check(CFG, torch.device("cpu"), *_inputs())
+    assert not same and "BEYOND" in line
+
+
+def test_the_timed_graphed_step_trains(monkeypatch):
+    monkeypatch.setattr(ct, "CAPTURE", eager_capture)
+    a, tokens, lengths = _inputs()
+    dec = ct.Decoder(CFG)
+    before = [p.detach().clone() for p in dec.parameters()]
+    run = ct.graphed_step(dec, torch.optim.Adam(dec.parameters(), lr=1e-2), a, tokens, lengths)
+    run()
+    run()
+    assert any(not torch.equal(b, p) for b, p in zip(before, dec.parameters()))

@@ -113,18 +113,26 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
 
 
 # Option values, checked as argparse reads them (one line each when refused).
-def whole_number(value: str) -> int:
+def _parsed(value: str, kind, what: str):
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+        raise argparse.ArgumentTypeError(f"not a {what}: {value!r}") from None
+
+
+def _at_least(value: str, low: int) -> int:
+    n = whole_number(value)
+    if n < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
+    return n
+
+
+def whole_number(value: str) -> int:
+    return _parsed(value, int, "whole number")
 
 
 def positive(value: str) -> int:
-    n = whole_number(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+    return _at_least(value, 1)
 
 
 # The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
@@ -141,17 +149,11 @@ def caption_length(value: str) -> int:
 
 
 def non_negative(value: str) -> int:
-    n = whole_number(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+    return _at_least(value, 0)
 
 
 def number(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    return _parsed(value, float, "number")
 
 
 def length_penalty(value: str) -> float:

@@ -132,22 +132,12 @@ class GraphedSoftStep:
             if len(self.graphs) >= self.max_graphs:
                 return None
             graph = self.graphs[key] = self._capture(inputs, tokens, lengths, key[1])
-        self._load(graph, inputs, tokens, lengths)
+        _load(graph.inputs, graph.tokens, graph.lengths, inputs, tokens, lengths)
         graph.replay()
         for p, g in zip(self.params, graph.grads):
             p.grad = g
         parts = graph.parts
         return LossParts(parts.loss.detach().clone(), parts.nll.clone(), parts.penalty.clone(), parts.tokens.clone())
-
-    @staticmethod
-    def _load(graph: _Graph, inputs, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Copy a batch into the graph's input tensors. Token columns past the batch's own keep
-        what an earlier batch left there: any word would do, those steps come after every
-        caption's <end> and are masked out of the loss."""
-        vectors = inputs.vectors if isinstance(inputs, Annotations) else inputs
-        graph.inputs.copy_(vectors)
-        graph.tokens[:, :tokens.shape[1]].copy_(tokens)
-        graph.lengths.copy_(lengths)
 
     def _capture(self, inputs, tokens: torch.Tensor, lengths: torch.Tensor, steps: int) -> _Graph:
         vectors = inputs.vectors if isinstance(inputs, Annotations) else inputs
@@ -162,13 +152,12 @@ class GraphedSoftStep:
             parts.loss.backward()
             return parts
 
-        graph = _Graph(lambda: None, static_inputs, static_tokens, static_lengths, None, [])  # type: ignore[arg-type]
-        self._load(graph, inputs, tokens, lengths)
+        _load(static_inputs, static_tokens, static_lengths, inputs, tokens, lengths)
         kept = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
         try:
-            graph.replay, parts, self.pool = self.capture(run, self.params, self.pool)
+            replay, parts, self.pool = self.capture(run, self.params, self.pool)
         except Exception as e:  # an operation a graph cannot hold
             for p, g in zip(self.params, kept):
                 p.grad = g
@@ -180,6 +169,16 @@ class GraphedSoftStep:
                 "--set optim.cuda_graphs=false") from e
         # The figures without their autograd graph: a graph kept alive keeps the parameters'
         # gradient accumulators, which the next capture would meet on another stream.
-        graph.parts = LossParts(parts.loss.detach(), parts.nll, parts.penalty, parts.tokens)
-        graph.grads = [p.grad for p in self.params]
-        return graph
+        return _Graph(replay, static_inputs, static_tokens, static_lengths,
+                      LossParts(parts.loss.detach(), parts.nll, parts.penalty, parts.tokens),
+                      [p.grad for p in self.params])
+
+
+def _load(static_inputs: torch.Tensor, static_tokens: torch.Tensor, static_lengths: torch.Tensor,
+          inputs: torch.Tensor | Annotations, tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Copy a batch into a graph's input tensors. Token columns past the batch's own keep what an
+    earlier batch left there: any word would do, those steps come after every caption's <end>
+    and are masked out of the loss."""
+    static_inputs.copy_(inputs.vectors if isinstance(inputs, Annotations) else inputs)
+    static_tokens[:, :tokens.shape[1]].copy_(tokens)
+    static_lengths.copy_(lengths)

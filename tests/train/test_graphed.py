@@ -248,7 +248,7 @@ def test_when_the_graphs_apply():
         kernels.set_enabled(before)
 
 
-def test_a_cpu_run_says_nothing_and_takes_the_plain_step(tmp_path):
+def test_a_cpu_run_says_nothing_and_takes_the_plain_step(tmp_path, capsys):
     from captioner.train.loop import _graphed_step
 
     class _Ctx:
@@ -264,6 +264,7 @@ def test_a_cpu_run_says_nothing_and_takes_the_plain_step(tmp_path):
         class precision:
             name, dtype = "fp32", None
     assert _graphed_step(_Run()) is None
+    assert capsys.readouterr().err == ""  # the line on which step runs is for a GPU's runs
 
 
 def test_training_with_the_graphed_step_matches_the_plain_training(monkeypatch):

@@ -41,6 +41,7 @@ from captioner.encoders import Annotations
 from captioner.images import Preprocess, load_image
 from captioner.inference import AUTOCAST_DTYPES, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
+from captioner.search_graph import search_form
 from captioner.vocab import SPECIALS, Vocabulary
 
 
@@ -89,8 +90,12 @@ def synchronize(captioner: Captioner) -> None:
         torch.cuda.synchronize(captioner.device)
 
 
-def search(captioner: Captioner, ann: Annotations) -> None:
-    """The beam search (k=3) alone, on annotations already computed."""
+def search(captioner: Captioner, ann: Annotations, plain: bool = False) -> None:
+    """The beam search (k=3) alone, on annotations already computed: in the form captioning
+    takes (on a GPU the graphed one, captioner.search_graph), or with ``plain`` in its plain form."""
+    if not plain:
+        captioner.beam_search_batch(ann, DecodeOptions(beam_size=3, max_len=20))
+        return
     v = captioner.vocab
     beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
 
@@ -114,10 +119,10 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
             for batch in batches:
                 captioner.model.encode(batch)
 
-    def searches() -> None:
+    def searches(plain: bool = False) -> None:
         with torch.inference_mode(), captioner.autocast():
             for ann in anns:
-                search(captioner, ann)
+                search(captioner, ann, plain)
 
     first = {False: float("inf"), True: float("inf")}  # by raw: each loading's own first batch
 
@@ -136,6 +141,8 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
         assert out.getvalue().count("\n") == len(paths)
 
     jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading}
+    if search_form(captioner.device, "expected", captioner.model.decoder.compiled) != "plain":
+        jobs["search, plain form"] = lambda: searches(plain=True)
     if on_device:
         jobs |= {"caption, device decoding": lambda: caption(True), "loading, device decoding": lambda: loading(True)}
     best = {name: float("inf") for name in jobs}
@@ -157,7 +164,7 @@ def flops_per_image(captioner: Captioner, batch: torch.Tensor) -> tuple[float, f
             ann = captioner.model.encode(batch)
         encoder = count.get_total_flops()
         with FlopCounterMode(display=False) as count:
-            search(captioner, ann)
+            search(captioner, ann, plain=True)  # a graph's replay hides its operators from the counter
     return encoder / len(batch), count.get_total_flops() / len(batch)
 
 
@@ -219,6 +226,9 @@ def main() -> None:
                   f"({r['encoder'] / r['search']:.2f} encoder times), loading alone ({args.workers} workers) "
                   f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times; first batch after "
                   f"{r['first batch']:.2f} s)")
+            if "search, plain form" in r:
+                print(f"    beam search as CUDA graphs {r['search']:.1f} img/s, its plain form "
+                      f"{r['search, plain form']:.1f} img/s ({r['search'] / r['search, plain form']:.2f}x)")
             if args.decode_on_device:
                 dc, dl = r["caption, device decoding"], r["loading, device decoding"]
                 print(f"    JPEGs decoded on {args.device}: caption {dc:.1f} img/s (caption time / encoder time = "

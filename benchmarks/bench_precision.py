@@ -16,7 +16,8 @@ compiled by inductor), "+static" (compiled for fixed shapes, ``dynamic=False``: 
 dynamic batch dimension costs a compiled call) and "+cl" (channels-last: the encoder's weights
 and the images in torch.channels_last memory format, the layout a GPU's convolutions prefer;
 a speed switch, off unless asked for) and "+graphs" (the training step's forward and backward
-replayed as a CUDA graph, train/graphed.py; fp32 and bf16, not compiled), in any order:
+replayed as a CUDA graph, train/graphed.py; fp32 and bf16, not compiled; and the beam search as
+one, captioner/search_graph.py, which without "+graphs" runs its plain form), in any order:
 "bf16+cl", "bf16+cl+compile", "bf16+cl+graphs". Each variant
 builds its own model, and each model compiles its own copy of the decoder step (see
 Decoder.compile_step), so a later variant never runs on an earlier one's compiled graphs.
@@ -30,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from captioner import kernels
 from captioner.images import Preprocess
 from captioner.inference import INFERENCE_PRECISIONS, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig, attention_penalty
@@ -150,13 +152,20 @@ def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs
     return train_step
 
 
-def make_caption(cap: Captioner, precision: str, images: torch.Tensor) -> Callable[[], None]:
+def make_caption(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False) -> Callable[[], None]:
     """Captioning of ``images`` as `captioner caption --precision P` runs it: encoder, then
-    batched beam search (k = 3, 20 words)."""
+    batched beam search (k = 3, 20 words); the search in its plain form, or with ``graphs`` in
+    the form `captioner caption` takes on a GPU (its fixed program as CUDA graphs,
+    captioner.search_graph; on a CPU the plain form all the same)."""
     cap.use_precision(precision)
+    allowed = kernels.enabled()
 
     def caption() -> None:
-        cap.caption_batch(images, DecodeOptions(beam_size=3, max_len=STEPS))
+        before = kernels.set_enabled(graphs and allowed)  # on a GPU captioning's one fast form is the search's
+        try:
+            cap.caption_batch(images, DecodeOptions(beam_size=3, max_len=STEPS))
+        finally:
+            kernels.set_enabled(before)
 
     return caption
 
@@ -170,7 +179,7 @@ def prepare(variant: str, dev: torch.device, batch: int,
     if channels_last:
         images = use_channels_last(cap.model, images)
     graphs = "graphs" in variant.split("+")
-    return make_train_step(cap, precision, images, graphs), make_caption(cap, precision, images)
+    return make_train_step(cap, precision, images, graphs), make_caption(cap, precision, images, graphs)
 
 
 def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> tuple[float, float]:

@@ -207,14 +207,8 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     log p / length**P (length counts the <end> token). With ``num_captions`` N > 1 (at most
     k), the N best finished captions of the search (``runners_up``: the 2nd to N-th), in the
     order of their rank. The search follows the rule of the module's docstring."""
+    check_search(beam_size, num_captions, length_penalty, max_len, hard)
     kw = _hard_kwargs(hard)
-    if beam_size < 1:
-        raise ValueError("beam_size must be >= 1")
-    if not 1 <= num_captions <= beam_size:
-        raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
-    if not length_penalty >= 0:  # NaN too
-        raise ValueError(f"length_penalty must be >= 0 (0: rank by log p), got {length_penalty}")
-    _check_max_len(max_len)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
     a, k = ann.vectors, beam_size
     b, dev = a.shape[0], a.device
@@ -258,6 +252,18 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
             pool.keep(keep)
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
     return out  # type: ignore[return-value]
+
+
+def check_search(beam_size: int, num_captions: int, length_penalty: float, max_len: int, hard: str) -> None:
+    """Refuse, with a ValueError that says why, what no beam search can take."""
+    _hard_kwargs(hard)
+    if beam_size < 1:
+        raise ValueError("beam_size must be >= 1")
+    if not 1 <= num_captions <= beam_size:
+        raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
+    if not length_penalty >= 0:  # NaN too
+        raise ValueError(f"length_penalty must be >= 0 (0: rank by log p), got {length_penalty}")
+    _check_max_len(max_len)
 
 
 def _extend(scores: torch.Tensor, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
@@ -391,7 +397,8 @@ class _Trace:
 def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
     """<start> and <pad> are never words of a caption."""
     logp = logp.clone()
-    logp[:, list(tokens)] = float("-inf")
+    for token in tokens:  # one column at a time: a list index would be copied to the device every step
+        logp[:, token] = float("-inf")
     return logp
 
 

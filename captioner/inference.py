@@ -11,10 +11,12 @@ import torch
 from .bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at, shapes_only_notice
 from .checkpoint import Checkpoint, CheckpointError, TrainingState, load_checkpoint, training_data_of
 from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
+from .encoders import Annotations
 from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 from .folder import CONFIG, WEIGHTS, is_model_folder, shape_mismatch
 from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from .model import CaptionModel
+from .search_graph import SearchGraphs, search_form
 from .vocab import Vocabulary
 
 
@@ -98,6 +100,7 @@ class Captioner:
         self.name = name  # what the user chose: a bundled model's name or the file's name
         self.demo = demo  # the record of the demo model shipped in the package that this is, if one
         self.familiarity = familiarity  # its training images' features; None: familiarity unknown
+        self._search_graphs: SearchGraphs | None = None  # the beam search's graphs, on a GPU
 
     @property
     def training_data(self) -> str | None:
@@ -239,16 +242,25 @@ class Captioner:
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
                                  hard=opt.hard_attention)
             else:
-                decoded = beam_search(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad,
-                                      beam_size=opt.beam_size, max_len=opt.max_len,
-                                      length_penalty=opt.length_penalty, hard=opt.hard_attention,
-                                      num_captions=opt.num_captions)
+                decoded = self.beam_search_batch(ann, opt)
         results = [self.to_result(d, ann.grid, alternatives=opt.num_captions > 1, length_penalty=opt.length_penalty)
                    for d in decoded]
         if self.familiarity is None:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
         return [replace(r, familiarity=f) for r, f in zip(results, known)]
+
+    def beam_search_batch(self, ann: Annotations, opt: DecodeOptions) -> list[DecodedIds]:
+        """The beam search: its plain form, or on a GPU its fixed program replayed as CUDA graphs
+        (captioner.search_graph), which returns the same captions."""
+        decoder, v = self.model.decoder, self.vocab
+        kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=opt.beam_size, max_len=opt.max_len,
+                  length_penalty=opt.length_penalty, hard=opt.hard_attention, num_captions=opt.num_captions)
+        if search_form(ann.vectors.device, opt.hard_attention, decoder.compiled) == "plain":
+            return beam_search(decoder, ann, **kw)
+        if self._search_graphs is None or self._search_graphs.decoder is not decoder:
+            self._search_graphs = SearchGraphs(decoder)
+        return self._search_graphs.search(ann, **kw)
 
     def to_result(self, d: DecodedIds, grid: tuple[int, int], alternatives: bool = False,
                   length_penalty: float = 0.0) -> CaptionResult:

@@ -21,6 +21,11 @@ is in docs/benchmarks.md.
       weights and the images in NHWC       (train/loop.py, open_run)             fp16 autocast, the encoder in
       memory: the same values, in the                                            the step (no feature cache)
       order cuDNN computes them in
+    search_graph: the beam search as one   decoding.beam_search: each image      captioning on CUDA, kernels on,
+      fixed program of all steps, its      leaves the batch when it is done,     a deterministic search, the
+      captions read once at the end,       a host wait after every step          decoder's step not compiled
+      replayed as a CUDA graph
+      (captioner/search_graph.py)
 
 The switch: ``CAPTIONER_KERNELS=0`` (or ``false``, ``off``, ``no``) in the environment when
 this module is first imported, or ``set_enabled(False)`` from code, turns every fast form

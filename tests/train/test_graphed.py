@@ -18,6 +18,7 @@ from captioner.encoders import Annotations
 from captioner.train import graphed
 from captioner.train.graphed import GraphCaptureError, GraphedSoftStep, graphs_apply, padded_steps
 from captioner.train.losses import LossParts, soft_loss
+from tests.cuda_standin import stand_in_cuda
 from tests.tiny import tiny_captioner, tiny_image, token_batch
 
 CAPTIONS = ["a red circle", "a small blue square and a star", "a green star", "a large red square"]
@@ -376,49 +377,7 @@ def test_the_cuda_capture_warms_up_on_a_side_stream_then_records_one_pass(monkey
     """cuda_capture with torch.cuda's stream and graph calls stood in for: WARMUP eager passes on
     a side stream, each one's gradients dropped, the streams joined both ways, then one pass
     recorded into a graph sharing the pool it is given, errors of other threads not its own."""
-    events = []
-
-    class Stream:
-        def __init__(self, name="side"):
-            self.name = name
-
-        def wait_stream(self, other):
-            events.append(("wait", self.name, other.name))
-
-    main_stream = Stream("main")
-
-    class StreamContext:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            events.append(("on", self.stream.name))
-
-        def __exit__(self, *exc):
-            events.append(("off", self.stream.name))
-
-    class Graph:
-        def replay(self):
-            events.append("replay")
-
-        def pool(self):
-            return "new pool"
-
-    class Recording:
-        def __init__(self, graph, pool=None, capture_error_mode="global"):
-            events.append(("record", pool, capture_error_mode))
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            events.append("recorded")
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: main_stream)
-    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", Recording)
+    events = stand_in_cuda(monkeypatch)
     w = torch.nn.Parameter(torch.ones(2))
 
     def run():

@@ -1,0 +1,259 @@
+"""The beam search's fixed program and its CUDA graphs (captioner/search_graph.py), held to the
+plain search on a CPU.
+
+A CPU cannot capture a CUDA graph, so the capture is replaced here by one with a graph's
+contract run eagerly: the tensors the captured run returned are the ones every replay writes,
+and a replay reads its input from the tensor it was captured with. What is tested is everything
+around the graph: the fixed program (the plain search's captions, no host waits), the padding
+of a batch into a graph's input, one graph per shape, the limit, a failed capture, and when the
+plain search runs instead. The GPU check (benchmarks/gpu_check.py) runs the real capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from captioner import kernels, search_graph
+from captioner.decoding import DecodedIds, beam_search
+from captioner.encoders import Annotations
+from captioner.inference import DecodeOptions
+from captioner.search_graph import SearchGraphs, fixed_beam_search, search_form
+from tests.captioner.test_decoding import END, MULTI_HEAD, PAD, START, A, _images, _random_decoder, _StepTable
+from tests.cuda_standin import stand_in_cuda
+from tests.tiny import tiny_captioner
+
+
+def _same(plain: list[DecodedIds], fixed: list[DecodedIds], exact: bool = True) -> None:
+    """The same captions, runners-up included, with the same scores, maps, gates and token log p."""
+    assert len(plain) == len(fixed)
+    for i, (x, y) in enumerate(zip(plain, fixed)):
+        for p, f in [(x, y), *zip(x.runners_up, y.runners_up, strict=True)]:
+            assert p.ids == f.ids, i
+            if exact:
+                assert p.score == f.score
+                for a, b in ((p.alphas_heads, f.alphas_heads), (p.betas, f.betas), (p.log_probs, f.log_probs)):
+                    assert torch.equal(a, b), i
+            else:
+                assert abs(p.score - f.score) < 1e-5
+                torch.testing.assert_close(p.alphas_heads, f.alphas_heads, atol=1e-6, rtol=1e-5)
+
+
+def test_the_fixed_program_returns_the_plain_search_s_captions_on_random_tiny_models():
+    """1,000 images over 200 random decoders (vocabulary 6, k 2-4, max_len 4-8, some with a
+    length penalty, 1 to k captions asked for): images done at different steps, images cut off
+    at the limit, and their runners-up, all as the plain search returns them, to the bit."""
+    early = 0
+    for seed in range(200):
+        decoder = _random_decoder(seed)
+        k, max_len = 2 + seed % 3, 4 + seed % 5
+        kw = dict(start=START, end=END, pad=PAD, beam_size=k, max_len=max_len,
+                  length_penalty=0.7 if seed % 5 == 3 else 0.0, num_captions=1 + seed % k)
+        ann = Annotations(torch.randn(5, 4, 5, dtype=torch.float64), (2, 2))
+        plain = beam_search(decoder, ann, **kw)
+        _same(plain, fixed_beam_search(decoder, ann, **kw))
+        early += sum(len(r.ids) < max_len + 1 for r in plain)
+    assert early > 500  # most images were done before the last step: their pools were frozen
+
+
+@pytest.mark.parametrize("variant", MULTI_HEAD, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_the_fixed_program_follows_the_plain_search_with_several_heads(variant):
+    for seed in range(6):
+        decoder = _random_decoder(seed, **variant)
+        ann = Annotations(torch.randn(4, 4, 5, dtype=torch.float64), (2, 2))
+        kw = dict(start=START, end=END, pad=PAD, beam_size=2 + seed % 3, max_len=4 + seed % 3)
+        _same(beam_search(decoder, ann, **kw), fixed_beam_search(decoder, ann, **kw))
+
+
+def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
+    """No later ending can outrank a done image's best, but one can tie with it, and a GPU's
+    topk puts ties in no fixed order: a later "A <end>" could then take the place of the
+    "<end>" the plain search returned. So nothing joins a done image's pool. Here "<end>" and
+    "A" have p 0.5 at step 0, and "A <end>" has p 0.5 too: the image is done at step 0."""
+    table = _StepTable([{END: 0.5, A: 0.5}, {END: 1.0}, {END: 1.0}, {END: 1.0}])
+    ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
+    kw = dict(start=START, end=END, pad=PAD, beam_size=3, max_len=3)
+    assert beam_search(table, ann, **kw)[0].ids == [END]
+    o = search_graph._Options(START, END, PAD, 3, 3, 0.0, "expected", 1)
+    searched = search_graph._search(table, ann.vectors, ann.grid, o)
+    assert searched.pool.rank[0, 0] == torch.log(torch.tensor(0.5))
+    assert searched.pool.rank[0, 1:].isneginf().all()  # "A <end>" (step 1) did not join
+    assert searched.captions(1)[0].ids == [END]
+
+
+def test_the_fixed_program_never_waits_for_the_device(monkeypatch):
+    """Every conversion of a tensor to a Python value (a host wait on a GPU) fails inside the
+    fixed program; the plain search, which asks after every step, fails at its first."""
+    cap = tiny_captioner(seed=2)
+    ann = cap.model.encode(_images(3))
+    v = cap.vocab
+    opts = search_graph._Options(v.start, v.end, v.pad, 3, 6, 0.5, "expected", 2)
+
+    def no_wait(*_, **__):
+        raise AssertionError("a host wait in the beam search")
+
+    for name in ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, no_wait)
+    monkeypatch.setattr(torch, "nonzero", no_wait)
+    with torch.no_grad():
+        searched = search_graph._search(cap.model.decoder, ann.vectors, ann.grid, opts)
+        with pytest.raises(AssertionError, match="host wait"):
+            beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
+    monkeypatch.undo()
+    assert len(searched.captions(3)) == 3
+
+
+def eager_capture(run, pool):
+    """A graph's contract without CUDA: the captured run's tensors are the ones each replay writes."""
+    searched = run()
+
+    def replay():
+        for mine, theirs in zip(searched.tensors(), run().tensors(), strict=True):
+            mine.copy_(theirs)
+    return replay, searched, ("pool", pool)
+
+
+class Counted:
+    """eager_capture, counting its captures."""
+
+    def __init__(self, fail: bool = False):
+        self.captures, self.fail = 0, fail
+
+    def __call__(self, run, pool):
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
+        return eager_capture(run, pool)
+
+
+def _graphed(monkeypatch, capture) -> list:
+    """Captioner.caption_batch takes the graphed search on this CPU, through ``capture``. Returns
+    what each run of the fixed program saw of autocast: (on, its type, its cache on)."""
+    monkeypatch.setattr("captioner.inference.search_form", lambda *a: "graphed")
+    monkeypatch.setattr(search_graph, "CAPTURE", capture)
+    seen, search = [], search_graph._search
+
+    def watched(*args):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+                     torch.is_autocast_cache_enabled()))
+        return search(*args)
+    monkeypatch.setattr(search_graph, "_search", watched)
+    return seen
+
+
+def _results(cap, images, options):
+    return [(r.words, r.score, r.alphas, [(a.words, a.score) for a in r.alternatives])
+            for r in cap.caption_batch(images, options)]
+
+
+def test_captioning_through_graphs_gives_the_plain_captions_batch_after_batch(monkeypatch):
+    """Batches of 3, 8, 5 and 11 images: one graph for the first three (padded to 8; the 5 after
+    the 8 meet rows an earlier batch left), one for the 11 (padded to 16), one for other options;
+    each batch's captions those of the plain search."""
+    cap = tiny_captioner(seed=4)
+    options = DecodeOptions(beam_size=3, max_len=7, num_captions=2)
+    batches = [_images(n, seed=n) for n in (3, 8, 5, 11)]
+    plain = [_results(cap, images, options) for images in batches]
+    other = DecodeOptions(beam_size=2, max_len=5, length_penalty=0.6)
+    plain_other = _results(cap, batches[0], other)
+    capture = Counted()
+    seen = _graphed(monkeypatch, capture)
+    for images, expected in zip(batches, plain):
+        got = _results(cap, images, options)
+        assert [g[0] for g in got] == [e[0] for e in expected]
+        for g, e in zip(got, expected):
+            assert abs(g[1] - e[1]) < 1e-5 and torch.allclose(g[2], e[2], atol=1e-6)
+            assert [w for w, _ in g[3]] == [w for w, _ in e[3]]
+    assert capture.captures == 2 and sorted(k[0] for k in cap._search_graphs.graphs) == [8, 16]
+    assert [r[0] for r in _results(cap, batches[0], other)] == [r[0] for r in plain_other]
+    assert capture.captures == 3
+    assert seen and all(not cache for _, _, cache in seen)  # a graph computes its own casts
+
+
+def test_beyond_the_graph_limit_and_after_a_failed_capture_the_fixed_program_runs_without_a_graph(monkeypatch):
+    cap = tiny_captioner(seed=6)
+    options = DecodeOptions(beam_size=3, max_len=6)
+    small, large = _images(2, seed=1), _images(12, seed=2)
+    expected = [_results(cap, small, options), _results(cap, large, options)]
+    capture = Counted()
+    graphs = SearchGraphs(cap.model.decoder, capture=capture, max_graphs=1)
+    v = cap.vocab
+    kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
+    for images, want in zip((small, large, small), (*expected, expected[0])):
+        ann = cap.model.encode(images)
+        got = graphs.search(ann, **kw)
+        assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in want]
+    assert capture.captures == 1 and len(graphs.graphs) == 1
+
+    failing = Counted(fail=True)
+    graphs = SearchGraphs(cap.model.decoder, capture=failing)
+    with pytest.warns(RuntimeWarning, match="could not be recorded as a CUDA graph .RuntimeError: operation not "
+                                            "permitted when stream is capturing.; it runs without one"):
+        got = graphs.search(cap.model.encode(small), **kw)
+    assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in expected[0]]
+    got = graphs.search(cap.model.encode(large), **kw)  # no second try, no second warning
+    assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in expected[1]]
+    assert failing.captures == 1 and graphs.graphs == {} and graphs.failed.startswith("RuntimeError")
+
+
+def test_a_graph_recorded_under_autocast_casts_for_itself_in_the_caller_s_type(monkeypatch):
+    """Autocast keeps the weights it cast until the caller's autocast ends; a graph holding those
+    casts would read freed memory at its next replay. So the captured run autocasts in the
+    caller's type with the cache off."""
+    cap = tiny_captioner(seed=8).use_precision("bf16")
+    options = DecodeOptions(beam_size=2, max_len=5)
+    images = _images(4, seed=3)
+    plain = _results(cap, images, options)
+    seen = _graphed(monkeypatch, Counted())
+    got = _results(cap, images, options)
+    assert seen and all(a == (True, torch.bfloat16, False) for a in seen)
+    assert [g[0] for g in got] == [p[0] for p in plain]
+
+
+def test_the_cuda_capture_warms_up_on_a_side_stream_then_records_one_run(monkeypatch):
+    events = stand_in_cuda(monkeypatch)
+
+    def run():
+        events.append("run")
+        return "searched"
+
+    replay, searched, pool = search_graph.cuda_capture(run, "old pool")
+    assert events == [("wait", "side", "main"), ("on", "side"), "run", ("off", "side"), ("wait", "main", "side"),
+                      ("record", "old pool", "thread_local"), "run", "recorded"]
+    assert searched == "searched" and pool == "new pool"
+    replay()
+    assert events[-1] == "replay"
+
+
+def test_the_graphed_search_is_taken_on_a_gpu_for_a_deterministic_uncompiled_search_with_the_kernels_on():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert search_form(cuda, "expected", compiled=False) == "graphed"
+    assert search_form(cuda, "argmax", compiled=False) == "graphed"
+    assert search_form(cpu, "expected", compiled=False) == "plain"
+    assert search_form(cuda, "sample", compiled=False) == "plain"
+    assert search_form(cuda, "expected", compiled=True) == "plain"
+    before = kernels.set_enabled(False)
+    try:
+        assert search_form(cuda, "expected", compiled=False) == "plain"
+    finally:
+        kernels.set_enabled(before)
+
+
+def test_a_captioner_on_a_cpu_runs_the_plain_search():
+    cap = tiny_captioner(seed=1)
+    cap.caption_batch(_images(2), DecodeOptions(beam_size=2, max_len=4))
+    assert cap._search_graphs is None
+
+
+@pytest.mark.parametrize("bad, match", [(dict(beam_size=0), "beam_size"), (dict(num_captions=4), "num_captions"),
+                                        (dict(length_penalty=float("nan")), "length_penalty"),
+                                        (dict(max_len=0), "max_len"), (dict(hard="mean"), "hard attention")])
+def test_the_fixed_forms_refuse_what_the_plain_search_refuses(bad, match):
+    cap = tiny_captioner(seed=1)
+    ann = cap.model.encode(_images(1))
+    v = cap.vocab
+    kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=4) | bad
+    for search in (lambda: beam_search(cap.model.decoder, ann, **kw),
+                   lambda: fixed_beam_search(cap.model.decoder, ann, **kw),
+                   lambda: SearchGraphs(cap.model.decoder, capture=eager_capture).search(ann, **kw)):
+        with pytest.raises(ValueError, match=match):
+            search()

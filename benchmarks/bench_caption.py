@@ -41,7 +41,7 @@ from captioner.encoders import Annotations
 from captioner.images import Preprocess, load_image
 from captioner.inference import AUTOCAST_DTYPES, Captioner, DecodeOptions
 from captioner.model import CaptionModel, ModelConfig
-from captioner.search_graph import search_form
+from captioner.search_graph import fixed_beam_search, search_form
 from captioner.vocab import SPECIALS, Vocabulary
 
 
@@ -90,14 +90,16 @@ def synchronize(captioner: Captioner) -> None:
         torch.cuda.synchronize(captioner.device)
 
 
-def search(captioner: Captioner, ann: Annotations, plain: bool = False) -> None:
+def search(captioner: Captioner, ann: Annotations, form: str = "taken") -> None:
     """The beam search (k=3) alone, on annotations already computed: in the form captioning
-    takes (on a GPU the graphed one, captioner.search_graph), or with ``plain`` in its plain form."""
-    if not plain:
+    takes ("taken": on a GPU the graphed one, captioner.search_graph), in its "plain" form, or
+    as the "fixed" program run without a graph."""
+    if form == "taken":
         captioner.beam_search_batch(ann, DecodeOptions(beam_size=3, max_len=20))
         return
     v = captioner.vocab
-    beam_search(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
+    run = beam_search if form == "plain" else fixed_beam_search
+    run(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
 
 
 def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tensor], batch_size: int,
@@ -119,10 +121,10 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
             for batch in batches:
                 captioner.model.encode(batch)
 
-    def searches(plain: bool = False) -> None:
+    def searches(form: str = "taken") -> None:
         with torch.inference_mode(), captioner.autocast():
             for ann in anns:
-                search(captioner, ann, plain)
+                search(captioner, ann, form)
 
     first = {False: float("inf"), True: float("inf")}  # by raw: each loading's own first batch
 
@@ -140,9 +142,10 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
                       progress=False, decode_on_device=raw)
         assert out.getvalue().count("\n") == len(paths)
 
-    jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading}
+    jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading,
+            "search, fixed program": lambda: searches("fixed")}
     if search_form(captioner.device, "expected", captioner.model.decoder.compiled) != "plain":
-        jobs["search, plain form"] = lambda: searches(plain=True)
+        jobs["search, plain form"] = lambda: searches("plain")
     if on_device:
         jobs |= {"caption, device decoding": lambda: caption(True), "loading, device decoding": lambda: loading(True)}
     best = {name: float("inf") for name in jobs}
@@ -164,7 +167,7 @@ def flops_per_image(captioner: Captioner, batch: torch.Tensor) -> tuple[float, f
             ann = captioner.model.encode(batch)
         encoder = count.get_total_flops()
         with FlopCounterMode(display=False) as count:
-            search(captioner, ann, plain=True)  # a graph's replay hides its operators from the counter
+            search(captioner, ann, "plain")  # a graph's replay hides its operators from the counter
     return encoder / len(batch), count.get_total_flops() / len(batch)
 
 
@@ -226,9 +229,15 @@ def main() -> None:
                   f"({r['encoder'] / r['search']:.2f} encoder times), loading alone ({args.workers} workers) "
                   f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times; first batch after "
                   f"{r['first batch']:.2f} s)")
+            fixed = r["search, fixed program"]
             if "search, plain form" in r:
-                print(f"    beam search as CUDA graphs {r['search']:.1f} img/s, its plain form "
-                      f"{r['search, plain form']:.1f} img/s ({r['search'] / r['search, plain form']:.2f}x)")
+                plain = r["search, plain form"]
+                print(f"    beam search as CUDA graphs {r['search']:.1f} img/s ({r['search'] / plain:.2f}x its "
+                      f"plain form's {plain:.1f}); its fixed program without a graph {fixed:.1f} img/s "
+                      f"({fixed / plain:.2f}x)")
+            else:
+                print(f"    beam search, plain form (taken here) {r['search']:.1f} img/s; its fixed program "
+                      f"{fixed:.1f} img/s ({fixed / r['search']:.2f}x)")
             if args.decode_on_device:
                 dc, dl = r["caption, device decoding"], r["loading, device decoding"]
                 print(f"    JPEGs decoded on {args.device}: caption {dc:.1f} img/s (caption time / encoder time = "

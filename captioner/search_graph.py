@@ -208,15 +208,16 @@ class SearchGraphs:
 
     def _record(self, key: tuple, vectors: torch.Tensor, grid: tuple[int, int], autocast: torch.dtype | None,
                 o: _Options) -> _Graph | None:
-        static = vectors.new_zeros(key[0], *vectors.shape[1:])
-        static[:vectors.shape[0]].copy_(vectors)
+        with torch.inference_mode(False):  # tensors that later calls, in inference mode or not, may write
+            static = vectors.new_zeros(key[0], *vectors.shape[1:])
+            static[:vectors.shape[0]].copy_(vectors)
         dev = vectors.device.type
 
         def run() -> _Searched:
             # Autocast's cache of cast weights is freed when the caller's autocast ends; a graph
             # must compute its casts itself.
-            with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None,
-                                cache_enabled=False):
+            with torch.inference_mode(False), torch.autocast(dev, dtype=autocast or torch.float32,
+                                                             enabled=autocast is not None, cache_enabled=False):
                 return _search(self.decoder, static, grid, o)
 
         try:

@@ -257,3 +257,19 @@ def test_the_fixed_forms_refuse_what_the_plain_search_refuses(bad, match):
                    lambda: SearchGraphs(cap.model.decoder, capture=eager_capture).search(ann, **kw)):
         with pytest.raises(ValueError, match=match):
             search()
+
+
+@pytest.mark.parametrize("first_inference_mode", [True, False])
+def test_a_graph_recorded_in_inference_mode_serves_calls_outside_it_and_back(first_inference_mode):
+    """A tensor made in inference mode can never be written outside it: a graph's input and
+    outputs are made outside, whatever mode the call that records it runs in."""
+    cap = tiny_captioner(seed=9)
+    v = cap.vocab
+    kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=2, max_len=5)
+    graphs = SearchGraphs(cap.model.decoder, capture=eager_capture)
+    want = [d.ids for d in beam_search(cap.model.decoder, cap.model.encode(_images(3)), **kw)]
+    for mode in (first_inference_mode, not first_inference_mode, first_inference_mode):
+        with torch.inference_mode(mode):
+            got = graphs.search(cap.model.encode(_images(3)), **kw)
+        assert [d.ids for d in got] == want
+    assert len(graphs.graphs) == 1

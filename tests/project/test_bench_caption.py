@@ -34,3 +34,21 @@ def test_skipping_both_models_is_refused(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         _run(monkeypatch, capsys, "--skip-demo", "--skip-resnet", *QUICK)
     assert e.value.code == 2 and "no model to time" in capsys.readouterr().err
+
+
+def test_the_search_is_timed_in_each_form_with_the_form_captioning_takes_first(monkeypatch, capsys):
+    """On a CPU the plain search is taken and the fixed program timed beside it; where the graphed
+    search is taken (a GPU, stood in for by an eager capture), the plain form is timed beside it."""
+    out = _run(monkeypatch, capsys, "--skip-demo", *QUICK)
+    assert "beam search, plain form (taken here)" in out and "its fixed program" in out
+    assert "CUDA graphs" not in out
+    from captioner import search_graph
+    from tests.captioner.test_search_graph import eager_capture
+
+    captures = []
+    monkeypatch.setattr(search_graph, "CAPTURE", lambda run, pool: captures.append(1) or eager_capture(run, pool))
+    monkeypatch.setattr(bench_caption, "search_form", lambda *a: "graphed")
+    monkeypatch.setattr("captioner.inference.search_form", lambda *a: "graphed")
+    out = _run(monkeypatch, capsys, "--skip-demo", *QUICK)
+    assert "beam search as CUDA graphs" in out and "its plain form's" in out and "without a graph" in out
+    assert captures  # the search timed as "search" went through the graphs

@@ -13,7 +13,9 @@ recompiling shows up in the summary, not only in a slow figure.
 The steps: the environment (GPU name, missing packages); training fp32, bf16 + compile, fp16
 (gradient scaling), bf16 with CUDA graphs (``optim.cuda_graphs``), soft and hard (hard over the
 feature cache, as its config trains it), a resume, SCST; greedy and beam captioning on the
-device compared caption for caption with the CPU's on the same images, and bf16 + compile
+device compared caption for caption with the CPU's on the same images (on a GPU the beam's
+captions come from the search's CUDA graphs, captioner/search_graph.py, the CPU's from the
+plain search), and bf16 + compile
 captioning; torchrun on one process (NCCL on a GPU); the app's captioning path; then the
 benchmarks at the paper's sizes with small counts: bench_decoder at batch 32 and 256;
 bench_precision at batch 32 (fp32, bf16, fp16); profile_step at batch 32 (fp32, bf16, the

@@ -515,9 +515,9 @@ class Attention(nn.Module):
         sigma is half the half-width: local_window, or with a learned width
         MIN_HALF_WIDTH + softplus(the centre network's third output), per query."""
         gh, gw = grid
-        size = torch.tensor([gh, gw], device=h.device, dtype=h.dtype)
         out = self.centre(h)  # (B, 2) or (B, 3)
-        centre = size * torch.sigmoid(out[:, :2])  # (B, 2) in cell units, (row, col)
+        unit = torch.sigmoid(out[:, :2])  # (B, 2) in [0, 1], (row, col)
+        centre = torch.stack([unit[:, 0] * gh, unit[:, 1] * gw], dim=1)  # in cell units; no host tensor to copy
         rows = torch.arange(gh, device=h.device, dtype=h.dtype) + 0.5
         cols = torch.arange(gw, device=h.device, dtype=h.dtype) + 0.5
         d2 = (rows.view(1, gh, 1) - centre[:, 0].view(-1, 1, 1)) ** 2 + \

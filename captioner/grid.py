@@ -60,10 +60,11 @@ def check_grid_fields(*, dim: int, layers: int, heads: int, rel_pos_clip: int, g
 
 
 @lru_cache(maxsize=32)
-def _offset_index(gh: int, gw: int, clip: int) -> torch.Tensor:
-    """(L, L) index into the flattened (2c+1)^2 table: pair (i, j) -> its clipped offset."""
-    rows = torch.arange(gh).repeat_interleave(gw)  # (L,) row of each cell, row-major like the encoder
-    cols = torch.arange(gw).repeat(gh)  # (L,)
+def _offset_index(gh: int, gw: int, clip: int, device: torch.device | None = None) -> torch.Tensor:
+    """(L, L) index into the flattened (2c+1)^2 table: pair (i, j) -> its clipped offset. Made
+    on ``device`` and kept: no copy from the host at each call (none may come inside a CUDA graph)."""
+    rows = torch.arange(gh, device=device).repeat_interleave(gw)  # (L,) row of each cell, row-major like the encoder
+    cols = torch.arange(gw, device=device).repeat(gh)  # (L,)
     dr = (rows.view(1, -1) - rows.view(-1, 1)).clamp(-clip, clip) + clip  # (L, L): r_j - r_i
     dc = (cols.view(1, -1) - cols.view(-1, 1)).clamp(-clip, clip) + clip
     return dr * (2 * clip + 1) + dc
@@ -89,7 +90,7 @@ class GridBlock(nn.Module):
 
     def position_bias(self, grid: tuple[int, int]) -> torch.Tensor:
         """(n, L, L): bias[h, i, j] = table[h, clip(r_j - r_i), clip(c_j - c_i)]."""
-        index = _offset_index(int(grid[0]), int(grid[1]), self.clip).to(self.rel_bias.device)
+        index = _offset_index(int(grid[0]), int(grid[1]), self.clip, self.rel_bias.device)
         return self.rel_bias.flatten(1)[:, index]  # (n, (2c+1)^2) -> (n, L, L)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -80,10 +80,17 @@ def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
     assert searched.captions(1)[0].ids == [END]
 
 
-def test_the_fixed_program_never_waits_for_the_device(monkeypatch):
-    """Every conversion of a tensor to a Python value (a host wait on a GPU) fails inside the
-    fixed program; the plain search, which asks after every step, fails at its first."""
-    cap = tiny_captioner(seed=2)
+VARIANTS = [{}, {"local_window": 1.5}, {"local_window": 1.5, "local_width": "learned"}, {"coords": True},
+            {"grid_layers": 1, "grid_heads": 2}, {"heads": 2, "local_window": 1.5}, {"attention": "hard"}]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "soft")
+def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(monkeypatch, variant):
+    """Every conversion of a tensor to a Python value (a host wait on a GPU) and every tensor made
+    from host data or moved between devices (a copy no CUDA graph may hold) fails inside the
+    fixed program, for each kind of attention and annotation; the plain search, which asks after
+    every step, fails at its first."""
+    cap = tiny_captioner(seed=2, **variant)
     ann = cap.model.encode(_images(3))
     v = cap.vocab
     opts = search_graph._Options(v.start, v.end, v.pad, 3, 6, 0.5, "expected", 2)
@@ -91,15 +98,31 @@ def test_the_fixed_program_never_waits_for_the_device(monkeypatch):
     def no_wait(*_, **__):
         raise AssertionError("a host wait in the beam search")
 
+    def no_copy(*_, **__):
+        raise AssertionError("a tensor copied from the host in the beam search")
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kw):
+        if "device" in kw or any(isinstance(x, (torch.device, str)) for x in args):
+            no_copy()
+        return real_to(self, *args, **kw)
+
     for name in ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, no_wait)
     monkeypatch.setattr(torch, "nonzero", no_wait)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    for name in ("tensor", "as_tensor", "from_numpy"):
+        monkeypatch.setattr(torch, name, no_copy)
     with torch.no_grad():
         searched = search_graph._search(cap.model.decoder, ann.vectors, ann.grid, opts)
         with pytest.raises(AssertionError, match="host wait"):
             beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
     monkeypatch.undo()
-    assert len(searched.captions(3)) == 3
+    got = searched.captions(3)
+    plain = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6,
+                        length_penalty=0.5, num_captions=2)
+    _same(plain, got, exact=False)
 
 
 def eager_capture(run, pool):

@@ -238,7 +238,8 @@ class Captioner:
             images = self.preprocess.normalize(images)
         with self.autocast():
             ann = self.model.encode(images)
-            if opt.beam_size == 1 and opt.length_penalty == 0:  # num_captions is 1
+            graphed = search_form(ann.vectors.device, opt.hard_attention, self.model.decoder.compiled) == "graphed"
+            if opt.beam_size == 1 and opt.length_penalty == 0 and not graphed:  # num_captions is 1
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
                                  hard=opt.hard_attention)
             else:
@@ -252,7 +253,8 @@ class Captioner:
 
     def beam_search_batch(self, ann: Annotations, opt: DecodeOptions) -> list[DecodedIds]:
         """The beam search: its plain form, or on a GPU its fixed program replayed as CUDA graphs
-        (captioner.search_graph), which returns the same captions."""
+        (captioner.search_graph), which returns the same captions (there greedy decoding too
+        runs as a search of width 1: the same captions, without a host wait at every word)."""
         decoder, v = self.model.decoder, self.vocab
         kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=opt.beam_size, max_len=opt.max_len,
                   length_penalty=opt.length_penalty, hard=opt.hard_attention, num_captions=opt.num_captions)

@@ -296,3 +296,18 @@ def test_a_graph_recorded_in_inference_mode_serves_calls_outside_it_and_back(fir
             got = graphs.search(cap.model.encode(_images(3)), **kw)
         assert [d.ids for d in got] == want
     assert len(graphs.graphs) == 1
+
+
+def test_on_a_gpu_greedy_decoding_runs_as_a_graphed_search_of_width_one(monkeypatch):
+    """Greedy asks the device after every word whether all captions have ended; where the graphed
+    search is taken, beam 1 runs through it instead, with greedy's captions."""
+    cap = tiny_captioner(seed=11)
+    images = _images(6, seed=4)
+    options = DecodeOptions(beam_size=1, max_len=6)
+    plain = _results(cap, images, options)
+    capture = Counted()
+    _graphed(monkeypatch, capture)
+    got = _results(cap, images, options)
+    assert capture.captures == 1
+    assert [g[0] for g in got] == [p[0] for p in plain]
+    assert all(abs(g[1] - p[1]) < 1e-5 for g, p in zip(got, plain))

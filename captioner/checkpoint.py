@@ -154,7 +154,8 @@ class AverageState:
         return out
 
 
-# Where a run stands: the fields of train/loop.py's TrainState, saved in this order.
+# Where a run stands: TrainingState's position fields, saved in this order; training's running
+# record of them (train/loop.py's TrainState) is made from these.
 POSITION = ("step", "epoch", "batch_in_epoch", "best", "bad_vals", "validated_at", "train_seconds")
 
 
@@ -174,7 +175,7 @@ class TrainingState:
     best: float | None = None  # the best validation figure so far
     bad_vals: int = 0  # validations since it last improved
     validated_at: int = -1  # the step of the last validation (-1: none yet)
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # training time, checkpoints and validations left out
     optimizer: dict | None = None
     scheduler: dict | None = None
     rng_per_rank: tuple[dict, ...] = ()  # each rank's random state (loop._rng_state)

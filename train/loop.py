@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner import kernels
-from captioner.checkpoint import Checkpoint, TrainingState, atomic_save, load_checkpoint
+from captioner.checkpoint import POSITION, Checkpoint, TrainingState, atomic_save, load_checkpoint
 from captioner.data.coco import ImageRecord
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
 from captioner.encoders import Annotations
@@ -185,18 +185,12 @@ def new_run_dir(cfg: TrainConfig, root: Path = Path("runs")) -> Path:
     return path
 
 
-@dataclass
-class TrainState:
-    """Where a run is: saved with every last.pt (``train_state``, beside the optimiser's, the
-    scheduler's and the random states) and restored from it, so that --resume goes on exactly."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0  # batches of this epoch done
-    best: float | None = None  # the best validation figure so far
-    bad_vals: int = 0  # validations since it last improved
-    validated_at: int = -1  # the step of the last validation (-1: none yet)
-    train_seconds: float = 0.0  # training time, checkpoints and validations left out
+# Where a run is, as training moves it on: checkpoint.TrainingState's position fields
+# (checkpoint.POSITION, declared and documented there once), here as a mutable record. Saved with
+# every last.pt (``train_state``, beside the optimiser's, the scheduler's and the random states)
+# and restored from it, so that --resume goes on exactly.
+TrainState = make_dataclass("TrainState", [(f.name, f.type, field(default=f.default))
+                                           for f in fields(TrainingState) if f.name in POSITION])
 
 
 @dataclass
@@ -457,7 +451,7 @@ def restore(run: Run, ckpt: Checkpoint) -> TrainState:
     ts, ctx = ckpt.train_state, run.ctx
     run.optimizer.load_state_dict(ts.optimizer)
     run.scheduler.load_state_dict(ts.scheduler)
-    state = TrainState(**{f.name: getattr(ts, f.name) for f in fields(TrainState)})
+    state = TrainState(**{name: getattr(ts, name) for name in POSITION})
     lost = run.objective.restore(ts, ctx.rank)
     if run.average is not None and ts.weight_average is not None:  # else the average starts from here
         run.average.load(ts.weight_average)

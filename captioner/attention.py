@@ -438,6 +438,28 @@ def attention_mode(name: str) -> AttentionMode:
     return _chosen(MODES, name, "attention mode")
 
 
+class OptionName:
+    """A read-only attribute: the ``name`` of the option object an attention holds in ``held``
+    (its score, normaliser, mode or width), as configs and checkpoints write it."""
+
+    def __init__(self, held: str):
+        self.held = held
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj, self.held).name
+
+
+class FirstHead:
+    """A read-only attribute of a multi-head attention: its first head's attribute of the same
+    name (the heads share their options)."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(obj.heads[0], self.name)
+
+
 class Attention(nn.Module):
     def __init__(self, key_dim: int, query_dim: int, attn_dim: int, *, score: str = "additive",
                  normalizer: str = "softmax", mode: str = "soft", local_window: float = 0.0,
@@ -468,21 +490,7 @@ class Attention(nn.Module):
             self.requires_grad_(False)
 
     # The options' names, as configs and checkpoints write them.
-    @property
-    def score(self) -> str:
-        return self.f_att.name
-
-    @property
-    def normalizer(self) -> str:
-        return self.normalize.name
-
-    @property
-    def mode(self) -> str:
-        return self.phi.name
-
-    @property
-    def local_width(self) -> str:
-        return self.width.name
+    score, normalizer, mode, local_width = (OptionName(held) for held in ("f_att", "normalize", "phi", "width"))
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of the score: (B, L, D) -> keys (B, L, K)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention, AttentionMode, AttentionStep, attention_mode
+from .attention import Attention, AttentionStep, FirstHead, attention_mode
 
 
 class MultiHeadAttention(nn.Module):
@@ -59,25 +59,7 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = heads
 
     # The heads' options, all alike: the first head's objects and names.
-    @property
-    def phi(self) -> AttentionMode:
-        return self.heads[0].phi
-
-    @property
-    def score(self) -> str:
-        return self.heads[0].score
-
-    @property
-    def normalizer(self) -> str:
-        return self.heads[0].normalizer
-
-    @property
-    def mode(self) -> str:
-        return self.heads[0].mode
-
-    @property
-    def local_width(self) -> str:
-        return self.heads[0].local_width
+    phi, score, normalizer, mode, local_width = (FirstHead() for _ in range(5))
 
     def prepare(self, a: torch.Tensor) -> torch.Tensor:
         """Per-image part of every head's score, once per image: (B, L, D) -> (B, h, L, K)."""

@@ -18,9 +18,7 @@ the current one.
 generated shapes images, batch 32: images/s and the decoder steps each image took (the
 search runs until no open beam can beat the best finished caption, so the steps depend
 on the model, not only on the caption lengths).
---search-demo N --against REV: the search alone (annotations encoded beforehand, N = 1 and N = 3
-captions) with this tree's captioner/decoding.py and with the one of git revision REV,
-interleaved round by round: the ratio of their times, and whether they give the same captions.
+To time it before and after a change, run it at both commits with benchmarks/bench_revisions.py.
 """
 
 from __future__ import annotations
@@ -157,62 +155,6 @@ def search_demo(args) -> None:
     print(f"{args.weights}, {len(images)} shapes images (seed {args.seed}), beam 3, batch 32, CPU, "
           f"{torch.get_num_threads()} threads")
     print(f"beam search: {len(images) / t:.1f} images/s; decoder steps per image {beam_rows / 3 / len(images):.2f}")
-    if args.against:
-        with torch.no_grad():
-            anns = [cap.model.encode(images[i:i + 32]) for i in range(0, len(images), 32)]
-        against(cap, anns, *args.against, args.repeats)
-
-
-def decoding_at(rev: str):
-    """captioner/decoding.py as it is at git revision ``rev``, imported beside this tree's (its
-    own imports are this tree's modules)."""
-    import importlib.util
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    shown = subprocess.run(["git", "show", f"{rev}:captioner/decoding.py"], cwd=root, capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise ValueError(f"--against {rev}: no captioner/decoding.py at that revision ({shown.stderr.strip()})")
-    path = Path(tempfile.mkdtemp()) / "decoding.py"
-    path.write_text(shown.stdout)
-    spec = importlib.util.spec_from_file_location("captioner._decoding_against", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def against(cap, anns: list, rev: str, other, repeats: int) -> None:
-    """The search alone, this tree's and revision ``rev``'s (the module ``other``), in turn (the
-    order swapped every round): the median ratio of their times, for N = 1 and N = 3 captions."""
-    import statistics
-
-    v = cap.vocab
-
-    def search(fn, n: int):
-        def run() -> list:
-            return [fn(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20,
-                       num_captions=n) for ann in anns]
-        return run
-
-    images = sum(len(ann.vectors) for ann in anns)
-    for n in (1, 3):
-        now, before = search(beam_search, n), search(other.beam_search, n)
-        ids = [[[d.ids, *(r.ids for r in d.runners_up)] for batch in fn() for d in batch] for fn in (now, before)]
-        times: dict = {now: [], before: []}
-        for r in range(repeats):
-            for fn in ((now, before) if r % 2 == 0 else (before, now)):
-                t = time.perf_counter()
-                fn()
-                times[fn].append(time.perf_counter() - t)
-        ratios = [b / a for a, b in zip(times[now], times[before])]
-        print(f"search alone, N = {n}: this tree {images / min(times[now]):.1f} images/s, {rev} "
-              f"{images / min(times[before]):.1f}; time {rev} / this tree, median of rounds "
-              f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)}); "
-              f"same captions: {'yes' if ids[0] == ids[1] else 'NO'}")
 
 
 def main() -> None:
@@ -228,8 +170,6 @@ def main() -> None:
                     help="beam search with a bundled demo model on N generated shapes images instead")
     ap.add_argument("--weights", default="demo-soft", help="the demo model of --search-demo (default demo-soft)")
     ap.add_argument("--seed", type=int, default=9102, help="the shapes images' seed for --search-demo")
-    ap.add_argument("--against", metavar="REV",
-                    help="with --search-demo: also time the search of git revision REV's decoding.py, interleaved")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="a model config field for the attention, e.g. heads=4 (repeatable)")
     args = ap.parse_args()
@@ -244,13 +184,6 @@ def main() -> None:
     if args.demo:
         demo(args)
         return
-    if args.against and not args.search_demo:
-        ap.error("--against needs --search-demo N")
-    if args.against:
-        try:
-            args.against = (args.against, decoding_at(args.against))
-        except ValueError as e:
-            ap.error(str(e))
     if args.search_demo:
         search_demo(args)
         return

@@ -55,6 +55,7 @@ MODULES: dict[str, list[str]] = {
     "captioner/vocab.py": ["tests/captioner/test_vocab.py", "tests/captioner/test_tokenizer.py"],
     "train/own.py": ["tests/train/test_data_import.py"],
     "train/graphed.py": ["tests/train/test_graphed.py"],
+    "captioner/search_graph.py": ["tests/captioner/test_search_graph.py"],
 }
 
 # The cosmic-ray operators used: one natural replacement for each arithmetic and set operator,

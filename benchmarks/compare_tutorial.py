@@ -31,6 +31,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from captioner.decoding import beam_search
 from captioner.encoders import Annotations
 from captioner.model import Decoder, ModelConfig, attention_penalty
+from captioner.search_graph import SearchGraphs
 from captioner.train.config import OptimConfig
 from captioner.train.graphed import GraphedSoftStep, cuda_capture
 from captioner.train.loop import build_optimizer
@@ -179,6 +181,23 @@ def graphed_step(dec: Decoder, opt, a, tokens, lengths):
     return run
 
 
+def search_graphs_check(dec: Decoder, a: torch.Tensor, steps: int, dev: torch.device) -> tuple[bool, Callable]:
+    """Record the beam search (k = 3) of images ``a`` as a CUDA graph (captioner.search_graph):
+    whether it gives the plain search's captions, and the timed run of its replay."""
+    graphs = SearchGraphs(dec)
+    kw = dict(start=START, end=END, pad=PAD, beam_size=3, max_len=steps)
+
+    def run() -> list:
+        with torch.no_grad():
+            out = graphs.search(Annotations(a, GRID), **kw)
+        _sync(dev)
+        return out
+
+    with torch.no_grad():
+        plain = beam_search(dec, Annotations(a, GRID), **kw)
+    return [d.ids for d in run()] == [d.ids for d in plain], run
+
+
 def graphs_check(cfg: ModelConfig, dev: torch.device, a, tokens, lengths) -> tuple[str, bool]:
     """The graphed step's loss and gradients against the plain step's, from the same weights,
     without dropout (its masks differ), over two batches of captions of different lengths:
@@ -297,6 +316,8 @@ def main() -> None:
                         max_len=args.beam_steps)
         _sync(dev)
 
+    project_beam_graphed = None
+
     def tutorial_beam() -> None:
         with torch.no_grad():
             for i in range(beam_a.shape[0]):
@@ -329,11 +350,20 @@ def main() -> None:
             theirs.fc.bias[END] = -1e4
         project_beam()
         tutorial_beam_search(theirs, beam_a[:1], 3, args.beam_steps)
+        if args.graphs:  # recorded here; the plain search's captions, or no timing
+            same, project_beam_graphed = search_graphs_check(ours, beam_a, args.beam_steps, dev)
+            print(f"beam search as CUDA graphs against the plain search: {'same' if same else 'OTHER'} captions",
+                  flush=True)
+            if not same:
+                sys.exit(1)
         ours.train()
         theirs.train()
 
     times: dict[str, list[float]] = {name: [] for name in train_runs}
-    beam_times: dict[str, list[float]] = {"tutorial": [], "project": []}
+    beam_runs = {"tutorial": tutorial_beam, "project": project_beam}
+    if project_beam_graphed is not None:
+        beam_runs["project, CUDA graph"] = project_beam_graphed
+    beam_times: dict[str, list[float]] = {name: [] for name in beam_runs}
     peaks: list[float] = []  # measured every round too: the machine's speed drifts
     for r in range(args.rounds):
         peaks.append(matmul_peak(dev))
@@ -345,7 +375,7 @@ def main() -> None:
         if args.beam_images:
             ours.eval()
             theirs.eval()
-            for name, fn in (("tutorial", tutorial_beam), ("project", project_beam)):
+            for name, fn in beam_runs.items():
                 start = time.perf_counter()
                 fn()
                 beam_times[name].append(time.perf_counter() - start)
@@ -379,6 +409,9 @@ def main() -> None:
         print(f"  tutorial (one image at a time) {n_img / bm['tutorial']:7.2f} images/s")
         print(f"  project (batched)              {n_img / bm['project']:7.2f} images/s  "
               f"{ratio(beam_times, 'project'):5.2f}x the tutorial")
+        if "project, CUDA graph" in bm:
+            print(f"  project (batched, CUDA graph)  {n_img / bm['project, CUDA graph']:7.2f} images/s  "
+                  f"{ratio(beam_times, 'project, CUDA graph'):5.2f}x the tutorial")
     print(f"fp32 matrix-product peak (2048 x 2048 x 2048, the best of every round's 0.5 s): {peak:.0f} GFLOP/s")
     print(f"SUMMARY train {ratio(times, 'project'):.2f}x, "
           + (f"beam {ratio(beam_times, 'project'):.2f}x, " if args.beam_images else "")

@@ -53,3 +53,27 @@ def test_the_timed_graphed_step_trains(monkeypatch):
     run()
     run()
     assert any(not torch.equal(b, p) for b, p in zip(before, dec.parameters()))
+
+
+def test_the_graphed_search_is_timed_only_when_it_gives_the_plain_search_s_captions(monkeypatch):
+    from captioner import search_graph
+    from tests.captioner.test_search_graph import eager_capture as eager_search_capture
+
+    torch.manual_seed(1)
+    dec = ct.Decoder(CFG).eval()
+    a = torch.randn(5, ct.L, 16)
+    monkeypatch.setattr(search_graph, "CAPTURE", eager_search_capture)
+    same, run = ct.search_graphs_check(dec, a, 6, torch.device("cpu"))
+    assert same and len(run()) == 5
+
+    def other_words(run_, pool):  # a replay that writes other words than the search chose
+        replay, searched, pool = eager_search_capture(run_, pool)
+
+        def wrong():
+            replay()
+            searched.trace.words.add_(1).remainder_(CFG.vocab_size)
+        return wrong, searched, pool
+
+    monkeypatch.setattr(search_graph, "CAPTURE", other_words)
+    same, _ = ct.search_graphs_check(dec, a, 6, torch.device("cpu"))
+    assert not same

@@ -13,8 +13,9 @@ after the last step, along the same pointers. It asks the device nothing until t
 host queues the whole search ahead of the GPU; and with nothing decided on the host, the whole
 search can be recorded as one CUDA graph and replayed with one launch (``SearchGraphs``). What
 it returns is what the plain search returns: the same captions, runners-up, scores and maps.
-What it costs is the steps of images already done; on a CPU, which is not launch-bound, that
-is a loss, and the plain search runs there.
+What it costs is the steps of images already done; a CPU, which is not launch-bound, gains
+nothing from it (docs/benchmarks.md), and the plain search runs there. Where the graphs are
+taken, greedy decoding runs through them too, as a search of width 1 (the same captions).
 
 ``SearchGraphs`` keeps one graph per (batch padded to a multiple of ``BUCKET``, annotation
 shape and type, decoding options), up to ``MAX_GRAPHS``, in one shared memory pool; a batch is

@@ -31,6 +31,7 @@ own way of cutting launches).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -185,6 +186,9 @@ class SearchGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         self.failed: str | None = None  # why a capture failed; then no graph is tried again
+        # A graph's input and outputs are one set of tensors: one search at a time uses them (the
+        # app captions from several threads with one captioner).
+        self.lock = threading.Lock()
 
     @torch.no_grad()
     def search(self, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int, max_len: int,
@@ -198,14 +202,15 @@ class SearchGraphs:
         autocast = torch.get_autocast_dtype(vectors.device.type) if torch.is_autocast_enabled(vectors.device.type) \
             else None
         key = (padded, tuple(vectors.shape[1:]), vectors.dtype, vectors.device, ann.grid, autocast, o)
-        graph = self.graphs.get(key)
-        if graph is None and self.failed is None and len(self.graphs) < self.max_graphs:
-            graph = self._record(key, vectors, ann.grid, autocast, o)
-        if graph is None:
-            return _search(self.decoder, vectors, ann.grid, o).captions(b)
-        graph.vectors[:b].copy_(vectors)
-        graph.replay()
-        return graph.searched.captions(b)
+        with self.lock:
+            graph = self.graphs.get(key)
+            if graph is None and self.failed is None and len(self.graphs) < self.max_graphs:
+                graph = self._record(key, vectors, ann.grid, autocast, o)
+            if graph is not None:
+                graph.vectors[:b].copy_(vectors)
+                graph.replay()
+                return graph.searched.captions(b)
+        return _search(self.decoder, vectors, ann.grid, o).captions(b)
 
     def _record(self, key: tuple, vectors: torch.Tensor, grid: tuple[int, int], autocast: torch.dtype | None,
                 o: _Options) -> _Graph | None:

@@ -311,3 +311,45 @@ def test_on_a_gpu_greedy_decoding_runs_as_a_graphed_search_of_width_one(monkeypa
     assert capture.captures == 1
     assert [g[0] for g in got] == [p[0] for p in plain]
     assert all(abs(g[1] - p[1]) < 1e-5 for g, p in zip(got, plain))
+
+
+def test_searches_from_several_threads_take_turns_at_a_graph():
+    """The app captions from several threads with one captioner; a graph's input and outputs are
+    one set of tensors, so two replays at once would mix their batches. Two threads started
+    together: their replays never overlap, and each gets its own images' captions."""
+    import threading
+    import time
+
+    decoder = _random_decoder(0)  # whose captions differ between the two batches
+    kw = dict(start=START, end=END, pad=PAD, beam_size=2, max_len=6)
+    inside, most = [0], [0]
+
+    def slow_capture(run, pool):
+        replay, searched, pool = eager_capture(run, pool)
+
+        def watched():
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            replay()
+            inside[0] -= 1
+        return watched, searched, pool
+
+    graphs = SearchGraphs(decoder, capture=slow_capture)
+    batches = [Annotations(torch.randn(4, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(s)),
+                           (2, 2)) for s in (20, 21)]
+    want = [[d.ids for d in beam_search(decoder, ann, **kw)] for ann in batches]
+    assert want[0] != want[1]
+    graphs.search(batches[0], **kw)  # recorded before the race
+    got, start = [None, None], threading.Barrier(2)
+
+    def caption(i):
+        start.wait()
+        got[i] = [d.ids for d in graphs.search(batches[i], **kw)]
+
+    threads = [threading.Thread(target=caption, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1 and got == want

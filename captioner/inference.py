@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at, shapes_only_notice
 from .checkpoint import Checkpoint, CheckpointError, TrainingState, load_checkpoint, training_data_of
 from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
@@ -101,6 +102,7 @@ class Captioner:
         self.demo = demo  # the record of the demo model shipped in the package that this is, if one
         self.familiarity = familiarity  # its training images' features; None: familiarity unknown
         self._search_graphs: SearchGraphs | None = None  # the beam search's graphs, on a GPU
+        self._channels_last = False  # the encoder's weights in channels-last memory (encode)
 
     @property
     def training_data(self) -> str | None:
@@ -233,11 +235,8 @@ class Captioner:
         opt = options or DecodeOptions()
         self.model.eval()
         v = self.vocab
-        images = images.to(self.device)
-        if images.dtype == torch.uint8:
-            images = self.preprocess.normalize(images)
         with self.autocast():
-            ann = self.model.encode(images)
+            ann = self.encode(images)
             graphed = search_form(ann.vectors.device, opt.hard_attention, self.model.decoder.compiled) == "graphed"
             if opt.beam_size == 1 and opt.length_penalty == 0 and not graphed:  # num_captions is 1
                 decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
@@ -250,6 +249,25 @@ class Captioner:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
         return [replace(r, familiarity=f) for r, f in zip(results, known)]
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> Annotations:
+        """Preprocessed images (B, 3, H, W), 8-bit pixels or normalised -> their annotations, on
+        the model's device, under the caller's autocast. On CUDA in bf16 or fp16, with the
+        kernels on, the encoder and the images are put in channels-last memory first
+        (``kernels.channels_last_ok``: the layout cuDNN computes in there); back to torch's
+        default layout when that no longer holds (fp32, another device)."""
+        images = images.to(self.device)
+        if images.dtype == torch.uint8:
+            images = self.preprocess.normalize(images)
+        nhwc = kernels.channels_last_ok(self.device, AUTOCAST_DTYPES[self.precision])
+        if nhwc != self._channels_last:
+            with torch.inference_mode(False):  # weights that training, or a later call, may still write
+                self.model.encoder.to(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+            self._channels_last = nhwc
+        if nhwc:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return self.model.encode(images)
 
     def beam_search_batch(self, ann: Annotations, opt: DecodeOptions) -> list[DecodedIds]:
         """The beam search: its plain form, or on a GPU its fixed program replayed as CUDA graphs

@@ -18,9 +18,9 @@ is in docs/benchmarks.md.
     token_log_prob: log softmax(x)[y]      log_softmax(x).gather(y)              always
       from one log-sum-exp per row         (train/losses.py, token_log_prob)
     channels_last_ok: the encoder's        NCHW (torch's default layout)         training on CUDA with bf16 or
-      weights and the images in NHWC       (train/loop.py, open_run)             fp16 autocast, the encoder in
-      memory: the same values, in the                                            the step (no feature cache)
-      order cuDNN computes them in
+      weights and the images in NHWC       (train/loop.py, open_run;             fp16 autocast, the encoder in
+      memory: the same values, in the      inference.py, Captioner.encode)       the step (no feature cache);
+      order cuDNN computes them in                                               captioning on CUDA in bf16/fp16
     search_graph: the beam search as one   decoding.beam_search: each image      captioning on CUDA, kernels on,
       fixed program of all steps, its      leaves the batch when it is done,     a deterministic search, the
       captions read once at the end,       a host wait after every step          decoder's step not compiled
@@ -68,8 +68,8 @@ def set_enabled(on: bool) -> bool:
 
 
 def channels_last_ok(device: torch.device, dtype: torch.dtype | None) -> bool:
-    """May training put the encoder's weights and its images in channels-last (NHWC) memory?
-    On CUDA under bf16 or fp16 autocast: there cuDNN computes convolutions and batch norm in
+    """May training or captioning put the encoder's weights and its images in channels-last
+    (NHWC) memory? On CUDA under bf16 or fp16 autocast: there cuDNN computes convolutions and batch norm in
     NHWC, and on NCHW tensors it turns the layout around each convolution and leaves batch norm
     to a slower kernel of torch's (docs/benchmarks.md, "On a GPU, second session"). Only the
     order of the values in memory changes. ``dtype``: the autocast's, None for fp32."""

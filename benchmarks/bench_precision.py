@@ -16,8 +16,10 @@ compiled by inductor), "+static" (compiled for fixed shapes, ``dynamic=False``: 
 dynamic batch dimension costs a compiled call) and "+cl" (channels-last: the encoder's weights
 and the images in torch.channels_last memory format, the layout a GPU's convolutions prefer;
 a speed switch, off unless asked for) and "+graphs" (the training step's forward and backward
-replayed as a CUDA graph, train/graphed.py; fp32 and bf16, not compiled; and the beam search as
-one, captioner/search_graph.py, which without "+graphs" runs its plain form), in any order:
+replayed as a CUDA graph, train/graphed.py; fp32 and bf16, not compiled; and captioning as
+`captioner caption` runs it on a GPU, with the search as CUDA graphs, captioner/search_graph.py,
+and in bf16 the encoder in channels-last; without "+graphs" captioning takes the plain forms),
+in any order:
 "bf16+cl", "bf16+cl+compile", "bf16+cl+graphs". Each variant
 builds its own model, and each model compiles its own copy of the decoder step (see
 Decoder.compile_step), so a later variant never runs on an earlier one's compiled graphs.
@@ -153,10 +155,11 @@ def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs
 
 
 def make_caption(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False) -> Callable[[], None]:
-    """Captioning of ``images`` as `captioner caption --precision P` runs it: encoder, then
-    batched beam search (k = 3, 20 words); the search in its plain form, or with ``graphs`` in
-    the form `captioner caption` takes on a GPU (its fixed program as CUDA graphs,
-    captioner.search_graph; on a CPU the plain form all the same)."""
+    """Captioning of ``images``: encoder, then batched beam search (k = 3, 20 words). Without
+    ``graphs`` in plain forms (the kernels off: NCHW unless the variant has "+cl", the plain
+    search); with ``graphs`` as `captioner caption --precision P` runs it on a GPU (the search's
+    fixed program as CUDA graphs, captioner.search_graph, and in bf16/fp16 the encoder in
+    channels-last; on a CPU the plain forms all the same)."""
     cap.use_precision(precision)
     allowed = kernels.enabled()
 

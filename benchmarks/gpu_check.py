@@ -24,7 +24,7 @@ device-bound, Chrome traces in ``LOGS/profile``); bench_precision at batch 128 (
 channels-last bf16, the compiled step with a dynamic batch as captioner compiles it and for
 fixed shapes, fp32 and channels-last bf16 with the training step as a CUDA graph); bench_caption
 with ResNet-101 on 2,000 JPEGs at the GPU's default batch, also with JPEGs decoded on the GPU
-(--decode-on-device); bench_coco_train; and compare_tutorial where ``--tutorial`` names the
+(--decode-on-device), and again in bf16; bench_coco_train; and compare_tutorial where ``--tutorial`` names the
 tutorial's folder (on a GPU with ``--graphs``: the graphed step's loss and gradients against the
 plain step's, then its speed).
 ``--quick`` shrinks every count (the profile runs on the small encoder) and compiles with
@@ -227,6 +227,12 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
                                           "--workers", str(min(16, os.cpu_count() or 1)),
                                           "--repeats", "2", "--skip-memory", "--skip-demo", "--decode-on-device"],
                     240),
+               # The same in bf16: the encoder in channels-last, the search as CUDA graphs.
+               Step("bench-caption-bf16", py + ["benchmarks.bench_caption", "--device", device, "--images", "2000",
+                                               "--batch-size", str(default_batch_size("cuda")),
+                                               "--workers", str(min(16, os.cpu_count() or 1)), "--precision", "bf16",
+                                               "--repeats", "2", "--skip-memory", "--skip-demo"],
+                    200),
                Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "64",
                                              "--steps", "10"], 150)]
     if tutorial is not None:

@@ -85,10 +85,12 @@ class _Searched:
     pool: _Pool
     trace: _Trace
     scores: torch.Tensor  # (B, k)
+    done_at: torch.Tensor  # (B,) the step at which each image was done: where the plain search lets it go
 
     def tensors(self) -> list[torch.Tensor]:
         p, t = self.pool, self.trace
-        return [p.rank, p.score, p.step, p.parent, t.words, t.parents, t.scores, t.heads, t.betas, self.scores]
+        return [p.rank, p.score, p.step, p.parent, t.words, t.parents, t.scores, t.heads, t.betas, self.scores,
+                self.done_at]
 
     def captions(self, images: int) -> list[DecodedIds]:
         """The first ``images`` images' captions (rule 5), read back in one pass."""
@@ -114,6 +116,7 @@ def _search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], o: _
     y = torch.full((b * k,), o.start, dtype=torch.long, device=dev)
     parents_of = torch.arange(b, device=dev).unsqueeze(1) * k  # (B, 1) each image's first row
     done = torch.zeros(b, 1, dtype=torch.bool, device=dev)  # (B, 1) done at an earlier step: its pool is frozen
+    done_at = torch.full((b,), o.max_len, dtype=torch.long, device=dev)
     reach = (o.max_len + 1) ** o.length_penalty if o.length_penalty > 0 else 1.0
     for t in range(o.max_len + 1):
         out = decoder.step(y, h, c, a, keys, ann.grid, **kw)
@@ -134,8 +137,10 @@ def _search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], o: _
             trace.words[t], trace.parents[t], trace.scores[t] = word, beam, scores
             rows = (parents_of + beam).view(-1)
             h, c, y = out.h[rows], out.c[rows], word.view(-1)
-            done = done | pool.beaten(scores[:, 0] / reach).unsqueeze(1)
-    return _Searched(pool, trace, scores)
+            now = pool.beaten(scores[:, 0] / reach).unsqueeze(1) & ~done
+            done_at = torch.where(now.squeeze(1), t, done_at)
+            done = done | now
+    return _Searched(pool, trace, scores, done_at)
 
 
 @torch.no_grad()
@@ -232,7 +237,7 @@ class SearchGraphs:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             self.failed = f"{type(e).__name__}: {first}"
             warnings.warn(f"the beam search could not be recorded as a CUDA graph ({self.failed}); "
-                          "it runs without one", RuntimeWarning, stacklevel=3)
+                          "it runs without one", RuntimeWarning, stacklevel=4)  # past search and its no_grad
             return None
         graph = self.graphs[key] = _Graph(replay, static, searched)
         return graph

@@ -55,6 +55,50 @@ def test_the_fixed_program_returns_the_plain_search_s_captions_on_random_tiny_mo
     assert early > 500  # most images were done before the last step: their pools were frozen
 
 
+def test_the_fixed_program_knows_the_step_at_which_the_plain_search_lets_each_image_go():
+    """done_at: for each image, the step after which the plain search, given that image alone,
+    runs no more (its decoder steps, less one), with and without a length penalty."""
+    from captioner.decoding import beam_search as plain_search
+
+    checked = 0
+    for seed in range(40):
+        decoder = _random_decoder(seed)
+        k, max_len, penalty = 2 + seed % 3, 4 + seed % 5, (0.7 if seed % 2 else 0.0)
+        a = torch.randn(4, 4, 5, dtype=torch.float64)
+        o = search_graph._Options(START, END, PAD, k, max_len, penalty, "expected", 1)
+        with torch.no_grad():
+            done_at = search_graph._search(decoder, a, (2, 2), o).done_at.tolist()
+        for i in range(4):
+            steps, step = [0], decoder.step
+
+            def counted(*args, **kw):
+                steps[0] += 1
+                return step(*args, **kw)
+            decoder.step = counted
+            try:
+                plain_search(decoder, Annotations(a[i:i + 1], (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
+                             max_len=max_len, length_penalty=penalty)
+            finally:
+                del decoder.step
+            assert done_at[i] == steps[0] - 1, (seed, i)
+            checked += done_at[i] < max_len
+    assert checked > 60  # most were let go before the limit
+
+
+def test_captions_cut_off_at_the_limit_are_the_plain_search_s():
+    """A decoder whose <end> never comes: every caption is its best open beam, cut off at max_len
+    words, read from the open beams of the step before the last (the last step only ends)."""
+    for seed in range(12):
+        decoder = _random_decoder(seed)
+        with torch.no_grad():
+            decoder.L_o.bias[END] = float("-inf")
+        ann = Annotations(torch.randn(3, 4, 5, dtype=torch.float64), (2, 2))
+        kw = dict(start=START, end=END, pad=PAD, beam_size=2 + seed % 3, max_len=3 + seed % 4)
+        plain = beam_search(decoder, ann, **kw)
+        assert all(len(r.ids) == kw["max_len"] and END not in r.ids for r in plain)
+        _same(plain, fixed_beam_search(decoder, ann, **kw))
+
+
 @pytest.mark.parametrize("variant", MULTI_HEAD, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
 def test_the_fixed_program_follows_the_plain_search_with_several_heads(variant):
     for seed in range(6):
@@ -206,12 +250,14 @@ def test_beyond_the_graph_limit_and_after_a_failed_capture_the_fixed_program_run
         got = graphs.search(ann, **kw)
         assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in want]
     assert capture.captures == 1 and len(graphs.graphs) == 1
+    assert not any(d.runners_up for d in got)  # one caption an image unless more are asked for
 
     failing = Counted(fail=True)
     graphs = SearchGraphs(cap.model.decoder, capture=failing)
     with pytest.warns(RuntimeWarning, match="could not be recorded as a CUDA graph .RuntimeError: operation not "
-                                            "permitted when stream is capturing.; it runs without one"):
+                                            "permitted when stream is capturing.; it runs without one") as said:
         got = graphs.search(cap.model.encode(small), **kw)
+    assert said[0].filename == __file__  # the warning points at the caller's line
     assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in expected[0]]
     got = graphs.search(cap.model.encode(large), **kw)  # no second try, no second warning
     assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in expected[1]]
@@ -353,3 +399,13 @@ def test_searches_from_several_threads_take_turns_at_a_graph():
     for t in threads:
         t.join()
     assert most[0] == 1 and got == want
+
+
+def test_annotations_of_another_grid_get_a_graph_of_their_own():
+    decoder = _random_decoder(0)
+    kw = dict(start=START, end=END, pad=PAD, beam_size=2, max_len=5)
+    graphs = SearchGraphs(decoder, capture=eager_capture)
+    for cells, grid in ((4, (2, 2)), (9, (3, 3)), (4, (2, 2))):
+        ann = Annotations(torch.randn(3, cells, 5, dtype=torch.float64), grid)
+        _same(beam_search(decoder, ann, **kw), graphs.search(ann, **kw), exact=False)
+    assert len(graphs.graphs) == 2

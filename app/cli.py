@@ -71,7 +71,7 @@ def server_env(workers: int | None = None, base: dict | None = None, batch: int 
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    from captioner.cli_common import UsageError, check_device
+    from captioner.cli.common import UsageError, check_device
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be between 1 and 65535, got {args.port}")

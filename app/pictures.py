@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.decoding import CaptionResult
-from captioner.images import Preprocess, load_image
+from captioner.data.images import Preprocess, load_image
 from captioner.overlay import TINT, shading, unit_maps, upsample_alpha
+from captioner.search.decoding import CaptionResult
 
 LARGE_WIDTH = 560  # the picked word's view and the upload's preview
 JPEG_QUALITY = 90

@@ -29,10 +29,10 @@ from PIL import Image
 from captioner.app import page
 from captioner.app.gate import Gate
 from captioner.app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
-from captioner.decoding import CaptionResult
-from captioner.images import DEFAULT_MAX_PIXELS
+from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
+from captioner.search.decoding import CaptionResult
 
 BATCH = 4  # captions made together at most, when uploads wait for the model
 RESULTS_KEPT = 32  # captioned images shared between sessions (a few hundred KB each)

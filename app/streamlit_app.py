@@ -15,7 +15,7 @@ from pathlib import Path
 import streamlit as st
 from streamlit.runtime.uploaded_file_manager import DeletedFile
 
-from captioner import bundled, inference
+from captioner import inference
 from captioner.app import page
 from captioner.app.pictures import Picture
 from captioner.app.serving import (
@@ -32,12 +32,13 @@ from captioner.app.serving import (
     results_cache,
     settle_heap,
 )
-from captioner.attention import HARD_INFERENCE
-from captioner.checkpoint import CheckpointError
-from captioner.decoding import CaptionResult
-from captioner.folder import is_model_folder
-from captioner.images import ImageLoadError, ImageTooLargeError
+from captioner.data.images import ImageLoadError, ImageTooLargeError
 from captioner.inference import Captioner, DecodeOptions
+from captioner.io import bundled
+from captioner.io.checkpoint import CheckpointError
+from captioner.io.folder import is_model_folder
+from captioner.model.attention import HARD_INFERENCE
+from captioner.search.decoding import CaptionResult
 
 EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.

@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=int, default=32)
     args = ap.parse_args(argv)
     from captioner import inference
+    from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.images import load_image
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,14 +35,14 @@ import torch
 from PIL import Image, ImageDraw
 from torch.utils.flop_counter import FlopCounterMode
 
-from captioner.batch import caption_paths, image_loader
-from captioner.decoding import beam_search
-from captioner.encoders import Annotations
-from captioner.images import Preprocess, load_image
+from captioner.cli.batch import caption_paths, image_loader
+from captioner.data.images import Preprocess, load_image
+from captioner.data.vocab import SPECIALS, Vocabulary
 from captioner.inference import AUTOCAST_DTYPES, Captioner, DecodeOptions
-from captioner.model import CaptionModel, ModelConfig
-from captioner.search_graph import fixed_beam_search, search_form
-from captioner.vocab import SPECIALS, Vocabulary
+from captioner.model.decoder import CaptionModel, ModelConfig
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search
+from captioner.search.graph import fixed_beam_search, search_form
 
 
 def photo_images(n: int, seed: int = 0) -> Iterator[Image.Image]:
@@ -175,7 +175,7 @@ def peak_memory_mb(folder: Path, weights: str | None, workers: int, device: str 
     """Peak RSS of a fresh `captioner caption` process (or of its largest worker) over a folder."""
     extra = f", '--weights', {weights!r}" if weights else ""
     code = (
-        "import resource, sys; from captioner.cli import main; "
+        "import resource, sys; from captioner.cli.main import main; "
         f"rc = main(['caption', {str(folder)!r}, '--out', sys.argv[1], '--quiet', '--workers', '{workers}', "
         f"'--device', {device!r}{extra}]); "
         "me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "

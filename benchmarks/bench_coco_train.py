@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from captioner.encoders import Annotations
-from captioner.model import CaptionModel
+from captioner.model.decoder import CaptionModel
+from captioner.model.encoders import Annotations
 from captioner.train.config import OptimConfig, load_config, model_config
 from captioner.train.loop import build_optimizer
 from captioner.train.losses import soft_loss

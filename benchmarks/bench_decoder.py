@@ -30,9 +30,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from captioner.decoding import beam_search
-from captioner.encoders import Annotations
-from captioner.model import Decoder, ModelConfig, attention_penalty
+from captioner.model.decoder import Decoder, ModelConfig, attention_penalty
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search
 
 SIZES = dict(vocab_size=10_000, annotation_dim=2048, embed_dim=512, hidden_dim=512, attention_dim=512)
 L, GRID, BATCH, STEPS = 196, (14, 14), 32, 20
@@ -52,7 +52,7 @@ def compare_previous(step_now, step_previous, repeats: int) -> None:
     """Interleaved rounds of the current and the previous training step; the median ratio."""
     import statistics
 
-    from captioner import kernels
+    from captioner.model import kernels
 
     def previous() -> None:
         setting = kernels.set_enabled(False)  # autograd's plain additive scores
@@ -92,7 +92,7 @@ def _model_options(items: list[str]) -> dict:
 
 
 def demo(args) -> None:
-    from captioner.model import CaptionModel
+    from captioner.model.decoder import CaptionModel
     from captioner.train.losses import caption_log_likelihood
 
     torch.manual_seed(0)
@@ -124,8 +124,8 @@ def search_demo(args) -> None:
     import tempfile
     from pathlib import Path
 
+    from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.images import load_image
     from captioner.inference import Captioner, DecodeOptions
 
     cap = Captioner.load(args.weights)

@@ -29,9 +29,9 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from captioner.decoding import beam_search
-from captioner.encoders import Annotations
-from captioner.model import CaptionModel, Decoder, ModelConfig
+from captioner.model.decoder import CaptionModel, Decoder, ModelConfig
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search
 
 DEMO = dict(vocab_size=30, encoder="small8", image_size=(128, 128), embed_dim=128, hidden_dim=256,
             attention_dim=128, dropout=0.3)

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from captioner.data.shapes import generate_dataset
-from captioner.export import export
 from captioner.inference import Captioner, DecodeOptions
-from captioner.onnx import OnnxCaptioner
+from captioner.io.export import export
+from captioner.onnx.runtime import OnnxCaptioner
 
 
 def timed(fn) -> float:

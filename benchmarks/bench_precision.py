@@ -17,7 +17,7 @@ dynamic batch dimension costs a compiled call) and "+cl" (channels-last: the enc
 and the images in torch.channels_last memory format, the layout a GPU's convolutions prefer;
 a speed switch, off unless asked for) and "+graphs" (the training step's forward and backward
 replayed as a CUDA graph, train/graphed.py; fp32 and bf16, not compiled; and captioning as
-`captioner caption` runs it on a GPU, with the search as CUDA graphs, captioner/search_graph.py,
+`captioner caption` runs it on a GPU, with the search as CUDA graphs, captioner/search/graph.py,
 and in bf16 the encoder in channels-last; without "+graphs" captioning takes the plain forms),
 in any order:
 "bf16+cl", "bf16+cl+compile", "bf16+cl+graphs". Each variant
@@ -33,16 +33,16 @@ from collections.abc import Callable
 
 import torch
 
-from captioner import kernels
-from captioner.images import Preprocess
+from captioner.data.images import Preprocess
+from captioner.data.vocab import SPECIALS, Vocabulary
 from captioner.inference import INFERENCE_PRECISIONS, Captioner, DecodeOptions
-from captioner.model import CaptionModel, ModelConfig, attention_penalty
+from captioner.model import kernels
+from captioner.model.decoder import CaptionModel, ModelConfig, attention_penalty
 from captioner.train.config import OptimConfig
 from captioner.train.graphed import GraphedSoftStep
 from captioner.train.loop import build_optimizer
 from captioner.train.losses import LossParts, caption_log_likelihood, soft_loss
 from captioner.train.precision import MixedPrecision
-from captioner.vocab import SPECIALS, Vocabulary
 
 STEPS = 20
 

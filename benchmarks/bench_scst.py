@@ -29,8 +29,8 @@ import torch
 import captioner.train.scst as scst
 from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
-from captioner.encoders import Annotations
 from captioner.inference import Captioner
+from captioner.model.encoders import Annotations
 from captioner.train.captions import CaptionDataset, collate_captions
 from captioner.train.config import ScstConfig
 from captioner.train.losses import soft_loss

@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from captioner.decoding import beam_search
-from captioner.encoders import Annotations
-from captioner.model import Decoder, ModelConfig, attention_penalty
-from captioner.search_graph import SearchGraphs
+from captioner.model.decoder import Decoder, ModelConfig, attention_penalty
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search
+from captioner.search.graph import SearchGraphs
 from captioner.train.config import OptimConfig
 from captioner.train.graphed import GraphedSoftStep, cuda_capture
 from captioner.train.loop import build_optimizer

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from captioner.batch import image_loader
+from captioner.cli.batch import image_loader
 from captioner.data import shapes
 from captioner.data.coco import load_split
-from captioner.familiarity import DEFAULT_THRESHOLD
-from captioner.grounding import load_shape_objects, object_accuracy, parse_mentions
+from captioner.evaluation.grounding import load_shape_objects, object_accuracy, parse_mentions
 from captioner.inference import Captioner, DecodeOptions
+from captioner.model.familiarity import DEFAULT_THRESHOLD
 
 PHOTOS = ["astronaut", "camera", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "moon",
           "coins", "clock", "grass", "gravel", "brick", "retina", "page", "text", "microaneurysms"]

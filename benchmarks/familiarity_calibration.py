@@ -5,7 +5,7 @@ unfamiliar (familiarity < 0.01), by feature size D and training-set size N.
         [--shapes-pool 8000] [--out FILE]
 
 A threshold t should flag a share of about t of fresh images of the training distribution
-(captioner/familiarity.py), and never less than 1/(N + 1): an image farther than all N
+(captioner/model/familiarity.py), and never less than 1/(N + 1): an image farther than all N
 training images is flagged whatever t is. Two kinds of data:
 
 1. Gaussian features: D dimensions with variances falling evenly from 1 to 0.05, for each
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from captioner.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.model.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
 
 
 def draws_for(n: int) -> int:

@@ -14,7 +14,7 @@ The steps: the environment (GPU name, missing packages); training fp32, bf16 + c
 (gradient scaling), bf16 with CUDA graphs (``optim.cuda_graphs``), soft and hard (hard over the
 feature cache, as its config trains it), a resume, SCST; greedy and beam captioning on the
 device compared caption for caption with the CPU's on the same images (on a GPU the beam's
-captions come from the search's CUDA graphs, captioner/search_graph.py, the CPU's from the
+captions come from the search's CUDA graphs, captioner/search/graph.py, the CPU's from the
 plain search), and bf16 + compile
 captioning; torchrun on one process (NCCL on a GPU); the app's captioning path; then the
 benchmarks at the paper's sizes with small counts: bench_decoder at batch 32 and 256;
@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from captioner.cli import default_batch_size  # no torch at import: the package check runs first
+from captioner.cli.main import default_batch_size  # no torch at import: the package check runs first
 
 # What the steps import; each missing one is named in one line before anything runs.
 PACKAGES = ("torch", "torchvision", "PIL", "nltk", "pycocotools", "pycocoevalcap", "tqdm", "streamlit",

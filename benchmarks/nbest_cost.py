@@ -25,8 +25,8 @@ from captioner.inference import Captioner, DecodeOptions
 
 
 def shapes_batches(cap: Captioner, images: int, batch: int) -> list[torch.Tensor]:
+    from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.images import load_image
 
     with tempfile.TemporaryDirectory() as tmp:
         generate_dataset(Path(tmp), {"test": images}, seed=31415)

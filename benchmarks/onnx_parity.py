@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from captioner.data.images import IMAGE_EXTENSIONS
 from captioner.data.shapes import generate_dataset
-from captioner.export import export
-from captioner.images import IMAGE_EXTENSIONS
 from captioner.inference import Captioner, DecodeOptions
-from captioner.onnx import OnnxCaptioner
+from captioner.io.export import export
+from captioner.onnx.runtime import OnnxCaptioner
 
 PHOTOS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "photos"
 

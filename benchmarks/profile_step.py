@@ -52,7 +52,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.bench_precision import _sync, prepare, variants_arg
-from captioner.encoders import encoder_names
+from captioner.model.encoders import encoder_names
 
 TRAIN_STEPS = 3  # profiled training steps per variant (and as many timed without the profiler)
 WARMUP = 2

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import torch
 
-from . import kernels
-from .bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at, shapes_only_notice
-from .checkpoint import Checkpoint, CheckpointError, TrainingState, load_checkpoint, training_data_of
-from .decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
-from .encoders import Annotations
-from .familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
-from .folder import CONFIG, WEIGHTS, is_model_folder, shape_mismatch
-from .images import DEFAULT_MAX_PIXELS, Preprocess, as_image
-from .model import CaptionModel
-from .search_graph import SearchGraphs, search_form
-from .vocab import Vocabulary
+from captioner.data.images import DEFAULT_MAX_PIXELS, Preprocess, as_image
+from captioner.data.vocab import Vocabulary
+from captioner.io.bundled import DEFAULT, DEMOS, SYNTHETIC_SHAPES, BundledModel, bundled_at, shapes_only_notice
+from captioner.io.checkpoint import Checkpoint, CheckpointError, TrainingState, load_checkpoint, training_data_of
+from captioner.io.folder import CONFIG, WEIGHTS, is_model_folder, shape_mismatch
+from captioner.model import kernels
+from captioner.model.decoder import CaptionModel
+from captioner.model.encoders import Annotations
+from captioner.model.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.search.decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
+from captioner.search.graph import SearchGraphs, search_form
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
@@ -307,7 +307,7 @@ class Captioner:
     def caption_images(self, images: list, options: DecodeOptions | None = None,
                        max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:
         """Each image a path, raw bytes, a PIL image of any mode or an array, read as ``captioner
-        caption`` reads files (``captioner.images.as_image``)."""
+        caption`` reads files (``captioner.data.images.as_image``)."""
         if not images:
             return []
         side = self.preprocess.decode_side

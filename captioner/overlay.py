@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from PIL import Image, ImageChops, ImageDraw, ImageFont
 from PIL.PngImagePlugin import PngInfo
 
-from .decoding import CaptionResult
-from .vocab import has_cjk
+from captioner.data.vocab import has_cjk
+from captioner.search.decoding import CaptionResult
 
 TINT = (255, 140, 26)  # warm orange at the peak of a map
 

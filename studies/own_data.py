@@ -75,8 +75,8 @@ def score(weights: Path, data: Path, split: str, batch: int = 8) -> float:
     """The share of ``split``'s images whose caption is non-empty and free of ``<unk>``;
     prints each caption beside the image's first reference."""
     from captioner.data.coco import load_split
+    from captioner.data.vocab import UNK
     from captioner.inference import Captioner
-    from captioner.vocab import UNK
 
     cap = Captioner.load(weights)
     records = load_split(data, split)

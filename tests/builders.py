@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from captioner.checkpoint import load_checkpoint
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import load_config, to_toml
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

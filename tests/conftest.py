@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner import kernels
+from captioner.model import kernels
 from tests.tiny import TINY_COCO, tiny_captioner, write_tiny_coco
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from captioner.images import Preprocess
+from captioner.data.images import Preprocess
+from captioner.data.vocab import Vocabulary
 from captioner.inference import Captioner
-from captioner.model import CaptionModel, ModelConfig
-from captioner.vocab import Vocabulary
+from captioner.model.decoder import CaptionModel, ModelConfig
 
 WORDS = ["a", "red", "blue", "green", "circle", "square", "star", "and", "small", "large"]
 

@@ -1,4 +1,4 @@
-"""Where code outside captioner/checkpoint.py reads a checkpoint by key: a subscript or a
+"""Where code outside captioner/io/checkpoint.py reads a checkpoint by key: a subscript or a
 ``.get`` with a key of the checkpoint file (top level, its train_state, its weight average) on
 a name that holds one, at a git revision: how far the typed record reaches, before and after
 it; writes (``x["k"] = ...``) are not counted, and it cannot tell a metrics line's
@@ -26,7 +26,7 @@ def reads(rev: str) -> list[str]:
                            check=True).stdout.split()
     found = []
     for name in names:
-        if not name.endswith(".py") or name.split("/")[0] not in FOLDERS or name == "captioner/checkpoint.py":
+        if not name.endswith(".py") or name.split("/")[0] not in FOLDERS or name == "captioner/io/checkpoint.py":
             continue
         text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, text=True, check=True).stdout
         for n, line in enumerate(text.splitlines(), 1):

@@ -47,15 +47,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES: dict[str, list[str]] = {
     "train/startup.py": ["tests/train/test_train_startup.py", "tests/train/test_startup_edges.py"],
     "train/config.py": ["tests/train/test_train_config.py", "tests/train/test_config_edges.py"],
-    "captioner/batch.py": ["tests/captioner/test_batch.py", "tests/captioner/test_caption_resume.py",
+    "captioner/cli/batch.py": ["tests/captioner/test_batch.py", "tests/captioner/test_caption_resume.py",
                            "tests/captioner/test_cli_caption.py"],
-    "captioner/jpeg_device.py": ["tests/captioner/test_jpeg_device.py"],
-    "captioner/familiarity.py": ["tests/captioner/test_familiarity.py"],
-    "captioner/decoding.py": ["tests/captioner/test_decoding.py"],
-    "captioner/vocab.py": ["tests/captioner/test_vocab.py", "tests/captioner/test_tokenizer.py"],
+    "captioner/data/jpeg_device.py": ["tests/captioner/test_jpeg_device.py"],
+    "captioner/model/familiarity.py": ["tests/captioner/test_familiarity.py"],
+    "captioner/search/decoding.py": ["tests/captioner/test_decoding.py"],
+    "captioner/data/vocab.py": ["tests/captioner/test_vocab.py", "tests/captioner/test_tokenizer.py"],
     "train/own.py": ["tests/train/test_data_import.py"],
     "train/graphed.py": ["tests/train/test_graphed.py"],
-    "captioner/search_graph.py": ["tests/captioner/test_search_graph.py"],
+    "captioner/search/graph.py": ["tests/captioner/test_search_graph.py"],
 }
 
 # The cosmic-ray operators used: one natural replacement for each arithmetic and set operator,

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from captioner.checkpoint import AverageState
+from captioner.io.checkpoint import AverageState
 
 
 class WeightAverage:

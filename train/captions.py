@@ -13,8 +13,8 @@ import torch
 from torch.utils.data import Dataset
 
 from captioner.data.coco import ImageDataset, ImageRecord
-from captioner.images import Preprocess
-from captioner.vocab import PTB, Tokenizer, Vocabulary
+from captioner.data.images import Preprocess
+from captioner.data.vocab import PTB, Tokenizer, Vocabulary
 
 
 @dataclass

@@ -46,9 +46,9 @@ ON_RESUME = ("optim.epochs", "optim.max_steps", "optim.max_minutes", "val.patien
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from captioner.checkpoint import CheckpointError, load_checkpoint
-    from captioner.cli_common import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
+    from captioner.cli.common import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
+    from captioner.io.checkpoint import CheckpointError, load_checkpoint
 
     from .config import TrainConfig, apply_overrides, check_ignored, find_config, over_bases, written_keys
     from .data_cli import require_data

@@ -27,11 +27,11 @@ from functools import cache
 from pathlib import Path
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from captioner.attention import attention_mode
-from captioner.encoders import encoder_names
-from captioner.grounding import GroundingSummary
-from captioner.metrics import METRIC_NAMES
-from captioner.model import ModelConfig
+from captioner.evaluation.grounding import GroundingSummary
+from captioner.evaluation.metrics import METRIC_NAMES
+from captioner.model.attention import attention_mode
+from captioner.model.decoder import ModelConfig
+from captioner.model.encoders import encoder_names
 
 from .precision import PrecisionName
 

@@ -27,7 +27,7 @@ import textwrap
 from pathlib import Path
 
 from captioner.data.coco import require_images
-from captioner.vocab import tokenizer_named
+from captioner.data.vocab import tokenizer_named
 
 from .captions import training_captions
 from .config import TrainConfig, load_config
@@ -90,7 +90,7 @@ def _count_or_share(value: str) -> float:
 
 
 def _add_import(sub: argparse._SubParsersAction) -> None:
-    from captioner.vocab import TOKENIZERS
+    from captioner.data.vocab import TOKENIZERS
 
     from .own import CAPTION_KEYS, CAPTION_LIST_KEYS, FORMATS, IMAGE_KEYS
 
@@ -169,9 +169,9 @@ def _wrapped(text: str) -> str:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from captioner.cli_common import EXIT_SOME_FAILED, UsageError, make_folders
-    from captioner.images import Preprocess
-    from captioner.vocab import guess_tokenizer
+    from captioner.cli.common import EXIT_SOME_FAILED, UsageError, make_folders
+    from captioner.data.images import Preprocess
+    from captioner.data.vocab import guess_tokenizer
 
     from .image_check import unreadable_images
     from .own import SourceError, draw_splits, read_source, split_sizes, write_dataset
@@ -247,8 +247,8 @@ def _shown(path: Path) -> Path:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from captioner.cli_common import UsageError
-    from captioner.images import Preprocess
+    from captioner.cli.common import UsageError
+    from captioner.data.images import Preprocess
 
     from .image_check import unreadable_images
     from .startup import StartupError, data_tokenizer
@@ -288,7 +288,7 @@ def print_unusable(problems: dict[str, str], total: int, limit: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from captioner.cli_common import EXIT_USAGE, UsageError
+    from captioner.cli.common import EXIT_USAGE, UsageError
 
     parser = argparse.ArgumentParser(prog="captioner data", description="Data set tools.")
     _add_subcommands(parser)

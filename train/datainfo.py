@@ -9,9 +9,9 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from captioner.bundled import SYNTHETIC_SHAPES
 from captioner.data.coco import OWN_SPLIT_FILE, ImageRecord, SplitSet, load_splits
-from captioner.vocab import Tokenizer, Vocabulary
+from captioner.data.vocab import Tokenizer, Vocabulary
+from captioner.io.bundled import SYNTHETIC_SHAPES
 
 from .captions import TrainingCaptions
 from .config import DataConfig

@@ -21,10 +21,10 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.data.coco import ImageDataset, ImageRecord
+from captioner.data.images import Preprocess
+from captioner.data.vocab import Vocabulary
 from captioner.distributed import DistContext
-from captioner.images import Preprocess
-from captioner.model import CaptionModel
-from captioner.vocab import Vocabulary
+from captioner.model.decoder import CaptionModel
 
 from .captions import TrainingCaptions, training_captions
 

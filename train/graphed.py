@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from captioner import kernels
-from captioner.encoders import Annotations
+from captioner.model import kernels
+from captioner.model.encoders import Annotations
 
 from .losses import LossParts
 

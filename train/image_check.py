@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner.images import ImageLoadError, Preprocess
+from captioner.data.images import ImageLoadError, Preprocess
 
 
 class _Probe(Dataset):

@@ -29,16 +29,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from captioner import kernels
-from captioner.checkpoint import POSITION, Checkpoint, TrainingState, atomic_save, load_checkpoint
 from captioner.data.coco import ImageRecord
+from captioner.data.images import Preprocess
 from captioner.distributed import DeviceError, DistContext, setup, teardown, work_done
-from captioner.encoders import Annotations
-from captioner.evaluation import evaluate
-from captioner.familiarity import MIN_IMAGES, TrainingFeatures, training_features
-from captioner.images import Preprocess
+from captioner.evaluation.evaluate import evaluate
 from captioner.inference import Captioner, DecodeOptions
-from captioner.model import CaptionModel
+from captioner.io.checkpoint import POSITION, Checkpoint, TrainingState, atomic_save, load_checkpoint
+from captioner.model import kernels
+from captioner.model.decoder import CaptionModel
+from captioner.model.encoders import Annotations
+from captioner.model.familiarity import MIN_IMAGES, TrainingFeatures, training_features
 
 from .averaging import WeightAverage, same_encoder
 from .captions import CaptionDataset, TrainingCaptions, collate_captions, training_captions

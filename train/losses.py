@@ -11,10 +11,10 @@ from typing import get_args
 
 import torch
 
-from captioner import kernels
-from captioner.attention import attention_mode
-from captioner.encoders import Annotations
-from captioner.model import CaptionModel, DecoderOutput, attention_penalty
+from captioner.model import kernels
+from captioner.model.attention import attention_mode
+from captioner.model.decoder import CaptionModel, DecoderOutput, attention_penalty
+from captioner.model.encoders import Annotations
 
 from .config import HardConfig, Reduction, Reward
 

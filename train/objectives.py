@@ -17,10 +17,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from captioner.attention import attention_mode
-from captioner.checkpoint import TrainingState
 from captioner.distributed import DistContext
-from captioner.encoders import Annotations
+from captioner.io.checkpoint import TrainingState
+from captioner.model.attention import attention_mode
+from captioner.model.encoders import Annotations
 
 from .config import TrainConfig
 from .losses import HardAttentionObjective, LossParts, soft_loss

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from captioner.data.coco import OWN_SPLIT_FILE
-from captioner.images import IMAGE_EXTENSIONS
-from captioner.vocab import tokenizer_named
+from captioner.data.images import IMAGE_EXTENSIONS
+from captioner.data.vocab import tokenizer_named
 
 # Column or key names tried in this order when the caller names none (case-insensitive).
 IMAGE_KEYS = ("image", "file_name", "filename", "path", "image_path", "file", "img")

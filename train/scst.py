@@ -7,7 +7,7 @@ T steps, V vocabulary.
 For image i, k captions w^ij ~ p(w | I_i) are drawn (multinomial, temperature 1) and each
 is rewarded with r_ij = CIDEr-D(w^ij, S_i) against the image's training references S_i,
 the document frequencies those of the training split's references
-(:class:`captioner.cider.CiderD`, built once). The loss
+(:class:`captioner.evaluation.cider.CiderD`, built once). The loss
 
     L = -1/(B k) sum_ij (r_ij - b_ij) log p(w^ij | I_i)
 
@@ -54,11 +54,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.cider import CiderD
-from captioner.decoding import greedy
-from captioner.encoders import Annotations
-from captioner.model import CaptionModel, Decoder
-from captioner.vocab import Vocabulary
+from captioner.data.vocab import Vocabulary
+from captioner.evaluation.cider import CiderD
+from captioner.model.decoder import CaptionModel, Decoder
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import greedy
 
 from .config import ScstConfig, check_scst_section
 from .losses import LossParts, token_log_prob

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 
 import captioner
-from captioner.bundled import DEMOS
-from captioner.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from captioner.data.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from captioner.data.vocab import PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 from captioner.distributed import DistContext
-from captioner.encoders import pretrained_file
-from captioner.folder import is_model_folder
-from captioner.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from captioner.inference import resolve_weights
-from captioner.model import CaptionModel
-from captioner.vocab import PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
+from captioner.io.bundled import DEMOS
+from captioner.io.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from captioner.io.folder import is_model_folder
+from captioner.model.decoder import CaptionModel
+from captioner.model.encoders import pretrained_file
 
 from .captions import TrainingCaptions
 from .config import DataConfig, TrainConfig, grounding_metrics, model_config

@@ -13,7 +13,7 @@ instead, and image paths are ``DIR/<filepath>/<filename>``. A folder that holds 
 captions file but a ``dataset.json`` (what ``captioner data import`` writes) is read
 through that file, with no need to name it.
 
-Each data set has a tokenizer (``captioner.vocab``): the split file's top-level
+Each data set has a tokenizer (``captioner.data.vocab``): the split file's top-level
 ``"tokenizer"``, or the captions file's ``info.tokenizer``; "ptb" (English) when neither
 names one. :func:`load_splits` gives it with the records (``SplitSet.tokenizer``);
 :func:`dataset_tokenizer` reads it alone, from the file's ends, for a caller that has the records.
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from ..images import ImageLoadError, Preprocess
-from ..vocab import DEFAULT_TOKENIZER
+from captioner.data.images import ImageLoadError, Preprocess
+from captioner.data.vocab import DEFAULT_TOKENIZER
 
 # The split file ``captioner data import`` writes: a folder holding it is read through it.
 OWN_SPLIT_FILE = "dataset.json"

@@ -6,7 +6,7 @@ five Chinese ones ("一个红色的大圆形和一个蓝色的三角形") of the
 :func:`english_words` reads a Chinese caption's characters as the English words they
 spell, so that object accuracy and the pointing game parse both languages. Because the objects and
 their boxes are known exactly, the dataset lets us measure what a captioner says (object
-accuracy) and where its attention looks (pointing game), see ``captioner.grounding``.
+accuracy) and where its attention looks (pointing game), see ``captioner.evaluation.grounding``.
 
 Layout under ``out_dir``::
 

@@ -13,9 +13,9 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from captioner.checkpoint import Checkpoint, load_checkpoint
-from captioner.folder import is_model_folder
 from captioner.inference import Captioner
+from captioner.io.checkpoint import Checkpoint, load_checkpoint
+from captioner.io.folder import is_model_folder
 from captioner.train.averaging import same_encoder
 from captioner.train.config import TrainConfig
 

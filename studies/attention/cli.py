@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from captioner.cli_common import number
+from captioner.cli.common import number
 
 from . import goal, heads, misses, naming, relations, widths
 from .plan import DEFAULT_ROWS, PROG, Plan, Row, UsageError, by_training, check_rows, load_plan, recipe_of, select_rows

@@ -1,7 +1,7 @@
 """Teacher-forced attention maps: each image's first reference caption fed to the model,
 the map of every word's step kept.
 
-Real decoding (``captioner.evaluation``) scores what a model says; this scores where it looks
+Real decoding (``captioner.evaluation.evaluate``) scores what a model says; this scores where it looks
 while reading a fixed caption, so the words scored are the same for every model, whatever
 it would have said: the pointing game of the attention comparison and of each head.
 
@@ -17,7 +17,7 @@ import torch
 
 from captioner.data.coco import ImageDataset, ImageRecord
 from captioner.inference import Captioner
-from captioner.model import DecoderOutput
+from captioner.model.decoder import DecoderOutput
 
 
 def forced_outputs(cap: Captioner, records: Sequence[ImageRecord],

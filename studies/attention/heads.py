@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from captioner.data.coco import load_split
-from captioner.grounding import load_shape_objects, pointing_game
+from captioner.evaluation.grounding import load_shape_objects, pointing_game
 from captioner.inference import Captioner
 
 from .forced import forced_outputs

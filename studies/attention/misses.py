@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from captioner.grounding import ShapeObject, cells_inside, load_shape_objects, parse_mentions, pointing_game
+from captioner.evaluation.grounding import ShapeObject, cells_inside, load_shape_objects, parse_mentions, pointing_game
 
 from .scoring import check_test_set, test_set_arguments
 

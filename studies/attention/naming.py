@@ -1,5 +1,5 @@
 """What a model names wrong: each caption that does not name exactly the image's objects
-(object accuracy's test, captioner/grounding.py: the multiset of (colour, shape) mentions
+(object accuracy's test, captioner/evaluation/grounding.py: the multiset of (colour, shape) mentions
 against the objects'), decoded as the comparison decodes (beam 3), is told by one kind:
 
     count             as many mentions as objects it is not: an object left out or one too many
@@ -24,7 +24,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from captioner.grounding import ShapeObject, object_accuracy, parse_mentions
+from captioner.evaluation.grounding import ShapeObject, object_accuracy, parse_mentions
 
 from .scoring import check_test_set, decoded_sets_arguments, decoded_test_images
 

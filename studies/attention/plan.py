@@ -149,7 +149,7 @@ def device_here(device: str) -> bool:
 def check_rows(rows: list[Row], recipe: dict, steps: int) -> None:
     """Every row's overrides must name fields this code has, and its model the parameters
     it needs: else one error naming each such row and field, before anything trains."""
-    from captioner.model import CaptionModel
+    from captioner.model.decoder import CaptionModel
     from captioner.train.config import model_config
 
     problems = []

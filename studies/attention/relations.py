@@ -1,5 +1,5 @@
 """Why a model states a spatial relation wrong: each relation its captions state between two
-rightly named objects (the relation direction accuracy's, captioner/grounding.py), decoded as
+rightly named objects (the relation direction accuracy's, captioner/evaluation/grounding.py), decoded as
 the comparison decodes (beam 3), is told by one outcome:
 
     right             it stands (the first object's centre above / left of the second's)
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from captioner.grounding import ShapeObject, centre, named_pairs, parse_relations, stands
+from captioner.evaluation.grounding import ShapeObject, centre, named_pairs, parse_relations, stands
 
 from .scoring import check_test_set, decoded_sets_arguments, decoded_test_images
 
@@ -104,7 +104,7 @@ def forced_choices(cap, records) -> list[tuple[str, bool]]:
     """(kind, right) for every direction word of every reference caption of ``records``: is
     the reference's word scored above its opposite, the caption fed up to it?"""
     from captioner.data.coco import ImageDataset
-    from captioner.vocab import tokenize
+    from captioner.data.vocab import tokenize
 
     data, v = ImageDataset(records, cap.preprocess), cap.vocab
     cap.model.eval()

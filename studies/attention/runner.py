@@ -33,8 +33,8 @@ def run_job(rows: list[Row], seed: int, recipe: dict, recipe_name: str, steps: i
     Returns INTERRUPTED when the training was interrupted (Ctrl-C), 0 when done."""
     import torch
 
-    from captioner.checkpoint import load_checkpoint
     from captioner.inference import Captioner
+    from captioner.io.checkpoint import load_checkpoint
     from captioner.train.loop import train
 
     from .checkpoints import last_step, model_at_last_step, run_config, run_device

@@ -57,8 +57,8 @@ def decoded_test_images(cap, folder: Path, images: int, beam_size: int) -> list[
     import torch
 
     from captioner.data.coco import load_split
-    from captioner.evaluation import decode_records
-    from captioner.grounding import load_shape_objects
+    from captioner.evaluation.evaluate import decode_records
+    from captioner.evaluation.grounding import load_shape_objects
     from captioner.inference import DecodeOptions
 
     records = load_split(folder, "test")[:images]
@@ -81,8 +81,8 @@ def image_stats(records, results, forced, objects: dict, with_pointing: bool) ->
     """Per-image columns (see stats.py) for one test set."""
     from pycocoevalcap.cider.cider import Cider
 
-    from captioner.grounding import object_accuracy, pointing_game, relation_accuracy
-    from captioner.metrics import _prepare
+    from captioner.evaluation.grounding import object_accuracy, pointing_game, relation_accuracy
+    from captioner.evaluation.metrics import _prepare
 
     cols: dict[str, list] = {k: [] for k in ("obj", "rel_true", "rel_named", "rel_n", "ent_sum", "ent_n")}
     if with_pointing:
@@ -122,8 +122,8 @@ def evaluate_checkpoint(cap, decode: dict, test_sets: dict[str, Path], beam_size
     import torch
 
     from captioner.data.coco import load_split
-    from captioner.evaluation import decode_records
-    from captioner.grounding import load_shape_objects
+    from captioner.evaluation.evaluate import decode_records
+    from captioner.evaluation.grounding import load_shape_objects
     from captioner.inference import DecodeOptions
 
     from .forced import forced_maps
@@ -175,7 +175,7 @@ def score_only(weights: list[str], test_sets: dict[str, Path], beam_size: int, a
     checkpoint is scored too and ``difference`` (the seeds pooled minus it, all test sets
     together) is printed, its interval at ``level``. Returns the differences (empty without
     ``against``)."""
-    from captioner.checkpoint import CheckpointError
+    from captioner.io.checkpoint import CheckpointError
 
     from .checkpoints import load_weights
 

@@ -44,7 +44,7 @@ FIGURES = ("object_accuracy", "relation_accuracy", "pointing", "mass_in_box", "e
 
 def bleu_stats(gts: Mapping[int, Sequence[str]], res: Mapping[int, Sequence[str]], ids: Sequence[int]) -> np.ndarray:
     """(N, 10) per-image BLEU counts, in ``ids`` order, from tokenised captions (as
-    ``captioner.metrics._prepare`` gives them): [test length, closest reference length,
+    ``captioner.evaluation.metrics._prepare`` gives them): [test length, closest reference length,
     n-gram guesses n = 1..4, clipped matches n = 1..4]."""
     from pycocoevalcap.bleu.bleu_scorer import cook_refs, cook_test
 

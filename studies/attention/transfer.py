@@ -27,7 +27,7 @@ def pack_runs(keys: list[str], seeds: list[int], runs: Path, steps: int, dest: P
 
     import torch
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.io.checkpoint import load_checkpoint
 
     from .checkpoints import run_config, slim_checkpoint
 
@@ -73,7 +73,7 @@ def unpack_runs(files: list[Path], runs: Path, steps: int) -> list[str]:
     <training>/seed<S>/, and never over a run already there. Returns the runs unpacked."""
     import tarfile
 
-    from captioner.checkpoint import CheckpointError
+    from captioner.io.checkpoint import CheckpointError
 
     from .checkpoints import last_step
 

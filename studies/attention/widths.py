@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from captioner.attention import MIN_HALF_WIDTH, Attention
-from captioner.images import is_image_path
+from captioner.data.images import is_image_path
 from captioner.inference import Captioner, DecodeOptions
+from captioner.model.attention import MIN_HALF_WIDTH, Attention
 
 from .plan import UsageError
 

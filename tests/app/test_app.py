@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner import bundled, inference
+from captioner import inference
 from captioner.app.serving import figure_png, result_json
-from captioner.cli import build_parser, main
+from captioner.cli.main import build_parser, main
 from captioner.inference import DecodeOptions
+from captioner.io import bundled
 from tests.tiny import tiny_captioner, tiny_image
 
 AppTest = pytest.importorskip("streamlit.testing.v1").AppTest
@@ -640,7 +641,7 @@ def test_one_uploader_for_the_page_s_life_and_each_new_file_in_it_is_shown(app, 
 
 def test_the_model_card_counts_a_chinese_vocabulary_in_characters():
     from captioner.app.streamlit_app import model_details
-    from captioner.vocab import Vocabulary, tokenizer_named
+    from captioner.data.vocab import Vocabulary, tokenizer_named
 
     cap = tiny_captioner()
     assert "words" in model_details(cap) and "characters" not in model_details(cap)

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from captioner import bundled
-from captioner.cli import main
+from captioner.cli.main import main
+from captioner.io import bundled
 from tests.tiny import tiny_captioner, tiny_image
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from captioner import bundled
-from captioner.cli import main
+from captioner.cli.main import main
+from captioner.io import bundled
 from tests.tiny import tiny_captioner, tiny_image
 
 AppTest = pytest.importorskip("streamlit.testing.v1").AppTest

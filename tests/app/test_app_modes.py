@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.attention import HARD_INFERENCE
+from captioner.model.attention import HARD_INFERENCE
 from tests.tiny import tiny_captioner
 
 AppTest = pytest.importorskip("streamlit.testing.v1").AppTest

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.cli import main
+from captioner.cli.main import main
 from captioner.inference import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image, token_batch
 
@@ -120,7 +120,7 @@ def test_the_score_adds_up_from_the_word_probabilities_and_the_end_probability(b
 
 
 def test_a_caption_cut_off_at_the_length_limit_has_no_end_probability():
-    from captioner.decoding import DecodedIds
+    from captioner.search.decoding import DecodedIds
 
     cap = tiny_captioner(seed=1)
     words = [cap.vocab.index("a"), cap.vocab.index("red")]
@@ -134,7 +134,7 @@ def test_a_caption_cut_off_at_the_length_limit_has_no_end_probability():
 
 
 def test_probabilities_are_written_to_four_significant_digits_never_zero():
-    from captioner.decoding import CaptionResult
+    from captioner.search.decoding import CaptionResult
 
     r = CaptionResult(["a", "b", "c"], torch.zeros(3, 1, 1), torch.ones(3), -20.0,
                       word_probs=(0.123456, 0.0000123456, 1.0), end_prob=2.345678e-9)

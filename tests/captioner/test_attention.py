@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner import attention, kernels
-from captioner.attention import MODES, NORMALIZERS, SCORES, Attention, sparsemax
 from captioner.inference import Captioner, DecodeOptions
+from captioner.model import attention, kernels
+from captioner.model.attention import MODES, NORMALIZERS, SCORES, Attention, sparsemax
 from tests.tiny import tiny_captioner, tiny_image
 
 B, D, Q, A = 3, 7, 5, 6  # key (annotation) size differs from the query (LSTM) size on purpose

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.checkpoint import upgrade_weights
-from captioner.decoding import beam_search, greedy
-from captioner.encoders import Annotations
-from captioner.model import Decoder, ModelConfig
+from captioner.io.checkpoint import upgrade_weights
+from captioner.model.decoder import Decoder, ModelConfig
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search, greedy
 
 GOLDEN = torch.load(Path(__file__).parents[1] / "fixtures" / "attention_golden" / "decoders.pt", weights_only=True)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.cli import main
+from captioner.cli.main import main
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, overlays
 from tests.tiny import tiny_captioner, tiny_image

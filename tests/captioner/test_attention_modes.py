@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner import attention
-from captioner.attention import (
+from captioner.model import attention
+from captioner.model.attention import (
     HARD_INFERENCE,
     LOCAL_WIDTHS,
     MIN_HALF_WIDTH,
@@ -18,8 +18,8 @@ from captioner.attention import (
     attention_mode,
     sparsemax,
 )
-from captioner.decoding import _hard_kwargs
-from captioner.multihead import MultiHeadAttention
+from captioner.model.multihead import MultiHeadAttention
+from captioner.search.decoding import _hard_kwargs
 
 B, D, Q, A = 3, 7, 5, 6
 GRID = (3, 4)

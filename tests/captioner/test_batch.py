@@ -1,4 +1,4 @@
-"""captioner/batch.py's bookkeeping at its edges: what an output file already holds (read_resume)
+"""captioner/cli/batch.py's bookkeeping at its edges: what an output file already holds (read_resume)
 and what a run then does and counts (plan_resume), where one image has several lines or
 failed in a run that this one does not repeat."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from captioner.batch import Resume, plan_resume, read_resume, resume_key
+from captioner.cli.batch import Resume, plan_resume, read_resume, resume_key
 
 
 def _write(out, *records) -> None:
@@ -67,7 +67,7 @@ def test_discover_walks_folders_sorted_once_each_and_names_every_missing_path(tm
 
     import pytest
 
-    from captioner.batch import discover
+    from captioner.cli.batch import discover
 
     root = tmp_path / "photos"
     (root / "b").mkdir(parents=True)
@@ -85,7 +85,7 @@ def test_discover_walks_folders_sorted_once_each_and_names_every_missing_path(tm
 
 
 def test_merged_parts_keep_one_line_per_image_and_the_caption_over_the_error(tmp_path):
-    from captioner.batch import compact, merge_parts, part_path
+    from captioner.cli.batch import compact, merge_parts, part_path
 
     out = tmp_path / "out.jsonl"
     a, b, c = (_caption(tmp_path / f"{n}.png") for n in "abc")
@@ -111,9 +111,9 @@ def test_the_loader_leaves_jpeg_bytes_to_the_device_only_when_asked(tmp_path):
     import torch
     from PIL import Image
 
-    from captioner.batch import image_loader
-    from captioner.images import Preprocess
-    from captioner.jpeg_device import decode_resize, plain_jpeg
+    from captioner.cli.batch import image_loader
+    from captioner.data.images import Preprocess
+    from captioner.data.jpeg_device import decode_resize, plain_jpeg
 
     pre = Preprocess(size=(16, 16))
     buf = io.BytesIO()
@@ -143,7 +143,7 @@ def test_discover_follows_a_link_to_a_folder_elsewhere(tmp_path):
     folder's images are found under the link's path."""
     import os
 
-    from captioner.batch import discover
+    from captioner.cli.batch import discover
 
     elsewhere = tmp_path / "disk2" / "album"
     elsewhere.mkdir(parents=True)
@@ -161,7 +161,7 @@ def test_caption_paths_writes_no_attention_unless_asked(tmp_path):
     and only asked for."""
     import io
 
-    from captioner.batch import caption_paths
+    from captioner.cli.batch import caption_paths
     from captioner.inference import DecodeOptions
     from tests.tiny import tiny_captioner, tiny_image
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from captioner import kernels
 from captioner.inference import DecodeOptions
+from captioner.model import kernels
 from tests.tiny import tiny_captioner, tiny_image
 
 OPTIONS = DecodeOptions(beam_size=2, max_len=6)

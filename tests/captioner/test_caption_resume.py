@@ -3,7 +3,7 @@ attention asked for on a later run, failed files retried."""
 
 import os
 
-from captioner.cli import main
+from captioner.cli.main import main
 from tests.builders import read_jsonl
 from tests.tiny import tiny_image
 
@@ -114,7 +114,7 @@ def test_a_later_error_never_replaces_a_caption(tmp_path, weights, capsys):
 def test_compact_keeps_the_caption_whichever_order_the_lines_came_in(tmp_path):
     import json
 
-    from captioner.batch import compact
+    from captioner.cli.batch import compact
 
     out = tmp_path / "out.jsonl"
     caption = {"image": "a.png", "resolved": str(tmp_path / "a.png"), "caption": "a red circle", "words": ["a"]}
@@ -129,7 +129,7 @@ def test_the_resume_plan_takes_each_image_once_and_counts_what_it_retries(tmp_pa
     """batch.plan_resume: the bookkeeping `captioner caption` does before it captions."""
     import json
 
-    from captioner.batch import plan_resume, read_resume
+    from captioner.cli.batch import plan_resume, read_resume
 
     images = [tmp_path / f"{n}.png" for n in ("a", "b", "c", "d")]
     for p in images:

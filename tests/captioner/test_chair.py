@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.chair import ObjectWords, caption_words, chair, singularize
+from captioner.evaluation.chair import ObjectWords, caption_words, chair, singularize
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "chair_reference"
 REF = ObjectWords()

@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from captioner.checkpoint import CheckpointError, load_checkpoint
 from captioner.inference import Captioner, DecodeOptions
+from captioner.io.checkpoint import CheckpointError, load_checkpoint
 from tests.tiny import tiny_captioner, tiny_image
 
 
@@ -97,8 +97,8 @@ def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch):
 def test_loading_never_asks_for_pretrained_weights(tmp_path, monkeypatch):
     # A checkpoint trained from ImageNet weights holds every weight it needs: loading it
     # on a machine without them (empty TORCH_HOME, no network) must not try to fetch them.
-    from captioner.images import Preprocess
-    from captioner.model import CaptionModel
+    from captioner.data.images import Preprocess
+    from captioner.model.decoder import CaptionModel
     from tests.pretrained import forbid_downloads
     from tests.tiny import tiny_config, tiny_vocab
 
@@ -160,7 +160,7 @@ def test_a_file_that_is_not_a_checkpoint_is_named_for_what_it_is(tmp_path, name,
 
 
 def test_caption_with_an_image_as_weights_says_so_in_one_line(tmp_path, capsys):
-    from captioner.cli import main
+    from captioner.cli.main import main
 
     weights = tmp_path / "notes.jpg"
     weights.write_bytes(_image_bytes("JPEG"))
@@ -180,7 +180,7 @@ def test_a_pytorch_file_of_another_program_is_told_apart(tmp_path):
 
 def chinese_captioner() -> Captioner:
     """tiny_captioner with a character vocabulary of the same size."""
-    from captioner.vocab import SPECIALS, Vocabulary, tokenizer_named
+    from captioner.data.vocab import SPECIALS, Vocabulary, tokenizer_named
 
     cap = tiny_captioner(seed=3)
     chars = "一个红色的大圆形蓝小三角"[: len(cap.vocab) - len(SPECIALS)]

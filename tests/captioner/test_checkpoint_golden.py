@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.decoding import beam_search, greedy
-from captioner.encoders import Annotations
 from captioner.inference import Captioner, DecodeOptions
-from captioner.model import Decoder, ModelConfig
+from captioner.model.decoder import Decoder, ModelConfig
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search, greedy
 from tests.tiny import tiny_image, token_batch
 
 HERE = Path(__file__).parents[1] / "fixtures" / "checkpoint_golden"

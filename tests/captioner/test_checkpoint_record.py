@@ -7,8 +7,9 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from captioner.bundled import DEMOS
-from captioner.checkpoint import (
+from captioner.inference import Captioner, DecodeOptions
+from captioner.io.bundled import DEMOS
+from captioner.io.checkpoint import (
     Checkpoint,
     CheckpointError,
     TrainingState,
@@ -16,7 +17,6 @@ from captioner.checkpoint import (
     training_data_of,
     upgrade_weights,
 )
-from captioner.inference import Captioner, DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image
 
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from captioner.batch import image_loader
-from captioner.cli import main
-from captioner.images import Preprocess, load_image
+from captioner.cli.batch import image_loader
+from captioner.cli.main import main
+from captioner.data.images import Preprocess, load_image
 from tests.badfiles import SKIPPED_IN_BAD_FOLDER, make_bad_folder
 from tests.builders import read_jsonl
 from tests.tiny import tiny_captioner, tiny_image
@@ -183,7 +183,7 @@ def test_the_attention_figure_is_titled_with_the_caption_and_the_model(tmp_path,
 
 
 def test_every_out_makes_its_missing_folders_and_says_so(tmp_path, weights, capsys):
-    from captioner.cli import build_parser
+    from captioner.cli.main import build_parser
 
     tiny_image(0).save(tmp_path / "a.png")
     out = tmp_path / "new" / "deeper" / "out.jsonl"
@@ -275,7 +275,7 @@ def test_the_python_api_takes_a_path_a_pil_image_of_any_mode_or_an_array(tmp_pat
     import numpy as np
     from PIL import Image
 
-    from captioner.images import ImageTooLargeError
+    from captioner.data.images import ImageTooLargeError
 
     cap = tiny_captioner(seed=1)
     rgb = tiny_image(0, size=(40, 30))

@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.cli import main
-from captioner.decoding import CaptionResult
-from captioner.familiarity import Familiarity
+from captioner.cli.main import main
+from captioner.model.familiarity import Familiarity
 from captioner.overlay import attention_figure
+from captioner.search.decoding import CaptionResult
 from tests.builders import one_line, read_jsonl
 from tests.tiny import tiny_image, write_tiny_coco
 

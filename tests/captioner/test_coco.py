@@ -17,7 +17,7 @@ from captioner.data.coco import (
     load_records,
     load_split,
 )
-from captioner.images import Preprocess
+from captioner.data.images import Preprocess
 
 PRE = Preprocess(size=(8, 8))  # tiny, so image work costs nothing
 

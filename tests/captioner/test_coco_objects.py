@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import captioner.evaluation as evaluation
-from captioner.cli import main
-from captioner.coco_grounding import coco_pointing, summarize_coco_grounding
+import captioner.evaluation.evaluate as evaluation
+from captioner.cli.main import main
 from captioner.data.coco import CocoInstance, ImageInstances, instance_files, load_instances, load_split
-from captioner.decoding import CaptionResult
+from captioner.evaluation.coco_grounding import coco_pointing, summarize_coco_grounding
+from captioner.search.decoding import CaptionResult
 from tests.builders import coco_config
 from tests.tiny import tiny_captioner, write_coco_instances
 

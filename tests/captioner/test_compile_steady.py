@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from captioner.decoding import beam_search, greedy
+from captioner.search.decoding import beam_search, greedy
 from tests.tiny import tiny_captioner, tiny_image, tiny_vocab, token_batch
 
 # One graph per kind of call: beam search, greedy (a beam of one row per image: another

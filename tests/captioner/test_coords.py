@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from captioner.encoders import Annotations
 from captioner.inference import DecodeOptions
-from captioner.model import CaptionModel, Decoder, ModelConfig, cell_centres
+from captioner.model.decoder import CaptionModel, Decoder, ModelConfig, cell_centres
+from captioner.model.encoders import Annotations
 from tests.tiny import tiny_captioner, tiny_config, tiny_image, tiny_vocab, token_batch
 
 

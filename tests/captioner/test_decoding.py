@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.decoding import beam_search, greedy
-from captioner.encoders import Annotations
 from captioner.inference import Captioner, DecodeOptions
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import beam_search, greedy
 from tests.tiny import tiny_captioner
 
 
@@ -107,8 +107,8 @@ def test_results_carry_one_map_per_word():
 
 
 def test_images_whose_beams_all_ended_leave_the_batch(tmp_path):
+    from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.images import load_image
 
     generate_dataset(tmp_path, {"test": 6}, seed=99)  # 1-3 objects: captions of different lengths
     images = [load_image(p) for p in sorted((tmp_path / "images" / "test").glob("*.png"))]
@@ -168,7 +168,7 @@ class _StepTable:
         return z, z
 
     def step(self, y, h, c, a, keys, grid, **kw):
-        from captioner.model import StepOutput
+        from captioner.model.decoder import StepOutput
 
         t = int(h[0, 0])
         n = y.shape[0]
@@ -341,7 +341,7 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_capti
 
 
 def _random_decoder(seed, **variant):
-    from captioner.model import Decoder, ModelConfig
+    from captioner.model.decoder import Decoder, ModelConfig
 
     torch.manual_seed(seed)
     decoder = Decoder(ModelConfig(vocab_size=6, annotation_dim=5, embed_dim=6, hidden_dim=7, attention_dim=4,
@@ -567,7 +567,7 @@ def test_an_alternative_is_a_frozen_record():
     on the way, and equal ones are one (hashable)."""
     import dataclasses
 
-    from captioner.decoding import Alternative
+    from captioner.search.decoding import Alternative
 
     a = Alternative(("a", "red", "circle"), -1.5, rank=-0.375)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -576,7 +576,7 @@ def test_an_alternative_is_a_frozen_record():
 
 
 def test_a_caption_s_json_rounds_scores_to_four_decimals_and_probabilities_to_four_digits():
-    from captioner.decoding import Alternative, CaptionResult
+    from captioner.search.decoding import Alternative, CaptionResult
 
     r = CaptionResult(["a", "circle"], torch.full((2, 1, 1), 1.0), torch.ones(2), -1.2345678,
                       word_probs=(0.123456789, 0.000123456), end_prob=0.98765,

@@ -4,9 +4,10 @@ a user's own checkpoint says what it was trained on."""
 import pytest
 import torch
 
-from captioner import bundled, inference
-from captioner.cli import build_parser, main
+from captioner import inference
+from captioner.cli.main import build_parser, main
 from captioner.inference import Captioner
+from captioner.io import bundled
 from tests.tiny import tiny_captioner, tiny_image
 
 NOTE = "trained on synthetic shapes only"
@@ -99,7 +100,7 @@ def test_demo_zh_captions_in_chinese_through_demo_softs_frozen_encoder():
     from PIL import Image
 
     from captioner.data.shapes import english_words
-    from captioner.grounding import parse_mentions
+    from captioner.evaluation.grounding import parse_mentions
 
     soft = Captioner.load("demo-soft").model.state_dict()
     zh = Captioner.load("demo-zh")

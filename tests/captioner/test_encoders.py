@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from captioner.encoders import create_encoder
+from captioner.model.encoders import create_encoder
 from tests.pretrained import fake_torch_home
 
 

@@ -5,14 +5,14 @@ import json
 import pytest
 import torch
 
-import captioner.evaluation as evaluation
-from captioner.cli import main
+import captioner.evaluation.evaluate as evaluation
+from captioner.cli.main import main
 from captioner.data.coco import load_split
+from captioner.data.images import Preprocess
 from captioner.data.shapes import generate_dataset
-from captioner.decoding import CaptionResult
-from captioner.grounding import load_shape_objects
-from captioner.images import Preprocess
-from captioner.vocab import tokenize
+from captioner.data.vocab import tokenize
+from captioner.evaluation.grounding import load_shape_objects
+from captioner.search.decoding import CaptionResult
 from tests.tiny import tiny_captioner
 
 

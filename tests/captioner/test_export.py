@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from captioner import bundled, tensorfile
-from captioner import folder as fmt
-from captioner.cli import main
-from captioner.export import export
+from captioner.cli.main import main
 from captioner.inference import Captioner, DecodeOptions
+from captioner.io import bundled, tensorfile
+from captioner.io import folder as fmt
+from captioner.io.export import export
 from tests.tiny import tiny_captioner, tiny_image
 
 DEMOS = [m.name for m in bundled.installed()]
@@ -143,10 +143,10 @@ def test_weights_of_other_shapes_than_the_config_are_refused(exported, image, ca
 
 def test_a_familiarity_record_of_other_shapes_is_refused(exported, image, capsys):
     cap = tiny_captioner(seed=3)
-    from captioner.familiarity import TrainingFeatures
+    from captioner.model.familiarity import TrainingFeatures
 
     record = TrainingFeatures.fit(torch.randn(8, cap.model.encoder.dim)).to_dict()
-    from captioner.export import write_familiarity
+    from captioner.io.export import write_familiarity
 
     write_familiarity(exported, {**record, "mean": torch.zeros(cap.model.encoder.dim + 1)})
     assert main(["caption", image, "--weights", str(exported)]) == 2

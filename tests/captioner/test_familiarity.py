@@ -8,12 +8,12 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner import bundled
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main
+from captioner.cli.main import main
 from captioner.data.coco import load_split
-from captioner.familiarity import TrainingFeatures, pooled, training_features
 from captioner.inference import Captioner, DecodeOptions
+from captioner.io import bundled
+from captioner.io.checkpoint import load_checkpoint
+from captioner.model.familiarity import TrainingFeatures, pooled, training_features
 from tests.tiny import tiny_captioner, tiny_image
 
 PHOTOS = Path(__file__).parents[1] / "fixtures" / "photos" / "coco"
@@ -92,7 +92,7 @@ def test_an_old_checkpoint_loads_and_says_its_familiarity_is_unknown(tmp_path):
 
 
 def test_a_record_that_does_not_fit_the_encoder_is_refused_in_one_line(tmp_path):
-    from captioner.checkpoint import CheckpointError
+    from captioner.io.checkpoint import CheckpointError
 
     cap = tiny_captioner(seed=1)
     cap.familiarity = TrainingFeatures.fit(_gaussian(50, seed=0, dim=7))  # the tiny encoder gives 128

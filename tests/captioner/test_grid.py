@@ -1,14 +1,14 @@
-"""Self-attention over the annotation grid with a 2-D relative position bias (captioner/grid.py)."""
+"""Self-attention over the annotation grid with a 2-D relative position bias (captioner/model/grid.py)."""
 
 import pytest
 import torch
 
-from captioner.checkpoint import load_checkpoint
-from captioner.decoding import beam_search, greedy
-from captioner.encoders import Annotations
-from captioner.grid import GridBlock, GridSelfAttention
 from captioner.inference import Captioner, DecodeOptions
-from captioner.model import CaptionModel, Decoder, ModelConfig
+from captioner.io.checkpoint import load_checkpoint
+from captioner.model.decoder import CaptionModel, Decoder, ModelConfig
+from captioner.model.encoders import Annotations
+from captioner.model.grid import GridBlock, GridSelfAttention
+from captioner.search.decoding import beam_search, greedy
 from tests.tiny import tiny_captioner, tiny_config, tiny_image, tiny_vocab, token_batch
 
 GRID_ON = dict(grid_layers=1, grid_heads=2, rel_pos_clip=2)
@@ -157,7 +157,7 @@ def test_train_config_takes_the_grid_fields_and_refuses_bad_ones(tmp_path):
 
 
 def test_captioner_train_refuses_bad_grid_fields_in_one_line(tmp_path, capsys):
-    from captioner.cli import main
+    from captioner.cli.main import main
 
     code = main(["train", "--config", "train/configs/shapes-soft.toml", "--run-dir", str(tmp_path / "r"),
                  "--set", "model.grid_layers=1", "--set", "model.grid_heads=5"])
@@ -180,10 +180,10 @@ DEMO_CAPTIONS = {
 
 
 def test_grid_layers_zero_is_todays_model(tmp_path):
-    from captioner.bundled import DEMOS
+    from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.images import load_image
     from captioner.inference import resolve_weights
+    from captioner.io.bundled import DEMOS
 
     if not DEMOS["demo-soft"].installed:
         pytest.skip("demo-soft's weights are not here")
@@ -335,7 +335,7 @@ def test_caption_and_checkpoint_round_trip_keep_the_grid(tmp_path):
 def test_captioner_caption_runs_a_checkpoint_with_grid_layers(tmp_path, capsys):
     import json
 
-    from captioner.cli import main
+    from captioner.cli.main import main
 
     weights = tmp_path / "grid.pt"
     cap = tiny_captioner(**GRID_ON)

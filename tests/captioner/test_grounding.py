@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.grounding import (
+from captioner.data.images import Preprocess
+from captioner.evaluation.grounding import (
     CaptionAccuracy,
     ImageObjects,
     Mention,
@@ -23,7 +24,6 @@ from captioner.grounding import (
     relation_accuracy,
     summarize_grounding,
 )
-from captioner.images import Preprocess
 
 RED_CIRCLE = ShapeObject("circle", "red", "small", (0, 0, 32, 32))  # top-left quadrant of 64x64
 BLUE_SQUARE = ShapeObject("square", "blue", "large", (32, 32, 32, 32))  # bottom-right quadrant

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.checkpoint import Checkpoint
-from captioner.images import ImageLoadError, Preprocess, load_image
+from captioner.data.images import ImageLoadError, Preprocess, load_image
+from captioner.io.checkpoint import Checkpoint
 from tests.badfiles import exif_rotated_jpeg, make_bad_folder
 from tests.tiny import tiny_captioner
 
@@ -126,9 +126,9 @@ def test_crop_box_is_the_region_the_model_sees():
 def test_training_evaluate_caption_and_app_see_the_same_pixels(photos, pre):
     # A 320 px JPEG that a 64 px input may decode at reduced scale: every path must decode
     # it the same way, or one checkpoint gives two captions for one image.
-    from captioner.batch import _ImageFiles
+    from captioner.cli.batch import _ImageFiles
     from captioner.data.coco import ImageDataset, ImageRecord
-    from captioner.images import DEFAULT_MAX_PIXELS
+    from captioner.data.images import DEFAULT_MAX_PIXELS
 
     path = _photo(photos)
     from_dataset = ImageDataset([ImageRecord(74, path, ["x"])], pre)[0][0]  # training and evaluate
@@ -173,8 +173,8 @@ def test_pixels_then_normalize_is_the_plain_float_preprocessing(photos, pre):
 
 from PIL import features  # noqa: E402
 
-from captioner import images  # noqa: E402
-from captioner.images import is_image_path  # noqa: E402
+from captioner.data import images  # noqa: E402
+from captioner.data.images import is_image_path  # noqa: E402
 
 HEIC_HEAD = b"\x00\x00\x00\x1cftypheic\x00\x00\x00\x00mif1heicmiaf" + b"\x00" * 64
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.batch import image_loader
-from captioner.cli import main
-from captioner.images import Preprocess
-from captioner.jpeg_device import decode_resize, plain_jpeg
+from captioner.cli.batch import image_loader
+from captioner.cli.main import main
+from captioner.data.images import Preprocess
+from captioner.data.jpeg_device import decode_resize, plain_jpeg
 from tests.badfiles import exif_rotated_jpeg, make_bad_folder
 from tests.builders import read_jsonl
 
@@ -83,7 +83,7 @@ def test_a_batch_with_a_file_the_decoder_refuses_loses_only_that_file(tmp_path):
 
 def _decoded_on_the_device(monkeypatch) -> list[int]:
     """How many JPEGs each call of the device's decoder took: the flag must reach it."""
-    from captioner import batch
+    from captioner.cli import batch
 
     calls: list[int] = []
     real = batch.decode_resize
@@ -132,8 +132,8 @@ def test_the_demo_captions_jpeg_shapes_pictures_as_on_the_cpu_path(tmp_path, mon
 def test_without_batch_size_a_gpu_takes_larger_batches_than_a_cpu(tmp_path, weights, monkeypatch):
     import torch as t
 
-    from captioner import batch
-    from captioner.cli import default_batch_size
+    from captioner.cli import batch
+    from captioner.cli.main import default_batch_size
 
     assert default_batch_size(t.device("cuda", 1)) == default_batch_size("cuda") == 64
     assert default_batch_size(t.device("cpu")) == 16
@@ -166,7 +166,7 @@ def test_resampling_sharp_edges_keeps_black_black_white_white_and_the_cpu_geomet
     """Stripes of 0 and 255 overshoot under bicubic resampling: the pixels are clamped to
     0..255, never wrapped, and land where the CPU path puts them (a wide image: the crop is
     its centre)."""
-    from captioner.jpeg_device import resample
+    from captioner.data.jpeg_device import resample
 
     stripes = torch.zeros(3, 48, 72, dtype=torch.uint8)
     stripes[:, :, 24:48] = 255

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from captioner import kernels
-from captioner.decoding import beam_search
+from captioner.model import kernels
+from captioner.search.decoding import beam_search
 from captioner.train.config import HardConfig
 from captioner.train.losses import HardAttentionObjective, soft_loss
 from tests.tiny import tiny_captioner, tiny_image, token_batch

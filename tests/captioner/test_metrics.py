@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from captioner import metrics
-from captioner.metrics import METRIC_NAMES, caption_metrics, coco_results_json, meteor_scores
+from captioner.evaluation import metrics
+from captioner.evaluation.metrics import METRIC_NAMES, caption_metrics, coco_results_json, meteor_scores
 
 needs_java = pytest.mark.skipif(not metrics.java_available(), reason="METEOR needs java on PATH")
 
@@ -121,7 +121,7 @@ def test_coco_results_json() -> None:
 
 
 def test_chinese_is_scored_on_characters() -> None:
-    from captioner.vocab import tokenizer_named
+    from captioner.data.vocab import tokenizer_named
 
     refs = {1: ["一个红色的圆形", "红色的大圆形"], 2: ["一个蓝色的小方形", "蓝色方形"]}
     cands = {1: "红色的圆形", 2: "一个蓝色的方形"}
@@ -132,7 +132,7 @@ def test_chinese_is_scored_on_characters() -> None:
 
 
 def test_chars2_punctuation_is_read_but_not_scored() -> None:
-    from captioner.vocab import tokenizer_named
+    from captioner.data.vocab import tokenizer_named
 
     refs = {1: ["两个物体：一个红色的圆形，一个蓝色的方形。", "红色的圆形和蓝色的方形"],
             2: ["一个绿色的星形。", "绿色星形"]}
@@ -145,7 +145,7 @@ def test_chars2_punctuation_is_read_but_not_scored() -> None:
 
 
 def test_meteor_is_english_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from captioner.vocab import tokenizer_named
+    from captioner.data.vocab import tokenizer_named
 
     monkeypatch.setattr(metrics, "java_available", lambda: True)
     refs, cands = {1: ["红色的圆形"]}, {1: "红色的圆形"}
@@ -157,8 +157,8 @@ def test_meteor_is_english_only(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_evaluate_refuses_meteor_on_chinese_before_decoding(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One rule for METEOR (metrics.meteor_wanted), asked by evaluate before its decode: a
     request it cannot meet fails at once, instead of being dropped or failing minutes later."""
-    import captioner.evaluation as evaluation
-    from captioner.vocab import tokenizer_named
+    import captioner.evaluation.evaluate as evaluation
+    from captioner.data.vocab import tokenizer_named
     from tests.tiny import tiny_captioner
 
     monkeypatch.setattr(metrics, "java_available", lambda: True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.cli import main
+from captioner.cli.main import main
 from tests.tiny import tiny_captioner, tiny_image
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.encoders import Annotations
-from captioner.model import CaptionModel, attention_penalty
+from captioner.model.decoder import CaptionModel, attention_penalty
+from captioner.model.encoders import Annotations
 from tests.tiny import tiny_config, tiny_vocab, token_batch
 
 CAPTIONS = ["a red circle and a blue square", "a small star", "a large green circle"]
@@ -166,7 +166,7 @@ def test_small_encoder_cells_are_centred_on_their_pixel_blocks():
     """Cell (2, 5) sees exactly its own 16x16 block (rows 32-47, columns 80-95) and 7 px
     around it, the same on every side: the grid the overlays and the pointing game use is
     the encoder's own, with no half-cell shift."""
-    from captioner.encoders import create_encoder
+    from captioner.model.encoders import create_encoder
 
     enc = create_encoder("small").eval()
     with torch.no_grad():
@@ -189,7 +189,7 @@ def test_small_encoder_cells_are_centred_on_their_pixel_blocks():
 def test_small8_encoder_cells_are_centred_on_their_pixel_blocks():
     """Cell (5, 11) of the 16x16 grid sees its own 8x8 block (rows 40-47, columns 88-95)
     and 7 px around it on every side."""
-    from captioner.encoders import create_encoder
+    from captioner.model.encoders import create_encoder
 
     enc = create_encoder("small8").eval()
     with torch.no_grad():
@@ -214,7 +214,7 @@ def test_small8_encoder_cells_are_centred_on_their_pixel_blocks():
                                                 ("resnet101", 2048, (7, 7))])
 def test_torchvision_encoders_give_the_papers_grids(name, channels, grid):
     """Random weights (no download): VGG-16 conv5_3 is 14x14x512 at 224 px, ResNet layer4 7x7x2048."""
-    from captioner.encoders import create_encoder
+    from captioner.model.encoders import create_encoder
 
     enc = create_encoder(name).eval()
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_torchvision_encoders_give_the_papers_grids(name, channels, grid):
 
 
 def test_fine_tuning_unfreezes_only_the_last_blocks():
-    from captioner.encoders import create_encoder
+    from captioner.model.encoders import create_encoder
 
     enc = create_encoder("vgg16", fine_tune_blocks=1)
     trainable = {n for n, p in enc.named_parameters() if p.requires_grad}

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.attention import MIN_HALF_WIDTH, Attention
-from captioner.encoders import Annotations
-from captioner.model import Decoder, ModelConfig
-from captioner.multihead import MultiHeadAttention, build_attention
+from captioner.model.attention import MIN_HALF_WIDTH, Attention
+from captioner.model.decoder import Decoder, ModelConfig
+from captioner.model.encoders import Annotations
+from captioner.model.multihead import MultiHeadAttention, build_attention
 
 B, L, D, Q, A = 3, 12, 7, 5, 6
 GRID = (3, 4)
@@ -104,8 +104,8 @@ def test_values_are_projected_to_d_over_h_so_the_size_does_not_grow_with_the_hea
 
 
 def test_a_checkpoint_of_the_earlier_form_is_refused_with_a_reason():
-    from captioner.checkpoint import Checkpoint, CheckpointError
     from captioner.inference import Captioner
+    from captioner.io.checkpoint import Checkpoint, CheckpointError
     from tests.tiny import tiny_captioner
 
     cap = tiny_captioner(seed=0, heads=2)

@@ -14,15 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner import decoding, npsearch
-from captioner import folder as fmt
-from captioner.cli import main as cli_main
-from captioner.export import export
-from captioner.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.cli.main import main as cli_main
 from captioner.inference import Captioner, DecodeOptions
-from captioner.onnx import UNFAMILIAR_BELOW, OnnxCaptioner
-from captioner.onnx import main as onnx_main
-from captioner.record import significant
+from captioner.io import folder as fmt
+from captioner.io.export import export
+from captioner.io.record import significant
+from captioner.model.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.onnx import search as npsearch
+from captioner.onnx.runtime import UNFAMILIAR_BELOW, OnnxCaptioner
+from captioner.onnx.runtime import main as onnx_main
+from captioner.search import decoding
 from tests.tiny import tiny_captioner, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +218,7 @@ class Blocker(importlib.abc.MetaPathFinder):
             raise ImportError(f"{{name}} is not installed here")
 sys.meta_path.insert(0, Blocker())
 import captioner
-from captioner.onnx import main
+from captioner.onnx.runtime import main
 code = main([{str(folder)!r}, {images[0]!r}, "--beam-size", "2", "--out", {str(tmp_path / "o.jsonl")!r}])
 print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "nltk": "nltk" in sys.modules}}))
 """

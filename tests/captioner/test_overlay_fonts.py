@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.decoding import CaptionResult
 from captioner.overlay import attention_figure, cjk_font_file
+from captioner.search.decoding import CaptionResult
 
 # CI installs Debian's fonts-wqy-microhei (.ci/run); elsewhere the test needs some CJK font.
 needs_font = pytest.mark.skipif(cjk_font_file() is None and not os.environ.get("CI"),

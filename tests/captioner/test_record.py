@@ -4,10 +4,10 @@ the app's download and the torch-free runtime."""
 import numpy as np
 import torch
 
-from captioner.decoding import Alternative, CaptionResult
-from captioner.familiarity import Familiarity
-from captioner.onnx import Caption
-from captioner.record import caption_record, significant
+from captioner.io.record import caption_record, significant
+from captioner.model.familiarity import Familiarity
+from captioner.onnx.runtime import Caption
+from captioner.search.decoding import Alternative, CaptionResult
 
 
 def _record(**over):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from captioner.data.shapes import generate_split
-from captioner.grounding import (
+from captioner.data.vocab import tokenize
+from captioner.evaluation.grounding import (
     ImageObjects,
     RelationAccuracy,
     ShapeObject,
@@ -21,7 +22,6 @@ from captioner.grounding import (
     relation_accuracy,
     summarize_grounding,
 )
-from captioner.vocab import tokenize
 
 # Centres: circle (16, 16) top-left, square (48, 48) bottom-right, star (50, 10) top-right.
 RED_CIRCLE = ShapeObject("circle", "red", "small", (0, 0, 32, 32))

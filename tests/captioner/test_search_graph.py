@@ -1,4 +1,4 @@
-"""The beam search's fixed program and its CUDA graphs (captioner/search_graph.py), held to the
+"""The beam search's fixed program and its CUDA graphs (captioner/search/graph.py), held to the
 plain search on a CPU.
 
 A CPU cannot capture a CUDA graph, so the capture is replaced here by one with a graph's
@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner import kernels, search_graph
-from captioner.decoding import DecodedIds, beam_search
-from captioner.encoders import Annotations
 from captioner.inference import DecodeOptions
-from captioner.search_graph import SearchGraphs, fixed_beam_search, search_form
+from captioner.model import kernels
+from captioner.model.encoders import Annotations
+from captioner.search import graph as search_graph
+from captioner.search.decoding import DecodedIds, beam_search
+from captioner.search.graph import SearchGraphs, fixed_beam_search, search_form
 from tests.captioner.test_decoding import END, MULTI_HEAD, PAD, START, A, _images, _random_decoder, _StepTable
 from tests.cuda_standin import stand_in_cuda
 from tests.tiny import tiny_captioner
@@ -58,7 +59,7 @@ def test_the_fixed_program_returns_the_plain_search_s_captions_on_random_tiny_mo
 def test_the_fixed_program_knows_the_step_at_which_the_plain_search_lets_each_image_go():
     """done_at: for each image, the step after which the plain search, given that image alone,
     runs no more (its decoder steps, less one), with and without a length penalty."""
-    from captioner.decoding import beam_search as plain_search
+    from captioner.search.decoding import beam_search as plain_search
 
     checked = 0
     for seed in range(40):

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from captioner.data.shapes import COLORS, SHAPES, SIZES, generate_dataset
-from captioner.grounding import load_shape_objects, parse_mentions
-from captioner.vocab import tokenize
+from captioner.data.vocab import tokenize
+from captioner.evaluation.grounding import load_shape_objects, parse_mentions
 
 COUNTS = {"train": 24, "val": 6}
 
@@ -173,8 +173,8 @@ def test_chinese_shapes_are_the_same_images_and_objects_with_chinese_captions(da
 
 def test_every_chinese_caption_parses_to_its_objects_and_true_relations(chinese: Path) -> None:
     from captioner.data.shapes import english_words
-    from captioner.grounding import object_accuracy, relation_accuracy
-    from captioner.vocab import tokenizer_named
+    from captioner.data.vocab import tokenizer_named
+    from captioner.evaluation.grounding import object_accuracy, relation_accuracy
 
     chars = tokenizer_named("chars2")  # the data set's: its punctuation marks stay tokens
     objects = load_shape_objects(chinese / "instances_train.json")
@@ -201,7 +201,7 @@ def test_english_words_keep_each_words_first_character_step() -> None:
 
 
 def test_shapes_command_writes_chinese_captions_that_name_their_tokenizer(tmp_path: Path) -> None:
-    from captioner.cli import main as captioner_main
+    from captioner.cli.main import main as captioner_main
     from captioner.data.coco import dataset_tokenizer
 
     assert captioner_main(["shapes", "--out", str(tmp_path), "--train", "2", "--val", "0", "--test", "1",

@@ -3,12 +3,18 @@ object lists, by shape and by colour and shape."""
 
 import torch
 
-import captioner.evaluation as evaluation
+import captioner.evaluation.evaluate as evaluation
 from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
-from captioner.decoding import CaptionResult
-from captioner.grounding import ImageObjects, ShapeObject, evaluate_caption, object_accuracy, summarize_grounding
-from captioner.vocab import tokenize
+from captioner.data.vocab import tokenize
+from captioner.evaluation.grounding import (
+    ImageObjects,
+    ShapeObject,
+    evaluate_caption,
+    object_accuracy,
+    summarize_grounding,
+)
+from captioner.search.decoding import CaptionResult
 from tests.tiny import tiny_captioner
 
 RED_CIRCLE = ShapeObject("circle", "red", "large", (0, 0, 10, 10))

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from captioner import kernels
-from captioner.encoders import Annotations
-from captioner.model import Decoder, ModelConfig, attention_penalty
+from captioner.model import kernels
+from captioner.model.decoder import Decoder, ModelConfig, attention_penalty
+from captioner.model.encoders import Annotations
 from captioner.train.losses import caption_log_likelihood
 
 B, L, D, T = 4, 6, 9, 7

@@ -5,8 +5,8 @@ and no (B, T, V) log-softmax kept."""
 import torch
 import torch.nn.functional as F
 
-from captioner import kernels
-from captioner.model import DecoderOutput
+from captioner.model import kernels
+from captioner.model.decoder import DecoderOutput
 from captioner.train.losses import caption_log_likelihood, token_log_prob
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from captioner.metrics import java_available
-from captioner.vocab import tokenize
+from captioner.data.vocab import tokenize
+from captioner.evaluation.metrics import java_available
 
 TABLE = [
     ("A dog sits. It is on the grass.", "a dog sits it is on the grass"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from captioner.vocab import SPECIALS, Vocabulary, tokenize
+from captioner.data.vocab import SPECIALS, Vocabulary, tokenize
 
 
 def test_tokenize_needs_no_downloaded_data_and_drops_punctuation():
@@ -26,7 +26,7 @@ def test_bad_vocabularies_are_refused():
 
 # --------------------------------------------------------------------------- any language
 
-from captioner.vocab import TOKENIZERS, tokenizer_named  # noqa: E402
+from captioner.data.vocab import TOKENIZERS, tokenizer_named  # noqa: E402
 
 
 def test_chinese_is_split_into_characters_without_punctuation():
@@ -78,7 +78,7 @@ def test_unknown_tokenizer_names_the_known_ones():
 
 import unicodedata  # noqa: E402
 
-from captioner.vocab import guess_tokenizer  # noqa: E402
+from captioner.data.vocab import guess_tokenizer  # noqa: E402
 
 
 @pytest.mark.parametrize("text, tokens", [
@@ -182,8 +182,8 @@ def test_the_chinese_demo_trained_with_chars_captions_as_it_did():
 
     from PIL import Image
 
-    from captioner import bundled
     from captioner.inference import Captioner, DecodeOptions
+    from captioner.io import bundled
 
     if not bundled.DEMOS["demo-zh"].path.is_file():
         pytest.skip("demo-zh is not installed")
@@ -196,7 +196,7 @@ def test_the_chinese_demo_trained_with_chars_captions_as_it_did():
 
 
 def test_text_needing_cjk_glyphs_is_told_apart_korean_included():
-    from captioner.vocab import has_cjk
+    from captioner.data.vocab import has_cjk
 
     assert has_cjk("一只猫") and has_cjk("カメラ") and has_cjk("한국어 문장") and has_cjk("a 猫")
     assert not has_cjk("a cat") and not has_cjk("Собака") and not has_cjk("")

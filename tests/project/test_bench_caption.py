@@ -42,7 +42,7 @@ def test_the_search_is_timed_in_each_form_with_the_form_captioning_takes_first(m
     out = _run(monkeypatch, capsys, "--skip-demo", *QUICK)
     assert "beam search, plain form (taken here)" in out and "its fixed program" in out
     assert "CUDA graphs" not in out
-    from captioner import search_graph
+    from captioner.search import graph as search_graph
     from tests.captioner.test_search_graph import eager_capture
 
     captures = []

@@ -44,7 +44,7 @@ def test_a_static_compile_reaches_torch_compile_and_captions_as_the_plain_step(m
     """"+static" compiles the decoder step for fixed shapes (dynamic=False, captioner's own
     compile is dynamic in the batch): the option must reach torch.compile, and the step must
     still compute what the plain one does."""
-    from captioner.decoding import greedy
+    from captioner.search.decoding import greedy
     from tests.tiny import tiny_captioner
 
     seen = []

@@ -1,6 +1,6 @@
 """The ``captioner`` command's shape: `caption` reads in one sitting, and every command that
 runs a model (caption, evaluate, familiarity, export) loads it through the one loader of
-captioner/cli_common.py, so that each refuses a bad device or a file that is not a
+captioner/cli/common.py, so that each refuses a bad device or a file that is not a
 checkpoint in the same words, and a demo model's notice is said in one place."""
 
 import inspect
@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner import bundled, cli, cli_common, export_cli
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main
-from captioner.cli_common import UsageError, check_device, load_model
+from captioner.cli import common as cli_common
+from captioner.cli import export as export_cli
+from captioner.cli import main as cli
+from captioner.cli.common import UsageError, check_device, load_model
+from captioner.cli.main import main
+from captioner.io import bundled
+from captioner.io.checkpoint import load_checkpoint
 from tests.builders import one_line
 from tests.tiny import tiny_captioner, tiny_image, write_tiny_coco
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import compare_tutorial as ct
-from captioner.model import ModelConfig
+from captioner.model.decoder import ModelConfig
 from tests.train.test_graphed import eager_capture
 
 CFG = ModelConfig(vocab_size=50, annotation_dim=16, embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.5)
@@ -56,7 +56,7 @@ def test_the_timed_graphed_step_trains(monkeypatch):
 
 
 def test_the_graphed_search_is_timed_only_when_it_gives_the_plain_search_s_captions(monkeypatch):
-    from captioner import search_graph
+    from captioner.search import graph as search_graph
     from tests.captioner.test_search_graph import eager_capture as eager_search_capture
 
     torch.manual_seed(1)

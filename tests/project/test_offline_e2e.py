@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from captioner.cli import main
+from captioner.cli.main import main
 from captioner.data.coco import load_split
-from captioner.evaluation import decode_records
+from captioner.evaluation.evaluate import decode_records
 from captioner.inference import Captioner, DecodeOptions
 from tests.pretrained import fake_torch_home, forbid_downloads
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
 from captioner.inference import Captioner
 
 CONFIG = Path(__file__).parents[2] / "train" / "configs" / "own-soft.toml"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.cli import build_parser
+from captioner.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from captioner.grounding import ShapeObject
+from captioner.evaluation.grounding import ShapeObject
 from studies.attention import cli, misses, scoring
 from tests.tiny import tiny_captioner
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from captioner.grounding import ShapeObject
+from captioner.evaluation.grounding import ShapeObject
 from studies.attention import cli, naming, scoring
 from tests.tiny import tiny_captioner
 
@@ -71,8 +71,8 @@ def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects
     """scoring.decoded_test_images, which naming and relation count over: the first N images
     only, each caption the comparison's decoding of that image, beside that image's objects."""
     from captioner.data.coco import load_split
-    from captioner.evaluation import decode_records
-    from captioner.grounding import load_shape_objects
+    from captioner.evaluation.evaluate import decode_records
+    from captioner.evaluation.grounding import load_shape_objects
     from captioner.inference import DecodeOptions
 
     cap = tiny_captioner(seed=3)

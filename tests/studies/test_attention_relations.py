@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from captioner.data.coco import ImageRecord
-from captioner.grounding import ShapeObject
-from captioner.images import Preprocess
+from captioner.data.images import Preprocess
+from captioner.data.vocab import Vocabulary
+from captioner.evaluation.grounding import ShapeObject
 from captioner.inference import Captioner
-from captioner.model import CaptionModel
-from captioner.vocab import Vocabulary
+from captioner.model.decoder import CaptionModel
 from studies.attention import cli, relations, scoring
 from tests.tiny import tiny_captioner, tiny_config, tiny_image
 

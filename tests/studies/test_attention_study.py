@@ -29,14 +29,14 @@ CANDS = {1: "a red circle", 2: "a blue square above a star", 3: "white", 4: "a y
 def _pycoco_bleu4(refs: dict, cands: dict) -> float:
     from pycocoevalcap.bleu.bleu import Bleu
 
-    from captioner.metrics import _prepare
+    from captioner.evaluation.metrics import _prepare
 
     gts, res = _prepare(refs, cands)
     return Bleu(4).compute_score(gts, res, verbose=0)[0][3]
 
 
 def test_bleu_counts_give_pycocoevalcaps_corpus_bleu_on_the_set_and_on_a_resample():
-    from captioner.metrics import _prepare
+    from captioner.evaluation.metrics import _prepare
 
     gts, res = _prepare(REFS, CANDS)
     stats = cs.bleu_stats(gts, res, [1, 2, 3, 4])
@@ -292,7 +292,7 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     rec = _record(store.Results(out), "additive", 0)  # read again from the file
     assert rec["checkpoint"].startswith("last.pt at step 3")
     # Scored with the weight average the recipe keeps (optim.ema), not the raw last weights.
-    from captioner.checkpoint import load_checkpoint
+    from captioner.io.checkpoint import load_checkpoint
 
     last = load_checkpoint(run_dir / "last.pt")
     average = last.train_state.weight_average.tensors
@@ -323,7 +323,7 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
     step 10 and weights of its own, so that scoring the last step for it would show."""
     from dataclasses import replace
 
-    from captioner.checkpoint import load_checkpoint
+    from captioner.io.checkpoint import load_checkpoint
 
     rows = _rows_file(tmp_path, CHOSEN_ROWS)
     scored = {}
@@ -492,7 +492,7 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
 
 def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_elsewhere(tmp_path):
     """A "best" row trained on one machine is scored on another from the best.pt chosen there."""
-    from captioner.checkpoint import load_checkpoint
+    from captioner.io.checkpoint import load_checkpoint
 
     rows = _rows_file(tmp_path, CHOSEN_ROWS)
     there = _args(tmp_path, rows, "--rows", "chosen-last,chosen-best", "--seeds", "0", "--steps", "12")

@@ -8,8 +8,8 @@ import torch
 
 from captioner.data.coco import ImageDataset, load_split
 from captioner.data.shapes import generate_dataset
-from captioner.encoders import Annotations
-from captioner.vocab import tokenize
+from captioner.data.vocab import tokenize
+from captioner.model.encoders import Annotations
 from studies.attention.forced import forced_maps, forced_outputs
 from tests.tiny import tiny_captioner
 

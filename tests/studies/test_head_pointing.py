@@ -10,7 +10,7 @@ import torch
 
 from captioner.data.coco import load_split
 from captioner.data.shapes import generate_dataset
-from captioner.grounding import load_shape_objects, pointing_game
+from captioner.evaluation.grounding import load_shape_objects, pointing_game
 from studies.attention import cli
 from studies.attention import heads as hp
 from studies.attention.forced import forced_maps
@@ -41,7 +41,7 @@ def test_each_head_and_the_mean_are_scored_on_the_same_words(shapes):
     r = hp.head_pointing(cap, shapes, images=7, batch_size=3)
     assert len(r.hits) == len(r.mass) == 3 and r.words > 0
     from captioner.data.coco import ImageDataset
-    from captioner.vocab import tokenize
+    from captioner.data.vocab import tokenize
 
     def maps_one_by_one(recs, head=None):
         """Each image alone, apart from the batched code under test: the mean map (head None)

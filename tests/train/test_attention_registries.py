@@ -9,12 +9,12 @@ from typing import get_args, get_type_hints
 import pytest
 import torch
 
-from captioner import attention
-from captioner.attention import HARD_INFERENCE, LOCAL_WIDTHS, MODES, NORMALIZERS, SCORES
-from captioner.cli import build_parser
+from captioner.cli.main import build_parser
 from captioner.distributed import DistContext
 from captioner.inference import AUTOCAST_DTYPES
-from captioner.model import ModelConfig
+from captioner.model import attention
+from captioner.model.attention import HARD_INFERENCE, LOCAL_WIDTHS, MODES, NORMALIZERS, SCORES
+from captioner.model.decoder import ModelConfig
 from captioner.train.config import ModelSection, OptimConfig, TrainConfig, ignored_values, load_config
 from captioner.train.losses import soft_loss
 from captioner.train.objectives import Hard, Soft, choose_objective

@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from captioner.data.coco import load_split
-from captioner.images import ImageLoadError, Preprocess
+from captioner.data.images import ImageLoadError, Preprocess
+from captioner.data.vocab import tokenize
 from captioner.train.captions import CaptionDataset, build_vocab, collate_captions, training_captions
-from captioner.vocab import tokenize
 
 PRE = Preprocess(size=(8, 8))  # tiny, so image work costs nothing
 

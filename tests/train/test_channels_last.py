@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from captioner import kernels
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
+from captioner.io.checkpoint import load_checkpoint
+from captioner.model import kernels
 from captioner.train.config import to_toml
 from captioner.train.loop import optimizer_state_like_params
 from captioner.train.losses import soft_loss

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from captioner.checkpoint import load_checkpoint
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
 from tests.builders import tiny_train_config
 from tests.tiny import tiny_captioner, tiny_image

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
 from captioner.train.data_cli import main as data_main
 from tests.builders import coco_config
 

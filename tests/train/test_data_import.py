@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
 from captioner.data.coco import dataset_tokenizer, load_split
 from captioner.train.data_cli import main as data_main
 from tests.builders import one_line
@@ -397,7 +397,7 @@ def test_the_data_set_is_named_after_the_output_folder_unless_named(tmp_path):
 def test_avif_images_are_found_in_folders(tmp_path):
     from PIL import features
 
-    from captioner.batch import discover
+    from captioner.cli.batch import discover
 
     if not features.check("avif"):
         pytest.skip("this Pillow has no AVIF codec")

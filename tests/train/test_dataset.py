@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
 from captioner.data.coco import SplitNotFoundError, load_splits
 from captioner.train.config import to_toml
 from captioner.train.data_cli import main as data_main

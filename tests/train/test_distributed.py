@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from captioner.model import CaptionModel
+from captioner.model.decoder import CaptionModel
 from tests.builders import TORCHRUN, one_and_two_ranks
 from tests.tiny import tiny_captioner, tiny_image
 
@@ -80,7 +80,7 @@ def test_a_mistake_under_torchrun_is_said_once_on_its_own_line(tmp_path):
 
 SLOW_EXIT = '''
 import os, sys, time
-from captioner.cli import main
+from captioner.cli.main import main
 code = main(sys.argv[1:])
 if os.environ.get("RANK") == "1":
     time.sleep(3)  # a rank that takes a while to exit: torchrun sees rank 0 end first

@@ -5,7 +5,7 @@ uninterrupted one exactly."""
 import pytest
 import torch
 
-from captioner.checkpoint import load_checkpoint
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
 from tests.builders import TORCHRUN, one_and_two_ranks, run_ok, tiny_train_config
 

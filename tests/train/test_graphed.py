@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner import kernels
-from captioner.encoders import Annotations
+from captioner.model import kernels
+from captioner.model.encoders import Annotations
 from captioner.train import graphed
 from captioner.train.graphed import GraphCaptureError, GraphedSoftStep, graphs_apply, padded_steps
 from captioner.train.losses import LossParts, soft_loss
@@ -335,8 +335,8 @@ def test_a_capture_failing_mid_run_is_one_line_and_the_run_resumes_without_graph
                                                                                     monkeypatch):
     """The run stops in one line naming the way on; its last checkpoint resumes with the graphs off
     (optim.cuda_graphs is one of the keys --set may change on a resume)."""
-    from captioner.checkpoint import load_checkpoint
-    from captioner.cli import main as captioner_main
+    from captioner.cli.main import main as captioner_main
+    from captioner.io.checkpoint import load_checkpoint
     from captioner.train import loop
     from captioner.train.config import to_toml
     from tests.builders import tiny_train_config

@@ -3,7 +3,7 @@ caption once per epoch, the same batches for the same (seed, epoch), and exact r
 
 import torch
 
-from captioner.checkpoint import load_checkpoint
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.loop import _epoch_batches, train
 from tests.builders import tiny_train_config
 

@@ -3,8 +3,8 @@ takes back its own state under the keys runs have always had."""
 
 from __future__ import annotations
 
-from captioner.checkpoint import TrainingState
 from captioner.distributed import DistContext
+from captioner.io.checkpoint import TrainingState
 from captioner.train.config import TrainConfig
 from captioner.train.objectives import Hard, SelfCritical, Soft, choose_objective
 from tests.tiny import tiny_vocab

@@ -4,10 +4,10 @@ and autocast captioning. All on CPU (autocast and the scaler work there too)."""
 import pytest
 import torch
 
-from captioner.encoders import Annotations
-from captioner.grounding import parse_mentions
+from captioner.evaluation.grounding import parse_mentions
 from captioner.inference import Captioner
-from captioner.model import Decoder, ModelConfig
+from captioner.model.decoder import Decoder, ModelConfig
+from captioner.model.encoders import Annotations
 from captioner.train.loop import train
 from captioner.train.precision import MixedPrecision
 from tests.builders import tiny_train_config
@@ -114,8 +114,8 @@ def test_training_with_a_compiled_step_equals_eager_training(tiny_coco, tmp_path
 
 @pytest.fixture(scope="module")
 def shapes_images(tmp_path_factory):
+    from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.images import load_image
 
     out = tmp_path_factory.mktemp("shapes")
     generate_dataset(out, {"test": 6}, seed=777)

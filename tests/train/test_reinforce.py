@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from captioner.encoders import Annotations
-from captioner.model import CaptionModel, ModelConfig
+from captioner.model.decoder import CaptionModel, ModelConfig
+from captioner.model.encoders import Annotations
 from captioner.train.config import HardConfig
 from captioner.train.losses import HardAttentionObjective, caption_log_likelihood
 from tests.tiny import tiny_captioner, token_batch

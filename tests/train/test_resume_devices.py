@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from captioner.checkpoint import TrainingState
+from captioner.io.checkpoint import TrainingState
 from captioner.train.config import ScstConfig
 from captioner.train.loop import _rng_state, _set_rng_state
 from captioner.train.scst import ScstObjective

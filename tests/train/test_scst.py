@@ -13,18 +13,18 @@ import torch.nn.functional as F
 from pycocoevalcap.cider.cider import Cider
 from pycocoevalcap.cider.cider_scorer import CiderScorer
 
-from captioner.checkpoint import load_checkpoint
-from captioner.cider import CiderD, cider_d
-from captioner.cli import main
-from captioner.encoders import Annotations
-from captioner.images import Preprocess
+from captioner.cli.main import main
+from captioner.data.images import Preprocess
+from captioner.data.vocab import tokenize
+from captioner.evaluation.cider import CiderD, cider_d
+from captioner.evaluation.metrics import _prepare
 from captioner.inference import resolve_weights
-from captioner.metrics import _prepare
-from captioner.model import CaptionModel
+from captioner.io.checkpoint import load_checkpoint
+from captioner.model.decoder import CaptionModel
+from captioner.model.encoders import Annotations
 from captioner.train.config import ScstConfig, load_config, model_config, to_toml
 from captioner.train.loop import train
 from captioner.train.scst import ScstObjective, sample_captions, sample_log_probs
-from captioner.vocab import tokenize
 from tests.builders import TORCHRUN, run_ok, tiny_train_config
 from tests.pretrained import fake_torch_home, forbid_downloads
 from tests.tiny import tiny_config, tiny_image, tiny_vocab
@@ -422,7 +422,7 @@ def test_an_scst_section_the_objective_cannot_use_is_refused_when_the_config_loa
 
 
 def test_cider_d_of_chinese_counts_characters():
-    from captioner.vocab import tokenizer_named
+    from captioner.data.vocab import tokenizer_named
 
     corpus = [["一个红色的圆形", "红色的大圆形"], ["一个蓝色的方形", "蓝色的小方形"], ["绿色的星形", "一个绿色的星形"]]
     chars = CiderD(corpus, tokenizer=tokenizer_named("chars"))

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner.data.vocab import Vocabulary
 from captioner.distributed import DistContext
-from captioner.model import CaptionModel
+from captioner.model.decoder import CaptionModel
 from captioner.train.config import DataConfig, load_config
 from captioner.train.datainfo import load_dataset
 from captioner.train.startup import StartupError, _init_from, check_new_run, check_shapes_folder, readable_splits
-from captioner.vocab import Vocabulary
 from tests.tiny import tiny_captioner, tiny_config, tiny_vocab
 
 
@@ -195,9 +195,9 @@ def test_the_unreadable_images_message_names_ten_and_counts_the_rest():
 def test_a_resumed_run_s_tokenizer_is_its_checkpoint_s_and_an_unknown_one_is_one_line(tiny_coco):
     from dataclasses import replace
 
-    from captioner.checkpoint import Checkpoint
+    from captioner.data.vocab import DEFAULT_TOKENIZER, tokenizer_named
+    from captioner.io.checkpoint import Checkpoint
     from captioner.train.startup import data_tokenizer
-    from captioner.vocab import DEFAULT_TOKENIZER, tokenizer_named
     from tests.builders import tiny_train_config
 
     data = load_dataset(tiny_train_config(tiny_coco).data)
@@ -248,7 +248,7 @@ def test_init_from_refuses_a_file_that_is_no_checkpoint_or_does_not_fit(tmp_path
 
 
 def test_encoder_from_copies_the_encoder_only_and_refuses_another_encoder(tmp_path):
-    from captioner.checkpoint import load_checkpoint
+    from captioner.io.checkpoint import load_checkpoint
     from captioner.train.startup import _encoder_from
 
     tiny_captioner(seed=1).save(tmp_path / "source.pt")
@@ -274,7 +274,7 @@ def test_encoder_from_copies_the_encoder_only_and_refuses_another_encoder(tmp_pa
 
 
 def test_a_pretrained_encoder_s_weights_already_there_or_downloaded_into_an_existing_folder(tmp_path, monkeypatch):
-    from captioner.encoders import pretrained_file
+    from captioner.model.encoders import pretrained_file
     from captioner.train.startup import _require_pretrained
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
@@ -298,8 +298,8 @@ def test_a_pretrained_encoder_s_weights_already_there_or_downloaded_into_an_exis
 def test_a_new_run_starts_its_encoder_from_encoder_from(tiny_coco, tmp_path):
     """model.encoder_from with a frozen encoder: the run's encoder is the checkpoint's, whatever
     its decoder; a resumed run keeps its own."""
-    from captioner.checkpoint import load_checkpoint
-    from captioner.cli import main as captioner_main
+    from captioner.cli.main import main as captioner_main
+    from captioner.io.checkpoint import load_checkpoint
     from captioner.train.config import to_toml
     from tests.builders import tiny_train_config
 
@@ -318,7 +318,7 @@ def test_a_new_run_starts_its_encoder_from_encoder_from(tiny_coco, tmp_path):
 # --- mutation testing's survivors (docs/testing.md) -----------------------------------------
 def test_pretrained_weights_are_downloaded_into_a_torch_home_that_holds_nothing_yet(tmp_path, monkeypatch):
     """A first run on a new machine: neither TORCH_HOME nor its hub/checkpoints folder exists."""
-    from captioner.encoders import pretrained_file
+    from captioner.model.encoders import pretrained_file
     from captioner.train.startup import _require_pretrained
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "new" / "torch"))

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from captioner.checkpoint import load_checkpoint
 from captioner.inference import Captioner
-from captioner.model import CaptionModel
+from captioner.io.checkpoint import load_checkpoint
+from captioner.model.decoder import CaptionModel
 from captioner.train.averaging import WeightAverage
 from captioner.train.config import HardConfig
 from captioner.train.loop import train, validation_value
@@ -242,7 +242,7 @@ def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
 def test_a_finished_run_records_its_training_images_features_with_each_checkpoint_s_encoder(tiny_coco, tmp_path,
                                                                                              monkeypatch):
     from captioner.data.coco import load_split
-    from captioner.familiarity import training_features
+    from captioner.model.familiarity import training_features
     from captioner.train import loop
 
     figures = iter([0.9, 0.5, 0.4, 0.3, 0.2])  # falling: best.pt is the first epoch's, last.pt the fourth's
@@ -282,7 +282,7 @@ def test_the_averaged_weights_are_scored_and_shipped_with_their_own_record(tiny_
     from dataclasses import replace
 
     from captioner.data.coco import load_split
-    from captioner.familiarity import TrainingFeatures, training_features
+    from captioner.model.familiarity import TrainingFeatures, training_features
     from studies.attention.checkpoints import model_at_last_step, slim_checkpoint
 
     run = tmp_path / "run"
@@ -307,7 +307,7 @@ def test_a_frozen_encoder_s_record_comes_from_the_feature_cache(tiny_coco, tmp_p
     """The end of a run with the feature cache reads the cached features instead of encoding
     every training image again; the record is the one encoding gives, within fp16 rounding."""
     from captioner.data.coco import load_split
-    from captioner.familiarity import training_features
+    from captioner.model.familiarity import training_features
     from captioner.train import loop
     from studies.attention.checkpoints import model_at_last_step
 

@@ -9,9 +9,9 @@ from typing import get_args, get_type_hints
 
 import pytest
 
-from captioner.attention import LOCAL_WIDTHS, MODES, NORMALIZERS, SCORES
-from captioner.cli import main as captioner_main
-from captioner.model import ModelConfig
+from captioner.cli.main import main as captioner_main
+from captioner.model.attention import LOCAL_WIDTHS, MODES, NORMALIZERS, SCORES
+from captioner.model.decoder import ModelConfig
 from captioner.train.config import (
     SET_BY_THE_RUN,
     HardConfig,
@@ -192,7 +192,7 @@ def test_captioner_train_refuses_an_unknown_choice_inone_line(tmp_path, capsys):
 
 
 def test_configs_of_older_runs_with_amp_still_load(tmp_path):
-    from captioner.checkpoint import TrainingState
+    from captioner.io.checkpoint import TrainingState
 
     saved = tiny_train_config(tmp_path).to_dict()
     del saved["optim"]["precision"]
@@ -403,7 +403,7 @@ def test_a_resume_reads_last_pt_once(tiny_coco, tmp_path, monkeypatch, capsys):
     """`captioner train --resume` takes the run's config from last.pt and hands the file's
     contents on to training rather than reading it again (a COCO run's last.pt, optimiser state
     and all, is large)."""
-    import captioner.checkpoint
+    import captioner.io.checkpoint
     from captioner.train import loop
 
     code, _ = _train_cli(tmp_path, tiny_coco, "", "val.every_epochs=1000")

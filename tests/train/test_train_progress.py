@@ -3,10 +3,10 @@ named in the checkpoint, a readable summary of generated data."""
 
 import re
 
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main
+from captioner.cli.main import main
 from captioner.data.shapes import generate_dataset
 from captioner.inference import Captioner
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.datainfo import load_dataset
 from captioner.train.loop import train
 from tests.builders import tiny_train_config

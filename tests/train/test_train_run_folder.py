@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
 from tests.builders import one_line, tiny_train_config
 from tests.tiny import tiny_captioner, write_tiny_coco

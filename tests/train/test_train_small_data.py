@@ -8,14 +8,14 @@ from collections import Counter
 
 import pytest
 
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
+from captioner.data.vocab import PTB, UNK
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train import loop
 from captioner.train.captions import TrainingCaptions
 from captioner.train.config import DataConfig, load_config
 from captioner.train.datainfo import vocab_min_count, vocabulary
 from captioner.train.loop import TrainOutcome, outcome_line, train
-from captioner.vocab import PTB, UNK
 from tests.builders import tiny_train_config
 
 OWN_SOFT = "own-soft"

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.checkpoint import load_checkpoint
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
 from captioner.data.coco import load_split
+from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import DataConfig, to_toml
 from captioner.train.data_cli import main as data_main
 from tests.builders import coco_config, one_line, tiny_train_config
@@ -281,7 +281,7 @@ def test_training_says_what_it_did_in_figures_a_reader_can_use(tiny_coco, tmp_pa
 def test_checking_the_images_draws_nothing_from_the_global_random_state(tiny_coco):
     """Training checks its images before it builds the model: its initial weights (the same on
     every rank, the same as before the check existed) must not depend on the check."""
-    from captioner.images import Preprocess
+    from captioner.data.images import Preprocess
     from captioner.train.image_check import unreadable_images
 
     paths = sorted((tiny_coco / "images").glob("*.png"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from captioner.cli import main as captioner_main
+from captioner.cli.main import main as captioner_main
 from captioner.inference import Captioner, checkpoint_name
 from captioner.train.config import BUNDLED_CONFIGS, bundled_configs, find_config, load_config
 from captioner.train.loop import train

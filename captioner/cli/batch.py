@@ -21,11 +21,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from .decoding import CaptionResult
-from .images import DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError, Preprocess, is_image_path, load_image
-from .inference import Captioner, DecodeOptions
-from .jpeg_device import decode_resize, plain_jpeg
-from .vocab import UNK
+from captioner.data.images import (
+    DEFAULT_MAX_PIXELS,
+    ImageLoadError,
+    ImageTooLargeError,
+    Preprocess,
+    is_image_path,
+    load_image,
+)
+from captioner.data.jpeg_device import decode_resize, plain_jpeg
+from captioner.data.vocab import UNK
+from captioner.inference import Captioner, DecodeOptions
+from captioner.search.decoding import CaptionResult
 
 
 @dataclass
@@ -368,7 +375,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
 
 def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False,
                  max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "", notice: str | None = None) -> str:
-    from .overlay import attention_figure, figure_info
+    from captioner.overlay import attention_figure, figure_info
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.

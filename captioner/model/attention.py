@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from captioner.model import kernels
 
 # A learned half-width never goes below this many cells: the window's log, -d^2 / (2 sigma^2),
 # stays finite (and its gradient too) however far the centre network pushes the width down.

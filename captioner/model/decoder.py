@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .attention import LocalWidthName, ModeName, NormalizerName, ScoreName
-from .encoders import Annotations, create_encoder
-from .grid import GridSelfAttention, check_grid_fields
-from .multihead import build_attention
+from captioner.model import kernels
+from captioner.model.attention import LocalWidthName, ModeName, NormalizerName, ScoreName
+from captioner.model.encoders import Annotations, create_encoder
+from captioner.model.grid import GridSelfAttention, check_grid_fields
+from captioner.model.multihead import build_attention
 
 
 @dataclass

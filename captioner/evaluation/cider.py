@@ -24,7 +24,7 @@ training needs them fixed, from the training split's references, whatever is sco
 is pycocoevalcap's corpus-level form (df from the scored images' own references).
 
 Captions are tokenised as the metrics tokenise them: with the data set's tokenizer
-(:func:`captioner.vocab.tokenize`, PTB, unless another is given). An n-gram seen in one
+(:func:`captioner.data.vocab.tokenize`, PTB, unless another is given). An n-gram seen in one
 corpus image only has the idf of an unseen one (log N), so only n-grams of df >= 2 are
 stored: most 4-grams of COCO are seen once.
 """
@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .vocab import PTB, Tokenizer
+from captioner.data.vocab import PTB, Tokenizer
 
 NGRAMS = 4
 SIGMA = 6.0

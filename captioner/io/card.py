@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 
-from . import folder as fmt
+from captioner.io import folder as fmt
 
 
 def recorded_figures(meta: dict) -> list[tuple[str, str, float]]:

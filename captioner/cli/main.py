@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_common import (
+from captioner.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_SOME_FAILED,
@@ -34,12 +34,12 @@ from .cli_common import (
     share,
     whole_number,
 )
-from .export_cli import add_export_parser
+from captioner.cli.export import add_export_parser
 
 if TYPE_CHECKING:
-    from .batch import BatchSummary, Discovery, ResumePlan
-    from .distributed import DistContext
-    from .inference import Captioner
+    from captioner.cli.batch import BatchSummary, Discovery, ResumePlan
+    from captioner.distributed import DistContext
+    from captioner.inference import Captioner
 
 RANK_ERROR_WAIT = 5.0  # seconds a rank other than 0 waits before exiting on a mistake (see main)
 
@@ -53,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
-    from .attention import HARD_INFERENCE  # torch: not at this module's import (captioner.onnx uses it)
+    from captioner.model.attention import HARD_INFERENCE  # torch: not at this module's import (captioner.onnx uses it)
 
     p.add_argument("--weights", default=None,
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard, demo-zh (Chinese "
@@ -74,7 +74,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_caption_parser(sub: argparse._SubParsersAction) -> None:
-    from .inference import INFERENCE_PRECISIONS  # torch: not at this module's import (captioner.onnx uses it)
+    from captioner.inference import INFERENCE_PRECISIONS  # torch: not at this module's import (captioner.onnx uses it)
 
     p = sub.add_parser(
         "caption", help="caption image files and folders, one JSON line per image",
@@ -178,7 +178,7 @@ def default_batch_size(device) -> int:
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
-    from .distributed import DeviceError, setup, teardown, work_done
+    from captioner.distributed import DeviceError, setup, teardown, work_done
 
     check_device(args.device)
     if args.num_captions > args.beam_size:
@@ -221,7 +221,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
 def _caption_inputs(args: argparse.Namespace, ctx: DistContext) -> Discovery:
     """The image files of the PATHs (``discover``), or a one-line UsageError: no image among
     them, a path that is not there, a URL, or no --out under torchrun."""
-    from .batch import discover
+    from captioner.cli.batch import discover
 
     if ctx.active and args.out is None:
         raise UsageError("under torchrun, --out FILE is required (ranks write parts that are merged into it)")
@@ -239,7 +239,7 @@ def _caption_inputs(args: argparse.Namespace, ctx: DistContext) -> Discovery:
 
 def _caption_plan(args: argparse.Namespace, ctx: DistContext, images: list[str]) -> ResumePlan:
     """The images this run captions: those found, less what --out already holds as asked for."""
-    from .batch import merge_parts, plan_resume, read_resume
+    from captioner.cli.batch import merge_parts, plan_resume, read_resume
 
     if ctx.active and ctx.is_main:
         merge_parts(args.out)  # parts left by an earlier, killed distributed run
@@ -254,9 +254,9 @@ def _caption_share(args: argparse.Namespace, ctx: DistContext, captioner: Captio
                    pending: list[str]) -> BatchSummary:
     """Caption this rank's ``pending`` images into --out (a part file of it under torchrun), or
     to standard output, with the decoding and outputs the options ask for."""
-    from .batch import caption_paths, part_path
-    from .images import DEFAULT_MAX_PIXELS
-    from .inference import DecodeOptions
+    from captioner.cli.batch import caption_paths, part_path
+    from captioner.data.images import DEFAULT_MAX_PIXELS
+    from captioner.inference import DecodeOptions
 
     workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
     options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
@@ -280,7 +280,7 @@ def _caption_share(args: argparse.Namespace, ctx: DistContext, captioner: Captio
 def _caption_gathered(args: argparse.Namespace, ctx: DistContext, summary: BatchSummary,
                       plan: ResumePlan) -> BatchSummary:
     """The whole run's summary (every rank's, summed), once --out holds one line per image."""
-    from .batch import BatchSummary, compact, merge_parts
+    from captioner.cli.batch import BatchSummary, compact, merge_parts
 
     if ctx.active:
         ctx.barrier()
@@ -295,7 +295,7 @@ def _caption_gathered(args: argparse.Namespace, ctx: DistContext, summary: Batch
 
 def _caption_report(args: argparse.Namespace, summary: BatchSummary, skipped: int, plan: ResumePlan) -> None:
     """On stderr: what the run did (unless --quiet), and a note of the captions with no word."""
-    from .vocab import UNK
+    from captioner.data.vocab import UNK
 
     if not args.quiet:
         extra = (f", retried {plan.retried} (failed before)" if plan.retried else "") + \
@@ -332,7 +332,7 @@ def add_shapes_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_shapes(args: argparse.Namespace) -> int:
-    from .data.shapes import generate_dataset, remove_dataset
+    from captioner.data.shapes import generate_dataset, remove_dataset
 
     counts = {k: n for k, n in (("train", args.train), ("val", args.val), ("test", args.test)) if n > 0}
     if not counts:
@@ -407,7 +407,7 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
 def _split_records(args: argparse.Namespace) -> list:
     """``args.split`` of ``args.data`` (with ``args.karpathy``), its first ``args.limit`` images,
     each image file there: a missing file or image is a one-line usage error."""
-    from .data.coco import load_split, require_images
+    from captioner.data.coco import load_split, require_images
 
     try:
         records = load_split(args.data, args.split, args.karpathy)[:args.limit]
@@ -418,8 +418,8 @@ def _split_records(args: argparse.Namespace) -> list:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from .evaluation import evaluate, format_table, write_report
-    from .inference import DecodeOptions
+    from captioner.evaluation.evaluate import evaluate, format_table, write_report
+    from captioner.inference import DecodeOptions
 
     device = check_device(args.device)
     check_out_file(args.out)
@@ -444,8 +444,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _evaluate_captions_file(args: argparse.Namespace, device: str) -> int:
     """`evaluate --captions FILE`: the file's captions scored on the split, no decoding."""
-    from .data.coco import load_split
-    from .evaluation import evaluate_captions, format_table, write_report
+    from captioner.data.coco import load_split
+    from captioner.evaluation.evaluate import evaluate_captions, format_table, write_report
 
     if not args.captions.is_file():
         raise UsageError(f"--captions {args.captions}: no such file")
@@ -507,7 +507,7 @@ def add_familiarity_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_familiarity(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .familiarity import training_features
+    from captioner.model.familiarity import training_features
 
     device = check_device(args.device)
     if args.out is not None:
@@ -526,7 +526,7 @@ def cmd_familiarity(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from e
     target = args.out or path
     if target.is_dir():  # an exported model folder: its record file and config
-        from .export import write_familiarity
+        from captioner.io.export import write_familiarity
 
         write_familiarity(target, record.to_dict())
     else:
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        from .distributed import is_main_process
+        from captioner.distributed import is_main_process
 
         # Under torchrun every rank meets the same mistake: rank 0 says it (two ranks writing at
         # once glued their lines into one). The others wait before they exit: torchrun stops
@@ -605,5 +605,5 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
-if __name__ == "__main__":  # `python -m captioner.cli`, as torchrun runs it
+if __name__ == "__main__":
     sys.exit(main())

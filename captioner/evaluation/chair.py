@@ -46,7 +46,7 @@ from pathlib import Path
 
 from nltk.tokenize import NLTKWordTokenizer
 
-SYNONYMS_FILE = Path(__file__).parent / "data" / "chair_synonyms.txt"
+SYNONYMS_FILE = Path(__file__).parents[1] / "data" / "chair_synonyms.txt"
 
 # Two-word phrases that name one object, read before single words (the reference's list;
 # "stove top oven" is there too, and with three words it never matches).

@@ -3,7 +3,7 @@
 The scorers are pycocoevalcap's (the COCO caption evaluation code). Two deliberate
 differences from its ``COCOEvalCap`` driver:
 
-- Tokenisation of references and candidates uses :func:`captioner.vocab.tokenize` (the
+- Tokenisation of references and candidates uses :func:`captioner.data.vocab.tokenize` (the
   tokenizer the vocabulary is built with) instead of running the Stanford PTBTokenizer
   in java. It reproduces that tokenizer's output on captions (full stops inside a
   caption, commas, clitics, brackets as ``-lrb-``, hyphens, numbers; a table is checked
@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .vocab import PTB, Tokenizer
+from captioner.data.vocab import PTB, Tokenizer
 
 METRIC_NAMES: tuple[str, ...] = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr")
 

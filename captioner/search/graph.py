@@ -39,8 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import kernels
-from .decoding import (
+from captioner.model import kernels
+from captioner.model.decoder import Decoder
+from captioner.model.encoders import Annotations
+from captioner.search.decoding import (
     DecodedIds,
     _extend,
     _hard_kwargs,
@@ -51,8 +53,6 @@ from .decoding import (
     _Trace,
     check_search,
 )
-from .encoders import Annotations
-from .model import Decoder
 
 BUCKET = 8  # a batch is padded to a multiple of this many images for its graph
 MAX_GRAPHS = 8  # shapes kept; another shape runs the fixed form without a graph

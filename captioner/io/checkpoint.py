@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from .familiarity import TrainingFeatures
-from .images import Preprocess
-from .model import ModelConfig
-from .vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
+from captioner.data.images import Preprocess
+from captioner.data.vocab import DEFAULT_TOKENIZER, Vocabulary, tokenizer_named
+from captioner.model.decoder import ModelConfig
+from captioner.model.familiarity import TrainingFeatures
 
 FORMAT = "captioner-checkpoint"
 VERSION = 1
@@ -498,8 +498,8 @@ def load_folder(folder: str | os.PathLike) -> Checkpoint:
     """The checkpoint of a model folder ``captioner export`` wrote (captioner.folder):
     safetensors and JSON only, so nothing in it is unpickled. Its tensors are on the CPU; a
     demo's folder says which demo (``demo``), for its notice."""
-    from . import folder as fmt
-    from . import tensorfile
+    from captioner.io import folder as fmt
+    from captioner.io import tensorfile
 
     folder = Path(folder)
     try:

@@ -11,7 +11,7 @@
     encoder.onnx              with --onnx: images -> annotations, keys, initial state, pooled features
     decoder_step.onnx         with --onnx: one word of the decoder (see captioner.export)
 
-Both readers start here: the torch one (``captioner.checkpoint.load_checkpoint``, which
+Both readers start here: the torch one (``captioner.io.checkpoint.load_checkpoint``, which
 reads the folder into a Checkpoint record) and the onnxruntime one (``captioner.onnx``).
 A folder with a file missing, a config written by a newer captioner, or tensors whose shapes
 do not fit the config is refused with one line saying which.
@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from . import tensorfile
+from captioner.io import tensorfile
 
 FORMAT = "captioner-model"
 VERSION = 1

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import folder as fmt
-from .cli_common import caption_length, positive, share  # the caption command's own checks (no torch)
-from .images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
-from .npsearch import Decoded, beam_search, greedy
-from .record import DIGITS, caption_record
-from .vocab import tokenizer_named
+from captioner.cli.common import caption_length, positive, share  # the caption command's own checks (no torch)
+from captioner.data.images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
+from captioner.data.vocab import tokenizer_named
+from captioner.io import folder as fmt
+from captioner.io.record import DIGITS, caption_record
+from captioner.onnx.search import Decoded, beam_search, greedy
 
 UNFAMILIAR_BELOW = 0.01  # familiarity.DEFAULT_THRESHOLD (that module loads torch)
 

@@ -1,5 +1,5 @@
 """JPEG decoding on the model's device, a switch of batch captioning (``--decode-on-device``),
-kept apart from the one CPU preprocessing (:class:`captioner.images.Preprocess`).
+kept apart from the one CPU preprocessing (:class:`captioner.data.images.Preprocess`).
 
 On a GPU, worker processes decoding and resizing photos can fall behind the encoder. With
 this switch the workers only read each JPEG's header (the pixel limit, its colour mode, its
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .images import Preprocess
+from captioner.data.images import Preprocess
 
 _ORIENTATION = 0x0112  # the EXIF tag of the picture's rotation
 _JPEG_START = b"\xff\xd8"  # every JPEG file's first two bytes (its start-of-image marker)

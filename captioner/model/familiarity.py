@@ -160,7 +160,7 @@ def training_features(captioner, records: Sequence, *, data: str = "", batch_siz
     from torch.utils.data import DataLoader
     from tqdm import tqdm
 
-    from .data.coco import ImageDataset
+    from captioner.data.coco import ImageDataset
 
     loader = DataLoader(ImageDataset(records, captioner.preprocess), batch_size=batch_size, num_workers=workers,
                         shuffle=False)

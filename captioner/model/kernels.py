@@ -25,7 +25,7 @@ is in docs/benchmarks.md.
       fixed program of all steps, its      leaves the batch when it is done,     a deterministic search, the
       captions read once at the end,       a host wait after every step          decoder's step not compiled
       replayed as a CUDA graph
-      (captioner/search_graph.py)
+      (captioner/search/graph.py)
 
 The switch: ``CAPTIONER_KERNELS=0`` (or ``false``, ``off``, ``no``) in the environment when
 this module is first imported, or ``set_enabled(False)`` from code, turns every fast form

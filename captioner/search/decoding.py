@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .attention import HARD_INFERENCE
-from .encoders import Annotations
-from .familiarity import Familiarity
-from .model import Decoder
-from .record import caption_record
+from captioner.io.record import caption_record
+from captioner.model.attention import HARD_INFERENCE
+from captioner.model.decoder import Decoder
+from captioner.model.encoders import Annotations
+from captioner.model.familiarity import Familiarity
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from .cli_common import EXIT_OK, UsageError, load_model
+from captioner.cli.common import EXIT_OK, UsageError, load_model
 
 LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")  # the Hub's license ids: mit, apache-2.0, cc-by-4.0, other, ...
 
@@ -44,7 +44,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import ExportError, check_target, export
+    from captioner.io.export import ExportError, check_target, export
 
     try:
         check_target(args.out)

@@ -2,10 +2,10 @@
 it names?
 
 For every generated word that names a COCO category present among the image's instances
-(the words read as CHAIR reads them, :mod:`captioner.chair`, with the synonym list's
+(the words read as CHAIR reads them, :mod:`captioner.evaluation.chair`, with the synonym list's
 defects corrected: "bus" is a bus here), the map of the step that emitted it is scored
 against all of that category's instances, by the shapes' pointing game
-(:func:`captioner.grounding.point`, the same code): a hit when the map's strongest cell has
+(:func:`captioner.evaluation.grounding.point`, the same code): a hit when the map's strongest cell has
 its centre inside one of the instances (in its box, and on its mask where the file gives
 one), and the attention mass on such cells. A two-word name ("hot dog", "baby elephant")
 is scored at its last word, when the whole name has been said. Words naming an object that
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from .chair import object_words
-from .data.coco import ImageInstances
-from .grounding import Crop, PointingRecord, Region, point, word_maps
+from captioner.data.coco import ImageInstances
+from captioner.evaluation.chair import object_words
+from captioner.evaluation.grounding import Crop, PointingRecord, Region, point, word_maps
 
 
 def coco_pointing(words: Sequence[str], alphas: Any, image: ImageInstances,

@@ -4,8 +4,8 @@ from any source (a file) without a model.
 Caption metrics for any COCO-format data; on shapes data (an ``instances_<split>.json``
 beside the captions) also object accuracy, hallucinated shapes and the attention pointing
 game; on COCO data with its instance annotations in the published layout
-(``annotations/instances_{train,val}2014.json``) also CHAIR (:mod:`captioner.chair`) and
-the attention's grounding on the instances (:mod:`captioner.coco_grounding`).
+(``annotations/instances_{train,val}2014.json``) also CHAIR (:mod:`captioner.evaluation.chair`) and
+the attention's grounding on the instances (:mod:`captioner.evaluation.coco_grounding`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .chair import ChairSummary, ImageChair, chair
-from .coco_grounding import CocoGroundingSummary, coco_pointing, summarize_coco_grounding
-from .data.coco import (
+from captioner.data.coco import (
     ImageDataset,
     ImageInstances,
     ImageRecord,
@@ -32,12 +30,14 @@ from .data.coco import (
     load_split,
     require_images,
 )
-from .decoding import CaptionResult
-from .grounding import GroundingSummary, evaluate_caption, load_shape_objects, summarize_grounding
-from .images import Preprocess
-from .inference import Captioner, DecodeOptions
-from .metrics import caption_metrics, meteor_wanted
-from .vocab import PTB, TOKENIZERS, Tokenizer, tokenizer_named
+from captioner.data.images import Preprocess
+from captioner.data.vocab import PTB, TOKENIZERS, Tokenizer, tokenizer_named
+from captioner.evaluation.chair import ChairSummary, ImageChair, chair
+from captioner.evaluation.coco_grounding import CocoGroundingSummary, coco_pointing, summarize_coco_grounding
+from captioner.evaluation.grounding import GroundingSummary, evaluate_caption, load_shape_objects, summarize_grounding
+from captioner.evaluation.metrics import caption_metrics, meteor_wanted
+from captioner.inference import Captioner, DecodeOptions
+from captioner.search.decoding import CaptionResult
 
 
 @dataclass
@@ -367,7 +367,7 @@ def results_json(report: EvalReport) -> list[dict]:
     """The COCO results ([{image_id, caption}]); with CHAIR, each entry also names the objects
     its caption names ("objects", each mention) and those hallucinated ("hallucinated"):
     COCO's own tools read the two keys they need and leave the others."""
-    from .metrics import coco_results_json
+    from captioner.evaluation.metrics import coco_results_json
 
     entries = coco_results_json(report.captions)
     for e in entries:

@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import __version__, tensorfile
-from . import folder as fmt
-from .familiarity import pooled
+from captioner import __version__
+from captioner.io import folder as fmt
+from captioner.io import tensorfile
+from captioner.model.familiarity import pooled
 
 OPSET = 18
 ENCODER_IO = (["images"], ["annotations", "keys", "h0", "c0", "features"])
@@ -175,7 +176,7 @@ def language_of(captioner) -> str | None:
 
 
 def _write_config_and_card(folder: Path, config: dict, name: str) -> None:
-    from .card import model_card
+    from captioner.io.card import model_card
 
     (folder / fmt.CONFIG).write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
     (folder / fmt.CARD).write_text(model_card(config, name=name), encoding="utf-8")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
+WEIGHTS_DIR = Path(__file__).parents[1] / "weights"
 DEFAULT = "demo-soft"
 # What the demos were trained on, and the start of the training-data name that training
 # writes into a checkpoint made from the shapes data (``Captioner.training_data``).

@@ -95,7 +95,7 @@ class PointingRecord:
 # ------------------------------------------------------------------------- mentions
 
 def parse_mentions(words: Sequence[str]) -> list[Mention]:
-    """Mentions in a tokenised caption (see ``captioner.vocab.tokenize``).
+    """Mentions in a tokenised caption (see ``captioner.data.vocab.tokenize``).
 
     A mention is a shape word. Its colour is the colour word right before it, or the one
     before that when a size word sits in between ("red large circle"); its size is the

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import Attention, AttentionStep, FirstHead, attention_mode
+from captioner.model.attention import Attention, AttentionStep, FirstHead, attention_mode
 
 
 class MultiHeadAttention(nn.Module):

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .inference import Captioner
+    from captioner.inference import Captioner
+    from captioner.io.checkpoint import Checkpoint
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
@@ -98,8 +98,8 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
     name; None: the default demo) on ``device`` (checked before: see ``check_device``). A file
     that is not a usable checkpoint is a one-line UsageError; with ``notice``, a shapes-only
     model says so on stderr in the name of ``captioner COMMAND``."""
-    from .checkpoint import CheckpointError, load_checkpoint
-    from .inference import Captioner, resolve_weights
+    from captioner.inference import Captioner, resolve_weights
+    from captioner.io.checkpoint import CheckpointError, load_checkpoint
 
     try:
         path = resolve_weights(weights)

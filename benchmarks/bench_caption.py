@@ -97,9 +97,8 @@ def search(captioner: Captioner, ann: Annotations, form: str = "taken") -> None:
     if form == "taken":
         captioner.beam_search_batch(ann, DecodeOptions(beam_size=3, max_len=20))
         return
-    v = captioner.vocab
     run = beam_search if form == "plain" else fixed_beam_search
-    run(captioner.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=20)
+    run(captioner.model.decoder, ann, captioner.tokens, DecodeOptions(beam_size=3, max_len=20))
 
 
 def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tensor], batch_size: int,

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from captioner.model.decoder import Decoder, ModelConfig, attention_penalty
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import beam_search
+from captioner.search.options import DecodeOptions, Tokens
 
 SIZES = dict(vocab_size=10_000, annotation_dim=2048, embed_dim=512, hidden_dim=512, attention_dim=512)
 L, GRID, BATCH, STEPS = 196, (14, 14), 32, 20
@@ -232,7 +233,8 @@ def main() -> None:
 
     def search(b: int):
         def run() -> None:
-            beam_search(decoder, Annotations(a[:b], GRID), start=1, end=2, pad=0, beam_size=3, max_len=STEPS)
+            beam_search(decoder, Annotations(a[:b], GRID), Tokens(start=1, end=2, pad=0),
+                        DecodeOptions(beam_size=3, max_len=STEPS))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
         return run

@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from captioner.model.decoder import CaptionModel, Decoder, ModelConfig
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import beam_search
+from captioner.search.options import DecodeOptions, Tokens
 
 DEMO = dict(vocab_size=30, encoder="small8", image_size=(128, 128), embed_dim=128, hidden_dim=256,
             attention_dim=128, dropout=0.3)
@@ -107,7 +108,7 @@ def main() -> None:
         model.eval()
         with torch.no_grad():
             ann = inputs if isinstance(inputs, Annotations) else model.encode(inputs)
-            beam_search(decoder, ann, start=1, end=2, pad=0, beam_size=3, max_len=20)
+            beam_search(decoder, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(beam_size=3, max_len=20))
 
     what = "paper's COCO sizes, annotations given" if args.paper else \
         "demo-soft's model" + (", annotations given (feature cache)" if args.features else ", encoder included")

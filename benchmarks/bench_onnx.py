@@ -53,7 +53,8 @@ def main() -> None:
     opts = DecodeOptions(beam_size=args.beam_size, max_len=cap.max_len)
     runs = {
         "torch eager": lambda i, j: cap.caption_batch(tensors[i:j], opts),
-        "onnxruntime": lambda i, j: rt.caption_arrays(pixels[i:j], beam_size=args.beam_size, max_len=cap.max_len),
+        "onnxruntime": lambda i, j: rt.caption_arrays(pixels[i:j], rt.options(beam_size=args.beam_size,
+                                                                                 max_len=cap.max_len)),
     }
     for run in runs.values():  # warm-up: first calls allocate
         run(0, 1)

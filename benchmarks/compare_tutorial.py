@@ -42,6 +42,7 @@ from captioner.model.decoder import Decoder, ModelConfig, attention_penalty
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import beam_search
 from captioner.search.graph import SearchGraphs
+from captioner.search.options import DecodeOptions, Tokens
 from captioner.train.config import OptimConfig
 from captioner.train.graphed import GraphedSoftStep, cuda_capture
 from captioner.train.loop import build_optimizer
@@ -185,16 +186,16 @@ def search_graphs_check(dec: Decoder, a: torch.Tensor, steps: int, dev: torch.de
     """Record the beam search (k = 3) of images ``a`` as a CUDA graph (captioner.search_graph):
     whether it gives the plain search's captions, and the timed run of its replay."""
     graphs = SearchGraphs(dec)
-    kw = dict(start=START, end=END, pad=PAD, beam_size=3, max_len=steps)
+    tokens, options = Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=3, max_len=steps)
 
     def run() -> list:
         with torch.no_grad():
-            out = graphs.search(Annotations(a, GRID), **kw)
+            out = graphs.search(Annotations(a, GRID), tokens, options)
         _sync(dev)
         return out
 
     with torch.no_grad():
-        plain = beam_search(dec, Annotations(a, GRID), **kw)
+        plain = beam_search(dec, Annotations(a, GRID), tokens, options)
     return [d.ids for d in run()] == [d.ids for d in plain], run
 
 
@@ -312,8 +313,8 @@ def main() -> None:
 
     def project_beam() -> None:
         with torch.no_grad():
-            beam_search(ours, Annotations(beam_a, GRID), start=START, end=END, pad=PAD, beam_size=3,
-                        max_len=args.beam_steps)
+            beam_search(ours, Annotations(beam_a, GRID), Tokens(start=START, end=END, pad=PAD),
+                        DecodeOptions(beam_size=3, max_len=args.beam_steps))
         _sync(dev)
 
     project_beam_graphed = None

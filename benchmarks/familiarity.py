@@ -37,7 +37,7 @@ from captioner.data import shapes
 from captioner.data.coco import load_split
 from captioner.evaluation.grounding import load_shape_objects, object_accuracy, parse_mentions
 from captioner.inference import Captioner, DecodeOptions
-from captioner.model.familiarity import DEFAULT_THRESHOLD
+from captioner.search.options import UNFAMILIAR_BELOW
 
 PHOTOS = ["astronaut", "camera", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "moon",
           "coins", "clock", "grass", "gravel", "brick", "retina", "page", "text", "microaneurysms"]
@@ -196,11 +196,11 @@ def study(name: str, data: Path, photos: list[Image.Image], variants: dict[str, 
     out = {"model": name, "training_images": t,
            "familiarity": {"auroc_shapes_vs_photos": round(auroc(shapes_fam, photo_fam), 4),
                            "shapes_test_images": len(shapes_fam),
-                           "shapes_flagged": round(float((shapes_fam < DEFAULT_THRESHOLD).mean()), 4),
+                           "shapes_flagged": round(float((shapes_fam < UNFAMILIAR_BELOW).mean()), 4),
                            "photos": len(photo_fam),
-                           "photos_flagged": round(float((photo_fam < DEFAULT_THRESHOLD).mean()), 4),
+                           "photos_flagged": round(float((photo_fam < UNFAMILIAR_BELOW).mean()), 4),
                            "photos_highest_familiarity": round(float(photo_fam.max()), 4),
-                           "variants_flagged": {k: round(float((familiarities(cap, v) < DEFAULT_THRESHOLD).mean()), 4)
+                           "variants_flagged": {k: round(float((familiarities(cap, v) < UNFAMILIAR_BELOW).mean()), 4)
                                                 for k, v in variants.items()}},
            "confidence": confidence(cap, data, records)}
     if timing:

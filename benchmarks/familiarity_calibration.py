@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from captioner.model.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.model.familiarity import TrainingFeatures, pooled
+from captioner.search.options import UNFAMILIAR_BELOW
 
 
 def draws_for(n: int) -> int:
@@ -45,7 +46,7 @@ def gaussian_share(dim: int, n: int, draws: int, fresh: int = 2000, seed: int = 
     for _ in range(draws):
         x = torch.randn(n + fresh, dim, generator=g, dtype=torch.float64) * spread + 3.0
         record = TrainingFeatures.fit(x[:n])
-        shares.append(float((record.values(x[n:]) < DEFAULT_THRESHOLD).double().mean()))
+        shares.append(float((record.values(x[n:]) < UNFAMILIAR_BELOW).double().mean()))
     return sum(shares) / draws
 
 
@@ -72,7 +73,7 @@ def pool_share(features: torch.Tensor, n: int, draws: int, seed: int = 0) -> flo
     for _ in range(draws):
         order = torch.randperm(len(features), generator=g)
         record = TrainingFeatures.fit(features[order[:n]])
-        shares.append(float((record.values(features[order[n:]]) < DEFAULT_THRESHOLD).double().mean()))
+        shares.append(float((record.values(features[order[n:]]) < UNFAMILIAR_BELOW).double().mean()))
     return sum(shares) / draws
 
 

@@ -39,7 +39,7 @@ def compare(cap: Captioner, rt: OnnxCaptioner, paths: list[Path], beam_size: int
         pixels = np.stack([cap.preprocess.array(cap.preprocess.load(p)) for p in chunk])  # (b, H, W, 3)
         opts = DecodeOptions(beam_size=beam_size, max_len=cap.max_len)
         ours = cap.caption_batch(torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous(), opts)
-        theirs = rt.caption_arrays(pixels, beam_size=beam_size, max_len=cap.max_len)
+        theirs = rt.caption_arrays(pixels, rt.options(beam_size=beam_size, max_len=cap.max_len))
         for p, a, b in zip(chunk, ours, theirs):
             n += 1
             if a.caption != b.text:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -16,9 +16,12 @@ from captioner.io.folder import CONFIG, WEIGHTS, is_model_folder, shape_mismatch
 from captioner.model import kernels
 from captioner.model.decoder import CaptionModel
 from captioner.model.encoders import Annotations
-from captioner.model.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.model.familiarity import TrainingFeatures, pooled
 from captioner.search.decoding import Alternative, CaptionResult, DecodedIds, beam_search, greedy
 from captioner.search.graph import SearchGraphs, search_form
+from captioner.search.options import DecodeOptions, Tokens
+
+__all__ = ["Captioner", "DecodeOptions", "resolve_weights"]
 
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
@@ -59,34 +62,6 @@ def checkpoint_name(path: Path, meta: dict | None) -> str:
 # Numeric precision -> autocast dtype (None: no autocast). Training uses the same names.
 AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 INFERENCE_PRECISIONS = tuple(AUTOCAST_DTYPES)
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """How to decode a caption. Frozen: equal options are one key, for a cache or for a batch of
-    images that can be captioned together."""
-
-    beam_size: int = 3
-    max_len: int = 20
-    length_penalty: float = 0.0
-    # Hard-attention models only. "expected" (default): the context is the alpha-weighted
-    # mean of the annotations, the deterministic expectation the model was also trained on
-    # (half of its minibatches); "argmax": the single most likely location (what a hard
-    # look at one place means, also deterministic); "sample": s_t ~ Multinoulli(alpha_t).
-    hard_attention: str = "expected"
-    # An image whose familiarity (the share of training images at least as far from their
-    # distribution) is below this is reported as unfamiliar.
-    unfamiliar_below: float = DEFAULT_THRESHOLD
-    # How many of the search's best finished captions to return (CaptionResult.alternatives), at most
-    # beam_size: the search goes on until no open beam can beat the N-th best (decoding.beam_search).
-    num_captions: int = 1
-
-    def __post_init__(self):
-        if not 1 <= self.num_captions <= self.beam_size:
-            raise ValueError(f"num_captions must be from 1 to the beam size ({self.beam_size}), "
-                             f"got {self.num_captions}")
-        if not self.length_penalty >= 0:  # NaN too
-            raise ValueError(f"length_penalty must be >= 0 (0: rank by log p), got {self.length_penalty}")
 
 
 class Captioner:
@@ -158,6 +133,12 @@ class Captioner:
         batch waits for the compiler."""
         self.model.decoder.compile_step(**options)
         return self
+
+    @property
+    def tokens(self) -> Tokens:
+        """The vocabulary's special ids, as the searches take them."""
+        v = self.vocab
+        return Tokens(start=v.start, end=v.end, pad=v.pad, unk=v.unk)
 
     @property
     def device(self) -> torch.device:
@@ -234,13 +215,11 @@ class Captioner:
         model's device."""
         opt = options or DecodeOptions()
         self.model.eval()
-        v = self.vocab
         with self.autocast():
             ann = self.encode(images)
             graphed = search_form(ann.vectors.device, opt.hard_attention, self.model.decoder.compiled) == "graphed"
-            if opt.beam_size == 1 and opt.length_penalty == 0 and not graphed:  # num_captions is 1
-                decoded = greedy(self.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, max_len=opt.max_len,
-                                 hard=opt.hard_attention)
+            if opt.greedy and not graphed:
+                decoded = greedy(self.model.decoder, ann, self.tokens, opt)
             else:
                 decoded = self.beam_search_batch(ann, opt)
         results = [self.to_result(d, ann.grid, alternatives=opt.num_captions > 1, length_penalty=opt.length_penalty)
@@ -273,14 +252,12 @@ class Captioner:
         """The beam search: its plain form, or on a GPU its fixed program replayed as CUDA graphs
         (captioner.search_graph), which returns the same captions (there greedy decoding too
         runs as a search of width 1: the same captions, without a host wait at every word)."""
-        decoder, v = self.model.decoder, self.vocab
-        kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=opt.beam_size, max_len=opt.max_len,
-                  length_penalty=opt.length_penalty, hard=opt.hard_attention, num_captions=opt.num_captions)
+        decoder = self.model.decoder
         if search_form(ann.vectors.device, opt.hard_attention, decoder.compiled) == "plain":
-            return beam_search(decoder, ann, **kw)
+            return beam_search(decoder, ann, self.tokens, opt)
         if self._search_graphs is None or self._search_graphs.decoder is not decoder:
             self._search_graphs = SearchGraphs(decoder)
-        return self._search_graphs.search(ann, **kw)
+        return self._search_graphs.search(ann, self.tokens, opt)
 
     def to_result(self, d: DecodedIds, grid: tuple[int, int], alternatives: bool = False,
                   length_penalty: float = 0.0) -> CaptionResult:

@@ -59,6 +59,7 @@ from captioner.evaluation.cider import CiderD
 from captioner.model.decoder import CaptionModel, Decoder
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import greedy
+from captioner.search.options import DecodeOptions, Tokens
 
 from .config import ScstConfig, check_scst_section
 from .losses import LossParts, token_log_prob
@@ -225,8 +226,9 @@ class ScstObjective:
                                       generator=self.generator)
             greedy_rewards = None
             if self.cfg.baseline == "greedy":
-                best = greedy(model.decoder, fixed, start=self.vocab.start, end=self.vocab.end, pad=self.vocab.pad,
-                              max_len=max_len)
+                v = self.vocab
+                tokens = Tokens(v.start, v.end, v.pad, v.unk)
+                best = greedy(model.decoder, fixed, tokens, DecodeOptions(max_len=max_len))
                 greedy_rewards = self.rewards([self.vocab.decode(d.ids) for d in best], index)
             rewards = self.rewards(samples.words, [i for i in index for _ in range(k)]).view(-1, k)  # (B, k)
             baselines = self.baselines(rewards, greedy_rewards)

@@ -9,7 +9,6 @@ Nothing slow is imported until a check or a model needs it.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +111,8 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
     return LoadedModel(captioner, path, checkpoint)
 
 
-# Option values, checked as argparse reads them (one line each when refused).
+# Counts and numbers, checked as argparse reads them (one line each when refused); the decoding
+# options' own rules are in captioner.search.options.
 def _parsed(value: str, kind, what: str):
     try:
         return kind(value)
@@ -135,38 +135,9 @@ def positive(value: str) -> int:
     return _at_least(value, 1)
 
 
-# The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
-# (COCO's longest training captions, which the configs keep, are 50 words); a larger limit only
-# lets an undertrained model run on.
-MAX_WORDS = 100
-
-
-def caption_length(value: str) -> int:
-    n = positive(value)
-    if n > MAX_WORDS:
-        raise argparse.ArgumentTypeError(f"at most {MAX_WORDS} words, got {n}")
-    return n
-
-
 def non_negative(value: str) -> int:
     return _at_least(value, 0)
 
 
 def number(value: str) -> float:
     return _parsed(value, float, "number")
-
-
-def length_penalty(value: str) -> float:
-    """A length penalty: a finite number >= 0 (0: rank by the raw log-probability)."""
-    x = number(value)
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
-    return x
-
-
-def share(value: str) -> float:
-    """A share of images, from 0 to 1."""
-    x = number(value)
-    if not 0 <= x <= 1:
-        raise argparse.ArgumentTypeError(f"must be a share from 0 to 1, got {value}")
-    return x

@@ -21,20 +21,17 @@ from captioner.cli.common import (
     EXIT_OK,
     EXIT_SOME_FAILED,
     EXIT_USAGE,
-    MAX_WORDS,
     UsageError,
-    caption_length,
     check_device,
     check_out_file,
-    length_penalty,
     load_model,
     make_folders,
     non_negative,
     positive,
-    share,
     whole_number,
 )
 from captioner.cli.export import add_export_parser
+from captioner.search.options import HARD_ATTENTION, MAX_WORDS, UNFAMILIAR_BELOW, DecodeOptions, OptionError, parser
 
 if TYPE_CHECKING:
     from captioner.cli.batch import BatchSummary, Discovery, ResumePlan
@@ -53,24 +50,26 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and how it decodes: shared by caption and evaluate."""
-    from captioner.model.attention import HARD_INFERENCE  # torch: not at this module's import (captioner.onnx uses it)
-
     p.add_argument("--weights", default=None,
                    help="checkpoint file, or a bundled demo model: demo-soft (default), demo-hard, demo-zh (Chinese "
                         "captions). The demo "
                         "models are trained on synthetic shapes only: they describe coloured shapes, not photographs")
-    p.add_argument("--beam-size", type=positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=caption_length, default=None,
+    p.add_argument("--beam-size", type=parser("beam_size"), default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=parser("max_len"), default=None,
                    help="most tokens per caption: words, or characters for a Chinese model (default: the longest "
                         f"caption the model was trained on, 20 for models that do not say; at most {MAX_WORDS})")
-    p.add_argument("--hard-attention", choices=tuple(HARD_INFERENCE), default="expected",
+    p.add_argument("--hard-attention", choices=HARD_ATTENTION, default="expected",
                    help="hard-attention models: context from the expected location mix (default, "
                         "deterministic), the most likely location (argmax), or a random sample")
-    p.add_argument("--unfamiliar-below", type=share, default=0.01, metavar="SHARE",
+    p.add_argument("--allow-unk", action="store_true",
+                   help="let captions hold <unk>, the vocabulary's word for any word it lacks (default: never; "
+                        "a caption with <unk> says that the model saw something it has no word for)")
+    p.add_argument("--unfamiliar-below", type=parser("unfamiliar_below", float), default=UNFAMILIAR_BELOW,
+                   metavar="SHARE",
                    help='report an image as "unfamiliar" when its "familiarity" (the share of the model\'s '
                         "training images at least as far from their distribution: 1 typical, near 0 unlike all "
-                        "of them) is below SHARE (default 0.01). Checkpoints without a record of their training "
-                        "images (captioner familiarity adds one) report both as null")
+                        f"of them) is below SHARE (default {UNFAMILIAR_BELOW}). Checkpoints without a record of their "
+                        "training images (captioner familiarity adds one) report both as null")
 
 
 def add_caption_parser(sub: argparse._SubParsersAction) -> None:
@@ -93,9 +92,9 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help="image files or folders; - reads paths from standard input, one per line (e.g. from "
                         "find ... | captioner caption -). URLs are not fetched: download the image first")
     _add_model_args(p)
-    p.add_argument("--length-penalty", type=length_penalty, default=0.0,
+    p.add_argument("--length-penalty", type=parser("length_penalty", float), default=0.0,
                    help="rank finished beams by score / length**P (default 0: raw log-probability)")
-    p.add_argument("--num-captions", type=positive, default=1, metavar="N",
+    p.add_argument("--num-captions", type=parser("num_captions"), default=1, metavar="N",
                    help='also write "alternatives": the N best finished captions of the beam search with '
                         "their scores, best first (the first is the caption); the search goes on until no open "
                         "beam can beat the N-th best, so fewer than N only where fewer can end within --max-len. "
@@ -177,13 +176,23 @@ def default_batch_size(device) -> int:
     return 64 if str(device).startswith("cuda") else 16
 
 
+def decode_options(args: argparse.Namespace, model_max_len: int = DecodeOptions.max_len) -> DecodeOptions:
+    """The decoding options the flags ask for (``DecodeOptions`` checks them), the model's own
+    length limit where --max-len is not given; a refusal is a one-line UsageError."""
+    given = {name: getattr(args, name) for name in ("length_penalty", "num_captions") if hasattr(args, name)}
+    try:
+        return DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or model_max_len,
+                             hard_attention=args.hard_attention, unfamiliar_below=args.unfamiliar_below,
+                             allow_unk=args.allow_unk, **given)
+    except OptionError as e:
+        raise UsageError(e.for_command()) from None
+
+
 def cmd_caption(args: argparse.Namespace) -> int:
     from captioner.distributed import DeviceError, setup, teardown, work_done
 
     check_device(args.device)
-    if args.num_captions > args.beam_size:
-        raise UsageError(f"--num-captions {args.num_captions} is more than --beam-size {args.beam_size}: the "
-                         "alternatives are the beam's finished captions (raise --beam-size)")
+    decode_options(args)  # refused before any work; the model's own length limit comes in later
     check_out_file(args.out)
     if args.attention_dir is not None:
         make_folders(args.attention_dir, "--attention-dir")  # refuses a file in the way, in one line
@@ -256,12 +265,9 @@ def _caption_share(args: argparse.Namespace, ctx: DistContext, captioner: Captio
     to standard output, with the decoding and outputs the options ask for."""
     from captioner.cli.batch import caption_paths, part_path
     from captioner.data.images import DEFAULT_MAX_PIXELS
-    from captioner.inference import DecodeOptions
 
     workers = args.workers if args.workers is not None else (2 if len(pending) > 64 else 0)
-    options = DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
-                            length_penalty=args.length_penalty, hard_attention=args.hard_attention,
-                            unfamiliar_below=args.unfamiliar_below, num_captions=args.num_captions)
+    options = decode_options(args, captioner.max_len)
     target = part_path(args.out, ctx.rank) if ctx.active else args.out
     out = open(target, "a", encoding="utf-8") if target is not None else sys.stdout
     try:
@@ -419,9 +425,9 @@ def _split_records(args: argparse.Namespace) -> list:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from captioner.evaluation.evaluate import evaluate, format_table, write_report
-    from captioner.inference import DecodeOptions
 
     device = check_device(args.device)
+    decode_options(args)
     check_out_file(args.out)
     if args.captions is not None:
         return _evaluate_captions_file(args, device)
@@ -429,9 +435,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     records = _split_records(args)
     captioner = load_model("evaluate", args.weights, device).captioner
     report = evaluate(captioner, args.data, args.split, karpathy=args.karpathy,
-                      options=DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or captioner.max_len,
-                                            hard_attention=args.hard_attention,
-                                            unfamiliar_below=args.unfamiliar_below),
+                      options=decode_options(args, captioner.max_len),
                       batch_size=args.batch_size, meteor=False if args.no_meteor else None, records=records,
                       progress=not args.quiet)
     print(format_table(report))

@@ -49,7 +49,6 @@ from dataclasses import dataclass, replace
 import torch
 
 METHOD = "mahalanobis-mean-annotation"
-DEFAULT_THRESHOLD = 0.01
 SHRINK = 0.01  # share of the mean variance added to the diagonal: keeps S invertible for N < D
 
 
@@ -133,8 +132,9 @@ class TrainingFeatures:
         nearer = torch.searchsorted(self.reference, d, side="left")  # reference distances < d
         return (len(self.reference) - nearer).double() / len(self.reference)
 
-    def score(self, features: torch.Tensor, threshold: float = DEFAULT_THRESHOLD) -> list[Familiarity]:
-        """One Familiarity per image: the values come to the host in one transfer."""
+    def score(self, features: torch.Tensor, threshold: float) -> list[Familiarity]:
+        """One Familiarity per image, unfamiliar below ``threshold`` (``DecodeOptions.unfamiliar_below``):
+        the values come to the host in one transfer."""
         return [Familiarity(v, v < threshold, threshold) for v in self.values(features).tolist()]
 
     def to_dict(self) -> dict:

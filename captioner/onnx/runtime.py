@@ -24,14 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from captioner.cli.common import caption_length, positive, share  # the caption command's own checks (no torch)
 from captioner.data.images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
 from captioner.data.vocab import tokenizer_named
 from captioner.io import folder as fmt
 from captioner.io.record import DIGITS, caption_record
 from captioner.onnx.search import Decoded, beam_search, greedy
-
-UNFAMILIAR_BELOW = 0.01  # familiarity.DEFAULT_THRESHOLD (that module loads torch)
+from captioner.search.options import UNFAMILIAR_BELOW, DecodeOptions, OptionError, Tokens, count, parser
 
 
 @dataclass(frozen=True)
@@ -88,6 +86,8 @@ class OnnxCaptioner:
         self.grid = tuple(config["grid"])
         self.max_len = int(config["max_caption_len"])
         self.special = config["special_tokens"]
+        s = self.special
+        self.tokens = Tokens(start=s["start"], end=s["end"], pad=s["pad"], unk=s.get("unk"))
         self.training_data = config.get("training_data")
         self.notice = config.get("notice")
 
@@ -111,20 +111,19 @@ class OnnxCaptioner:
         nearer = np.searchsorted(reference, d, side="left")
         return ((len(reference) - nearer) / len(reference)).tolist()
 
-    def caption_arrays(self, pixels: np.ndarray, *, beam_size: int = 3, max_len: int | None = None,
-                       num_captions: int = 1, unfamiliar_below: float = UNFAMILIAR_BELOW) -> list[Caption]:
-        """(B, H, W, 3) 8-bit pixels at the input size (Preprocess.array) -> one Caption each."""
-        max_len = max_len or self.max_len
+    def options(self, **given) -> DecodeOptions:
+        """DecodeOptions with this model's caption length limit unless ``max_len`` is given."""
+        return DecodeOptions(**{"max_len": self.max_len, **{k: v for k, v in given.items() if v is not None}})
+
+    def caption_arrays(self, pixels: np.ndarray, options: DecodeOptions | None = None) -> list[Caption]:
+        """(B, H, W, 3) 8-bit pixels at the input size (Preprocess.array) -> one Caption each
+        (``options``: by default, ``self.options()``)."""
+        opt = options or self.options()
         ann, keys, h0, c0, features = self.encode(self.preprocess.normalize_array(pixels))
-        s = self.special
-        ids = dict(start=s["start"], end=s["end"], pad=s["pad"], max_len=max_len)
-        if beam_size == 1:
-            decoded = greedy(self.step, ann, keys, h0, c0, **ids)
-        else:
-            decoded = beam_search(self.step, ann, keys, h0, c0, beam_size=beam_size, num_captions=num_captions,
-                                  **ids)
+        search = greedy if opt.greedy else beam_search
+        decoded = search(self.step, ann, keys, h0, c0, self.tokens, opt)
         fam = self.familiarities(features)
-        return [self._caption(d, f, unfamiliar_below, num_captions > 1) for d, f in zip(decoded, fam)]
+        return [self._caption(d, f, opt.unfamiliar_below, opt.num_captions > 1) for d, f in zip(decoded, fam)]
 
     def decode(self, ids: list[int]) -> list[str]:
         """Words up to the first <end>, <start> and <pad> skipped (Vocabulary.decode)."""
@@ -148,8 +147,8 @@ class OnnxCaptioner:
                        d.betas[:t], tuple(probs[:t].tolist()), float(probs[t]) if ended else None, familiarity,
                        None if familiarity is None else familiarity < below, alts)
 
-    def caption_files(self, paths: list[str], max_pixels: int = DEFAULT_MAX_PIXELS,
-                      **options) -> list[Caption | str]:
+    def caption_files(self, paths: list[str], options: DecodeOptions | None = None,
+                      max_pixels: int = DEFAULT_MAX_PIXELS) -> list[Caption | str]:
         """Each path's Caption, or the reason it could not be read (a string)."""
         out: list[Caption | str] = [""] * len(paths)
         pixels, good = [], []
@@ -160,7 +159,7 @@ class OnnxCaptioner:
             except ImageLoadError as e:
                 out[i] = str(e)
         if good:
-            for i, cap in zip(good, self.caption_arrays(np.stack(pixels), **options)):
+            for i, cap in zip(good, self.caption_arrays(np.stack(pixels), options)):
                 out[i] = cap
         return out
 
@@ -191,16 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "caption writes them. Exit code: 0 all captioned, 1 some failed, 2 usage error.")
     p.add_argument("folder", metavar="MODEL_FOLDER", help="the folder captioner export --onnx wrote")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="image files or folders (searched recursively)")
-    p.add_argument("--beam-size", type=positive, default=3, help="beam width; 1 = greedy (default 3)")
-    p.add_argument("--max-len", type=caption_length, default=None,
+    p.add_argument("--beam-size", type=parser("beam_size"), default=3, help="beam width; 1 = greedy (default 3)")
+    p.add_argument("--max-len", type=parser("max_len"), default=None,
                    help="most tokens per caption (default: the longest caption the model was trained on)")
-    p.add_argument("--num-captions", type=positive, default=1, metavar="N",
+    p.add_argument("--num-captions", type=parser("num_captions"), default=1, metavar="N",
                    help='also write "alternatives": the N best finished captions, best first (N <= --beam-size)')
+    p.add_argument("--allow-unk", action="store_true",
+                   help="let captions hold <unk>, the vocabulary's word for any word it lacks (default: never)")
     p.add_argument("--with-attention", action="store_true", help='add "alphas" (T x H x W) and "betas" (T)')
-    p.add_argument("--unfamiliar-below", type=share, default=UNFAMILIAR_BELOW, metavar="SHARE",
-                   help="report an image as unfamiliar below this familiarity (default 0.01)")
-    p.add_argument("--batch-size", type=positive, default=16, help="images per batch (default 16)")
-    p.add_argument("--threads", type=positive, default=None, help="onnxruntime's threads (default: its own)")
+    p.add_argument("--unfamiliar-below", type=parser("unfamiliar_below", float), default=UNFAMILIAR_BELOW,
+                   metavar="SHARE", help=f"report an image as unfamiliar below this familiarity (default "
+                                         f"{UNFAMILIAR_BELOW})")
+    p.add_argument("--batch-size", type=count, default=16, help="images per batch (default 16)")
+    p.add_argument("--threads", type=count, default=None, help="onnxruntime's threads (default: its own)")
     p.add_argument("--out", type=Path, default=None, help="JSON-lines output file (default stdout)")
     return p
 
@@ -208,13 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = "python -m captioner.onnx"
-    if args.num_captions > args.beam_size:
-        print(f"{prog}: error: --num-captions {args.num_captions} is more than --beam-size {args.beam_size}",
-              file=sys.stderr)
-        return 2
     try:
+        DecodeOptions(beam_size=args.beam_size, num_captions=args.num_captions)  # before the model loads
         model = OnnxCaptioner(args.folder, threads=args.threads)
+        options = model.options(beam_size=args.beam_size, max_len=args.max_len, num_captions=args.num_captions,
+                                unfamiliar_below=args.unfamiliar_below, allow_unk=args.allow_unk)
         paths = discover(args.images)
+    except OptionError as e:
+        print(f"{prog}: error: {e.for_command()}", file=sys.stderr)
+        return 2
     except (fmt.FolderError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -229,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(0, len(paths), args.batch_size):
             chunk = paths[i:i + args.batch_size]
-            results = model.caption_files(chunk, beam_size=args.beam_size, max_len=args.max_len,
-                                          num_captions=args.num_captions, unfamiliar_below=args.unfamiliar_below)
+            results = model.caption_files(chunk, options)
             for path, r in zip(chunk, results):
                 if isinstance(r, str):
                     failed += 1

@@ -1,11 +1,11 @@
 """Greedy and beam search in numpy, for the torch-free runtime (captioner.onnx).
 
-The same searches as captioner.decoding, rule for rule (read its docstrings for the why):
-<start> and <pad> are never emitted; ``max_len`` counts words, and after the ``max_len``-th
-word only <end> may come; beam search keeps k open beams and, apart from them, a pool of the
-best k finished captions, and an image is done only when no open beam can still beat the
-pool's N-th best (N = ``num_captions``; N = 1: its best), or at the length limit. Only the
-decoder step differs: a function (an ONNX graph's session) taking one row per open beam.
+The same searches as captioner.search.decoding, rule for rule (read its docstrings for the why):
+<start> and <pad> are never emitted, nor <unk> unless the options allow it; ``max_len`` counts
+words, and after the ``max_len``-th word only <end> may come; beam search keeps k open beams
+and, apart from them, a pool of the best k finished captions, and an image is done only when
+no open beam can still beat the pool's N-th best (N = ``num_captions``; N = 1: its best), or at
+the length limit. Only the decoder step differs: a function (an ONNX graph's session) taking one row per open beam.
 
 Legend: B images, k beams, N = B*k rows, L locations, D annotation size, A attention size,
 V vocabulary, h attention heads, T steps.
@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from captioner.search.options import DecodeOptions, Tokens
 
 # (word (N,), h (N, H), c (N, H), annotations (N, L, D), keys (N, L, A))
 #   -> log_probs (N, V), h, c, alpha (N, h, L), beta (N,)
@@ -36,12 +38,7 @@ class Decoded:
     runners_up: list["Decoded"] = field(default_factory=list)
 
 
-def _check(max_len: int) -> None:
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len counts the words of a caption and must be >= 1, got {max_len!r}")
-
-
-def _never_emit(logp: np.ndarray, *tokens: int) -> np.ndarray:
+def _never_emit(logp: np.ndarray, tokens: tuple[int, ...]) -> np.ndarray:
     logp = logp.copy()
     logp[:, list(tokens)] = NINF
     return logp
@@ -64,10 +61,10 @@ def _topk(x: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-x, axis=1, kind="stable")[:, :k]
 
 
-def greedy(step: Step, ann: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.ndarray, *, start: int, end: int,
-           pad: int, max_len: int) -> list[Decoded]:
-    """The most likely next word at every step, up to ``max_len`` words and <end>."""
-    _check(max_len)
+def greedy(step: Step, ann: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.ndarray, tokens: Tokens,
+           options: DecodeOptions) -> list[Decoded]:
+    """The most likely next word at every step, up to ``options.max_len`` words and <end>."""
+    start, end, pad, max_len, never = tokens.start, tokens.end, tokens.pad, options.max_len, tokens.never(options)
     b = len(ann)
     rows = np.arange(b)
     y = np.full(b, start, dtype=np.int64)
@@ -75,7 +72,7 @@ def greedy(step: Step, ann: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.n
     ids, heads, betas, logps = [], [], [], []
     for t in range(max_len + 1):
         logp, h, c, alpha, beta = step(y, h, c, ann, keys)
-        logp = _never_emit(logp, start, pad)
+        logp = _never_emit(logp, never)
         if t == max_len:
             logp = _only_end(logp, end)
         y = logp.argmax(-1)
@@ -96,18 +93,14 @@ def greedy(step: Step, ann: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.n
     return [_trim(ids_[i], heads_[i], betas_[i], total[i], end, pad, logps_[i]) for i in range(b)]
 
 
-def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c0: np.ndarray, *, start: int,
-                end: int, pad: int, beam_size: int, max_len: int, length_penalty: float = 0.0,
-                num_captions: int = 1) -> list[Decoded]:
+def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c0: np.ndarray, tokens: Tokens,
+                options: DecodeOptions) -> list[Decoded]:
     """The caption of highest rank per image (rank = log p, or log p / length**length_penalty),
     and with ``num_captions`` N > 1 the pool's next N - 1 (``runners_up``), the search going on
     until no open beam can beat the pool's N-th best. decoding.beam_search, in numpy."""
-    if beam_size < 1:
-        raise ValueError("beam_size must be >= 1")
-    if not 1 <= num_captions <= beam_size:
-        raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
-    _check(max_len)
-    b, k = len(ann), beam_size
+    start, end, pad, max_len = tokens.start, tokens.end, tokens.pad, options.max_len
+    length_penalty, num_captions, never = options.length_penalty, options.num_captions, tokens.never(options)
+    b, k = len(ann), options.beam_size
     a, kk = np.repeat(ann, k, 0), np.repeat(keys, k, 0)  # (B*k, L, D), (B*k, L, A): one row per beam
     h, c = np.repeat(h0, k, 0), np.repeat(c0, k, 0)  # (B*k, H)
     scores = np.full((b, k), NINF, dtype=np.float32)  # the open beams' log p
@@ -120,7 +113,7 @@ def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c
     reach = np.float32((max_len + 1) ** length_penalty if length_penalty > 0 else 1.0)
     for t in range(max_len + 1):  # max_len words, then a step that can only end
         logp, h_next, c_next, alpha, beta = step(y, h, c, a, kk)
-        logp = _never_emit(logp, start, pad)
+        logp = _never_emit(logp, never)
         if t == max_len:
             logp = _only_end(logp, end)
         trace.record_maps(t, active, alpha, beta)

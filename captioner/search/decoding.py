@@ -17,9 +17,9 @@ the length counting <end>) and, asked for N (``num_captions``, N <= k), the N be
 1. Each image keeps k open beams (at first one, the empty caption) and, apart from them,
    a pool of the best k captions that ended.
 2. Every step ranks the k*V extensions of the open beams by log p (<start> and <pad>
-   never come). The extensions ending in <end> among the best k join the pool, if they
-   rank among its best k (so a finished caption is never pushed out by open ones); the
-   best k extensions that did not end are the new open beams.
+   never come, nor <unk> unless the options allow it). The extensions ending in <end>
+   among the best k join the pool, if they rank among its best k (so a finished caption
+   is never pushed out by open ones); the best k extensions that did not end are the new open beams.
 3. An image is done when no open beam can still beat the pool's N-th best (N = 1: its
    best): log p only falls as words are added, so an open beam's best possible rank is
    its log p / (max_len + 1)**P (the longest caption it can still become); done when
@@ -53,6 +53,7 @@ from captioner.model.attention import HARD_INFERENCE
 from captioner.model.decoder import Decoder
 from captioner.model.encoders import Annotations
 from captioner.model.familiarity import Familiarity
+from captioner.search.options import DecodeOptions, Tokens
 
 
 @dataclass(frozen=True)
@@ -146,26 +147,19 @@ class DecodedIds:
         return self.alphas_heads.mean(1)
 
 
-def _hard_kwargs(hard: str) -> dict:
+def hard_kwargs(options: DecodeOptions) -> dict:
     """How a hard-attention model picks its context at inference (soft models ignore it)."""
-    if not isinstance(hard, str) or hard not in HARD_INFERENCE:
-        raise ValueError(f"hard attention inference must be one of {', '.join(HARD_INFERENCE)}, got {hard!r}")
-    return {"argmax": HARD_INFERENCE[hard].argmax, "sample": HARD_INFERENCE[hard].sample}
-
-
-def _check_max_len(max_len: int) -> None:
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len counts the words of a caption and must be >= 1, got {max_len!r}")
+    mode = HARD_INFERENCE[options.hard_attention]
+    return {"argmax": mode.argmax, "sample": mode.sample}
 
 
 @torch.no_grad()
-def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int,
-           max_len: int, hard: str = "expected") -> list[DecodedIds]:
-    """The most likely next word at every step, up to ``max_len`` words and <end>."""
-    _check_max_len(max_len)
+def greedy(decoder: Decoder, ann: Annotations, tokens: Tokens, options: DecodeOptions) -> list[DecodedIds]:
+    """The most likely next word at every step, up to ``options.max_len`` words and <end>."""
+    start, end, pad, max_len, never = tokens.start, tokens.end, tokens.pad, options.max_len, tokens.never(options)
     ann = decoder.annotate(ann)
     a = ann.vectors
-    kw = _hard_kwargs(hard)
+    kw = hard_kwargs(options)
     b = a.shape[0]
     keys = decoder.attention.prepare(a)
     h, c = decoder.init_state(a)
@@ -175,7 +169,7 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
     for t in range(max_len + 1):
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         h, c = o.h, o.c
-        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
+        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), never)
         if t == max_len:
             logp = _only_end(logp, end)
         y = logp.argmax(-1)
@@ -200,23 +194,22 @@ def greedy(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int
 
 
 @torch.no_grad()
-def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
-                max_len: int, length_penalty: float = 0.0, hard: str = "expected",
-                num_captions: int = 1) -> list[DecodedIds]:
+def beam_search(decoder: Decoder, ann: Annotations, tokens: Tokens, options: DecodeOptions) -> list[DecodedIds]:
     """The caption of highest rank per image: rank = log p, or with ``length_penalty`` P > 0
     log p / length**P (length counts the <end> token). With ``num_captions`` N > 1 (at most
     k), the N best finished captions of the search (``runners_up``: the 2nd to N-th), in the
     order of their rank. The search follows the rule of the module's docstring."""
-    check_search(beam_size, num_captions, length_penalty, max_len, hard)
-    kw = _hard_kwargs(hard)
+    start, end, pad, max_len = tokens.start, tokens.end, tokens.pad, options.max_len
+    length_penalty, never = options.length_penalty, tokens.never(options)
+    kw = hard_kwargs(options)
     ann = decoder.annotate(ann)  # once per image, shared by its beams
-    a, k = ann.vectors, beam_size
+    a, k = ann.vectors, options.beam_size
     b, dev = a.shape[0], a.device
     keys = decoder.attention.prepare(a)  # once per image, shared by its beams
     h, c = (s.repeat_interleave(k, 0) for s in decoder.init_state(a))  # (B*k, H)
     scores = torch.full((b, k), float("-inf"), device=dev)  # the open beams' log p
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
-    pool = _Pool(b, k, num_captions, length_penalty, dev)
+    pool = _Pool(b, k, options.num_captions, length_penalty, dev)
     trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=max_len, end=end, pad=pad, device=dev)
     y = torch.full((b * k,), start, dtype=torch.long, device=dev)
     active = torch.arange(b, device=dev)  # original index of each image still in the batch
@@ -224,7 +217,7 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
     reach = (max_len + 1) ** length_penalty if length_penalty > 0 else 1.0  # log p / reach: an open beam's best rank
     for t in range(max_len + 1):  # max_len words, then a step that can only end
         o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
-        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), start, pad)
+        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), never)
         if t == max_len:
             logp = _only_end(logp, end)
         trace.record_maps(t, active, o.alpha_heads, o.beta)
@@ -252,18 +245,6 @@ def beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad
             pool.keep(keep)
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
     return out  # type: ignore[return-value]
-
-
-def check_search(beam_size: int, num_captions: int, length_penalty: float, max_len: int, hard: str) -> None:
-    """Refuse, with a ValueError that says why, what no beam search can take."""
-    _hard_kwargs(hard)
-    if beam_size < 1:
-        raise ValueError("beam_size must be >= 1")
-    if not 1 <= num_captions <= beam_size:
-        raise ValueError(f"num_captions must be from 1 to the beam size {beam_size}, got {num_captions}")
-    if not length_penalty >= 0:  # NaN too
-        raise ValueError(f"length_penalty must be >= 0 (0: rank by log p), got {length_penalty}")
-    _check_max_len(max_len)
 
 
 def _extend(scores: torch.Tensor, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
@@ -394,8 +375,8 @@ class _Trace:
                       logps[r, :m[r]]) for r in range(n)]
 
 
-def _never_emit(logp: torch.Tensor, *tokens: int) -> torch.Tensor:
-    """<start> and <pad> are never words of a caption."""
+def _never_emit(logp: torch.Tensor, tokens: tuple[int, ...]) -> torch.Tensor:
+    """<start> and <pad> are never words of a caption, nor <unk> unless asked for (``Tokens.never``)."""
     logp = logp.clone()
     for token in tokens:  # one column at a time: a list index would be copied to the device every step
         logp[:, token] = float("-inf")

@@ -45,14 +45,14 @@ from captioner.model.encoders import Annotations
 from captioner.search.decoding import (
     DecodedIds,
     _extend,
-    _hard_kwargs,
     _never_emit,
     _only_end,
     _open_beams,
     _Pool,
     _Trace,
-    check_search,
+    hard_kwargs,
 )
+from captioner.search.options import DecodeOptions, Tokens
 
 BUCKET = 8  # a batch is padded to a multiple of this many images for its graph
 MAX_GRAPHS = 8  # shapes kept; another shape runs the fixed form without a graph
@@ -63,18 +63,6 @@ def search_form(device: torch.device, hard: str, compiled: bool) -> str:
     if kernels.enabled() and device.type == "cuda" and hard != "sample" and not compiled:
         return "graphed"
     return "plain"
-
-
-@dataclass(frozen=True)
-class _Options:
-    start: int
-    end: int
-    pad: int
-    beam_size: int
-    max_len: int
-    length_penalty: float
-    hard: str
-    num_captions: int
 
 
 @dataclass
@@ -100,9 +88,11 @@ class _Searched:
                                    self.trace.max_len)
 
 
-def _search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], o: _Options) -> _Searched:
+def _search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], tokens: Tokens,
+            o: DecodeOptions) -> _Searched:
     """The fixed program: all max_len + 1 steps for every image, no host wait."""
-    kw = _hard_kwargs(o.hard)
+    kw = hard_kwargs(o)
+    never = tokens.never(o)
     ann = decoder.annotate(Annotations(vectors, grid))
     a, k = ann.vectors, o.beam_size
     b, dev = a.shape[0], a.device
@@ -111,22 +101,22 @@ def _search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], o: _
     scores = torch.full((b, k), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
     pool = _Pool(b, k, o.num_captions, o.length_penalty, dev)
-    trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=o.max_len, end=o.end, pad=o.pad,
-                   device=dev)
-    y = torch.full((b * k,), o.start, dtype=torch.long, device=dev)
+    trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=o.max_len, end=tokens.end,
+                   pad=tokens.pad, device=dev)
+    y = torch.full((b * k,), tokens.start, dtype=torch.long, device=dev)
     parents_of = torch.arange(b, device=dev).unsqueeze(1) * k  # (B, 1) each image's first row
     done = torch.zeros(b, 1, dtype=torch.bool, device=dev)  # (B, 1) done at an earlier step: its pool is frozen
     done_at = torch.full((b,), o.max_len, dtype=torch.long, device=dev)
     reach = (o.max_len + 1) ** o.length_penalty if o.length_penalty > 0 else 1.0
     for t in range(o.max_len + 1):
         out = decoder.step(y, h, c, a, keys, ann.grid, **kw)
-        logp = _never_emit(F.log_softmax(out.logits.float(), dim=-1), o.start, o.pad)
+        logp = _never_emit(F.log_softmax(out.logits.float(), dim=-1), never)
         if t == o.max_len:
-            logp = _only_end(logp, o.end)
+            logp = _only_end(logp, tokens.end)
         trace.heads[t] = out.alpha_heads.view(b, k, -1, a.shape[1]).float()
         trace.betas[t] = out.beta.view(b, k).float()
         cand, beam, word = _extend(scores, logp.view(b, k, -1), 2 * k)
-        ended = (word == o.end) & torch.isfinite(cand)
+        ended = (word == tokens.end) & torch.isfinite(cand)
         kept = (pool.rank, pool.score, pool.step, pool.parent)
         pool.push(t, cand, beam, ended)
         pool.rank, pool.score, pool.step, pool.parent = (
@@ -144,13 +134,9 @@ def _search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], o: _
 
 
 @torch.no_grad()
-def fixed_beam_search(decoder: Decoder, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int,
-                      max_len: int, length_penalty: float = 0.0, hard: str = "expected",
-                      num_captions: int = 1) -> list[DecodedIds]:
+def fixed_beam_search(decoder: Decoder, ann: Annotations, tokens: Tokens, options: DecodeOptions) -> list[DecodedIds]:
     """``decoding.beam_search``'s captions from the fixed program, run eagerly."""
-    check_search(beam_size, num_captions, length_penalty, max_len, hard)
-    o = _Options(start, end, pad, beam_size, max_len, length_penalty, hard, num_captions)
-    return _search(decoder, ann.vectors, ann.grid, o).captions(ann.vectors.shape[0])
+    return _search(decoder, ann.vectors, ann.grid, tokens, options).captions(ann.vectors.shape[0])
 
 
 # capture(run, pool) -> (replay, what the captured run returned, the pool to share with the next)
@@ -196,29 +182,26 @@ class SearchGraphs:
         self.lock = threading.Lock()
 
     @torch.no_grad()
-    def search(self, ann: Annotations, *, start: int, end: int, pad: int, beam_size: int, max_len: int,
-               length_penalty: float = 0.0, hard: str = "expected", num_captions: int = 1) -> list[DecodedIds]:
+    def search(self, ann: Annotations, tokens: Tokens, o: DecodeOptions) -> list[DecodedIds]:
         """``decoding.beam_search``'s captions, replayed from this shape's graph (recorded the first
         time it comes), or from the fixed program run eagerly where no graph can be had."""
-        check_search(beam_size, num_captions, length_penalty, max_len, hard)
-        o = _Options(start, end, pad, beam_size, max_len, length_penalty, hard, num_captions)
         vectors, b = ann.vectors, ann.vectors.shape[0]
         padded = -(-b // self.bucket) * self.bucket
         autocast = torch.get_autocast_dtype(vectors.device.type) if torch.is_autocast_enabled(vectors.device.type) \
             else None
-        key = (padded, tuple(vectors.shape[1:]), vectors.dtype, vectors.device, ann.grid, autocast, o)
+        key = (padded, tuple(vectors.shape[1:]), vectors.dtype, vectors.device, ann.grid, autocast, tokens, o)
         with self.lock:
             graph = self.graphs.get(key)
             if graph is None and self.failed is None and len(self.graphs) < self.max_graphs:
-                graph = self._record(key, vectors, ann.grid, autocast, o)
+                graph = self._record(key, vectors, ann.grid, autocast, tokens, o)
             if graph is not None:
                 graph.vectors[:b].copy_(vectors)
                 graph.replay()
                 return graph.searched.captions(b)
-        return _search(self.decoder, vectors, ann.grid, o).captions(b)
+        return _search(self.decoder, vectors, ann.grid, tokens, o).captions(b)
 
     def _record(self, key: tuple, vectors: torch.Tensor, grid: tuple[int, int], autocast: torch.dtype | None,
-                o: _Options) -> _Graph | None:
+                tokens: Tokens, o: DecodeOptions) -> _Graph | None:
         with torch.inference_mode(False):  # tensors that later calls, in inference mode or not, may write
             static = vectors.new_zeros(key[0], *vectors.shape[1:])
             static[:vectors.shape[0]].copy_(vectors)
@@ -229,7 +212,7 @@ class SearchGraphs:
             # must compute its casts itself.
             with torch.inference_mode(False), torch.autocast(dev, dtype=autocast or torch.float32,
                                                              enabled=autocast is not None, cache_enabled=False):
-                return _search(self.decoder, static, grid, o)
+                return _search(self.decoder, static, grid, tokens, o)
 
         try:
             replay, searched, self.pool = (self.capture or CAPTURE)(run, self.pool)

@@ -13,6 +13,7 @@ from captioner.io.checkpoint import upgrade_weights
 from captioner.model.decoder import Decoder, ModelConfig
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import beam_search, greedy
+from captioner.search.options import DecodeOptions, Tokens
 
 GOLDEN = torch.load(Path(__file__).parents[1] / "fixtures" / "attention_golden" / "decoders.pt", weights_only=True)
 
@@ -38,8 +39,8 @@ def test_a_decoder_saved_by_the_single_head_code_loads_and_gives_the_same_output
     sample = g["sample_log_probs"] is not None
     with torch.no_grad():
         out = dec(ann, g["tokens"], g["lengths"], sample=sample, generator=torch.Generator().manual_seed(5))
-        got_greedy = greedy(dec, ann, start=1, end=2, pad=0, max_len=6)
-        got_beam = beam_search(dec, ann, start=1, end=2, pad=0, beam_size=3, max_len=6)
+        got_greedy = greedy(dec, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(max_len=6))
+        got_beam = beam_search(dec, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(beam_size=3, max_len=6))
     torch.testing.assert_close(out.logits, g["logits"])
     torch.testing.assert_close(out.alphas, g["alphas"])
     torch.testing.assert_close(out.betas, g["betas"])

@@ -19,7 +19,8 @@ from captioner.model.attention import (
     sparsemax,
 )
 from captioner.model.multihead import MultiHeadAttention
-from captioner.search.decoding import _hard_kwargs
+from captioner.search.decoding import hard_kwargs
+from captioner.search.options import HARD_ATTENTION, DecodeOptions
 
 B, D, Q, A = 3, 7, 5, 6
 GRID = (3, 4)
@@ -66,8 +67,13 @@ def test_each_local_width_says_what_the_centre_network_predicts(name, learned, o
 def test_each_hard_inference_choice_is_what_decoding_asks_the_attention_for(name, sample, argmax):
     look = HARD_INFERENCE[name]
     assert (look.sample, look.argmax) == (sample, argmax)
-    assert _hard_kwargs(name) == {"sample": sample, "argmax": argmax}
+    assert hard_kwargs(DecodeOptions(hard_attention=name)) == {"sample": sample, "argmax": argmax}
     assert look.describes  # the app's menu shows these words
+
+
+def test_the_options_name_every_hard_inference_choice_and_no_other():
+    """The torch-free options list the registry's names: the runtime checks them without torch."""
+    assert HARD_ATTENTION == tuple(HARD_INFERENCE)
 
 
 def test_unknown_names_are_refused_in_one_line_with_the_registrys_choices():
@@ -79,8 +85,8 @@ def test_unknown_names_are_refused_in_one_line_with_the_registrys_choices():
         Attention(D, Q, A, local_window=1.0, local_width="wide")
     with pytest.raises(ValueError, match="unknown attention mode"):  # not a TypeError for a list
         attention_mode(["soft"])
-    with pytest.raises(ValueError, match="hard attention inference must be one of expected, argmax, sample"):
-        _hard_kwargs("peek")
+    with pytest.raises(ValueError, match="hard_attention 'peek': must be one of expected, argmax, sample"):
+        DecodeOptions(hard_attention="peek")
     with pytest.raises(ValueError, match="needs local_window > 0"):
         Attention(D, Q, A, local_width="learned")
 

@@ -12,6 +12,7 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.model.decoder import Decoder, ModelConfig
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import beam_search, greedy
+from captioner.search.options import Tokens
 from tests.tiny import tiny_image, token_batch
 
 HERE = Path(__file__).parents[1] / "fixtures" / "checkpoint_golden"
@@ -54,8 +55,8 @@ def test_a_saved_decoder_of_each_variant_loads_strictly_and_gives_the_same_outpu
     hard = saved["config"]["attention"] == "hard"
     with torch.no_grad():
         out = dec(ann, want["tokens"], want["lengths"], sample=hard, generator=torch.Generator().manual_seed(5))
-        got_greedy = greedy(dec, ann, start=1, end=2, pad=0, max_len=6)
-        got_beam = beam_search(dec, ann, start=1, end=2, pad=0, beam_size=3, max_len=6)
+        got_greedy = greedy(dec, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(max_len=6))
+        got_beam = beam_search(dec, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(beam_size=3, max_len=6))
     for field in ("logits", "alphas", "betas", "alphas_heads", "sample_log_probs", "entropies"):
         g, w = getattr(out, field), want[field]
         if w is None and field == "alphas_heads" and g is not None:

@@ -241,19 +241,21 @@ def test_an_empty_folder_is_one_line_and_exit_two(tmp_path, weights, capsys):
         assert "\n" not in err and words in err and "captioned 0" not in err, err
 
 
-def test_captions_without_a_word_are_said_on_stderr(tmp_path, capsys):
-    """A model whose every caption is <unk> (or nothing) does not pass silently."""
+@pytest.mark.parametrize("likeliest, flag", [("end", []), ("unk", ["--allow-unk"])])
+def test_captions_without_a_word_are_said_on_stderr(tmp_path, capsys, likeliest, flag):
+    """A model whose every caption is empty (or, with <unk> allowed, only <unk>) does not pass silently."""
     cap = tiny_captioner(seed=1)
-    with torch.no_grad():  # every step's most likely word: <unk>
+    with torch.no_grad():  # every step's most likely word: <end>, or <unk>
         cap.model.decoder.L_o.bias.fill_(-100.0)
-        cap.model.decoder.L_o.bias[cap.vocab.unk] = 100.0
-    cap.save(tmp_path / "unk.pt")
+        cap.model.decoder.L_o.bias[getattr(cap.vocab, likeliest)] = 100.0
+    cap.save(tmp_path / "m.pt")
     tiny_image(0).save(tmp_path / "a.png")
     tiny_image(1).save(tmp_path / "b.png")
-    assert main(["caption", str(tmp_path / "a.png"), str(tmp_path / "b.png"), "--weights", str(tmp_path / "unk.pt"),
-                 "--max-len", "3", "--beam-size", "1"]) == 0
+    assert main(["caption", str(tmp_path / "a.png"), str(tmp_path / "b.png"), "--weights", str(tmp_path / "m.pt"),
+                 "--max-len", "3", "--beam-size", "1", *flag]) == 0
     captured = capsys.readouterr()
-    assert all(set(json.loads(line)["words"]) <= {"<unk>"} for line in captured.out.splitlines())
+    words = [json.loads(line)["words"] for line in captured.out.splitlines()]
+    assert words == ([[]] * 2 if likeliest == "end" else [["<unk>"] * 3] * 2)
     assert "note: 2 captions with no word (empty, or only <unk>)" in captured.err
 
 

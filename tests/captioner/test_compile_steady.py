@@ -10,6 +10,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from captioner.search.decoding import beam_search, greedy
+from captioner.search.options import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image, tiny_vocab, token_batch
 
 # One graph per kind of call: beam search, greedy (a beam of one row per image: another
@@ -28,13 +29,12 @@ def _images(cap, n: int) -> torch.Tensor:
 
 
 def _decode_everything(cap) -> None:
-    v = cap.vocab
     dec = cap.model.decoder
     with torch.no_grad():
         for n in (7, 3, 7):  # other batch sizes, and the first size again
             ann = cap.model.encode(_images(cap, n))
-            beam_search(dec, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=12)
-            greedy(dec, ann, start=v.start, end=v.end, pad=v.pad, max_len=12)
+            beam_search(dec, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=12))
+            greedy(dec, ann, cap.tokens, DecodeOptions(max_len=12))
 
 
 def _train_steps(cap, steps: int = 5) -> None:

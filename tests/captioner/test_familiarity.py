@@ -44,9 +44,9 @@ def test_an_image_unlike_every_training_image_has_familiarity_zero():
     record = TrainingFeatures.fit(_gaussian(500, seed=0))
     far = _gaussian(4, seed=2) * 10
     assert record.values(far).tolist() == [0.0] * 4
-    assert all(f.unfamiliar and f.value == 0.0 for f in record.score(far))
+    assert all(f.unfamiliar and f.value == 0.0 for f in record.score(far, 0.01))
     typical = record.mean.double()[None]
-    assert record.values(typical).item() == 1.0 and not record.score(typical)[0].unfamiliar
+    assert record.values(typical).item() == 1.0 and not record.score(typical, 0.01)[0].unfamiliar
 
 
 def test_the_record_is_plain_tensors_a_weights_only_load_reads(tmp_path):

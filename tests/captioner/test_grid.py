@@ -9,6 +9,7 @@ from captioner.model.decoder import CaptionModel, Decoder, ModelConfig
 from captioner.model.encoders import Annotations
 from captioner.model.grid import GridBlock, GridSelfAttention
 from captioner.search.decoding import beam_search, greedy
+from captioner.search.options import Tokens
 from tests.tiny import tiny_captioner, tiny_config, tiny_image, tiny_vocab, token_batch
 
 GRID_ON = dict(grid_layers=1, grid_heads=2, rel_pos_clip=2)
@@ -295,14 +296,14 @@ def test_the_grid_runs_once_per_image_batch_in_beam_search_and_greedy():
     handle = decoder.grid_attention.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
     try:
         ann = cap.model.encode(torch.randn(3, 3, 32, 32))
-        beam = beam_search(decoder, ann, start=1, end=2, pad=0, beam_size=3, max_len=6)
+        beam = beam_search(decoder, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(beam_size=3, max_len=6))
         assert calls == [3]  # the 3 images once, not their 9 beams, not once a step
         calls.clear()
-        first = greedy(decoder, ann, start=1, end=2, pad=0, max_len=6)
+        first = greedy(decoder, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(max_len=6))
         assert calls == [3]
     finally:
         handle.remove()
-    one = beam_search(decoder, ann, start=1, end=2, pad=0, beam_size=1, max_len=6)
+    one = beam_search(decoder, ann, Tokens(start=1, end=2, pad=0), DecodeOptions(beam_size=1, max_len=6))
     assert [d.ids for d in one] == [d.ids for d in first]
     for d in beam:
         assert d.alphas.shape == (len(d.ids), 4)

@@ -11,6 +11,7 @@ import torch
 
 from captioner.model import kernels
 from captioner.search.decoding import beam_search
+from captioner.search.options import DecodeOptions
 from captioner.train.config import HardConfig
 from captioner.train.losses import HardAttentionObjective, soft_loss
 from tests.tiny import tiny_captioner, tiny_image, token_batch
@@ -98,14 +99,13 @@ def test_with_the_switch_off_decoding_takes_no_fast_form(every_fast_form_eligibl
     """Beam search without gradient, where the blocked additive scores would otherwise run."""
     cap = tiny_captioner(seed=4)
     ann = cap.model.encode(torch.stack([cap.preprocess(tiny_image(s)) for s in (1, 2)]))
-    v = cap.vocab
     with torch.no_grad():
-        want = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
+        want = beam_search(cap.model.decoder, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     before = kernels.set_enabled(False)
     try:
         monkeypatch.setattr(kernels, "additive_scores", _refuse)
         with torch.no_grad():
-            got = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
+            got = beam_search(cap.model.decoder, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     finally:
         kernels.set_enabled(before)
     for g, w in zip(got, want):

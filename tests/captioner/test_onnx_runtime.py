@@ -19,11 +19,12 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.io import folder as fmt
 from captioner.io.export import export
 from captioner.io.record import significant
-from captioner.model.familiarity import DEFAULT_THRESHOLD, TrainingFeatures, pooled
+from captioner.model.familiarity import TrainingFeatures, pooled
 from captioner.onnx import search as npsearch
-from captioner.onnx.runtime import UNFAMILIAR_BELOW, OnnxCaptioner
+from captioner.onnx.runtime import OnnxCaptioner
 from captioner.onnx.runtime import main as onnx_main
 from captioner.search import decoding
+from captioner.search.options import Tokens
 from tests.tiny import tiny_captioner, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,16 +83,17 @@ def prepared(cap: Captioner, seed: int, b: int):
 def test_the_numpy_search_is_the_torch_search(beam, max_len, penalty, n):
     for seed in range(4):
         cap = tiny_captioner(seed=seed)
-        dec, v = cap.model.decoder, cap.vocab
+        dec, _v = cap.model.decoder, cap.vocab
         ann, keys, h, c = prepared(cap, seed, 5)
-        ids = dict(start=v.start, end=v.end, pad=v.pad, max_len=max_len)
+        tokens = cap.tokens
+        options = DecodeOptions(beam_size=beam, max_len=max_len, length_penalty=penalty, num_captions=n)
         args = (torch_step(dec, ann.grid), ann.vectors.numpy(), keys.numpy(), h.numpy(), c.numpy())
         if beam == 1:
-            ours = decoding.greedy(dec, ann, **ids)
-            theirs = npsearch.greedy(*args, **ids)
+            ours = decoding.greedy(dec, ann, tokens, options)
+            theirs = npsearch.greedy(*args, tokens, options)
         else:
-            ours = decoding.beam_search(dec, ann, beam_size=beam, length_penalty=penalty, num_captions=n, **ids)
-            theirs = npsearch.beam_search(*args, beam_size=beam, length_penalty=penalty, num_captions=n, **ids)
+            ours = decoding.beam_search(dec, ann, tokens, options)
+            theirs = npsearch.beam_search(*args, tokens, options)
         for a, b in zip(ours, theirs, strict=True):
             assert b.ids == a.ids
             assert [r.ids for r in b.runners_up] == [r.ids for r in a.runners_up]
@@ -117,10 +119,10 @@ class Table:
         return self.logp[word], h, c, np.full((n, 1, 4), 0.25, np.float32), np.ones(n, np.float32)
 
 
-def table_search(table: Table, **kw):
+def table_search(table: Table, **options):
     z = np.zeros((1, 4, 2), np.float32)
     return npsearch.beam_search(table, z, z, np.zeros((1, 3), np.float32), np.zeros((1, 3), np.float32),
-                                start=1, end=2, pad=0, **kw)[0]
+                                Tokens(start=1, end=2, pad=0), DecodeOptions(**options))[0]
 
 
 def test_n_captions_search_until_the_nth_best_cannot_be_beaten():
@@ -163,7 +165,7 @@ def test_the_graphs_caption_as_torch_does(model, images):
     for beam in (1, 3):
         opts = DecodeOptions(beam_size=beam, max_len=8)
         ours = cap.caption_images(images[:6], opts)
-        theirs = rt.caption_files(images[:6], beam_size=beam, max_len=8)
+        theirs = rt.caption_files(images[:6], DecodeOptions(beam_size=beam, max_len=8))
         for a, b in zip(ours, theirs, strict=True):
             assert b.text == a.caption and b.words == a.words
             assert b.score == pytest.approx(a.score, abs=1e-4)
@@ -205,7 +207,6 @@ def test_several_captions_and_a_broken_image(model, images, tmp_path):
 
 def test_probabilities_keep_four_significant_digits():
     assert significant(0.000123456) == 0.0001235 and significant(0.99996) == 1.0 and significant(0.0) == 0.0
-    assert UNFAMILIAR_BELOW == DEFAULT_THRESHOLD
 
 
 def test_the_runtime_runs_with_torch_impossible_to_import(model, images, tmp_path):

@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner.inference import DecodeOptions
 from captioner.model import kernels
 from captioner.model.encoders import Annotations
 from captioner.search import graph as search_graph
 from captioner.search.decoding import DecodedIds, beam_search
 from captioner.search.graph import SearchGraphs, fixed_beam_search, search_form
-from tests.captioner.test_decoding import END, MULTI_HEAD, PAD, START, A, _images, _random_decoder, _StepTable
+from captioner.search.options import DecodeOptions, OptionError, Tokens
+from tests.captioner.test_decoding import END, MULTI_HEAD, PAD, START, TOKENS, A, _images, _random_decoder, _StepTable
 from tests.cuda_standin import stand_in_cuda
 from tests.tiny import tiny_captioner
 
@@ -47,11 +47,11 @@ def test_the_fixed_program_returns_the_plain_search_s_captions_on_random_tiny_mo
     for seed in range(200):
         decoder = _random_decoder(seed)
         k, max_len = 2 + seed % 3, 4 + seed % 5
-        kw = dict(start=START, end=END, pad=PAD, beam_size=k, max_len=max_len,
-                  length_penalty=0.7 if seed % 5 == 3 else 0.0, num_captions=1 + seed % k)
+        kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=k, max_len=max_len,
+                  length_penalty=0.7 if seed % 5 == 3 else 0.0, num_captions=1 + seed % k))
         ann = Annotations(torch.randn(5, 4, 5, dtype=torch.float64), (2, 2))
-        plain = beam_search(decoder, ann, **kw)
-        _same(plain, fixed_beam_search(decoder, ann, **kw))
+        plain = beam_search(decoder, ann, *kw)
+        _same(plain, fixed_beam_search(decoder, ann, *kw))
         early += sum(len(r.ids) < max_len + 1 for r in plain)
     assert early > 500  # most images were done before the last step: their pools were frozen
 
@@ -66,9 +66,9 @@ def test_the_fixed_program_knows_the_step_at_which_the_plain_search_lets_each_im
         decoder = _random_decoder(seed)
         k, max_len, penalty = 2 + seed % 3, 4 + seed % 5, (0.7 if seed % 2 else 0.0)
         a = torch.randn(4, 4, 5, dtype=torch.float64)
-        o = search_graph._Options(START, END, PAD, k, max_len, penalty, "expected", 1)
+        o = DecodeOptions(beam_size=k, max_len=max_len, length_penalty=penalty)
         with torch.no_grad():
-            done_at = search_graph._search(decoder, a, (2, 2), o).done_at.tolist()
+            done_at = search_graph._search(decoder, a, (2, 2), TOKENS, o).done_at.tolist()
         for i in range(4):
             steps, step = [0], decoder.step
 
@@ -77,8 +77,7 @@ def test_the_fixed_program_knows_the_step_at_which_the_plain_search_lets_each_im
                 return step(*args, **kw)
             decoder.step = counted
             try:
-                plain_search(decoder, Annotations(a[i:i + 1], (2, 2)), start=START, end=END, pad=PAD, beam_size=k,
-                             max_len=max_len, length_penalty=penalty)
+                plain_search(decoder, Annotations(a[i:i + 1], (2, 2)), TOKENS, o)
             finally:
                 del decoder.step
             assert done_at[i] == steps[0] - 1, (seed, i)
@@ -94,10 +93,10 @@ def test_captions_cut_off_at_the_limit_are_the_plain_search_s():
         with torch.no_grad():
             decoder.L_o.bias[END] = float("-inf")
         ann = Annotations(torch.randn(3, 4, 5, dtype=torch.float64), (2, 2))
-        kw = dict(start=START, end=END, pad=PAD, beam_size=2 + seed % 3, max_len=3 + seed % 4)
-        plain = beam_search(decoder, ann, **kw)
-        assert all(len(r.ids) == kw["max_len"] and END not in r.ids for r in plain)
-        _same(plain, fixed_beam_search(decoder, ann, **kw))
+        kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=2 + seed % 3, max_len=3 + seed % 4))
+        plain = beam_search(decoder, ann, *kw)
+        assert all(len(r.ids) == kw[1].max_len and END not in r.ids for r in plain)
+        _same(plain, fixed_beam_search(decoder, ann, *kw))
 
 
 @pytest.mark.parametrize("variant", MULTI_HEAD, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
@@ -105,8 +104,8 @@ def test_the_fixed_program_follows_the_plain_search_with_several_heads(variant):
     for seed in range(6):
         decoder = _random_decoder(seed, **variant)
         ann = Annotations(torch.randn(4, 4, 5, dtype=torch.float64), (2, 2))
-        kw = dict(start=START, end=END, pad=PAD, beam_size=2 + seed % 3, max_len=4 + seed % 3)
-        _same(beam_search(decoder, ann, **kw), fixed_beam_search(decoder, ann, **kw))
+        kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=2 + seed % 3, max_len=4 + seed % 3))
+        _same(beam_search(decoder, ann, *kw), fixed_beam_search(decoder, ann, *kw))
 
 
 def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
@@ -116,10 +115,9 @@ def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
     "A" have p 0.5 at step 0, and "A <end>" has p 0.5 too: the image is done at step 0."""
     table = _StepTable([{END: 0.5, A: 0.5}, {END: 1.0}, {END: 1.0}, {END: 1.0}])
     ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
-    kw = dict(start=START, end=END, pad=PAD, beam_size=3, max_len=3)
-    assert beam_search(table, ann, **kw)[0].ids == [END]
-    o = search_graph._Options(START, END, PAD, 3, 3, 0.0, "expected", 1)
-    searched = search_graph._search(table, ann.vectors, ann.grid, o)
+    kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=3, max_len=3))
+    assert beam_search(table, ann, *kw)[0].ids == [END]
+    searched = search_graph._search(table, ann.vectors, ann.grid, *kw)
     assert searched.pool.rank[0, 0] == torch.log(torch.tensor(0.5))
     assert searched.pool.rank[0, 1:].isneginf().all()  # "A <end>" (step 1) did not join
     assert searched.captions(1)[0].ids == [END]
@@ -137,8 +135,7 @@ def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(m
     every step, fails at its first."""
     cap = tiny_captioner(seed=2, **variant)
     ann = cap.model.encode(_images(3))
-    v = cap.vocab
-    opts = search_graph._Options(v.start, v.end, v.pad, 3, 6, 0.5, "expected", 2)
+    opts = DecodeOptions(beam_size=3, max_len=6, length_penalty=0.5, num_captions=2)
 
     def no_wait(*_, **__):
         raise AssertionError("a host wait in the beam search")
@@ -151,7 +148,7 @@ def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(m
     def to(self, *args, **kw):
         if "device" in kw or any(isinstance(x, (torch.device, str)) for x in args):
             no_copy()
-        return real_to(self, *args, **kw)
+        return real_to(self, *args, *kw)
 
     for name in ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, no_wait)
@@ -160,13 +157,12 @@ def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(m
     for name in ("tensor", "as_tensor", "from_numpy"):
         monkeypatch.setattr(torch, name, no_copy)
     with torch.no_grad():
-        searched = search_graph._search(cap.model.decoder, ann.vectors, ann.grid, opts)
+        searched = search_graph._search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts)
         with pytest.raises(AssertionError, match="host wait"):
-            beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
+            beam_search(cap.model.decoder, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     monkeypatch.undo()
     got = searched.captions(3)
-    plain = beam_search(cap.model.decoder, ann, start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6,
-                        length_penalty=0.5, num_captions=2)
+    plain = beam_search(cap.model.decoder, ann, cap.tokens, opts)
     _same(plain, got, exact=False)
 
 
@@ -244,11 +240,10 @@ def test_beyond_the_graph_limit_and_after_a_failed_capture_the_fixed_program_run
     expected = [_results(cap, small, options), _results(cap, large, options)]
     capture = Counted()
     graphs = SearchGraphs(cap.model.decoder, capture=capture, max_graphs=1)
-    v = cap.vocab
-    kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=6)
+    kw = (cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     for images, want in zip((small, large, small), (*expected, expected[0])):
         ann = cap.model.encode(images)
-        got = graphs.search(ann, **kw)
+        got = graphs.search(ann, *kw)
         assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in want]
     assert capture.captures == 1 and len(graphs.graphs) == 1
     assert not any(d.runners_up for d in got)  # one caption an image unless more are asked for
@@ -257,10 +252,10 @@ def test_beyond_the_graph_limit_and_after_a_failed_capture_the_fixed_program_run
     graphs = SearchGraphs(cap.model.decoder, capture=failing)
     with pytest.warns(RuntimeWarning, match="could not be recorded as a CUDA graph .RuntimeError: operation not "
                                             "permitted when stream is capturing.; it runs without one") as said:
-        got = graphs.search(cap.model.encode(small), **kw)
+        got = graphs.search(cap.model.encode(small), *kw)
     assert said[0].filename == __file__  # the warning points at the caller's line
     assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in expected[0]]
-    got = graphs.search(cap.model.encode(large), **kw)  # no second try, no second warning
+    got = graphs.search(cap.model.encode(large), *kw)  # no second try, no second warning
     assert [cap.vocab.decode(d.ids) for d in got] == [w[0] for w in expected[1]]
     assert failing.captures == 1 and graphs.graphs == {} and graphs.failed.startswith("RuntimeError")
 
@@ -316,17 +311,11 @@ def test_a_captioner_on_a_cpu_runs_the_plain_search():
 
 @pytest.mark.parametrize("bad, match", [(dict(beam_size=0), "beam_size"), (dict(num_captions=4), "num_captions"),
                                         (dict(length_penalty=float("nan")), "length_penalty"),
-                                        (dict(max_len=0), "max_len"), (dict(hard="mean"), "hard attention")])
-def test_the_fixed_forms_refuse_what_the_plain_search_refuses(bad, match):
-    cap = tiny_captioner(seed=1)
-    ann = cap.model.encode(_images(1))
-    v = cap.vocab
-    kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=3, max_len=4) | bad
-    for search in (lambda: beam_search(cap.model.decoder, ann, **kw),
-                   lambda: fixed_beam_search(cap.model.decoder, ann, **kw),
-                   lambda: SearchGraphs(cap.model.decoder, capture=eager_capture).search(ann, **kw)):
-        with pytest.raises(ValueError, match=match):
-            search()
+                                        (dict(max_len=0), "max_len"), (dict(hard_attention="mean"), "hard_attention")])
+def test_what_no_search_can_take_is_refused_where_the_options_are_made(bad, match):
+    """The searches take DecodeOptions and trust them: a bad option never reaches one."""
+    with pytest.raises(OptionError, match=match):
+        DecodeOptions(**{"beam_size": 3, "max_len": 4, **bad})
 
 
 @pytest.mark.parametrize("first_inference_mode", [True, False])
@@ -334,13 +323,12 @@ def test_a_graph_recorded_in_inference_mode_serves_calls_outside_it_and_back(fir
     """A tensor made in inference mode can never be written outside it: a graph's input and
     outputs are made outside, whatever mode the call that records it runs in."""
     cap = tiny_captioner(seed=9)
-    v = cap.vocab
-    kw = dict(start=v.start, end=v.end, pad=v.pad, beam_size=2, max_len=5)
+    kw = (cap.tokens, DecodeOptions(beam_size=2, max_len=5))
     graphs = SearchGraphs(cap.model.decoder, capture=eager_capture)
-    want = [d.ids for d in beam_search(cap.model.decoder, cap.model.encode(_images(3)), **kw)]
+    want = [d.ids for d in beam_search(cap.model.decoder, cap.model.encode(_images(3)), *kw)]
     for mode in (first_inference_mode, not first_inference_mode, first_inference_mode):
         with torch.inference_mode(mode):
-            got = graphs.search(cap.model.encode(_images(3)), **kw)
+            got = graphs.search(cap.model.encode(_images(3)), *kw)
         assert [d.ids for d in got] == want
     assert len(graphs.graphs) == 1
 
@@ -368,7 +356,7 @@ def test_searches_from_several_threads_take_turns_at_a_graph():
     import time
 
     decoder = _random_decoder(0)  # whose captions differ between the two batches
-    kw = dict(start=START, end=END, pad=PAD, beam_size=2, max_len=6)
+    kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=2, max_len=6))
     inside, most = [0], [0]
 
     def slow_capture(run, pool):
@@ -385,14 +373,14 @@ def test_searches_from_several_threads_take_turns_at_a_graph():
     graphs = SearchGraphs(decoder, capture=slow_capture)
     batches = [Annotations(torch.randn(4, 4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(s)),
                            (2, 2)) for s in (20, 21)]
-    want = [[d.ids for d in beam_search(decoder, ann, **kw)] for ann in batches]
+    want = [[d.ids for d in beam_search(decoder, ann, *kw)] for ann in batches]
     assert want[0] != want[1]
-    graphs.search(batches[0], **kw)  # recorded before the race
+    graphs.search(batches[0], *kw)  # recorded before the race
     got, start = [None, None], threading.Barrier(2)
 
     def caption(i):
         start.wait()
-        got[i] = [d.ids for d in graphs.search(batches[i], **kw)]
+        got[i] = [d.ids for d in graphs.search(batches[i], *kw)]
 
     threads = [threading.Thread(target=caption, args=(i,)) for i in (0, 1)]
     for t in threads:
@@ -404,9 +392,9 @@ def test_searches_from_several_threads_take_turns_at_a_graph():
 
 def test_annotations_of_another_grid_get_a_graph_of_their_own():
     decoder = _random_decoder(0)
-    kw = dict(start=START, end=END, pad=PAD, beam_size=2, max_len=5)
+    kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=2, max_len=5))
     graphs = SearchGraphs(decoder, capture=eager_capture)
     for cells, grid in ((4, (2, 2)), (9, (3, 3)), (4, (2, 2))):
         ann = Annotations(torch.randn(3, cells, 5, dtype=torch.float64), grid)
-        _same(beam_search(decoder, ann, **kw), graphs.search(ann, **kw), exact=False)
+        _same(beam_search(decoder, ann, *kw), graphs.search(ann, *kw), exact=False)
     assert len(graphs.graphs) == 2

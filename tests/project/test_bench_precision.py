@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks import bench_precision
+from captioner.search.options import DecodeOptions
 
 
 def test_a_variant_is_a_precision_then_compile_and_channels_last_in_any_order():
@@ -55,8 +56,7 @@ def test_a_static_compile_reaches_torch_compile_and_captions_as_the_plain_step(m
     tiny_captioner(seed=2).compile(backend="eager")
     assert [kw["dynamic"] for kw in seen] == [False, False, True, True]
     images = torch.randn(2, 3, *plain.preprocess.size)
-    v = plain.vocab
     with torch.no_grad():
-        runs = [greedy(c.model.decoder, c.model.encode(images), start=v.start, end=v.end, pad=v.pad, max_len=6)
+        runs = [greedy(c.model.decoder, c.model.encode(images), c.tokens, DecodeOptions(max_len=6))
                 for c in (plain, static)]
     assert [d.ids for d in runs[0]] == [d.ids for d in runs[1]]

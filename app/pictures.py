@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.data.images import Preprocess, load_image
+from captioner.data.images import Preprocess
 from captioner.overlay import TINT, shading, unit_maps, upsample_alpha
 from captioner.search.decoding import CaptionResult
 
@@ -74,22 +74,22 @@ class Picture:
         return data_uri(self.preview, "image/jpeg")
 
     @classmethod
-    def decode(cls, digest: str, data: bytes,
-               max_pixels: int) -> tuple["Picture", Image.Image | None, Image.Image | None]:
-        """Raw bytes -> (picture, the decoded image, its preview), the last two None when the upload
-        itself serves as the preview; raises ImageLoadError with a message for the user, also for
-        an image of more than ``max_pixels``.
+    def decode(cls, digest: str, data: bytes, preprocess: Preprocess,
+               max_pixels: int) -> tuple["Picture", Image.Image, Image.Image | None]:
+        """Raw bytes -> (picture, the image as the model decodes it, its preview), the preview None
+        when the upload itself serves as one; raises ImageLoadError with a message for the user,
+        also for an image of more than ``max_pixels``.
 
-        A photo from a phone or a camera resized for the web (an RGB JPEG, upright, at most
-        AS_IS_SIDE a side) is shown as it came: the browser scales it, and the server neither
-        resizes nor encodes it again. It is still decoded whole, at 1/8 scale, so that a broken
-        file is refused here with its message."""
+        The upload is decoded once, as ``captioner caption`` decodes it for this model
+        (``Preprocess.load``: a big JPEG at the reduced scale the model needs): the model captions
+        that image, and the preview and the views of the maps are drawn from it. A photo from a
+        phone or a camera resized for the web (an RGB JPEG, upright, at most AS_IS_SIDE a side) is
+        shown as it came: the browser scales it, and the server neither resizes nor encodes it."""
+        image = preprocess.load(data, max_pixels)
         if _shown_as_is(data):
-            load_image(data, max_pixels, at_least=1)
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(io.BytesIO(data)) as im:  # its header: the size it is shown at
                 width, height = im.size
-            return cls(digest, width, height, data, as_is=True), None, None
-        image = load_image(data, max_pixels, at_least=LARGE_WIDTH)  # a big JPEG decodes at a reduced scale
+            return cls(digest, width, height, data, as_is=True), image, None
         preview = fit_width(image, LARGE_WIDTH)
         return cls(digest, image.width, image.height, jpeg(preview)), image, preview
 
@@ -105,18 +105,14 @@ def _shown_as_is(data: bytes) -> bool:
             return False
 
 
-def seen_by_model(preprocess: Preprocess, data: bytes, max_pixels: int, picture: Picture | None = None,
-                  decoded: tuple[Image.Image | None, Image.Image | None] | None = None
-                  ) -> tuple[bytes, tuple[int, int]]:
+def seen_by_model(preprocess: Preprocess, image: Image.Image, picture: Picture | None = None,
+                  preview: Image.Image | None = None) -> tuple[bytes, tuple[int, int]]:
     """The part of the upload the model saw (all of it without a crop), as JPEG bytes at most
     LARGE_WIDTH wide, and its (width, height): the picture a result's maps are laid over.
-    ``picture``, ``decoded``: the upload as Picture.decode gave it, when this run has decoded it
-    already; the picture's own preview bytes come back when they show just that part."""
+    ``image``: the upload as the model decoded it; ``picture``, ``preview``: as Picture.decode gave
+    them, when there are; the picture's own preview bytes come back when they show just that part."""
     if picture is not None and picture.as_is and not preprocess.resize:
         return picture.preview, (picture.width, picture.height)  # the upload itself
-    image, preview = decoded if decoded and decoded[0] is not None else (None, None)
-    if image is None:
-        image = load_image(data, max_pixels, at_least=LARGE_WIDTH)
     cropped = preprocess.seen(image)
     if cropped is image and preview is not None and picture is not None:
         return picture.preview, preview.size  # encoded already

@@ -175,13 +175,16 @@ class Shown:
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
-                  picture: Picture | None = None, decoded: tuple[Image.Image | None, Image.Image | None] | None = None,
+                  picture: Picture | None = None, decoded: tuple[Image.Image, Image.Image | None] | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
     checkpoint's own caption) and draw what the page shows. ``picture``, ``decoded``: the upload as
-    Picture.decode gave it, when this run has decoded it already."""
+    Picture.decode gave it for this model (the image and its preview); without them the bytes are
+    decoded here, once."""
     start, cpu = time.perf_counter(), time.thread_time()
-    image = captioner.preprocess.load(data, pixel_limit())  # decoded before the gate, by this session's thread
+    if decoded is None:  # decoded before the gate, by this session's thread
+        decoded = (captioner.preprocess.load(data, pixel_limit()), None)
+    image, preview = decoded
     decoding, cpu = time.perf_counter() - start, time.thread_time() - cpu
 
     def caption_all(images: list[Image.Image]) -> list[CaptionResult]:
@@ -192,7 +195,7 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     done = gate.run((id(captioner), options), image, caption_all, on_wait)
     result, seconds, cpu = done.result, decoding + done.seconds, cpu + done.cpu
     # Drawn outside the gate: the next caption need not wait for it.
-    seen, size = seen_by_model(captioner.preprocess, data, pixel_limit(), picture, decoded)
+    seen, size = seen_by_model(captioner.preprocess, image, picture, preview)
     view = ""
     if result.words:
         if picture is not None and seen is picture.preview:  # the page's preview defines the photo

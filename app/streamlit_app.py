@@ -373,15 +373,17 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
         return
     name, data = chosen
     digest = hashlib.sha256(data).hexdigest()
-    picture, decoded = st.session_state.get("picture"), None  # one per session: the last upload's
-    if picture is None or picture.digest != digest:
+    # One per session: the last upload, decoded once for the model it is captioned with.
+    picture, held = st.session_state.get("picture"), st.session_state.get("decoded")
+    if picture is None or picture.digest != digest or held is None or held[0] != (digest, captioner.preprocess):
         try:
-            picture, image, preview = Picture.decode(digest, data, pixel_limit())
-            decoded = (image, preview)  # the caption below draws on them, without decoding again
+            picture, image, preview = Picture.decode(digest, data, captioner.preprocess, pixel_limit())
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_unreadable(e)}. Try another file.")
             return
-        st.session_state["picture"] = picture
+        held = ((digest, captioner.preprocess), (image, preview))  # the caption below draws on them
+        st.session_state["picture"], st.session_state["decoded"] = picture, held
+    decoded = held[1]
     show_preview(left, picture, name)
 
     key = (digest, str(path), modified, options)

@@ -435,7 +435,7 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: Checkpoint | None, ctx: Dis
     objective = choose_objective(cfg, model.config.attention, vocab, [r.captions for r in data.splits[d.train_split]],
                                  ctx)
     average = WeightAverage(model, o.ema) if o.ema else None
-    # "run": the run folder's name, which names its best.pt and last.pt (captioner.inference.checkpoint_name).
+    # "run": the run folder's name, which names its best.pt and last.pt (captioner.io.loading.checkpoint_name).
     meta = {"name": cfg.name, "run": run_dir.name, "data": d.dir, "training_data": data.name,
             "max_caption_len": d.max_caption_len,  # decoding's default length limit (Captioner.max_len)
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}

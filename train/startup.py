@@ -21,10 +21,10 @@ import captioner
 from captioner.data.images import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from captioner.data.vocab import PTB, SPECIALS, Tokenizer, Vocabulary, tokenizer_named
 from captioner.distributed import DistContext
-from captioner.inference import resolve_weights
 from captioner.io.bundled import DEMOS
 from captioner.io.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from captioner.io.folder import is_model_folder
+from captioner.io.loading import resolve_weights
 from captioner.model.decoder import CaptionModel
 from captioner.model.encoders import pretrained_file
 

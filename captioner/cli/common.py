@@ -97,8 +97,9 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
     name; None: the default demo) on ``device`` (checked before: see ``check_device``). A file
     that is not a usable checkpoint is a one-line UsageError; with ``notice``, a shapes-only
     model says so on stderr in the name of ``captioner COMMAND``."""
-    from captioner.inference import Captioner, resolve_weights
+    from captioner.inference import Captioner
     from captioner.io.checkpoint import CheckpointError, load_checkpoint
+    from captioner.io.loading import resolve_weights
 
     try:
         path = resolve_weights(weights)

@@ -23,7 +23,6 @@ import types
 from dataclasses import asdict, dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from captioner.model import kernels
@@ -31,6 +30,7 @@ from captioner.model.attention import LocalWidthName, ModeName, NormalizerName, 
 from captioner.model.encoders import Annotations, create_encoder
 from captioner.model.grid import GridSelfAttention, check_grid_fields
 from captioner.model.multihead import build_attention
+from captioner.model.teacher_forcing import DecoderOutput, unrolled
 
 
 @dataclass
@@ -102,23 +102,6 @@ class StepOutput:
         return self.alpha_heads.mean(1)
 
 
-@dataclass
-class DecoderOutput:
-    """Teacher-forced outputs over T = max length - 1 steps."""
-
-    logits: torch.Tensor  # (B, T, V); Decoder.forward leaves padding steps at 0
-    alphas_heads: torch.Tensor  # (B, T, h, L) each head's map; h = 1 for one head
-    betas: torch.Tensor  # (B, T)
-    mask: torch.Tensor  # (B, T) True on real (non-padding) steps
-    sample_log_probs: torch.Tensor | None = None  # (B, T) log p(s_t | a), hard attention (summed over heads)
-    entropies: torch.Tensor | None = None  # (B, T) (summed over heads)
-
-    @property
-    def alphas(self) -> torch.Tensor:
-        """(B, T, L) the heads' mean map (one head: its map)."""
-        return self.alphas_heads.mean(2)
-
-
 def cell_centres(grid: tuple[int, int], device=None, dtype=None) -> torch.Tensor:
     """(1, H*W, 2): each cell's centre (x, y), the image spanning [-1, 1] on both axes, in
     the annotations' row-major order (x grows to the right, y downwards)."""
@@ -168,7 +151,7 @@ class Decoder(nn.Module):
         (the compiler caches per code object, so models sharing one would take each other's
         recompilation budget), the batch dimension is dynamic (images leave a beam search as
         they finish), and the compiled functions only ever see contiguous tensors that are
-        no views (``_plain``): a view and a copy of the same shape are different inputs to
+        no views (``kernels.plain``): a view and a copy of the same shape are different inputs to
         the compiler. What remains are one graph per kind of call (beam search, greedy,
         training) and per autocast setting."""
         options = {"dynamic": True, **options}  # dynamic=False: one graph per batch size, for a comparison
@@ -184,14 +167,14 @@ class Decoder(nn.Module):
         feature cache's), after self-attention over the grid when ``grid_layers`` > 0.
         Every entry point (teacher forcing, greedy, beam search) starts here. With
         ``coords``, each cell's centre is appended (cell_centres). A compiled decoder gets
-        them in one layout (``_plain``), once per decode rather than at every step."""
+        them in one layout (``kernels.plain``), once per decode rather than at every step."""
         if self.grid_attention is not None:
             ann = Annotations(self.grid_attention(ann.vectors, ann.grid), ann.grid)
         if self.coords:
             a = ann.vectors
             xy = cell_centres(ann.grid, a.device, a.dtype).expand(a.shape[0], -1, -1)
             ann = Annotations(torch.cat([a, xy], dim=2), ann.grid)
-        return Annotations(_plain(ann.vectors), ann.grid) if self._compiled_step is not None else ann
+        return Annotations(kernels.plain(ann.vectors), ann.grid) if self._compiled_step is not None else ann
 
     def init_state(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mean = a.mean(dim=1)  # (B, D)
@@ -204,7 +187,8 @@ class Decoder(nn.Module):
         of B images; k rows per image (k > 1 in beam search: the beams of each image)."""
         if self._compiled_step is None:
             return self._step(y_prev, h, c, a, keys, grid, sample=sample, argmax=argmax, generator=generator)
-        return self._compiled_step(_plain(y_prev), _plain(h), _plain(c), _plain(a), _plain(keys), grid,
+        plain = kernels.plain
+        return self._compiled_step(plain(y_prev), plain(h), plain(c), plain(a), plain(keys), grid,
                                    sample=sample, argmax=argmax, generator=generator)
 
     def _step(self, y_prev: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor,
@@ -222,73 +206,10 @@ class Decoder(nn.Module):
                 sample: bool = False, generator: torch.Generator | None = None,
                 steps: int | None = None) -> DecoderOutput:
         """Teacher forcing. tokens (B, T+1) = <start> w_1 .. w_n <end> <pad>..; lengths (B,)
-        count the tokens including start and end.
-
-        ``steps``: run exactly this many steps (tokens then hold at least steps + 1 columns)
-        and give the output layer every step, padding ones included, so that the call waits
-        for the device nowhere and its shapes depend on the arguments' shapes alone: the form
-        a CUDA graph records (captioner.train's graphed step). The padding steps come after
-        every caption's last word and are masked out of the loss, so the loss and its
-        gradients are the plain call's; only the padding logits differ (not 0).
-
-        The same model as ``forward_stepwise`` (T calls of ``step``), arranged for speed:
-        only what needs h_{t-1} runs inside the time loop (attention, gate, the LSTM's
-        z and h products). The embedding's share of the LSTM input runs before the loop and
-        the deep output L_o(E y + L_h h_t + L_z z_t) after it, each as one product over all
-        T steps, and the output layer only on real (non-padding) steps: padding logits are 0."""
-        ann = self.annotate(ann)
-        a = ann.vectors
-        compiled = self._compiled_recur is not None
-        fixed = steps is not None
-        if fixed and tokens.shape[1] < steps + 1:
-            raise ValueError(f"{steps} fixed steps need tokens of at least {steps + 1} columns, got {tokens.shape[1]}")
-        b, steps = a.shape[0], (steps if fixed else int(lengths.max()) - 1)
-        mask = torch.arange(steps, device=a.device).unsqueeze(0) < (lengths.to(a.device) - 1).unsqueeze(1)
-        keys = self.attention.prepare(a)  # once per image
-        h, c = self.init_state(a)
-        emb = self.embedding(tokens[:, :steps])  # (B, T, E)
-        w_e, w_zh, product = self._lstm_weights(b)
-        # (T, B, 4H), time-major so that each step reads one contiguous slice
-        pre = F.linear(emb.transpose(0, 1), w_e, self.lstm.bias_ih + self.lstm.bias_hh)
-        recur = self._compiled_recur if compiled else self._recur
-        hs, zs, heads, betas, logps, ents = [], [], [], [], [], []
-        # unbind: the backward stacks the T slices' gradients once, rather than T full-size ones
-        for t, pre_t in enumerate(pre.unbind(0)):
-            if compiled:  # one layout for the compiler (see compile_step); pre_t is always a view of pre
-                h, c = _plain(h), _plain(c)
-            h, c, z, att, beta = recur(pre_t, h, c, a, keys, w_zh, ann.grid, sample=sample, generator=generator,
-                                       product=product)
-            hs.append(h)
-            zs.append(z)
-            heads.append(att.alpha_heads)
-            betas.append(beta)
-            if att.sample_log_prob is not None:
-                logps.append(att.sample_log_prob)
-                ents.append(att.entropy)
-        hs_, zs_ = torch.stack(hs, 1), torch.stack(zs, 1)  # (B, T, H), (B, T, D)
-        x = self.dropout(emb + self.L_h(hs_) + self.L_z(zs_))  # (B, T, E)
-        if fixed or bool(mask.all()):
-            logits = self.L_o(x)  # (B, T, V)
-        else:
-            real = self.L_o(x[mask])  # (N, E) -> (N, V), N real steps
-            logits = real.new_zeros(b, steps, real.shape[-1])
-            logits[mask] = real
-        return DecoderOutput(
-            logits, torch.stack(heads, 1), torch.stack(betas, 1), mask,
-            torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
-
-    def _lstm_weights(self, rows: int):
-        """The LSTM's weights as the teacher-forced loop uses them: the embedding's columns
-        w_e (4H, E), applied to all T steps before the loop; the z and h columns W_zh
-        (D + H, 4H); and the product pre + [z; h] W_zh of each step (torch.addmm's
-        signature). ``rows``: the batch size. In training with a large weight the kernels'
-        form (kernels.deferred_lstm) forms W_zh's gradient once over all steps; a compiled
-        step takes the plain form, which the compiler fuses."""
-        w_ih, w_hh = self.lstm.weight_ih, self.lstm.weight_hh  # (4H, E + D): columns [E y; z]; (4H, H)
-        e = self.embedding.embedding_dim
-        if self._compiled_recur is None and kernels.deferred_lstm_ok(w_ih, w_hh, e):
-            return kernels.deferred_lstm(w_ih, w_hh, e, rows)
-        return w_ih[:, :e], torch.cat([w_ih[:, e:], w_hh], 1).t(), torch.addmm
+        count the tokens including start and end. The same model as ``forward_stepwise``,
+        arranged for speed (``teacher_forcing.unrolled``, which says how; ``steps``: a fixed
+        number of steps, the form a CUDA graph records)."""
+        return unrolled(self, ann, tokens, lengths, sample=sample, generator=generator, steps=steps)
 
     def _recur(self, pre: torch.Tensor, h: torch.Tensor, c: torch.Tensor, a: torch.Tensor, keys: torch.Tensor,
                w_zh: torch.Tensor, grid: tuple[int, int], *, sample: bool = False,
@@ -359,11 +280,6 @@ def _own_copy(method):
     g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     g.__kwdefaults__, g.__qualname__ = f.__kwdefaults__, f.__qualname__
     return types.MethodType(g, method.__self__)
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous tensor that is no view of another (a copy only where it is)."""
-    return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
 def attention_penalty(alphas: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -422,3 +422,10 @@ class _TokenLogProb(torch.autograd.Function):
             softmax.mul_(g[i:j].neg().unsqueeze(1))  # -g softmax
         d.scatter_add_(1, targets.unsqueeze(1), g.unsqueeze(1).to(d.dtype))  # + g at the target
         return d, None
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous tensor that is no view of another (a copy only where it is): the one
+    layout a compiled step sees (a view and a copy of the same shape are different inputs to the
+    compiler)."""
+    return t if t._base is None and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)

@@ -27,9 +27,9 @@ import numpy as np
 from captioner.data.images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
 from captioner.data.vocab import tokenizer_named
 from captioner.io import folder as fmt
-from captioner.io.record import DIGITS, caption_record
 from captioner.onnx.search import Decoded, beam_search, greedy
 from captioner.search.options import UNFAMILIAR_BELOW, DecodeOptions, OptionError, Tokens, count, parser
+from captioner.search.record import DIGITS, caption_record
 
 
 @dataclass(frozen=True)

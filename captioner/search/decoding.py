@@ -48,12 +48,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from captioner.io.record import caption_record
 from captioner.model.attention import HARD_INFERENCE
 from captioner.model.decoder import Decoder
 from captioner.model.encoders import Annotations
 from captioner.model.familiarity import Familiarity
 from captioner.search.options import DecodeOptions, Tokens
+from captioner.search.record import caption_record
 
 
 @dataclass(frozen=True)

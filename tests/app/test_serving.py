@@ -354,3 +354,32 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     # Made without the page's preview: the result defines its photo itself, once.
     assert shown.view.count(f"--photo: url({data_uri(shown.seen, 'image/jpeg')})") == 1
     assert "var(--img-" not in shown.view
+
+
+@pytest.mark.parametrize("size, as_is", [((64, 48), False), ((900, 700), False), ((320, 240), True)])
+def test_an_upload_is_decoded_once_for_its_preview_its_caption_and_its_views(monkeypatch, size, as_is):
+    """Picture.decode decodes the upload as `captioner caption` does for this model; the caption
+    and the views are drawn from that image, and nothing decodes the bytes again."""
+    import io
+
+    from captioner.app.gate import Gate
+    from captioner.app.pictures import Picture
+    from captioner.app.serving import caption_image
+    from captioner.data import images
+    from captioner.inference import DecodeOptions
+    from tests.tiny import tiny_captioner
+
+    cap = tiny_captioner(3)
+    buf = io.BytesIO()
+    tiny_image(5, size).save(buf, "JPEG" if as_is else "PNG")
+    data = buf.getvalue()
+    decodes = []
+    real = images._decode
+    monkeypatch.setattr(images, "_decode", lambda *a, **kw: decodes.append(1) or real(*a, **kw))
+    picture, image, preview = Picture.decode("d", data, cap.preprocess, 10 ** 8)
+    assert picture.as_is == as_is and (preview is None) == as_is
+    options = DecodeOptions(beam_size=2, max_len=6, allow_unk=True)
+    shown = caption_image(cap, Gate(slots=1), ("k",), "x", data, options, picture, (image, preview))
+    assert len(decodes) == 1
+    monkeypatch.undo()
+    assert shown.result.words == cap.caption(data, options).words  # the command's own caption

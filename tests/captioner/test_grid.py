@@ -183,8 +183,8 @@ DEMO_CAPTIONS = {
 def test_grid_layers_zero_is_todays_model(tmp_path):
     from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
-    from captioner.inference import resolve_weights
     from captioner.io.bundled import DEMOS
+    from captioner.io.loading import resolve_weights
 
     if not DEMOS["demo-soft"].installed:
         pytest.skip("demo-soft's weights are not here")

@@ -18,13 +18,13 @@ from captioner.cli.main import main as cli_main
 from captioner.inference import Captioner, DecodeOptions
 from captioner.io import folder as fmt
 from captioner.io.export import export
-from captioner.io.record import significant
 from captioner.model.familiarity import TrainingFeatures, pooled
 from captioner.onnx import search as npsearch
 from captioner.onnx.runtime import OnnxCaptioner
 from captioner.onnx.runtime import main as onnx_main
 from captioner.search import decoding
 from captioner.search.options import Tokens
+from captioner.search.record import significant
 from tests.tiny import tiny_captioner, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,10 +4,10 @@ the app's download and the torch-free runtime."""
 import numpy as np
 import torch
 
-from captioner.io.record import caption_record, significant
 from captioner.model.familiarity import Familiarity
 from captioner.onnx.runtime import Caption
 from captioner.search.decoding import Alternative, CaptionResult
+from captioner.search.record import caption_record, significant
 
 
 def _record(**over):

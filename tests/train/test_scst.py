@@ -18,8 +18,8 @@ from captioner.data.images import Preprocess
 from captioner.data.vocab import tokenize
 from captioner.evaluation.cider import CiderD, cider_d
 from captioner.evaluation.metrics import _prepare
-from captioner.inference import resolve_weights
 from captioner.io.checkpoint import load_checkpoint
+from captioner.io.loading import resolve_weights
 from captioner.model.decoder import CaptionModel
 from captioner.model.encoders import Annotations
 from captioner.train.config import ScstConfig, load_config, model_config, to_toml

@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 from captioner.cli.main import main as captioner_main
-from captioner.inference import Captioner, checkpoint_name
+from captioner.inference import Captioner
+from captioner.io.loading import checkpoint_name
 from captioner.train.config import BUNDLED_CONFIGS, bundled_configs, find_config, load_config
 from captioner.train.loop import train
 from tests.builders import one_line, read_jsonl, tiny_train_config

@@ -2,7 +2,7 @@
 
 At the paper's sizes a training step is some two thousand small kernels (twenty-odd per word,
 forward and backward), and a GPU spends most of the step waiting for their launches, not
-computing (docs/benchmarks.md, "On a GPU": 34% busy at batch 32). A CUDA graph records the
+computing (docs/benchmarks.md, "On a GPU", has the profile). A CUDA graph records the
 kernels of one forward and backward once and replays them all with one launch.
 
 A graph holds fixed shapes and fixed memory. So each batch's captions are padded to a multiple

@@ -144,10 +144,9 @@ class _PackedWeight:
     forward and dy @ W^T for their backward.
 
     At the paper's sizes each of the 2 T recurrent products is (32, 2560) x (2560, 2048):
-    the general product lays out the 21 MB weight again at every call, and runs at about
-    half the machine's peak; from the layout made once per training step it runs at about
-    the peak (docs/benchmarks.md). Rounding differs from torch.mm's at the level of float32
-    sums."""
+    the general product lays out the 21 MB weight again at every call; from the layout made
+    once per training step it runs nearer the machine's peak (docs/benchmarks.md has the
+    figures). Rounding differs from torch.mm's at the level of float32 sums."""
 
     def __init__(self, w: torch.Tensor, rows: int):
         reorder = torch.ops.mkldnn._reorder_linear_weight

@@ -3,8 +3,8 @@
 The plain search (``decoding.beam_search``) lets each image leave the batch at the step it is
 done, and to know which are done it asks the device after every step. On a GPU that makes the
 search launch-bound: some hundred small kernels a word, each issued only after the host has
-heard back from the step before (docs/benchmarks.md, "On a GPU, second session": 13-27% busy,
-about 3,000 launches and 76 host waits a batch of 32).
+heard back from the step before (docs/benchmarks.md, "On a GPU, second session", has the
+profile).
 
 The fixed form keeps every image in the batch for all ``max_len + 1`` steps and follows the
 same rule (decoding's docstring): an image's pool of finished captions is frozen from the step

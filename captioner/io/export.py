@@ -30,12 +30,12 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from captioner import __version__
 from captioner.io import folder as fmt
 from captioner.io import tensorfile
 from captioner.model.familiarity import pooled
@@ -146,7 +146,7 @@ def config_of(captioner, grid: tuple[int, int], onnx: dict | None, license: str,
     fam = captioner.familiarity
     v = captioner.vocab
     return {
-        "format": fmt.FORMAT, "version": fmt.VERSION, "captioner_version": __version__,
+        "format": fmt.FORMAT, "version": fmt.VERSION, "captioner_version": version("captioner"),
         "architecture": "show-attend-and-tell",
         "model": captioner.model.config.to_dict(),
         "preprocess": captioner.preprocess.to_dict(),

@@ -19,16 +19,13 @@ V vocabulary size, h attention heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from captioner.model import kernels
 from captioner.model.encoders import Annotations
-
-if TYPE_CHECKING:
-    from captioner.model.decoder import Decoder
 
 
 @dataclass
@@ -48,11 +45,12 @@ class DecoderOutput:
         return self.alphas_heads.mean(2)
 
 
-def unrolled(decoder: Decoder, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
+def unrolled(decoder: nn.Module, ann: Annotations, tokens: torch.Tensor, lengths: torch.Tensor, *,
              sample: bool = False, generator: torch.Generator | None = None,
              steps: int | None = None) -> DecoderOutput:
-    """Teacher forcing of ``decoder``: tokens (B, T+1) = <start> w_1 .. w_n <end> <pad>..; lengths
-    (B,) count the tokens including start and end (the module's docstring says how it runs)."""
+    """Teacher forcing of ``decoder`` (a ``decoder.Decoder``, whose step's parts this runs): tokens
+    (B, T+1) = <start> w_1 .. w_n <end> <pad>..; lengths (B,) count the tokens including start and
+    end (the module's docstring says how it runs)."""
     ann = decoder.annotate(ann)
     a = ann.vectors
     compiled = decoder._compiled_recur is not None
@@ -95,7 +93,7 @@ def unrolled(decoder: Decoder, ann: Annotations, tokens: torch.Tensor, lengths: 
         torch.stack(logps, 1) if logps else None, torch.stack(ents, 1) if ents else None)
 
 
-def _lstm_weights(decoder: Decoder, rows: int):
+def _lstm_weights(decoder: nn.Module, rows: int):
     """The LSTM's weights as the teacher-forced loop uses them: the embedding's columns w_e (4H, E),
     applied to all T steps before the loop; the z and h columns W_zh (D + H, 4H); and the product
     pre + [z; h] W_zh of each step (torch.addmm's signature). ``rows``: the batch size. In training

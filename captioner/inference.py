@@ -27,7 +27,7 @@ from captioner.model import kernels
 from captioner.model.decoder import CaptionModel
 from captioner.model.encoders import Annotations
 from captioner.model.familiarity import TrainingFeatures, pooled
-from captioner.search.decoding import CaptionResult, DecodedIds, beam_search, greedy
+from captioner.search.decoding import CaptionResult, DecodedIds, beam_search
 from captioner.search.graph import SearchGraphs, search_form
 from captioner.search.options import DecodeOptions, Tokens
 from captioner.search.results import to_result
@@ -125,11 +125,7 @@ class Captioner(Described):
         self.model.eval()
         with self.autocast():
             ann = self.encode(images)
-            graphed = search_form(ann.vectors.device, opt.hard_attention, self.model.decoder.compiled) == "graphed"
-            if opt.greedy and not graphed:
-                decoded = greedy(self.model.decoder, ann, self.tokens, opt)
-            else:
-                decoded = self.beam_search_batch(ann, opt)
+            decoded = self.beam_search_batch(ann, opt)
         results = [to_result(d, self.vocab, ann.grid, opt.num_captions > 1, opt.length_penalty) for d in decoded]
         if self.familiarity is None:
             return results
@@ -156,9 +152,8 @@ class Captioner(Described):
         return self.model.encode(images)
 
     def beam_search_batch(self, ann: Annotations, opt: DecodeOptions) -> list[DecodedIds]:
-        """The beam search: its plain form, or on a GPU its fixed program replayed as CUDA graphs
-        (captioner.search_graph), which returns the same captions (there greedy decoding too
-        runs as a search of width 1: the same captions, without a host wait at every word)."""
+        """The beam search (greedy: of width 1), run eagerly, or on a GPU replayed as CUDA graphs
+        (``search.graph``), which returns the same captions."""
         decoder = self.model.decoder
         if search_form(ann.vectors.device, opt.hard_attention, decoder.compiled) == "plain":
             return beam_search(decoder, ann, self.tokens, opt)

@@ -100,7 +100,7 @@ def build_cache(model: CaptionModel, records: list[ImageRecord], preprocess: Pre
 
 
 def cache_features(cache: FeatureCache, rows: int = 256) -> torch.Tensor:
-    """(N, D) the cached images' pooled annotations (captioner.familiarity.pooled), read
+    """(N, D) the cached images' pooled annotations (captioner.model.familiarity.pooled), read
     ``rows`` images at a time through the memory map."""
     out = [torch.from_numpy(np.asarray(cache.array[i:i + rows], dtype=np.float32)).mean(1)
            for i in range(0, len(cache), rows)]  # each (rows, D)

@@ -352,7 +352,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: Checkpoint | None, ctx: DistCo
 
 
 def record_familiarity(run: Run) -> None:
-    """Add to best.pt and last.pt their training images' features (captioner.familiarity),
+    """Add to best.pt and last.pt their training images' features (captioner.model.familiarity),
     each through its own encoder (best.pt's may be an earlier one), and to last.pt's weight
     average, where the run keeps one, the record of the averaged encoder (the weights a
     finished run is scored and shipped with, studies/attention/checkpoints.py): what the familiarity of an

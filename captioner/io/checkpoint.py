@@ -495,7 +495,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 
 def load_folder(folder: str | os.PathLike) -> Checkpoint:
-    """The checkpoint of a model folder ``captioner export`` wrote (captioner.folder):
+    """The checkpoint of a model folder ``captioner export`` wrote (captioner.io.folder):
     safetensors and JSON only, so nothing in it is unpickled. Its tensors are on the CPU; a
     demo's folder says which demo (``demo``), for its notice."""
     from captioner.io import folder as fmt

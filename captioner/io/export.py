@@ -1,4 +1,4 @@
-"""``captioner export``: a model as a folder to share and deploy (captioner.folder).
+"""``captioner export``: a model as a folder to share and deploy (captioner.io.folder).
 
 The weights go to safetensors, the config, vocabulary and familiarity record beside them
 as JSON and safetensors (no pickle anywhere), a model card with the Hub's metadata, and with

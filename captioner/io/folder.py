@@ -9,7 +9,7 @@
     familiarity.safetensors   the training images' feature record (mean, whiten, reference), if any
     README.md                 the model card, Hub metadata in YAML front matter
     encoder.onnx              with --onnx: images -> annotations, keys, initial state, pooled features
-    decoder_step.onnx         with --onnx: one word of the decoder (see captioner.export)
+    decoder_step.onnx         with --onnx: one word of the decoder (see captioner.io.export)
 
 Both readers start here: the torch one (``captioner.io.checkpoint.load_checkpoint``, which
 reads the folder into a Checkpoint record) and the onnxruntime one (``captioner.onnx``).

@@ -4,9 +4,9 @@
         [--num-captions N] [--with-attention] [--out FILE]
 
 MODEL_FOLDER is what ``captioner export CHECKPOINT --out FOLDER --onnx`` wrote. The images are
-decoded and resized by the project's own code (captioner.images), the graphs run the encoder
-and one decoder step (captioner.export), and the search around the step is the project's,
-in numpy (captioner.npsearch). Each image gives the JSON line ``captioner caption`` gives
+decoded and resized by the project's own code (captioner.data.images), the graphs run the encoder
+and one decoder step (captioner.io.export), and the search around the step is the project's,
+in numpy (captioner.onnx.search). Each image gives the JSON line ``captioner caption`` gives
 (``{"image", "caption", "words", "score", "familiarity", "unfamiliar", "word_probs",
 "end_prob", ...}``, or ``{"image", "error"}``). Nothing this module imports loads torch.
 

@@ -1,6 +1,6 @@
 """Greedy and beam-search decoding, batched across images.
 
-Legend: B images, k beams, L locations, V vocabulary, T steps; b' the images still in the batch.
+Legend: B images, k beams, L locations, V vocabulary, T steps.
 
 ``max_len`` counts words, never the <end> token: a caption of exactly ``max_len`` words
 followed by <end> can come out. After the ``max_len``-th word only <end> may come (every
@@ -34,16 +34,20 @@ the length counting <end>) and, asked for N (``num_captions``, N <= k), the N be
    caption cut off at ``max_len`` words is returned only when none ended (where <end>
    has probability 0); then it is the only one.
 
-B images x k beams run as one (B*k)-row tensor program; the k beams of an image share one
-copy of its annotations and keys. Each step records, per beam, its word, the beam it extends
-and the attention map it was computed with (``_Trace``); a caption is read back along these
-pointers when its image is done, and the image leaves the batch then. ``_Pool`` holds the
-finished captions and knows when an image is done.
+B images x k beams run as one (B*k)-row tensor program, a fixed one: every image runs all
+``max_len + 1`` steps, and an image's pool is frozen from the step it is done (rule 3), its
+later steps computed and thrown away. The k beams of an image share one copy of its
+annotations and keys. Each step records, per beam, its word, the beam it extends and the
+attention map it was computed with (``_Trace``); every caption is read back along these
+pointers once, after the last step. ``_Pool`` holds the finished captions and knows when an
+image is done. Nothing is asked of the device until the end, so on a GPU the host queues the
+whole search ahead of it, and the same program can be recorded as one CUDA graph
+(``graph.SearchGraphs``). Greedy decoding is the search of width 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +108,7 @@ class CaptionResult:
 
     def to_json(self, image: str | None = None, with_attention: bool = False, digits: int = 4,
                 heads: bool = False, *, model: str | None = None, training_data: str | None = None) -> dict:
-        """The caption's JSON record (captioner.record), as `captioner caption` writes a line and
+        """The caption's JSON record (captioner.search.record), as `captioner caption` writes a line and
         the app's download holds it. Scores (log p) are rounded to ``digits`` decimals,
         probabilities to ``digits`` significant digits (never 0 for a positive one); "end_prob"
         is the <end> token's (null: cut off), so score = sum(log word_probs) + log end_prob.
@@ -129,9 +133,8 @@ class CaptionResult:
 @dataclass
 class DecodedIds:
     """Raw decoder output for one image, before the vocabulary turns ids into words. Its
-    tensors are on the host, in float32: greedy moves a batch's maps there in one transfer,
-    beam search in one per group of images finishing together, not several per image (each
-    one a wait for the GPU)."""
+    tensors are on the host, in float32: the search moves them there once, after its last step,
+    in one transfer each (each transfer a wait for the GPU), not several per image."""
 
     ids: list[int]  # generated token ids, without <start>; ends with <end> if it ended
     alphas_heads: torch.Tensor  # (len(ids), h, L) each head's map; h = 1 for one head
@@ -155,42 +158,9 @@ def hard_kwargs(options: DecodeOptions) -> dict:
 
 @torch.no_grad()
 def greedy(decoder: Decoder, ann: Annotations, tokens: Tokens, options: DecodeOptions) -> list[DecodedIds]:
-    """The most likely next word at every step, up to ``options.max_len`` words and <end>."""
-    start, end, pad, max_len, never = tokens.start, tokens.end, tokens.pad, options.max_len, tokens.never(options)
-    ann = decoder.annotate(ann)
-    a = ann.vectors
-    kw = hard_kwargs(options)
-    b = a.shape[0]
-    keys = decoder.attention.prepare(a)
-    h, c = decoder.init_state(a)
-    y = torch.full((b,), start, dtype=torch.long, device=a.device)
-    done = torch.zeros(b, dtype=torch.bool, device=a.device)
-    ids, heads, betas, logps = [], [], [], []
-    for t in range(max_len + 1):
-        o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
-        h, c = o.h, o.c
-        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), never)
-        if t == max_len:
-            logp = _only_end(logp, end)
-        y = logp.argmax(-1)
-        counted = ~done
-        if t == max_len:  # <end> cannot come (p = 0): the caption is cut off at max_len words
-            counted = counted & torch.isfinite(logp[:, end])
-            y = torch.where(counted, y, torch.full_like(y, pad))
-        ids.append(y)
-        heads.append(o.alpha_heads)
-        betas.append(o.beta)
-        logps.append(torch.where(counted, logp.gather(1, y[:, None]).squeeze(1),
-                                 torch.zeros_like(y, dtype=logp.dtype)))
-        done = done | (y == end)
-        if bool(done.all()):
-            break
-    ids_l = torch.stack(ids, 1).tolist()  # (B, T)
-    # (B, T, h, L), (B, T), (B, T): on the host in one transfer each, not three per image
-    heads_t, betas_t = torch.stack(heads, 1).float().cpu(), torch.stack(betas, 1).float().cpu()
-    logps_t = torch.stack(logps, 1).cpu()
-    total = logps_t.sum(1).tolist()
-    return [_trim(ids_l[i], heads_t[i], betas_t[i], total[i], end, pad, logps_t[i]) for i in range(b)]
+    """The most likely next word at every step, up to ``options.max_len`` words and <end>: the
+    beam search of width 1 (the same captions, and only one search to keep)."""
+    return beam_search(decoder, ann, tokens, replace(options, beam_size=1, num_captions=1, length_penalty=0.0))
 
 
 @torch.no_grad()
@@ -199,65 +169,82 @@ def beam_search(decoder: Decoder, ann: Annotations, tokens: Tokens, options: Dec
     log p / length**P (length counts the <end> token). With ``num_captions`` N > 1 (at most
     k), the N best finished captions of the search (``runners_up``: the 2nd to N-th), in the
     order of their rank. The search follows the rule of the module's docstring."""
-    start, end, pad, max_len = tokens.start, tokens.end, tokens.pad, options.max_len
-    length_penalty, never = options.length_penalty, tokens.never(options)
-    kw = hard_kwargs(options)
-    ann = decoder.annotate(ann)  # once per image, shared by its beams
-    a, k = ann.vectors, options.beam_size
+    return search(decoder, ann.vectors, ann.grid, tokens, options).captions(ann.vectors.shape[0])
+
+
+@dataclass
+class Searched:
+    """What a search leaves on the device: every image's pool, the trace of all steps, and the
+    open beams' log p after the last step that keeps them (step max_len - 1)."""
+
+    pool: _Pool
+    trace: _Trace
+    scores: torch.Tensor  # (B, k)
+    done_at: torch.Tensor  # (B,) the step at which each image was done (rule 3), max_len if none
+
+    def tensors(self) -> list[torch.Tensor]:
+        p, t = self.pool, self.trace
+        return [p.rank, p.score, p.step, p.parent, t.words, t.parents, t.scores, t.heads, t.betas, self.scores,
+                self.done_at]
+
+    def captions(self, images: int) -> list[DecodedIds]:
+        """The first ``images`` images' captions (rule 5), read back in one pass."""
+        return self.trace.captions(self.pool, self.scores, torch.arange(images, device=self.scores.device))
+
+
+def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], tokens: Tokens,
+           o: DecodeOptions) -> Searched:
+    """The search as one fixed program over annotations ``vectors`` (B, L, D): all max_len + 1
+    steps for every image, no host wait."""
+    kw, never = hard_kwargs(o), tokens.never(o)
+    ann = decoder.annotate(Annotations(vectors, grid))  # once per image, shared by its beams
+    a, k = ann.vectors, o.beam_size
     b, dev = a.shape[0], a.device
     keys = decoder.attention.prepare(a)  # once per image, shared by its beams
     h, c = (s.repeat_interleave(k, 0) for s in decoder.init_state(a))  # (B*k, H)
     scores = torch.full((b, k), float("-inf"), device=dev)  # the open beams' log p
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
-    pool = _Pool(b, k, options.num_captions, length_penalty, dev)
-    trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=max_len, end=end, pad=pad, device=dev)
-    y = torch.full((b * k,), start, dtype=torch.long, device=dev)
-    active = torch.arange(b, device=dev)  # original index of each image still in the batch
-    out: list[DecodedIds | None] = [None] * b
-    reach = (max_len + 1) ** length_penalty if length_penalty > 0 else 1.0  # log p / reach: an open beam's best rank
-    for t in range(max_len + 1):  # max_len words, then a step that can only end
-        o = decoder.step(y, h, c, a, keys, ann.grid, **kw)
-        logp = _never_emit(F.log_softmax(o.logits.float(), dim=-1), never)
-        if t == max_len:
-            logp = _only_end(logp, end)
-        trace.record_maps(t, active, o.alpha_heads, o.beta)
-        cand, beam, word = _extend(scores, logp.view(len(active), k, -1), 2 * k)  # (b', 2k) each, best first
-        ended = (word == end) & torch.isfinite(cand)
-        pool.push(t, cand, beam, ended)
-        if t == max_len:  # the length limit: the best of what is there
-            done = torch.ones(len(active), dtype=torch.bool, device=dev)
-        else:
-            go_on = _open_beams(ended, k)  # (b', k)
+    pool = _Pool(b, k, o.num_captions, o.length_penalty, dev)
+    trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=o.max_len, end=tokens.end,
+                   pad=tokens.pad, device=dev)
+    y = torch.full((b * k,), tokens.start, dtype=torch.long, device=dev)
+    parents_of = torch.arange(b, device=dev).unsqueeze(1) * k  # (B, 1) each image's first row
+    done = torch.zeros(b, 1, dtype=torch.bool, device=dev)  # (B, 1) done at an earlier step: its pool is frozen
+    done_at = torch.full((b,), o.max_len, dtype=torch.long, device=dev)
+    reach = (o.max_len + 1) ** o.length_penalty if o.length_penalty > 0 else 1.0  # log p / reach: a beam's best rank
+    for t in range(o.max_len + 1):  # max_len words, then a step that can only end
+        out = decoder.step(y, h, c, a, keys, ann.grid, **kw)
+        logp = _never_emit(F.log_softmax(out.logits.float(), dim=-1), never)
+        if t == o.max_len:
+            logp = _only_end(logp, tokens.end)
+        trace.heads[t] = out.alpha_heads.view(b, k, -1, a.shape[1]).float()
+        trace.betas[t] = out.beta.view(b, k).float()
+        cand, beam, word = _extend(scores, logp.view(b, k, -1), 2 * k)  # (B, 2k) each, best first
+        ended = (word == tokens.end) & torch.isfinite(cand)
+        pool.push(t, cand, beam, ended, frozen=done)
+        if t < o.max_len:
+            go_on = _open_beams(ended, k)  # (B, k)
             scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
-            trace.record_beams(t, active, word, beam, scores)
-            rows = (torch.arange(len(active), device=dev).unsqueeze(1) * k + beam).view(-1)  # (b'*k,) parents
-            h, c, y = o.h[rows], o.c[rows], word.view(-1)
-            done = pool.beaten(scores[:, 0] / reach)
-        if bool(done.any()):
-            rows = done.nonzero().flatten()
-            for i, caption in zip(active[rows].tolist(), trace.captions(pool, scores, active, rows, t)):
-                out[i] = caption
-            keep = (~done).nonzero().flatten()
-            if keep.numel() == 0:
-                break
-            kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
-            active, a, keys, scores = active[keep], a[keep], keys[keep], scores[keep]
-            pool.keep(keep)
-            h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
-    return out  # type: ignore[return-value]
+            trace.words[t], trace.parents[t], trace.scores[t] = word, beam, scores
+            rows = (parents_of + beam).view(-1)  # (B*k,) the rows each new beam extends
+            h, c, y = out.h[rows], out.c[rows], word.view(-1)
+            now = pool.beaten(scores[:, 0] / reach).unsqueeze(1) & ~done
+            done_at = torch.where(now.squeeze(1), t, done_at)
+            done = done | now
+    return Searched(pool, trace, scores, done_at)
 
 
 def _extend(scores: torch.Tensor, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
-    """The best ``width`` extensions of each image's open beams of log p ``scores`` (b', k) by a
-    word of log p ``logp`` (b', k, V): their log p, the open beam each extends and its word,
-    (b', width) each, best first."""
+    """The best ``width`` extensions of each image's open beams of log p ``scores`` (B, k) by a
+    word of log p ``logp`` (B, k, V): their log p, the open beam each extends and its word,
+    (B, width) each, best first."""
     bb, k, v = logp.shape
     cand, idx = (scores.unsqueeze(-1) + logp).view(bb, k * v).topk(min(width, k * v), dim=1)
     return cand, torch.div(idx, v, rounding_mode="floor"), idx % v
 
 
 def _open_beams(ended: torch.Tensor, k: int) -> torch.Tensor:
-    """(b', k) the places, among candidates (b', 2k) best first, of the best k that did not end
+    """(B, k) the places, among candidates (B, 2k) best first, of the best k that did not end
     (at most k of 2k end): the new open beams."""
     width = ended.shape[1]
     position = torch.arange(width, device=ended.device).expand_as(ended)
@@ -265,9 +252,9 @@ def _open_beams(ended: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class _Pool:
-    """The finished captions of each image still in the batch, kept apart from its open beams
-    (rule 1): its best k, sorted (entry 0 the best), as their rank, log p, the step of their
-    <end> and the open beam that <end> extended, (b', k) each; an empty entry has rank -inf."""
+    """The finished captions of each image, kept apart from its open beams (rule 1): its best k,
+    sorted (entry 0 the best), as their rank, log p, the step of their <end> and the open beam
+    that <end> extended, (B, k) each; an empty entry has rank -inf."""
 
     def __init__(self, b: int, k: int, num_captions: int, length_penalty: float, device: torch.device):
         self.k, self.n, self.length_penalty = k, num_captions, length_penalty
@@ -276,20 +263,24 @@ class _Pool:
         self.step = torch.zeros(b, k, dtype=torch.long, device=device)
         self.parent = torch.zeros(b, k, dtype=torch.long, device=device)
 
-    def push(self, t: int, cand: torch.Tensor, beam: torch.Tensor, ended: torch.Tensor) -> None:
-        """Step ``t``'s candidates (b', 2k), best first: those among the best k that ended join
-        the pool if they rank among its best k (rule 2)."""
+    def push(self, t: int, cand: torch.Tensor, beam: torch.Tensor, ended: torch.Tensor,
+             frozen: torch.Tensor) -> None:
+        """Step ``t``'s candidates (B, 2k), best first: those among the best k that ended join
+        the pool if they rank among its best k (rule 2), but for the images already done
+        (``frozen`` (B, 1)), whose pools stay as they were."""
         joins = ended.clone()
         joins[:, self.k:] = False
         rank = cand / (t + 1) ** self.length_penalty if self.length_penalty > 0 else cand
         merged = torch.cat([self.rank, torch.where(joins, rank, torch.full_like(rank, float("-inf")))], 1)
-        self.rank, pick = merged.topk(self.k, dim=1)  # (b', k), sorted: entry 0 is the best
-        self.score = torch.cat([self.score, cand], 1).gather(1, pick)
-        self.step = torch.cat([self.step, torch.full_like(beam, t)], 1).gather(1, pick)
-        self.parent = torch.cat([self.parent, beam], 1).gather(1, pick)
+        best, pick = merged.topk(self.k, dim=1)  # (B, k), sorted: entry 0 is the best
+        new = (best, torch.cat([self.score, cand], 1).gather(1, pick),
+               torch.cat([self.step, torch.full_like(beam, t)], 1).gather(1, pick),
+               torch.cat([self.parent, beam], 1).gather(1, pick))
+        self.rank, self.score, self.step, self.parent = (
+            torch.where(frozen, old, now) for old, now in zip((self.rank, self.score, self.step, self.parent), new))
 
     def beaten(self, reach: torch.Tensor) -> torch.Tensor:
-        """(b',) whether each image is done (rule 3): its N-th best ranks at least ``reach`` (b'),
+        """(B,) whether each image is done (rule 3): its N-th best ranks at least ``reach`` (B,),
         the best rank its open beams can still reach (never while it holds fewer than N)."""
         nth = self.rank[:, self.n - 1]
         return torch.isfinite(nth) & (nth >= reach)
@@ -299,16 +290,11 @@ class _Pool:
         and 1 where none did (the best open beam, cut off)."""
         return torch.isfinite(self.rank[rows, :self.n]).sum(1).clamp_min(1).tolist()
 
-    def keep(self, rows: torch.Tensor) -> None:
-        """Only the images ``rows`` go on."""
-        self.rank, self.score = self.rank[rows], self.score[rows]
-        self.step, self.parent = self.step[rows], self.parent[rows]
-
 
 class _Trace:
     """Per step, indexed by the original image: the open beams' words, the beam each extends (its
     parent), their log p, and the maps and gates each beam's step computed (indexed by that
-    beam). A caption is read back along these pointers when its image is done."""
+    beam). Every caption is read back along these pointers after the last step."""
 
     def __init__(self, b: int, k: int, heads: int, locations: int, *, max_len: int, end: int, pad: int,
                  device: torch.device):
@@ -320,27 +306,16 @@ class _Trace:
         self.heads = torch.zeros(steps, b, k, heads, locations, device=device)  # each head's map
         self.betas = torch.zeros(steps, b, k, device=device)
 
-    def record_maps(self, t: int, active: torch.Tensor, alpha_heads: torch.Tensor, beta: torch.Tensor) -> None:
-        """Step ``t``'s maps (b'*k, h, L) and gates (b'*k,), one row per beam."""
-        bb, k = len(active), self.words.shape[2]
-        self.heads[t, active] = alpha_heads.view(bb, k, -1, self.heads.shape[-1]).float()
-        self.betas[t, active] = beta.view(bb, k).float()
-
-    def record_beams(self, t: int, active: torch.Tensor, word: torch.Tensor, beam: torch.Tensor,
-                     scores: torch.Tensor) -> None:
-        """The open beams after step ``t``: their word, the beam each extends, their log p (b', k)."""
-        self.words[t, active], self.parents[t, active], self.scores[t, active] = word, beam, scores
-
-    def captions(self, pool: _Pool, scores: torch.Tensor, active: torch.Tensor, rows: torch.Tensor,
-                 last: int) -> list[DecodedIds]:
-        """The best caption of each of the (batch-relative) images ``rows``, done at step ``last``,
-        with its runners-up (rule 5), read back in one pass. ``scores`` (b', k): open log p."""
-        found = pool.found(rows)  # (b',)
+    def captions(self, pool: _Pool, scores: torch.Tensor, rows: torch.Tensor) -> list[DecodedIds]:
+        """The best caption of each of the images ``rows``, with its runners-up (rule 5), read
+        back in one pass after the last step. ``scores`` (B, k): the open beams' log p."""
+        last = self.max_len
+        found = pool.found(rows)  # (B,)
         places = torch.cat([torch.arange(f, device=rows.device) for f in found])  # 0: the pool's best
         rows = rows.repeat_interleave(torch.tensor(found, device=rows.device))
         ended = torch.isfinite(pool.rank[rows, places])
-        img = active[rows]
-        cut = min(last, self.max_len - 1)  # the last step whose open beams are kept
+        img = rows
+        cut = last - 1  # the last step whose open beams are kept
         slot = scores[rows].argmax(1)  # the best open beam: the caption where none ended
         step = torch.where(ended, pool.step[rows, places], torch.full_like(slot, cut))
         word = torch.where(ended, torch.full_like(slot, self.end), self.words[cut, img, slot])

@@ -1,6 +1,6 @@
 """Decoders saved before multi-head attention, learned widths and the cosine temperature
 existed (tests/fixtures/build_attention_golden.py) load into today's code, through the
-checkpoint's upgrade of older weights (captioner.checkpoint.upgrade_weights), and give the
+checkpoint's upgrade of older weights (captioner.io.checkpoint.upgrade_weights), and give the
 same numbers: teacher forcing, hard samples, greedy and beam search (the
 searches' entries re-made by today's search rules: see the builder's ``--searches``)."""
 

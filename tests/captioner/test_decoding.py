@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from captioner.inference import Captioner, DecodeOptions
 from captioner.model.encoders import Annotations
+from captioner.search import decoding
 from captioner.search.decoding import beam_search, greedy
 from captioner.search.options import Tokens
 from tests.tiny import tiny_captioner
@@ -106,7 +107,9 @@ def test_results_carry_one_map_per_word():
         assert "<end>" not in r.words and "<start>" not in r.words
 
 
-def test_images_whose_beams_all_ended_leave_the_batch(tmp_path):
+def test_images_done_early_stay_in_the_batch_and_keep_their_captions(tmp_path):
+    """The search is one fixed program: every image runs all max_len + 1 steps (a done image's pool
+    frozen), so captions of different lengths come out of one batch as each image alone gives them."""
     from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
 
@@ -128,9 +131,8 @@ def test_images_whose_beams_all_ended_leave_the_batch(tmp_path):
         del decoder.step
     lengths = sorted(len(r.words) for r in together)
     assert lengths[0] < lengths[-1]  # the captions end at different steps ...
-    assert rows[0] == 6 * 3 and rows[-1] < rows[0]  # ... and the batch shrinks as they do
-    assert rows == sorted(rows, reverse=True)
-    for image, r in zip(images, together):  # leaving the batch changes no result
+    assert rows == [6 * 3] * (opts.max_len + 1)  # ... in a batch that stays whole
+    for image, r in zip(images, together):  # the other images change no result
         alone = cap.caption(image, opts)
         assert alone.words == r.words and abs(alone.score - r.score) < 1e-4
         torch.testing.assert_close(alone.alphas, r.alphas, atol=1e-5, rtol=1e-4)
@@ -284,13 +286,11 @@ def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption()
     # Step 0: "<end>" alone has p 0.6; every open beam is already below it: done at once,
     # even though the pool holds one caption of k = 3.
     table = [{END: 0.6, A: 0.2, B: 0.1, C: 0.1}] + [{A: 0.5, END: 0.5}] * 5
-    calls = []
     stub = _StepTable(table)
-    real = stub.step
-    stub.step = lambda *x, **kw: calls.append(1) or real(*x, **kw)
     ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
-    r = beam_search(stub, ann, TOKENS, DecodeOptions(beam_size=3, max_len=5))[0]
-    assert r.ids == [END] and len(calls) == 1
+    options = DecodeOptions(beam_size=3, max_len=5)
+    r = beam_search(stub, ann, TOKENS, options)[0]
+    assert r.ids == [END] and _steps(stub, ann, options) == [1]
 
 
 # --- against a plain search, one image and one beam at a time ------------------------------
@@ -424,12 +424,10 @@ def test_greedy_ends_at_the_limit_and_equals_beam_one_on_random_tiny_models():
     assert reached_the_limit > 20
 
 
-def _counted(decoder):
-    """The decoder, counting its steps (one call per step of the whole batch)."""
-    calls = []
-    real = decoder.step
-    decoder.step = lambda *x, **kw: calls.append(1) or real(*x, **kw)
-    return calls
+def _steps(decoder, ann: Annotations, options: DecodeOptions) -> list[int]:
+    """Each image's steps until it is done (rule 3): where a search that let it go would stop."""
+    with torch.no_grad():
+        return (decoding.search(decoder, ann.vectors, ann.grid, TOKENS, options).done_at + 1).tolist()
 
 
 def test_the_n_best_are_those_of_a_search_that_goes_on_until_none_can_beat_the_n_th():
@@ -448,16 +446,14 @@ def test_the_n_best_are_those_of_a_search_that_goes_on_until_none_can_beat_the_n
             a = torch.randn(1, 4, 5, dtype=torch.float64)
             steps = {}
             for want in (1, n):
-                calls = _counted(decoder)
                 options = DecodeOptions(beam_size=k, max_len=max_len, length_penalty=length_penalty,
                                         num_captions=want)
                 got = beam_search(decoder, Annotations(a, (2, 2)), TOKENS, options)[0]
-                del decoder.step
                 ids, score, held, _, ref_steps = _reference_search(decoder, a, (2, 2), k=k, max_len=max_len,
                                                                    length_penalty=length_penalty, num_captions=want)
                 assert got.ids == ids and abs(got.score - score) < 1e-4, (seed, i, want)
-                assert len(calls) == ref_steps, (seed, i, want)
-                steps[want] = len(calls)
+                [steps[want]] = _steps(decoder, Annotations(a, (2, 2)), options)
+                assert steps[want] == ref_steps, (seed, i, want)
                 best = sorted(held, key=lambda x: -x[0])[:want]
                 assert [got.ids] + [r.ids for r in got.runners_up] == [h for _, h in best], (seed, i, want)
                 ranks = [x.score / len(x.ids) ** length_penalty if length_penalty else x.score
@@ -493,10 +489,10 @@ def test_the_n_best_stop_as_soon_as_no_open_beam_can_beat_the_n_th():
     # (N = 1: after one, test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption).
     table = [{END: 0.6, A: 0.2, B: 0.1, C: 0.1}] + [{A: 0.45, END: 0.55}] * 5
     stub = _StepTable(table)
-    calls = _counted(stub)
     ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
-    r = beam_search(stub, ann, TOKENS, DecodeOptions(beam_size=3, max_len=5, num_captions=2))[0]
-    assert r.ids == [END] and [x.ids for x in r.runners_up] == [[A, END]] and len(calls) == 2
+    options = DecodeOptions(beam_size=3, max_len=5, num_captions=2)
+    r = beam_search(stub, ann, TOKENS, options)[0]
+    assert r.ids == [END] and [x.ids for x in r.runners_up] == [[A, END]] and _steps(stub, ann, options) == [2]
 
 
 MULTI_HEAD = [{"heads": 2}, {"heads": 2, "local_window": 1.5, "local_width": "learned"},
@@ -613,12 +609,12 @@ def test_a_caption_s_json_rounds_scores_to_four_decimals_and_probabilities_to_fo
     assert line["alternatives"][1] == {"caption": "circle", "score": -2.3457, "rank": -1.1728}
 
 
-def test_greedy_stops_at_the_step_where_every_caption_has_ended():
+def test_greedy_is_done_at_the_step_where_every_caption_has_ended():
     table = [{A: 0.9, END: 0.1}, {END: 0.8, B: 0.2}] + [{A: 1.0}] * 6
     stub = _StepTable(table)
-    calls = _counted(stub)
-    g = greedy(stub, Annotations(torch.zeros(3, 4, 3), (2, 2)), TOKENS, DecodeOptions(max_len=6))
-    assert [x.ids for x in g] == [[A, END]] * 3 and len(calls) == 2
+    ann, options = Annotations(torch.zeros(3, 4, 3), (2, 2)), DecodeOptions(beam_size=1, max_len=6)
+    g = greedy(stub, ann, TOKENS, options)
+    assert [x.ids for x in g] == [[A, END]] * 3 and _steps(stub, ann, options) == [2] * 3
 
 
 @pytest.mark.parametrize("beam_size,num_captions", [(0, 1), (3, 0), (3, 4)])

@@ -131,7 +131,7 @@ def test_the_environment_variable_reads_as_a_switch(value, on, monkeypatch):
 
 
 def test_a_process_started_with_the_variable_at_0_has_the_kernels_off():
-    code = "from captioner import kernels; print(kernels.enabled())"
+    code = "from captioner.model import kernels; print(kernels.enabled())"
     env = {**os.environ, kernels.ENVIRONMENT_VARIABLE: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -10,16 +10,31 @@ plain search runs instead. The GPU check (benchmarks/gpu_check.py) runs the real
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from captioner.model import kernels
 from captioner.model.encoders import Annotations
+from captioner.onnx import search as npsearch
+from captioner.search import decoding
 from captioner.search import graph as search_graph
 from captioner.search.decoding import DecodedIds, beam_search
-from captioner.search.graph import SearchGraphs, fixed_beam_search, search_form
+from captioner.search.graph import SearchGraphs, search_form
 from captioner.search.options import DecodeOptions, OptionError, Tokens
-from tests.captioner.test_decoding import END, MULTI_HEAD, PAD, START, TOKENS, A, _images, _random_decoder, _StepTable
+from tests.captioner.test_decoding import (
+    END,
+    MULTI_HEAD,
+    PAD,
+    START,
+    TOKENS,
+    A,
+    _images,
+    _random_decoder,
+    _reference_search,
+    _StepTable,
+)
 from tests.cuda_standin import stand_in_cuda
 from tests.tiny import tiny_captioner
 
@@ -39,28 +54,53 @@ def _same(plain: list[DecodedIds], fixed: list[DecodedIds], exact: bool = True) 
                 torch.testing.assert_close(p.alphas_heads, f.alphas_heads, atol=1e-6, rtol=1e-5)
 
 
-def test_the_fixed_program_returns_the_plain_search_s_captions_on_random_tiny_models():
+def _plain(decoder, a: torch.Tensor, tokens: Tokens, options: DecodeOptions) -> list:
+    """The plain search, where each image leaves the batch when it is done: the numpy port's (the
+    torch-free runtime's search), fed by ``decoder``'s step."""
+    with torch.no_grad():
+        keys = decoder.attention.prepare(a)
+        h, c = decoder.init_state(a)
+
+    def step(word, h, c, ann, keys):
+        with torch.no_grad():
+            o = decoder.step(*(torch.from_numpy(x) for x in (word, h, c, ann, keys)), (2, 2))
+        return (F.log_softmax(o.logits.float(), -1).numpy(), o.h.numpy(), o.c.numpy(), o.alpha_heads.numpy(),
+                o.beta.numpy())
+
+    return npsearch.beam_search(step, a.numpy(), keys.numpy(), h.numpy(), c.numpy(), tokens, options)
+
+
+def _same_as_plain(searched: list[DecodedIds], plain: list) -> None:
+    """The same captions and runners-up as the plain search, with its scores and maps."""
+    assert len(searched) == len(plain)
+    for i, (x, y) in enumerate(zip(searched, plain)):
+        for p, q in [(x, y), *zip(x.runners_up, y.runners_up, strict=True)]:
+            assert p.ids == q.ids, i
+            assert abs(p.score - q.score) < 1e-5
+            np.testing.assert_allclose(p.alphas_heads.numpy(), q.heads, atol=1e-6)
+            np.testing.assert_allclose(p.log_probs.numpy(), q.log_probs, atol=1e-5)
+
+
+def test_the_search_returns_the_plain_search_s_captions_on_random_tiny_models():
     """1,000 images over 200 random decoders (vocabulary 6, k 2-4, max_len 4-8, some with a
     length penalty, 1 to k captions asked for): images done at different steps, images cut off
-    at the limit, and their runners-up, all as the plain search returns them, to the bit."""
+    at the limit, and their runners-up, all as the plain search returns them."""
     early = 0
     for seed in range(200):
         decoder = _random_decoder(seed)
         k, max_len = 2 + seed % 3, 4 + seed % 5
-        kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=k, max_len=max_len,
-                  length_penalty=0.7 if seed % 5 == 3 else 0.0, num_captions=1 + seed % k))
-        ann = Annotations(torch.randn(5, 4, 5, dtype=torch.float64), (2, 2))
-        plain = beam_search(decoder, ann, *kw)
-        _same(plain, fixed_beam_search(decoder, ann, *kw))
-        early += sum(len(r.ids) < max_len + 1 for r in plain)
+        o = DecodeOptions(beam_size=k, max_len=max_len, length_penalty=0.7 if seed % 5 == 3 else 0.0,
+                          num_captions=1 + seed % k)
+        a = torch.randn(5, 4, 5, dtype=torch.float64)
+        searched = beam_search(decoder, Annotations(a, (2, 2)), TOKENS, o)
+        _same_as_plain(searched, _plain(decoder, a, TOKENS, o))
+        early += sum(len(r.ids) < max_len + 1 for r in searched)
     assert early > 500  # most images were done before the last step: their pools were frozen
 
 
-def test_the_fixed_program_knows_the_step_at_which_the_plain_search_lets_each_image_go():
-    """done_at: for each image, the step after which the plain search, given that image alone,
-    runs no more (its decoder steps, less one), with and without a length penalty."""
-    from captioner.search.decoding import beam_search as plain_search
-
+def test_the_search_knows_the_step_at_which_the_plain_search_lets_each_image_go():
+    """done_at: for each image, the step after which the plain search (the reference of
+    test_decoding), given that image alone, runs no more, with and without a length penalty."""
     checked = 0
     for seed in range(40):
         decoder = _random_decoder(seed)
@@ -68,19 +108,10 @@ def test_the_fixed_program_knows_the_step_at_which_the_plain_search_lets_each_im
         a = torch.randn(4, 4, 5, dtype=torch.float64)
         o = DecodeOptions(beam_size=k, max_len=max_len, length_penalty=penalty)
         with torch.no_grad():
-            done_at = search_graph._search(decoder, a, (2, 2), TOKENS, o).done_at.tolist()
+            done_at = decoding.search(decoder, a, (2, 2), TOKENS, o).done_at.tolist()
         for i in range(4):
-            steps, step = [0], decoder.step
-
-            def counted(*args, **kw):
-                steps[0] += 1
-                return step(*args, **kw)
-            decoder.step = counted
-            try:
-                plain_search(decoder, Annotations(a[i:i + 1], (2, 2)), TOKENS, o)
-            finally:
-                del decoder.step
-            assert done_at[i] == steps[0] - 1, (seed, i)
+            *_, steps = _reference_search(decoder, a[i:i + 1], (2, 2), k=k, max_len=max_len, length_penalty=penalty)
+            assert done_at[i] == steps - 1, (seed, i)
             checked += done_at[i] < max_len
     assert checked > 60  # most were let go before the limit
 
@@ -92,20 +123,20 @@ def test_captions_cut_off_at_the_limit_are_the_plain_search_s():
         decoder = _random_decoder(seed)
         with torch.no_grad():
             decoder.L_o.bias[END] = float("-inf")
-        ann = Annotations(torch.randn(3, 4, 5, dtype=torch.float64), (2, 2))
-        kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=2 + seed % 3, max_len=3 + seed % 4))
-        plain = beam_search(decoder, ann, *kw)
-        assert all(len(r.ids) == kw[1].max_len and END not in r.ids for r in plain)
-        _same(plain, fixed_beam_search(decoder, ann, *kw))
+        a = torch.randn(3, 4, 5, dtype=torch.float64)
+        o = DecodeOptions(beam_size=2 + seed % 3, max_len=3 + seed % 4)
+        searched = beam_search(decoder, Annotations(a, (2, 2)), TOKENS, o)
+        assert all(len(r.ids) == o.max_len and END not in r.ids for r in searched)
+        _same_as_plain(searched, _plain(decoder, a, TOKENS, o))
 
 
 @pytest.mark.parametrize("variant", MULTI_HEAD, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
-def test_the_fixed_program_follows_the_plain_search_with_several_heads(variant):
+def test_the_search_follows_the_plain_search_with_several_heads(variant):
     for seed in range(6):
         decoder = _random_decoder(seed, **variant)
-        ann = Annotations(torch.randn(4, 4, 5, dtype=torch.float64), (2, 2))
-        kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=2 + seed % 3, max_len=4 + seed % 3))
-        _same(beam_search(decoder, ann, *kw), fixed_beam_search(decoder, ann, *kw))
+        a = torch.randn(4, 4, 5, dtype=torch.float64)
+        o = DecodeOptions(beam_size=2 + seed % 3, max_len=4 + seed % 3)
+        _same_as_plain(beam_search(decoder, Annotations(a, (2, 2)), TOKENS, o), _plain(decoder, a, TOKENS, o))
 
 
 def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
@@ -117,7 +148,7 @@ def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
     ann = Annotations(torch.zeros(1, 4, 3), (2, 2))
     kw = (Tokens(start=START, end=END, pad=PAD), DecodeOptions(beam_size=3, max_len=3))
     assert beam_search(table, ann, *kw)[0].ids == [END]
-    searched = search_graph._search(table, ann.vectors, ann.grid, *kw)
+    searched = decoding.search(table, ann.vectors, ann.grid, *kw)
     assert searched.pool.rank[0, 0] == torch.log(torch.tensor(0.5))
     assert searched.pool.rank[0, 1:].isneginf().all()  # "A <end>" (step 1) did not join
     assert searched.captions(1)[0].ids == [END]
@@ -128,11 +159,11 @@ VARIANTS = [{}, {"local_window": 1.5}, {"local_window": 1.5, "local_width": "lea
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "soft")
-def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(monkeypatch, variant):
+def test_the_search_never_waits_for_the_device_nor_copies_from_the_host(monkeypatch, variant):
     """Every conversion of a tensor to a Python value (a host wait on a GPU) and every tensor made
     from host data or moved between devices (a copy no CUDA graph may hold) fails inside the
-    fixed program, for each kind of attention and annotation; the plain search, which asks after
-    every step, fails at its first."""
+    search's program, for each kind of attention and annotation; reading its captions back, once
+    at the end, is the first wait."""
     cap = tiny_captioner(seed=2, **variant)
     ann = cap.model.encode(_images(3))
     opts = DecodeOptions(beam_size=3, max_len=6, length_penalty=0.5, num_captions=2)
@@ -148,7 +179,7 @@ def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(m
     def to(self, *args, **kw):
         if "device" in kw or any(isinstance(x, (torch.device, str)) for x in args):
             no_copy()
-        return real_to(self, *args, *kw)
+        return real_to(self, *args, **kw)
 
     for name in ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "nonzero", "cpu", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, no_wait)
@@ -157,7 +188,7 @@ def test_the_fixed_program_never_waits_for_the_device_nor_copies_from_the_host(m
     for name in ("tensor", "as_tensor", "from_numpy"):
         monkeypatch.setattr(torch, name, no_copy)
     with torch.no_grad():
-        searched = search_graph._search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts)
+        searched = decoding.search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts)
         with pytest.raises(AssertionError, match="host wait"):
             beam_search(cap.model.decoder, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     monkeypatch.undo()
@@ -194,13 +225,13 @@ def _graphed(monkeypatch, capture) -> list:
     what each run of the fixed program saw of autocast: (on, its type, its cache on)."""
     monkeypatch.setattr("captioner.inference.search_form", lambda *a: "graphed")
     monkeypatch.setattr(search_graph, "CAPTURE", capture)
-    seen, search = [], search_graph._search
+    seen, search = [], search_graph.search
 
     def watched(*args):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
                      torch.is_autocast_cache_enabled()))
         return search(*args)
-    monkeypatch.setattr(search_graph, "_search", watched)
+    monkeypatch.setattr(search_graph, "search", watched)
     return seen
 
 

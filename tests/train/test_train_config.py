@@ -409,13 +409,13 @@ def test_a_resume_reads_last_pt_once(tiny_coco, tmp_path, monkeypatch, capsys):
     code, _ = _train_cli(tmp_path, tiny_coco, "", "val.every_epochs=1000")
     assert code == 0
     reads = []
-    real = captioner.checkpoint.load_checkpoint
+    real = captioner.io.checkpoint.load_checkpoint
 
     def counted(path, *args, **kwargs):
         reads.append(Path(path).name)
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(captioner.checkpoint, "load_checkpoint", counted)
+    monkeypatch.setattr(captioner.io.checkpoint, "load_checkpoint", counted)
     monkeypatch.setattr(loop, "load_checkpoint", counted)
     # The run is finished: the resume stops before training, so every read is start-up's.
     assert captioner_main(["train", "--resume", str(tmp_path / "run"), "--quiet"]) == 0

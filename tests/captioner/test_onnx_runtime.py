@@ -5,6 +5,7 @@ torch impossible to import."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,8 @@ from captioner.onnx import search as npsearch
 from captioner.onnx.runtime import UNFAMILIAR_BELOW, OnnxCaptioner
 from captioner.onnx.runtime import main as onnx_main
 from captioner.search import decoding
+from tests.badtensors import CORRUPTIONS
+from tests.builders import one_line
 from tests.tiny import tiny_captioner, tiny_config, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -319,8 +322,6 @@ def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, t
     export(cap, tmp_path / "plain")
     assert onnx_main([str(tmp_path / "plain"), images[0]]) == 2
     assert "no ONNX graphs" in capsys.readouterr().err
-    import shutil
-
     shutil.copytree(folder, tmp_path / "cut")
     (tmp_path / "cut" / fmt.STEP_ONNX).unlink()
     assert onnx_main([str(tmp_path / "cut"), images[0]]) == 2
@@ -329,3 +330,16 @@ def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, t
     with pytest.raises(SystemExit) as e:
         onnx_main([str(folder), images[0], "--beam-size", "0"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS)
+def test_a_corrupt_familiarity_file_is_refused_in_one_line(model, images, corrupt, tmp_path, capsys):
+    """The runtime reads one safetensors file, the familiarity record (the weights are in the
+    graphs): broken any way, it is one line and exit code 2."""
+    _, folder = model
+    copy = Path(shutil.copytree(folder, tmp_path / "model"))
+    path = copy / fmt.FAMILIARITY
+    path.write_bytes(corrupt(path.read_bytes()))
+    assert onnx_main([str(copy), images[0]]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("python -m captioner.onnx: error: ") and str(path) in line

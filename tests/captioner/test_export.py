@@ -185,6 +185,14 @@ def test_the_reader_refuses_what_it_cannot_open_with_its_own_error(tmp_path):
         tensorfile.read(tmp_path / "model.safetensors")
 
 
+def test_a_tensor_name_with_a_line_break_is_named_on_one_line(exported, image, capsys):
+    arrays, meta = tensorfile.read(exported / fmt.WEIGHTS)
+    tensorfile.write(exported / fmt.WEIGHTS, {**arrays, "extra\nline": np.zeros(1, dtype=np.float32)}, meta)
+    assert main(["caption", image, "--weights", str(exported)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "model.safetensors does not fit its config.json" in line and "'extra\\nline'" in line
+
+
 def test_a_familiarity_record_of_other_shapes_is_refused(exported, image, capsys):
     cap = tiny_captioner(seed=3)
     record = TrainingFeatures.fit(torch.randn(8, cap.model.encoder.dim)).to_dict()

@@ -7,10 +7,12 @@ outside, in numpy (captioner.onnx), so that captioning needs no torch:
 
     encoder.onnx        images (B, 3, H, W) normalised
                         -> annotations (B, L, D')  what the decoder attends over (Decoder.annotate)
-                           keys (B, L, A)          attention's per-image part (attention.prepare)
+                           keys (B, L, A)          attention's per-image part (attention.prepare),
+                                                   (B, heads, L, K) with heads > 1 (multihead.prepare)
                            h0, c0 (B, H)           the initial LSTM state (init_state)
                            features (B, D)         pooled encoder annotations, for familiarity
     decoder_step.onnx   word (N,) int64, h, c (N, H), annotations (N, L, D'), keys (N, L, A)
+                        or (N, heads, L, K)
                         -> log_probs (N, V)        log-softmax of the step's logits
                            h_next, c_next (N, H)
                            alpha (N, heads, L)     each head's attention map
@@ -102,8 +104,8 @@ def write_onnx(captioner, folder: Path) -> dict:
         ann, keys, h0, c0, _ = _EncoderGraph(model)(images)
     rows = 3  # an odd count, unlike the 2 images, so that no size is taken for another
     word = torch.full((rows,), 1, dtype=torch.long)
-    step_inputs = (word, h0[:1].expand(rows, -1).contiguous(), c0[:1].expand(rows, -1).contiguous(),
-                   ann[:1].expand(rows, -1, -1).contiguous(), keys[:1].expand(rows, -1, -1).contiguous())
+    # The first image's row, once per beam; keys are (B, L, A) with one head, (B, heads, L, K) with more.
+    step_inputs = (word, *(t[:1].expand(rows, *t.shape[1:]).contiguous() for t in (h0, c0, ann, keys)))
     b, n = torch.export.Dim("batch"), torch.export.Dim("rows")
     jobs = [(fmt.ENCODER_ONNX, _EncoderGraph(model), (images,), ({0: b},), ENCODER_IO),
             (fmt.STEP_ONNX, _StepGraph(model, grid), step_inputs, tuple({0: n} for _ in step_inputs), STEP_IO)]

@@ -120,7 +120,7 @@ def shape_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[
     if missing:
         more = ", ..." if len(missing) > 3 else ""
         return f"it lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}{more})"
-    extra = [k for k in found if k not in expected]
+    extra = [tensorfile.printable(k) for k in found if k not in expected]  # the file's names: any string
     if extra:
         more = ", ..." if len(extra) > 3 else ""
         return f"it holds tensors the model does not have ({', '.join(extra[:3])}{more})"

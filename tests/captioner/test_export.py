@@ -5,6 +5,8 @@ in one line."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,9 @@ from captioner.inference import Captioner, DecodeOptions
 from captioner.io import bundled, tensorfile
 from captioner.io import folder as fmt
 from captioner.io.export import export
+from captioner.model.familiarity import TrainingFeatures
+from tests.badtensors import CORRUPTIONS
+from tests.builders import one_line
 from tests.tiny import tiny_captioner, tiny_image
 
 DEMOS = [m.name for m in bundled.installed()]
@@ -143,10 +148,55 @@ def test_weights_of_other_shapes_than_the_config_are_refused(exported, image, ca
     assert "model.safetensors does not fit its config.json" in line and "decoder.L_o.weight" in line
 
 
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """A tiny model with a familiarity record, exported once for the module: copy it to change it."""
+    cap = tiny_captioner(seed=3)
+    cap.familiarity = TrainingFeatures.fit(torch.randn(8, cap.model.encoder.dim))
+    folder = tmp_path_factory.mktemp("recorded") / "model"
+    export(cap, folder)
+    return folder
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS)
+@pytest.mark.parametrize("name", [fmt.WEIGHTS, fmt.FAMILIARITY])
+def test_a_corrupt_safetensors_file_is_refused_in_one_line(recorded, name, corrupt, image, tmp_path, capsys):
+    folder = Path(shutil.copytree(recorded, tmp_path / "model"))
+    path = folder / name
+    path.write_bytes(corrupt(path.read_bytes()))
+    assert main(["caption", image, "--weights", str(folder)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("captioner caption: error: ") and str(path) in line
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS)
+def test_the_reader_refuses_a_corrupt_file_with_its_own_error(corrupt, tmp_path):
+    """Every corruption is a TensorFileError naming the file, whoever reads it (the torch
+    loader, the torch-free runtime)."""
+    good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
+    tensorfile.write(good, {"a": np.arange(12, dtype=np.float32), "b": np.ones((2, 3), dtype=np.int64)},
+                     {"format": "pt"})
+    bad.write_bytes(corrupt(good.read_bytes()))
+    with pytest.raises(tensorfile.TensorFileError, match=re.escape(str(bad))):
+        tensorfile.read(bad)
+
+
+def test_the_reader_refuses_what_it_cannot_open_with_its_own_error(tmp_path):
+    (tmp_path / "model.safetensors").mkdir()
+    with pytest.raises(tensorfile.TensorFileError, match="model.safetensors"):
+        tensorfile.read(tmp_path / "model.safetensors")
+
+
+def test_a_tensor_name_with_a_line_break_is_named_on_one_line(exported, image, capsys):
+    arrays, meta = tensorfile.read(exported / fmt.WEIGHTS)
+    tensorfile.write(exported / fmt.WEIGHTS, {**arrays, "extra\nline": np.zeros(1, dtype=np.float32)}, meta)
+    assert main(["caption", image, "--weights", str(exported)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "model.safetensors does not fit its config.json" in line and "'extra\\nline'" in line
+
+
 def test_a_familiarity_record_of_other_shapes_is_refused(exported, image, capsys):
     cap = tiny_captioner(seed=3)
-    from captioner.model.familiarity import TrainingFeatures
-
     record = TrainingFeatures.fit(torch.randn(8, cap.model.encoder.dim)).to_dict()
     from captioner.io.export import write_familiarity
 

@@ -5,6 +5,7 @@ torch impossible to import."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ from captioner.onnx.runtime import main as onnx_main
 from captioner.search import decoding
 from captioner.search.options import Tokens
 from captioner.search.record import significant
-from tests.tiny import tiny_captioner, tiny_image
+from tests.badtensors import CORRUPTIONS
+from tests.builders import one_line
+from tests.tiny import tiny_captioner, tiny_config, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,21 +162,105 @@ def test_after_max_len_words_only_end_may_come():
     assert cut.ids == [3, 3] and cut.score == 0.0
 
 
-def test_the_graphs_caption_as_torch_does(model, images):
-    cap, folder = model
-    rt = OnnxCaptioner(folder)
+def assert_captions_as_torch(cap: Captioner, rt: OnnxCaptioner, images: list[str]) -> list:
+    """The runtime's captions of ``images`` are the torch captioner's, greedy and in a beam
+    search of 3: the same words, and scores, maps, gates and word probabilities to 1e-4.
+    Returns the beam search's."""
     for beam in (1, 3):
         opts = DecodeOptions(beam_size=beam, max_len=8)
-        ours = cap.caption_images(images[:6], opts)
-        theirs = rt.caption_files(images[:6], DecodeOptions(beam_size=beam, max_len=8))
+        ours = cap.caption_images(images, opts)
+        theirs = rt.caption_files(images, opts)
         for a, b in zip(ours, theirs, strict=True):
             assert b.text == a.caption and b.words == a.words
             assert b.score == pytest.approx(a.score, abs=1e-4)
             np.testing.assert_allclose(b.alphas, a.alphas.numpy(), atol=1e-4)
             np.testing.assert_allclose(b.betas, a.betas.numpy(), atol=1e-4)
             np.testing.assert_allclose(b.word_probs, a.word_probs, atol=1e-4)
-            assert b.familiarity == a.familiarity.value and b.unfamiliar == a.familiarity.unfamiliar
-    assert len({r.familiarity for r in theirs}) > 1  # not all the same value: the test could tell them apart
+            if a.familiarity is not None:
+                assert b.familiarity == a.familiarity.value and b.unfamiliar == a.familiarity.unfamiliar
+    return list(zip(ours, theirs))
+
+
+def test_the_graphs_caption_as_torch_does(model, images):
+    cap, folder = model
+    pairs = assert_captions_as_torch(cap, OnnxCaptioner(folder), images[:6])
+    assert all(a.familiarity is not None for a, _ in pairs)
+    assert len({b.familiarity for _, b in pairs}) > 1  # not all the same value: the test could tell them apart
+
+
+# Every attention the exporter takes, one export each: each score with two heads, the other
+# options (normaliser, mode, local window and its width, grid self-attention, coordinates)
+# spread over them. Mean attention has one head only (the model refuses more). Each with the
+# seed of a tiny model whose beam search gives captions of some words, not only <end>.
+VARIANTS = {
+    "additive": (5, dict(heads=2)),
+    "concat-sparsemax": (5, dict(heads=2, score="concat", normalizer="sparsemax")),
+    "dot-hard": (5, dict(heads=2, score="dot", attention="hard")),
+    "scaled_dot-local": (6, dict(heads=2, score="scaled_dot", local_window=1.5)),
+    "general-sparsemax-local-learned": (6, dict(heads=2, score="general", normalizer="sparsemax", local_window=1.5,
+                                                local_width="learned")),
+    "cosine-grid-coords": (5, dict(heads=2, score="cosine", grid_layers=1, grid_heads=2, coords=True)),
+    "mean": (5, dict(attention="mean")),
+}
+
+
+def test_the_variants_cover_every_attention_option():
+    """A score, normaliser, mode or width added to the registries must join VARIANTS."""
+    from captioner.model.attention import LOCAL_WIDTHS, MODES, NORMALIZERS, SCORES
+
+    seen = [tiny_config(**options) for _, options in VARIANTS.values()]
+    assert {c.score for c in seen} == set(SCORES) and {c.normalizer for c in seen} == set(NORMALIZERS)
+    assert {c.attention for c in seen} == set(MODES)
+    assert {c.local_width for c in seen if c.local_window > 0} == set(LOCAL_WIDTHS)
+    assert any(c.grid_layers for c in seen) and any(c.coords for c in seen)
+    assert all(c.heads == 2 for c in seen if c.attention != "mean")
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, tmp_path_factory) -> tuple[Captioner, OnnxCaptioner]:
+    """A tiny captioner of one VARIANTS entry, exported by `captioner export --onnx` once for
+    the module, and its folder in the runtime."""
+    seed, options = VARIANTS[request.param]
+    cap = tiny_captioner(seed=seed, **options)
+    root = tmp_path_factory.mktemp(request.param)
+    cap.save(root / "model.pt")
+    assert cli_main(["export", str(root / "model.pt"), "--out", str(root / "folder"), "--onnx"]) == 0
+    return cap, OnnxCaptioner(root / "folder")
+
+
+def test_the_graphs_give_torchs_numbers_for_every_attention(variant):
+    """The encoder graph and the step graph against the torch model, on 3 images and 5 rows
+    (counts the export did not trace with): each head's map, not only their mean."""
+    cap, rt = variant
+    dec = cap.model.decoder
+    images = torch.stack([cap.preprocess(tiny_image(70 + i, (40, 30))) for i in range(3)])
+    with torch.no_grad():
+        ann = dec.annotate(cap.model.encode(images))
+        keys = dec.attention.prepare(ann.vectors)
+        h0, c0 = dec.init_state(ann.vectors)
+        features = pooled(cap.model.encode(images).vectors)
+    graph = rt.encode(images.numpy())
+    for ours, theirs in zip((ann.vectors, keys, h0, c0, features), graph, strict=True):
+        np.testing.assert_allclose(theirs, ours.numpy(), atol=1e-5)
+    assert graph[1].shape == tuple(keys.shape)  # (B, heads, L, K) with several heads
+    rows = torch.tensor([0, 2, 1, 1, 2])  # each row its image's annotations and keys
+    g = torch.Generator().manual_seed(1)
+    word = torch.randint(4, len(cap.vocab), (5,), generator=g)
+    h = torch.randn(5, h0.shape[1], generator=g)
+    c = torch.randn(5, c0.shape[1], generator=g)
+    inputs = (word, h, c, ann.vectors[rows].contiguous(), keys[rows].contiguous())
+    ours = torch_step(dec, ann.grid)(*(x.numpy() for x in inputs))
+    theirs = rt.step(*(x.numpy() for x in inputs))
+    for name, a, b in zip(("log_probs", "h", "c", "alpha", "beta"), ours, theirs, strict=True):
+        assert b.shape == a.shape, name
+        np.testing.assert_allclose(b, a, atol=1e-5, err_msg=name)
+    assert ours[3].shape == (5, dec.attention.num_heads, ann.vectors.shape[1])
+
+
+def test_every_attention_the_exporter_takes_captions_as_torch_does(variant, images):
+    cap, rt = variant
+    pairs = assert_captions_as_torch(cap, rt, images[:4])
+    assert any(a.words for a, _ in pairs)  # not every caption empty: some maps were compared
 
 
 def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
@@ -236,8 +323,6 @@ def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, t
     export(cap, tmp_path / "plain")
     assert onnx_main([str(tmp_path / "plain"), images[0]]) == 2
     assert "no ONNX graphs" in capsys.readouterr().err
-    import shutil
-
     shutil.copytree(folder, tmp_path / "cut")
     (tmp_path / "cut" / fmt.STEP_ONNX).unlink()
     assert onnx_main([str(tmp_path / "cut"), images[0]]) == 2
@@ -246,3 +331,16 @@ def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, t
     with pytest.raises(SystemExit) as e:
         onnx_main([str(folder), images[0], "--beam-size", "0"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS)
+def test_a_corrupt_familiarity_file_is_refused_in_one_line(model, images, corrupt, tmp_path, capsys):
+    """The runtime reads one safetensors file, the familiarity record (the weights are in the
+    graphs): broken any way, it is one line and exit code 2."""
+    _, folder = model
+    copy = Path(shutil.copytree(folder, tmp_path / "model"))
+    path = copy / fmt.FAMILIARITY
+    path.write_bytes(corrupt(path.read_bytes()))
+    assert onnx_main([str(copy), images[0]]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("python -m captioner.onnx: error: ") and str(path) in line

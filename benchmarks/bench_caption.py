@@ -42,7 +42,7 @@ from captioner.inference import AUTOCAST_DTYPES, Captioner, DecodeOptions
 from captioner.model.decoder import CaptionModel, ModelConfig
 from captioner.model.encoders import Annotations
 from captioner.search.decoding import beam_search
-from captioner.search.graph import fixed_beam_search, search_form
+from captioner.search.graph import search_form
 
 
 def photo_images(n: int, seed: int = 0) -> Iterator[Image.Image]:
@@ -92,13 +92,11 @@ def synchronize(captioner: Captioner) -> None:
 
 def search(captioner: Captioner, ann: Annotations, form: str = "taken") -> None:
     """The beam search (k=3) alone, on annotations already computed: in the form captioning
-    takes ("taken": on a GPU the graphed one, captioner.search_graph), in its "plain" form, or
-    as the "fixed" program run without a graph."""
+    takes ("taken": on a GPU the graphed one, captioner.search.graph), or run eagerly ("eager")."""
     if form == "taken":
         captioner.beam_search_batch(ann, DecodeOptions(beam_size=3, max_len=20))
         return
-    run = beam_search if form == "plain" else fixed_beam_search
-    run(captioner.model.decoder, ann, captioner.tokens, DecodeOptions(beam_size=3, max_len=20))
+    beam_search(captioner.model.decoder, ann, captioner.tokens, DecodeOptions(beam_size=3, max_len=20))
 
 
 def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tensor], batch_size: int,
@@ -141,10 +139,9 @@ def bench_speed(captioner: Captioner, paths: list[str], batches: list[torch.Tens
                       progress=False, decode_on_device=raw)
         assert out.getvalue().count("\n") == len(paths)
 
-    jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading,
-            "search, fixed program": lambda: searches("fixed")}
+    jobs = {"caption": caption, "encoder": encoder, "search": searches, "loading": loading}
     if search_form(captioner.device, "expected", captioner.model.decoder.compiled) != "plain":
-        jobs["search, plain form"] = lambda: searches("plain")
+        jobs["search, eager"] = lambda: searches("eager")
     if on_device:
         jobs |= {"caption, device decoding": lambda: caption(True), "loading, device decoding": lambda: loading(True)}
     best = {name: float("inf") for name in jobs}
@@ -228,15 +225,10 @@ def main() -> None:
                   f"({r['encoder'] / r['search']:.2f} encoder times), loading alone ({args.workers} workers) "
                   f"{r['loading']:.1f} img/s ({r['encoder'] / r['loading']:.2f} encoder times; first batch after "
                   f"{r['first batch']:.2f} s)")
-            fixed = r["search, fixed program"]
-            if "search, plain form" in r:
-                plain = r["search, plain form"]
-                print(f"    beam search as CUDA graphs {r['search']:.1f} img/s ({r['search'] / plain:.2f}x its "
-                      f"plain form's {plain:.1f}); its fixed program without a graph {fixed:.1f} img/s "
-                      f"({fixed / plain:.2f}x)")
-            else:
-                print(f"    beam search, plain form (taken here) {r['search']:.1f} img/s; its fixed program "
-                      f"{fixed:.1f} img/s ({fixed / r['search']:.2f}x)")
+            if "search, eager" in r:
+                eager = r["search, eager"]
+                print(f"    beam search as CUDA graphs {r['search']:.1f} img/s ({r['search'] / eager:.2f}x the "
+                      f"search run eagerly, {eager:.1f})")
             if args.decode_on_device:
                 dc, dl = r["caption, device decoding"], r["loading, device decoding"]
                 print(f"    JPEGs decoded on {args.device}: caption {dc:.1f} img/s (caption time / encoder time = "

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from captioner.search.decoding import beam_search, greedy
 from captioner.search.options import DecodeOptions
-from tests.tiny import tiny_captioner, tiny_image, tiny_vocab, token_batch
+from tests.tiny import tiny_captioner, tiny_image, token_batch
 
 # One graph per kind of call: beam search, greedy (a beam of one row per image: another
 # relation between the batch sizes of the annotations and the state), and training's recurrence.
@@ -85,14 +85,12 @@ def test_each_model_compiles_its_own_graphs():
 def test_compiled_decoding_gives_the_eager_captions():
     eager, compiled = tiny_captioner(seed=4), tiny_captioner(seed=4)
     compiled.model.decoder.compile_step(backend="aot_eager")
-    v = tiny_vocab()
     with torch.no_grad():
         imgs = _images(eager, 6)
-        for fn, kw in ((beam_search, {"beam_size": 3}), (greedy, {})):
-            a = fn(eager.model.decoder, eager.model.encode(imgs), start=v.start, end=v.end, pad=v.pad,
-                   max_len=10, **kw)
-            b = fn(compiled.model.decoder, compiled.model.encode(imgs), start=v.start, end=v.end, pad=v.pad,
-                   max_len=10, **kw)
+        for fn, options in ((beam_search, DecodeOptions(beam_size=3, max_len=10)),
+                            (greedy, DecodeOptions(max_len=10))):
+            a = fn(eager.model.decoder, eager.model.encode(imgs), eager.tokens, options)
+            b = fn(compiled.model.decoder, compiled.model.encode(imgs), compiled.tokens, options)
             assert [x.ids for x in a] == [x.ids for x in b]
             for x, y in zip(a, b):
                 torch.testing.assert_close(x.alphas, y.alphas, atol=1e-5, rtol=1e-4)

@@ -34,9 +34,9 @@ the length counting <end>) and, asked for N (``num_captions``, N <= k), the N be
    caption cut off at ``max_len`` words is returned only when none ended (where <end>
    has probability 0); then it is the only one.
 
-B images x k beams run as one (B*k)-row tensor program, a fixed one: every image runs all
-``max_len + 1`` steps, and an image's pool is frozen from the step it is done (rule 3), its
-later steps computed and thrown away. The k beams of an image share one copy of its
+B images x k beams run as one (B*k)-row tensor program, a fixed one: every image runs every
+step until all are done (at most ``max_len + 1``), and an image's pool is frozen from the step
+it is done (rule 3), its later steps computed and thrown away. The k beams of an image share one copy of its
 annotations and keys. Each step records, per beam, its word, the beam it extends and the
 attention map it was computed with (``_Trace``); every caption is read back along these
 pointers once, after the last step. ``_Pool`` holds the finished captions and knows when an
@@ -193,9 +193,11 @@ class Searched:
 
 
 def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], tokens: Tokens,
-           o: DecodeOptions) -> Searched:
-    """The search as one fixed program over annotations ``vectors`` (B, L, D): all max_len + 1
-    steps for every image, no host wait."""
+           o: DecodeOptions, *, stop_early: bool = True) -> Searched:
+    """The search as one fixed program over annotations ``vectors`` (B, L, D): max_len + 1 steps
+    for every image, and no host wait but, with ``stop_early``, one a step to stop at the step every
+    image is done (the steps after it would change nothing). Without it, the program a CUDA graph
+    records (``graph.SearchGraphs``): every step, no wait at all."""
     kw, never = hard_kwargs(o), tokens.never(o)
     ann = decoder.annotate(Annotations(vectors, grid))  # once per image, shared by its beams
     a, k = ann.vectors, o.beam_size
@@ -231,6 +233,8 @@ def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], token
             now = pool.beaten(scores[:, 0] / reach).unsqueeze(1) & ~done
             done_at = torch.where(now.squeeze(1), t, done_at)
             done = done | now
+            if stop_early and bool(done.all()):
+                break
     return Searched(pool, trace, scores, done_at)
 
 

@@ -108,8 +108,9 @@ def test_results_carry_one_map_per_word():
 
 
 def test_images_done_early_stay_in_the_batch_and_keep_their_captions(tmp_path):
-    """The search is one fixed program: every image runs all max_len + 1 steps (a done image's pool
-    frozen), so captions of different lengths come out of one batch as each image alone gives them."""
+    """The search is one fixed program: every image runs every step (a done image's pool frozen)
+    until all are done, so captions of different lengths come out of one batch as each image alone
+    gives them; the steps stop at the one where the last image is done, before the length limit."""
     from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
 
@@ -131,7 +132,7 @@ def test_images_done_early_stay_in_the_batch_and_keep_their_captions(tmp_path):
         del decoder.step
     lengths = sorted(len(r.words) for r in together)
     assert lengths[0] < lengths[-1]  # the captions end at different steps ...
-    assert rows == [6 * 3] * (opts.max_len + 1)  # ... in a batch that stays whole
+    assert rows == [6 * 3] * len(rows) and len(rows) < opts.max_len + 1  # ... in a batch that stays whole
     for image, r in zip(images, together):  # the other images change no result
         alone = cap.caption(image, opts)
         assert alone.words == r.words and abs(alone.score - r.score) < 1e-4

@@ -139,6 +139,23 @@ def test_the_search_follows_the_plain_search_with_several_heads(variant):
         _same_as_plain(beam_search(decoder, Annotations(a, (2, 2)), TOKENS, o), _plain(decoder, a, TOKENS, o))
 
 
+def test_stopping_at_the_step_every_image_is_done_changes_nothing():
+    """The eager search stops once every image is done; the program a graph records runs every
+    step: the same captions, runners-up, scores, maps and gates, to the bit."""
+    stopped = 0
+    for seed in range(40):
+        decoder = _random_decoder(seed)
+        o = DecodeOptions(beam_size=2 + seed % 3, max_len=6 + seed % 4, num_captions=1 + seed % 2,
+                          length_penalty=0.7 if seed % 3 == 1 else 0.0)
+        a = torch.randn(4, 4, 5, dtype=torch.float64)
+        with torch.no_grad():
+            early = decoding.search(decoder, a, (2, 2), TOKENS, o)
+            full = decoding.search(decoder, a, (2, 2), TOKENS, o, stop_early=False)
+        _same(early.captions(4), full.captions(4))
+        stopped += int(early.done_at.max()) < o.max_len
+    assert stopped > 20  # most batches were done before the limit
+
+
 def test_an_image_s_pool_is_frozen_from_the_step_it_is_done():
     """No later ending can outrank a done image's best, but one can tie with it, and a GPU's
     topk puts ties in no fixed order: a later "A <end>" could then take the place of the
@@ -188,7 +205,7 @@ def test_the_search_never_waits_for_the_device_nor_copies_from_the_host(monkeypa
     for name in ("tensor", "as_tensor", "from_numpy"):
         monkeypatch.setattr(torch, name, no_copy)
     with torch.no_grad():
-        searched = decoding.search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts)
+        searched = decoding.search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts, stop_early=False)
         with pytest.raises(AssertionError, match="host wait"):
             beam_search(cap.model.decoder, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     monkeypatch.undo()

@@ -6,8 +6,10 @@ On fresh shapes images (`captioner shapes --seed 31415`), batches of 16, the sea
 (encoder included, no image loading): decoder steps (calls, and beam rows summed over the
 calls) and the fastest of ``--runs`` timings of each setting, taken in turn batch by batch.
 Prints the ratio N = 3 / N = 1 of each, how many images got 1, 2 or 3 captions, whether the
-best captions are the same, and a digest of N = 1's captions and step counts (run it on two
-versions of the code: the same digest means the same captions and the same steps).
+best captions are the same, and digests of N = 1's captions with their step counts, and of
+the captions alone (run it on two versions of the code: the same digests mean the same
+captions and the same steps; a search that keeps every image in the batch until all are done
+takes other steps for the same captions).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
         results = out
     one, many = 1, args.num_captions
     digest = hashlib.sha1(repr(([r.words for r in results[one]], calls[one])).encode()).hexdigest()[:12]
+    words = hashlib.sha1(repr([r.words for r in results[one]]).encode()).hexdigest()[:12]
     print(f"{args.weights}, beam {args.beam_size}, {args.images} images in batches of {args.batch_size}, "
           f"{args.threads} thread(s), fastest of {args.runs}")
     for n in settings:
@@ -83,7 +86,7 @@ def main() -> None:
     print(f"  captions per image with N = {many}: " + ", ".join(f"{k}: {got[k]}" for k in sorted(got)))
     same = sum(a.words == b.words for a, b in zip(results[one], results[many]))
     print(f"  best caption the same as N = 1's: {same} of {args.images}")
-    print(f"  N = 1 digest (captions and steps): {digest}")
+    print(f"  N = 1 digest (captions and steps): {digest}; of the captions alone: {words}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from captioner.data.images import Preprocess
+from captioner.data.images import Preprocess, load_image
 from captioner.overlay import TINT, shading, unit_maps, upsample_alpha
 from captioner.search.decoding import CaptionResult
 
@@ -75,23 +75,45 @@ class Picture:
 
     @classmethod
     def decode(cls, digest: str, data: bytes, preprocess: Preprocess,
-               max_pixels: int) -> tuple["Picture", Image.Image, Image.Image | None]:
-        """Raw bytes -> (picture, the image as the model decodes it, its preview), the preview None
-        when the upload itself serves as one; raises ImageLoadError with a message for the user,
-        also for an image of more than ``max_pixels``.
+               max_pixels: int) -> tuple["Picture", Decoded]:
+        """Raw bytes -> (picture, the upload decoded for the model and for the page's views); raises
+        ImageLoadError with a message for the user, also for an image of more than ``max_pixels``.
 
-        The upload is decoded once, as ``captioner caption`` decodes it for this model
-        (``Preprocess.load``: a big JPEG at the reduced scale the model needs): the model captions
-        that image, and the preview and the views of the maps are drawn from it. A photo from a
-        phone or a camera resized for the web (an RGB JPEG, upright, at most AS_IS_SIDE a side) is
-        shown as it came: the browser scales it, and the server neither resizes nor encodes it."""
+        The upload is decoded as ``captioner caption`` decodes it for this model (``Preprocess.load``:
+        a big JPEG at the reduced scale the model needs), and the model captions that image. A photo
+        from a phone or a camera resized for the web (an RGB JPEG, upright, at most AS_IS_SIDE a
+        side) is shown as it came: the browser scales it, and the server neither resizes nor encodes
+        it. The preview and the views of the maps are drawn from the model's image, unless the
+        model's reduced scale leaves it narrower than the page's views (LARGE_WIDTH) where the file
+        is wider: then, and only then, the page decodes its own copy at the scale its views need."""
         image = preprocess.load(data, max_pixels)
-        if _shown_as_is(data):
+        as_is = _shown_as_is(data)
+        drawn = not as_is or preprocess.resize  # the views draw on an image, not on the upload shown whole
+        view = image if not drawn or image.width >= LARGE_WIDTH or not _reduced(data, image) else \
+            load_image(data, max_pixels, at_least=LARGE_WIDTH)
+        if as_is:
             with Image.open(io.BytesIO(data)) as im:  # its header: the size it is shown at
                 width, height = im.size
-            return cls(digest, width, height, data, as_is=True), image, None
-        preview = fit_width(image, LARGE_WIDTH)
-        return cls(digest, image.width, image.height, jpeg(preview)), image, preview
+            return cls(digest, width, height, data, as_is=True), Decoded(image, view, None)
+        preview = fit_width(view, LARGE_WIDTH)
+        return cls(digest, view.width, view.height, jpeg(preview)), Decoded(image, view, preview)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """An upload decoded: ``image`` as the model decodes it, ``view`` the image the page's views are
+    drawn from (``image`` itself, or a copy at a larger scale), ``preview`` the preview drawn from
+    it (None: the upload itself is the preview)."""
+
+    image: Image.Image
+    view: Image.Image
+    preview: Image.Image | None
+
+
+def _reduced(data: bytes, image: Image.Image) -> bool:
+    """Whether ``image`` was decoded from ``data`` at a reduced scale (smaller than the file)."""
+    with Image.open(io.BytesIO(data)) as im:
+        return max(im.size) > max(image.size)
 
 
 def _shown_as_is(data: bytes) -> bool:
@@ -109,8 +131,9 @@ def seen_by_model(preprocess: Preprocess, image: Image.Image, picture: Picture |
                   preview: Image.Image | None = None) -> tuple[bytes, tuple[int, int]]:
     """The part of the upload the model saw (all of it without a crop), as JPEG bytes at most
     LARGE_WIDTH wide, and its (width, height): the picture a result's maps are laid over.
-    ``image``: the upload as the model decoded it; ``picture``, ``preview``: as Picture.decode gave
-    them, when there are; the picture's own preview bytes come back when they show just that part."""
+    ``image``: the upload as the page's views draw it (``Decoded.view``); ``picture``, ``preview``:
+    as Picture.decode gave them, when there are; the picture's own preview bytes come back when
+    they show just that part."""
     if picture is not None and picture.as_is and not preprocess.resize:
         return picture.preview, (picture.width, picture.height)  # the upload itself
     cropped = preprocess.seen(image)

@@ -28,7 +28,7 @@ from PIL import Image
 
 from captioner.app import page
 from captioner.app.gate import Gate
-from captioner.app.pictures import Picture, data_uri, heads_of, map_layers, seen_by_model
+from captioner.app.pictures import Decoded, Picture, data_uri, heads_of, map_layers, seen_by_model
 from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
@@ -175,16 +175,16 @@ class Shown:
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
-                  picture: Picture | None = None, decoded: tuple[Image.Image, Image.Image | None] | None = None,
+                  picture: Picture | None = None, decoded: Decoded | None = None,
                   on_wait: Callable[[int], None] | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
     checkpoint's own caption) and draw what the page shows. ``picture``, ``decoded``: the upload as
-    Picture.decode gave it for this model (the image and its preview); without them the bytes are
-    decoded here, once."""
+    Picture.decode gave them for this model; without them the bytes are decoded here, once."""
     start, cpu = time.perf_counter(), time.thread_time()
     if decoded is None:  # decoded before the gate, by this session's thread
-        decoded = (captioner.preprocess.load(data, pixel_limit()), None)
-    image, preview = decoded
+        image = captioner.preprocess.load(data, pixel_limit())
+        decoded = Decoded(image, image, None)
+    image = decoded.image
     decoding, cpu = time.perf_counter() - start, time.thread_time() - cpu
 
     def caption_all(images: list[Image.Image]) -> list[CaptionResult]:
@@ -195,7 +195,7 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
     done = gate.run((id(captioner), options), image, caption_all, on_wait)
     result, seconds, cpu = done.result, decoding + done.seconds, cpu + done.cpu
     # Drawn outside the gate: the next caption need not wait for it.
-    seen, size = seen_by_model(captioner.preprocess, image, picture, preview)
+    seen, size = seen_by_model(captioner.preprocess, decoded.view, picture, decoded.preview)
     view = ""
     if result.words:
         if picture is not None and seen is picture.preview:  # the page's preview defines the photo

@@ -377,11 +377,11 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     picture, held = st.session_state.get("picture"), st.session_state.get("decoded")
     if picture is None or picture.digest != digest or held is None or held[0] != (digest, captioner.preprocess):
         try:
-            picture, image, preview = Picture.decode(digest, data, captioner.preprocess, pixel_limit())
+            picture, decoded = Picture.decode(digest, data, captioner.preprocess, pixel_limit())
         except ImageLoadError as e:
             left.error(f"Cannot read **{_markdown_text(name)}**: {_unreadable(e)}. Try another file.")
             return
-        held = ((digest, captioner.preprocess), (image, preview))  # the caption below draws on them
+        held = ((digest, captioner.preprocess), decoded)  # the caption below draws on them
         st.session_state["picture"], st.session_state["decoded"] = picture, held
     decoded = held[1]
     show_preview(left, picture, name)

@@ -356,14 +356,17 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     assert "var(--img-" not in shown.view
 
 
-@pytest.mark.parametrize("size, as_is", [((64, 48), False), ((900, 700), False), ((320, 240), True)])
-def test_an_upload_is_decoded_once_for_its_preview_its_caption_and_its_views(monkeypatch, size, as_is):
+@pytest.mark.parametrize("size, kind, as_is, decodes", [((64, 48), "PNG", False, 1), ((900, 700), "PNG", False, 1),
+                                                    ((320, 240), "JPEG", True, 1), ((2400, 1800), "JPEG", False, 2)])
+def test_an_upload_is_decoded_once_for_its_preview_its_caption_and_its_views(monkeypatch, size, kind, as_is, decodes):
     """Picture.decode decodes the upload as `captioner caption` does for this model; the caption
-    and the views are drawn from that image, and nothing decodes the bytes again."""
+    and the views are drawn from that image, and nothing decodes the bytes again, but for a big
+    JPEG that the model decodes at a scale too small for the page's views (2400 px at 1/8: 300 px,
+    the views 560): the page decodes its own copy, once."""
     import io
 
     from captioner.app.gate import Gate
-    from captioner.app.pictures import Picture
+    from captioner.app.pictures import LARGE_WIDTH, Picture
     from captioner.app.serving import caption_image
     from captioner.data import images
     from captioner.inference import DecodeOptions
@@ -371,15 +374,18 @@ def test_an_upload_is_decoded_once_for_its_preview_its_caption_and_its_views(mon
 
     cap = tiny_captioner(3)
     buf = io.BytesIO()
-    tiny_image(5, size).save(buf, "JPEG" if as_is else "PNG")
+    tiny_image(5, size).save(buf, kind)
     data = buf.getvalue()
-    decodes = []
+    calls = []
     real = images._decode
-    monkeypatch.setattr(images, "_decode", lambda *a, **kw: decodes.append(1) or real(*a, **kw))
-    picture, image, preview = Picture.decode("d", data, cap.preprocess, 10 ** 8)
-    assert picture.as_is == as_is and (preview is None) == as_is
+    monkeypatch.setattr(images, "_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    picture, decoded = Picture.decode("d", data, cap.preprocess, 10 ** 8)
+    assert picture.as_is == as_is and (decoded.preview is None) == as_is
+    assert (decoded.view is decoded.image) == (decodes == 1)
+    if not as_is or cap.preprocess.resize:  # the views draw on it (not on the upload shown whole)
+        assert decoded.view.width >= min(LARGE_WIDTH, size[0])  # they have the pixels they show
     options = DecodeOptions(beam_size=2, max_len=6, allow_unk=True)
-    shown = caption_image(cap, Gate(slots=1), ("k",), "x", data, options, picture, (image, preview))
-    assert len(decodes) == 1
+    shown = caption_image(cap, Gate(slots=1), ("k",), "x", data, options, picture, decoded)
+    assert len(calls) == decodes
     monkeypatch.undo()
     assert shown.result.words == cap.caption(data, options).words  # the command's own caption

@@ -121,15 +121,16 @@ def test_the_score_adds_up_from_the_word_probabilities_and_the_end_probability(b
 
 def test_a_caption_cut_off_at_the_length_limit_has_no_end_probability():
     from captioner.search.decoding import DecodedIds
+    from captioner.search.results import to_result
 
     cap = tiny_captioner(seed=1)
     words = [cap.vocab.index("a"), cap.vocab.index("red")]
     cut = DecodedIds(words, torch.zeros(2, 1, 16), torch.ones(2), -1.5, torch.log(torch.tensor([0.5, 0.4])))
-    r = cap.to_result(cut, (4, 4))
+    r = to_result(cut, cap.vocab, (4, 4))
     assert r.words == ["a", "red"] and r.end_prob is None and r.to_json()["end_prob"] is None
     ended = DecodedIds(words + [cap.vocab.end], torch.zeros(3, 1, 16), torch.ones(3), -1.6,
                        torch.log(torch.tensor([0.5, 0.4, 0.9])))
-    r = cap.to_result(ended, (4, 4))
+    r = to_result(ended, cap.vocab, (4, 4))
     assert r.words == ["a", "red"] and r.word_probs == pytest.approx((0.5, 0.4)) and r.end_prob == pytest.approx(0.9)
 
 

@@ -164,10 +164,11 @@ def test_after_max_len_words_only_end_may_come():
 
 def assert_captions_as_torch(cap: Captioner, rt: OnnxCaptioner, images: list[str]) -> list:
     """The runtime's captions of ``images`` are the torch captioner's, greedy and in a beam
-    search of 3: the same words, and scores, maps, gates and word probabilities to 1e-4.
-    Returns the beam search's."""
-    for beam in (1, 3):
-        opts = DecodeOptions(beam_size=beam, max_len=8)
+    search of 3, with <unk> never a word and allowed: the same words, and scores, maps, gates and
+    word probabilities to 1e-4. Returns the beam search's with <unk> allowed (an untrained model's
+    likeliest word: its captions have words whose maps are compared)."""
+    for beam, allow_unk in ((1, False), (3, False), (1, True), (3, True)):
+        opts = DecodeOptions(beam_size=beam, max_len=8, allow_unk=allow_unk)
         ours = cap.caption_images(images, opts)
         theirs = rt.caption_files(images, opts)
         for a, b in zip(ours, theirs, strict=True):

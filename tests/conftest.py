@@ -1,9 +1,11 @@
 """Shared fixtures: a tiny COCO-format data set on disk, its Karpathy split file, a tiny
-model's weights file, and the kernels' switch set one way or the other."""
+model's weights file, the studies' shapes test sets, and the kernels' switch set one way or the
+other."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,24 @@ def weights(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("w") / "tiny.pt"
     tiny_captioner(seed=1).save(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def shapes_test_sets(tmp_path_factory):
+    """``studies.attention.scoring.ensure_test_sets`` for the tests, as a function of (seeds,
+    n_images, root): each set is made once a session (one `captioner shapes` process each, the
+    slow part), then copied into ``root``, where ensure_test_sets finds it and makes nothing.
+    Returns what ensure_test_sets returns for ``root``."""
+    from studies.attention import scoring
+
+    made = tmp_path_factory.mktemp("shapes-test-sets")
+
+    def ensure(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
+        for folder in scoring.ensure_test_sets(seeds, n_images, made).values():
+            shutil.copytree(folder, root / folder.name, dirs_exist_ok=True)
+        return scoring.ensure_test_sets(seeds, n_images, root)
+
+    return ensure
 
 
 @pytest.fixture(params=[True, False], ids=["kernels", "plain"])

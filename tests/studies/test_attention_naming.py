@@ -38,10 +38,10 @@ def test_wrong_colours_wrong_counts_and_wrong_pairs_are_told_apart():
     assert kind("a red circle a blue square and a white star") == "colour and shape"
 
 
-def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
+def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    scoring.ensure_test_sets([7001], 4, tmp_path / "tests")
+    shapes_test_sets([7001], 4, tmp_path / "tests")
     assert cli.main(["naming", str(weights), str(weights), "--data", str(tmp_path / "tests" / "shapes-test7001-4"),
                      "--images", "4", "--beam-size", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {weights} |")]
@@ -49,10 +49,10 @@ def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
     assert len(rows[0].split("|")) == 3 + len(naming.KINDS) + 2
 
 
-def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch):
+def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    sets = scoring.ensure_test_sets([7001, 7002], 2, tmp_path / "tests")
+    sets = shapes_test_sets([7001, 7002], 2, tmp_path / "tests")
     found = {sets["test7001"]: [None, "repeated shape"], sets["test7002"]: ["repeated shape", "count"]}
     monkeypatch.setattr(naming, "kinds_of", lambda cap, folder, *a: found[folder])
     assert cli.main(["naming", str(weights), "--data", str(sets["test7001"]), "--data", str(sets["test7002"]),
@@ -67,7 +67,7 @@ def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path, capsys):
     assert e.value.code == 2 and "has no instances_test.json" in capsys.readouterr().err
 
 
-def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects(tmp_path):
+def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects(tmp_path, shapes_test_sets):
     """scoring.decoded_test_images, which naming and relation count over: the first N images
     only, each caption the comparison's decoding of that image, beside that image's objects."""
     from captioner.data.coco import load_split
@@ -76,7 +76,7 @@ def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects
     from captioner.inference import DecodeOptions
 
     cap = tiny_captioner(seed=3)
-    folder = scoring.ensure_test_sets([7001], 4, tmp_path / "tests")["test7001"]
+    folder = shapes_test_sets([7001], 4, tmp_path / "tests")["test7001"]
     got = scoring.decoded_test_images(cap, folder, 3, beam_size=2)
     records = load_split(folder, "test")[:3]
     objects = load_shape_objects(folder / "instances_test.json")

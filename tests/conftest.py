@@ -5,13 +5,36 @@ other."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from captioner.model import kernels
 from tests.tiny import TINY_COCO, tiny_captioner, write_tiny_coco
+
+
+def _xdist_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (pyproject's addopts) the tests run in several processes side by side,
+    one a core: each keeps to one torch thread, and so do the processes it starts, so that the
+    threads of one process do not wait on cores another one holds."""
+    if _xdist_worker():
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the tests marked slow first: the long ones start at once, and the
+    workers share out the short ones around them (--dist worksteal), rather than one worker
+    meeting a long test when the others are nearly done."""
+    if _xdist_worker():
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture

@@ -157,6 +157,7 @@ def test_after_max_len_words_only_end_may_come():
     assert cut.ids == [3, 3] and cut.score == 0.0
 
 
+@pytest.mark.slow  # the module's ONNX export, seconds of tracing
 def test_the_graphs_caption_as_torch_does(model, images):
     cap, folder = model
     rt = OnnxCaptioner(folder)
@@ -174,6 +175,7 @@ def test_the_graphs_caption_as_torch_does(model, images):
     assert len({r.familiarity for r in theirs}) > 1  # not all the same value: the test could tell them apart
 
 
+@pytest.mark.slow
 def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
     cap, folder = model
     assert cli_main(["caption", *images[:3], "--weights", str(folder), "--max-len", "6", "--with-attention",
@@ -191,6 +193,7 @@ def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
         assert total == pytest.approx(b["score"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_several_captions_and_a_broken_image(model, images, tmp_path):
     _, folder = model
     out = tmp_path / "lines.jsonl"
@@ -208,6 +211,7 @@ def test_probabilities_keep_four_significant_digits():
     assert UNFAMILIAR_BELOW == DEFAULT_THRESHOLD
 
 
+@pytest.mark.slow
 def test_the_runtime_runs_with_torch_impossible_to_import(model, images, tmp_path):
     _, folder = model
     script = f"""
@@ -230,6 +234,7 @@ print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "nltk": "nltk"
     assert line["image"] == images[0] and line["words"] and line["familiarity"] is not None
 
 
+@pytest.mark.slow
 def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, tmp_path, capsys):
     cap, folder = model
     export(cap, tmp_path / "plain")

@@ -97,15 +97,23 @@ def weights(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def shapes_test_sets(tmp_path_factory):
     """``studies.attention.scoring.ensure_test_sets`` for the tests, as a function of (seeds,
-    n_images, root): each set is made once a session (one `captioner shapes` process each, the
-    slow part), then copied into ``root``, where ensure_test_sets finds it and makes nothing.
-    Returns what ensure_test_sets returns for ``root``."""
+    n_images, root): each set is made once a run (one `captioner shapes` process each, the slow
+    part; under pytest-xdist by whichever worker asks first, the others wait for it), then
+    copied into ``root``, where ensure_test_sets finds it and makes nothing. Returns what
+    ensure_test_sets returns for ``root``."""
+    import fcntl
+
     from studies.attention import scoring
 
-    made = tmp_path_factory.mktemp("shapes-test-sets")
+    base = tmp_path_factory.getbasetemp()
+    made = (base.parent if _xdist_worker() else base) / "shapes-test-sets"  # the workers' common folder
+    made.mkdir(exist_ok=True)
 
     def ensure(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
-        for folder in scoring.ensure_test_sets(seeds, n_images, made).values():
+        with open(made / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            sets = scoring.ensure_test_sets(seeds, n_images, made)
+        for folder in sets.values():
             shutil.copytree(folder, root / folder.name, dirs_exist_ok=True)
         return scoring.ensure_test_sets(seeds, n_images, root)
 

@@ -74,7 +74,7 @@ def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys, shapes_tes
 def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    sets = shapes_test_sets([7001, 7002], 2, tmp_path / "tests")
+    sets = shapes_test_sets([7001, 7002], 3, tmp_path / "tests")  # 2 images of each are counted
     found = {sets["test7001"]: [("above", "right"), ("left_of", "tie")],
              sets["test7002"]: [("above", "other-axis order")]}
     monkeypatch.setattr(relations, "outcomes_of", lambda cap, folder, *a: found[folder])

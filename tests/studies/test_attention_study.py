@@ -694,6 +694,7 @@ def test_the_help_names_every_subcommand_and_an_unknown_one_is_refused_in_one_li
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err
 
 
+@pytest.mark.slow  # a child process of the pool, which imports and trains
 def test_a_job_of_the_pool_hands_its_records_to_the_process_that_writes_them(tmp_path, shapes_test_sets):
     rows = _rows_file(tmp_path)
     shapes_test_sets(*TEST_SETS, tmp_path / "tests")

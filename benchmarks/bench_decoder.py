@@ -14,6 +14,8 @@ the current one.
 128 px images, 128/256/128, 30 words, captions of 5 to 12 words), training only.
 --model KEY=VALUE (repeatable) changes the model's attention, e.g. --model heads=4, or
 --model local_window=2 --model local_width=learned, --model score=cosine.
+--tiny: tiny sizes (a 4x4 grid, D=32, 16/16/16, V=50, 4 steps), for the GPU check's quick CPU
+run: every line of the tool runs, its figures mean nothing.
 --search-demo N: beam search (k=3, up to 20 words) with a bundled demo model on N
 generated shapes images, batch 32: images/s and the decoder steps each image took (the
 search runs until no open beam can beat the best finished caption, so the steps depend
@@ -37,6 +39,7 @@ from captioner.search.options import DecodeOptions, Tokens
 
 SIZES = dict(vocab_size=10_000, annotation_dim=2048, embed_dim=512, hidden_dim=512, attention_dim=512)
 L, GRID, BATCH, STEPS = 196, (14, 14), 32, 20
+TINY = dict(vocab_size=50, annotation_dim=32, embed_dim=16, hidden_dim=16, attention_dim=16)  # --tiny, on a 4x4 grid
 
 
 def _timed(fn, repeats: int) -> float:
@@ -173,6 +176,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=9102, help="the shapes images' seed for --search-demo")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="a model config field for the attention, e.g. heads=4 (repeatable)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny sizes (L=16, D=32, 16/16/16, V=50, 4 steps) instead of the paper's: a quick CPU run "
+                         "of the code (benchmarks/gpu_check.py --quick), whose figures mean nothing")
     args = ap.parse_args()
     try:
         args.model = _model_options(args.model)
@@ -188,19 +194,20 @@ def main() -> None:
     if args.search_demo:
         search_demo(args)
         return
+    sizes, n_loc, grid, steps = (TINY, 16, (4, 4), 4) if args.tiny else (SIZES, L, GRID, STEPS)
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    decoder = Decoder(ModelConfig(**SIZES, dropout=0.5, **args.model)).to(dev)
+    decoder = Decoder(ModelConfig(**sizes, dropout=0.5, **args.model)).to(dev)
     opt = torch.optim.Adam(decoder.parameters(), lr=1e-4)
 
     batch = args.batch
-    a = torch.randn(batch, L, SIZES["annotation_dim"], device=dev)
-    tokens = torch.randint(4, SIZES["vocab_size"], (batch, STEPS + 1), device=dev)
+    a = torch.randn(batch, n_loc, sizes["annotation_dim"], device=dev)
+    tokens = torch.randint(4, sizes["vocab_size"], (batch, steps + 1), device=dev)
     tokens[:, 0] = 1
-    lengths = torch.full((batch,), STEPS + 1, device=dev)
+    lengths = torch.full((batch,), steps + 1, device=dev)
 
     def train_step() -> None:
-        out = decoder(Annotations(a, GRID), tokens, lengths)
+        out = decoder(Annotations(a, grid), tokens, lengths)
         loss = (F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten())
                 + attention_penalty(out.alphas, out.mask))
         opt.zero_grad(set_to_none=True)
@@ -210,13 +217,15 @@ def main() -> None:
             torch.cuda.synchronize()
 
     print(f"device {dev}, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"sizes: L={L} D=2048 hidden=512 attention=512 embedding=512 vocab=10000 batch={batch} steps={STEPS}"
+    print(f"sizes: L={n_loc} D={sizes['annotation_dim']} hidden={sizes['hidden_dim']} "
+          f"attention={sizes['attention_dim']} embedding={sizes['embed_dim']} vocab={sizes['vocab_size']} "
+          f"batch={batch} steps={steps}"
           + "".join(f" {k}={v}" for k, v in args.model.items()))
     decoder.train()
     t_train = _timed(train_step, args.repeats)
     if args.previous:
         def previous_step() -> None:
-            out = decoder.forward_stepwise(Annotations(a, GRID), tokens, lengths)
+            out = decoder.forward_stepwise(Annotations(a, grid), tokens, lengths)
             loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) \
                 + attention_penalty(out.alphas, out.mask)
             opt.zero_grad(set_to_none=True)
@@ -233,8 +242,8 @@ def main() -> None:
 
     def search(b: int):
         def run() -> None:
-            beam_search(decoder, Annotations(a[:b], GRID), Tokens(start=1, end=2, pad=0),
-                        DecodeOptions(beam_size=3, max_len=STEPS))
+            beam_search(decoder, Annotations(a[:b], grid), Tokens(start=1, end=2, pad=0),
+                        DecodeOptions(beam_size=3, max_len=steps))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
         return run

@@ -3,9 +3,12 @@ numeric precision and with or without torch.compile of the decoder step. Meant f
 
     python benchmarks/bench_precision.py --device cuda [--batch-size 32] [--repeats 5]
     python benchmarks/bench_precision.py --device cpu --batch-size 4 --repeats 1 --variants fp32,bf16
+    python benchmarks/bench_precision.py --device cpu --batch-size 2 --repeats 1 --encoder small --tiny
 
 ResNet-101 (random weights: speed does not depend on them) at 224 px gives 7x7x2048
-annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions.
+annotations; decoder 512/512/512, vocabulary 10,000, 20-word captions. ``--encoder`` takes
+another encoder and ``--tiny`` tiny sizes (32 px, 16/16/16, V = 50, 4 words): the GPU check's CPU
+test (benchmarks/gpu_check.py --quick) runs every workload so, in seconds.
 - training: images/s of one optimiser step (frozen encoder forward, teacher-forced decoder
   forward and backward, doubly stochastic penalty, Adam), autocast and gradient scaling as
   `captioner train` does them (train/precision.py), with training's optimiser (fused Adam);
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,13 +42,34 @@ from captioner.data.vocab import SPECIALS, Vocabulary
 from captioner.inference import INFERENCE_PRECISIONS, Captioner, DecodeOptions
 from captioner.model import kernels
 from captioner.model.decoder import CaptionModel, ModelConfig, attention_penalty
+from captioner.model.encoders import encoder_names
 from captioner.train.config import OptimConfig
 from captioner.train.graphed import GraphedSoftStep
 from captioner.train.loop import build_optimizer
 from captioner.train.losses import LossParts, caption_log_likelihood, soft_loss
 from captioner.train.precision import MixedPrecision
 
-STEPS = 20
+
+@dataclass(frozen=True)
+class Sizes:
+    """The model's and the workloads' sizes: square images of ``image`` px, a decoder of
+    ``dim``/``dim``/``dim`` (embedding, hidden, attention), ``vocab`` words, captions of ``steps``
+    words (and as many search steps)."""
+
+    image: int
+    dim: int
+    vocab: int
+    steps: int
+
+    def describe(self) -> str:
+        vocab = f"{self.vocab // 1000}k" if self.vocab % 1000 == 0 else str(self.vocab)
+        return f"{self.image} px, decoder {self.dim}/{self.dim}/{self.dim}, V={vocab}"
+
+
+PAPER = Sizes(image=224, dim=512, vocab=10_000, steps=20)
+# --tiny: every workload's code at sizes a CPU test runs in seconds; its figures mean nothing.
+TINY = Sizes(image=32, dim=16, vocab=50, steps=4)
+STEPS = PAPER.steps
 
 
 def _sync(dev: torch.device) -> None:
@@ -92,18 +117,20 @@ def variants_arg(text: str) -> list[str]:
     return variants
 
 
-def build(dev: torch.device, compile_step: bool | str, encoder: str = "resnet101") -> Captioner:
+def build(dev: torch.device, compile_step: bool | str, encoder: str = "resnet101",
+          sizes: Sizes = PAPER) -> Captioner:
     """The benchmark's model: ResNet-101 (random weights; ``encoder`` names another, for a quick
-    test) at 224 px, decoder 512/512/512, V = 10,000, with <end> pushed down so that every
-    caption runs its full length."""
+    test) at 224 px, decoder 512/512/512, V = 10,000 (``sizes``: other sizes), with <end> pushed
+    down so that every caption runs its full length."""
     torch.manual_seed(0)
-    vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
-    cfg = ModelConfig(vocab_size=len(vocab), encoder=encoder, image_size=(224, 224), embed_dim=512,
-                      hidden_dim=512, attention_dim=512, dropout=0.5, freeze_encoder=True)
+    vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(sizes.vocab - len(SPECIALS))])
+    side = (sizes.image, sizes.image)
+    cfg = ModelConfig(vocab_size=len(vocab), encoder=encoder, image_size=side, embed_dim=sizes.dim,
+                      hidden_dim=sizes.dim, attention_dim=sizes.dim, dropout=0.5, freeze_encoder=True)
     model = CaptionModel(cfg).to(dev)
     with torch.no_grad():
         model.decoder.L_o.bias[vocab.end] = -1e4  # no caption ends early
-    cap = Captioner(model, vocab, Preprocess(size=(224, 224)))
+    cap = Captioner(model, vocab, Preprocess(size=side))
     if compile_step:
         cap.compile(**({"dynamic": False} if compile_step == "static" else {}))
     return cap
@@ -117,15 +144,16 @@ def use_channels_last(model: CaptionModel, images: torch.Tensor) -> torch.Tensor
     return images.contiguous(memory_format=torch.channels_last)
 
 
-def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False) -> Callable[[], None]:
+def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False,
+                    steps: int = STEPS) -> Callable[[], None]:
     """One training step on ``images`` as `captioner train` runs it: frozen encoder forward,
-    teacher-forced decoder forward and backward on random 20-word captions, doubly stochastic
+    teacher-forced decoder forward and backward on random 20-word captions (``steps`` words), doubly stochastic
     penalty, training's fused Adam, autocast and gradient scaling (train/precision.py).
     ``graphs``: the forward and backward replayed as a CUDA graph (train/graphed.py)."""
     model, dev, batch = cap.model, images.device, images.shape[0]
-    tokens = torch.randint(len(SPECIALS), len(cap.vocab), (batch, STEPS + 1), device=dev)
+    tokens = torch.randint(len(SPECIALS), len(cap.vocab), (batch, steps + 1), device=dev)
     tokens[:, 0] = cap.vocab.start
-    lengths = torch.full((batch,), STEPS + 1, device=dev)
+    lengths = torch.full((batch,), steps + 1, device=dev)
     mp = MixedPrecision(precision, dev)
     opt = build_optimizer([{"params": list(model.decoder.parameters()), "lr": 1e-4}], OptimConfig())  # training's
     if graphs:
@@ -154,8 +182,9 @@ def make_train_step(cap: Captioner, precision: str, images: torch.Tensor, graphs
     return train_step
 
 
-def make_caption(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False) -> Callable[[], None]:
-    """Captioning of ``images``: encoder, then batched beam search (k = 3, 20 words). Without
+def make_caption(cap: Captioner, precision: str, images: torch.Tensor, graphs: bool = False,
+                 steps: int = STEPS) -> Callable[[], None]:
+    """Captioning of ``images``: encoder, then batched beam search (k = 3, 20 words, or ``steps``). Without
     ``graphs`` in plain forms (the kernels off: NCHW unless the variant has "+cl", the plain
     search); with ``graphs`` as `captioner caption --precision P` runs it on a GPU (the search's
     fixed program as CUDA graphs, captioner.search_graph, and in bf16/fp16 the encoder in
@@ -166,27 +195,29 @@ def make_caption(cap: Captioner, precision: str, images: torch.Tensor, graphs: b
     def caption() -> None:
         before = kernels.set_enabled(graphs and allowed)  # on a GPU captioning's one fast form is the search's
         try:
-            cap.caption_batch(images, DecodeOptions(beam_size=3, max_len=STEPS))
+            cap.caption_batch(images, DecodeOptions(beam_size=3, max_len=steps))
         finally:
             kernels.set_enabled(before)
 
     return caption
 
 
-def prepare(variant: str, dev: torch.device, batch: int,
-            encoder: str = "resnet101") -> tuple[Callable[[], None], Callable[[], None]]:
+def prepare(variant: str, dev: torch.device, batch: int, encoder: str = "resnet101",
+            sizes: Sizes = PAPER) -> tuple[Callable[[], None], Callable[[], None]]:
     """(training step, captioning batch) of one variant, on a model of its own and random images."""
     precision, compile_step, channels_last = parse_variant(variant)
-    cap = build(dev, compile_step, encoder)
-    images = torch.randn(batch, 3, 224, 224, device=dev)
+    cap = build(dev, compile_step, encoder, sizes)
+    images = torch.randn(batch, 3, sizes.image, sizes.image, device=dev)
     if channels_last:
         images = use_channels_last(cap.model, images)
     graphs = "graphs" in variant.split("+")
-    return make_train_step(cap, precision, images, graphs), make_caption(cap, precision, images, graphs)
+    return (make_train_step(cap, precision, images, graphs, sizes.steps),
+            make_caption(cap, precision, images, graphs, sizes.steps))
 
 
-def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int) -> tuple[float, float]:
-    train_step, caption = prepare(variant, dev, batch)
+def bench_variant(variant: str, dev: torch.device, batch: int, repeats: int, encoder: str = "resnet101",
+                  sizes: Sizes = PAPER) -> tuple[float, float]:
+    train_step, caption = prepare(variant, dev, batch, encoder, sizes)
     t_train = _best(train_step, repeats, dev)
     t_cap = _best(caption, repeats, dev)
     return batch / t_train, batch / t_cap
@@ -200,16 +231,22 @@ def main() -> None:
     ap.add_argument("--variants", type=variants_arg, default="fp32,bf16,fp16,fp32+compile,bf16+compile",
                     help="comma-separated, from fp32, bf16, fp16, each optionally +compile, +static (compiled for "
                          "fixed shapes) and +cl (channels-last)")
+    ap.add_argument("--encoder", default="resnet101", choices=encoder_names(),
+                    help="the encoder (random weights); default resnet101")
+    ap.add_argument("--tiny", action="store_true",
+                    help=f"tiny sizes ({TINY.describe()}, {TINY.steps} words) instead of the paper's: a quick CPU "
+                         "run of every workload (benchmarks/gpu_check.py --quick), whose figures mean nothing")
     args = ap.parse_args()
     variants = args.variants
+    sizes = TINY if args.tiny else PAPER
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}; torch {torch.__version__}; ResNet-101 224 px, decoder 512/512/512, V=10k, "
-          f"batch {args.batch_size}, {STEPS} steps, beam 3")
+    print(f"{name}; torch {torch.__version__}; {args.encoder} {sizes.describe()}, "
+          f"batch {args.batch_size}, {sizes.steps} steps, beam 3")
     print(f"{'variant':<14} {'train img/s':>12} {'caption img/s':>14}")
     base = None
     for variant in variants:
-        tr, cp = bench_variant(variant, dev, args.batch_size, args.repeats)
+        tr, cp = bench_variant(variant, dev, args.batch_size, args.repeats, args.encoder, sizes)
         base = base or (tr, cp)
         print(f"{variant:<14} {tr:>12.1f} {cp:>14.1f}   ({tr / base[0]:.2f}x, {cp / base[1]:.2f}x the first)")
 

@@ -27,9 +27,10 @@ with ResNet-101 on 2,000 JPEGs at the GPU's default batch, also with JPEGs decod
 (--decode-on-device), and again in bf16; bench_coco_train; and compare_tutorial where ``--tutorial`` names the
 tutorial's folder (on a GPU with ``--graphs``: the graphed step's loss and gradients against the
 plain step's, then its speed).
-``--quick`` shrinks every count (the profile runs on the small encoder) and compiles with
-torch.compile's eager backend (the compiler's capture and its guards, no code generation), so
-that a CPU test can run the whole check.
+``--quick`` shrinks every count and size (the training runs' model to 32 px and 16/16/16, the
+benchmarks to their --tiny sizes on the small encoder, bench_coco_train to the shapes config's
+model) and compiles with torch.compile's eager backend (the compiler's capture and its guards, no
+code generation), so that a CPU test can run the whole check: every step, in a few minutes.
 
 The whole check is meant to fit ``--budget 480`` on a GPU. To make room for the profile and
 batch 128, bench_precision at batch 32 leaves its compiled variants to them (the profile times
@@ -122,6 +123,9 @@ def train_steps(device: str, quick: bool, logs: Path, shapes: Path) -> list[Step
         "optim.threads=0", "val.metric=object_accuracy", "val.beam_size=1", f"val.limit={8 if quick else 32}",
         "val.every_epochs=1000",
     ]
+    if quick:  # the configs' model at tiny sizes: every path runs in seconds on a CPU
+        common += ["data.shapes_image_size=48", "model.image_size=32", "model.embed_dim=16", "model.hidden_dim=16",
+                   "model.attention_dim=16"]
     # fp16 autocast has no CPU training path worth checking; quick mode takes bf16 there.
     fp16 = "bf16" if device == "cpu" else "fp16"
     runs = logs / "runs"
@@ -195,17 +199,21 @@ def bench_steps(device: str, quick: bool, logs: Path, tutorial: Path | None) -> 
     py = [sys.executable, "-m"]
     traces = str(logs / "profile")
     if quick:
+        # Every benchmark's code at tiny sizes (--tiny; bench_coco_train on the shapes config's
+        # model): the figures mean nothing, the point is that each runs through.
         out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "1",
-                                          "--batch", "2"], 300),
+                                          "--batch", "2", "--tiny"], 300),
                Step("bench-precision", py + ["benchmarks.bench_precision", "--device", device, "--batch-size", "2",
-                                            "--repeats", "1", "--variants", "fp32,bf16,bf16+cl"], 300),
+                                            "--repeats", "1", "--variants", "fp32,bf16,bf16+cl", "--encoder", "small",
+                                            "--tiny"], 300),
                Step("profile", py + ["benchmarks.profile_step", "--device", device, "--batch-size", "2",
-                                     "--variants", "fp32,bf16", "--encoder", "small", "--out", traces], 150),
-               Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "16",
-                                          "--batch-size", "8", "--workers", "0", "--repeats", "1",
+                                     "--variants", "fp32,bf16", "--encoder", "small", "--tiny", "--out", traces], 150),
+               Step("bench-caption", py + ["benchmarks.bench_caption", "--device", device, "--images", "4",
+                                          "--batch-size", "2", "--workers", "0", "--repeats", "1",
                                           "--skip-memory", "--skip-resnet", "--decode-on-device"], 300),
                Step("bench-coco-train", py + ["benchmarks.bench_coco_train", "--device", device, "--batch-size", "2",
-                                             "--steps", "1", "--warmup", "1", "--precisions", "fp32"], 300)]
+                                             "--steps", "1", "--warmup", "1", "--precisions", "fp32",
+                                             "--config", "shapes-soft.toml"], 300)]
     else:
         out = [Step("bench-decoder", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "2"], 120),
                Step("bench-decoder-256", py + ["benchmarks.bench_decoder", "--device", device, "--repeats", "2",

@@ -7,11 +7,12 @@ a captioning batch, per variant, to tell a launch-bound workload from a device-b
 The model and workloads are bench_precision's, made by its functions (ResNet-101 at 224 px,
 decoder 512/512/512, V = 10,000, 20-word captions, beam 3; variants fp32, bf16, fp16, each
 optionally +compile, +static and +cl, as there). --encoder swaps ResNet-101 for another of the
-project's encoders, for a quick run on a CPU. For each variant: two warm-up calls of each
-workload (a compiled step compiles in them); 3 training steps and 1 captioning batch timed
-without the profiler; then the same under torch.profiler (CPU activity, and CUDA's on a GPU).
-For the training steps, and again for the captioning batch, it prints the 12 ops with the
-most self device time (self CPU time on a CPU) and a line
+project's encoders, for a quick run on a CPU; --tiny takes bench_precision's tiny sizes (the GPU
+check's CPU test: figures of no worth, every line of the tool run). For each variant: two
+warm-up calls of each workload (a compiled step compiles in them); 3 training steps and 1
+captioning batch timed without the profiler; then the same under torch.profiler (CPU activity,
+and CUDA's on a GPU). For the training steps, and again for the captioning batch, it prints the
+12 ops with the most self device time (self CPU time on a CPU) and a line
 
     RESULT fp32 train: W ms/step wall, device busy B%, K kernel launches/step, S host syncs/step: VERDICT
 
@@ -51,7 +52,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.bench_precision import _sync, prepare, variants_arg
+from benchmarks.bench_precision import PAPER, TINY, _sync, prepare, variants_arg
 from captioner.model.encoders import encoder_names
 
 TRAIN_STEPS = 3  # profiled training steps per variant (and as many timed without the profiler)
@@ -196,17 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--encoder", default="resnet101", choices=encoder_names(),
                     help="the encoder (random weights); default resnet101, bench_precision's")
     ap.add_argument("--out", type=Path, default=None, help="folder for the gzipped Chrome traces (made if missing)")
+    ap.add_argument("--tiny", action="store_true",
+                    help=f"bench_precision's tiny sizes ({TINY.describe()}): a quick CPU run whose figures mean "
+                         "nothing (benchmarks/gpu_check.py --quick)")
     args = ap.parse_args(argv)
     variants = args.variants
+    sizes = TINY if args.tiny else PAPER
     dev = torch.device(args.device)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}; torch {torch.__version__}; {args.encoder} 224 px, decoder 512/512/512, V=10k, "
+    print(f"{name}; torch {torch.__version__}; {args.encoder} {sizes.describe()}, "
           f"batch {args.batch_size}; {TRAIN_STEPS} training steps and 1 captioning batch (beam 3) per variant")
     rows = []
     for variant in variants:
-        train_step, caption = prepare(variant, dev, args.batch_size, args.encoder)
+        train_step, caption = prepare(variant, dev, args.batch_size, args.encoder, sizes)
         rows.append((variant, "train", profile_workload(variant, "train", train_step, TRAIN_STEPS, dev, args.out)))
         rows.append((variant, "caption", profile_workload(variant, "caption", caption, 1, dev, args.out)))
     print(summary_line(rows))

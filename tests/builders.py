@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from captioner.cli.main import main
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import load_config, to_toml
 
@@ -76,15 +77,14 @@ SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0
 
 
 def one_and_two_ranks(tiny_coco, tmp_path, **sets):
-    """Train the tiny config (SAME_AS_ONE and ``sets``) in one process (run folder
-    tmp_path/single) and on two ranks (tmp_path/multi); check that they end with the same
-    weights; return the config and the two last checkpoints."""
+    """Train the tiny config (SAME_AS_ONE and ``sets``) in one process, this one (run folder
+    tmp_path/single), and on two ranks under torchrun (tmp_path/multi); check that they end with
+    the same weights; return the config and the two last checkpoints."""
     cfg = tiny_train_config(tiny_coco, **{**SAME_AS_ONE, **sets})
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
     single, multi = tmp_path / "single", tmp_path / "multi"
-    run_ok([sys.executable, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(single),
-            "--quiet"])
+    assert main(["train", "--config", str(cfg_path), "--run-dir", str(single), "--quiet"]) == 0
     run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"])
     a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
     assert b.train_state.step == 6 and len(b.train_state.rng_per_rank) == 2

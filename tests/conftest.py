@@ -1,15 +1,40 @@
 """Shared fixtures: a tiny COCO-format data set on disk, its Karpathy split file, a tiny
-model's weights file, and the kernels' switch set one way or the other."""
+model's weights file, the studies' shapes test sets, and the kernels' switch set one way or the
+other."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from captioner.model import kernels
 from tests.tiny import TINY_COCO, tiny_captioner, write_tiny_coco
+
+
+def _xdist_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (pyproject's addopts) the tests run in several processes side by side,
+    one a core: each keeps to one torch thread, and so do the processes it starts, so that the
+    threads of one process do not wait on cores another one holds."""
+    if _xdist_worker():
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the tests marked slow first: the long ones start at once, and the
+    workers share out the short ones around them (--dist worksteal), rather than one worker
+    meeting a long test when the others are nearly done."""
+    if _xdist_worker():
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture
@@ -67,6 +92,32 @@ def weights(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("w") / "tiny.pt"
     tiny_captioner(seed=1).save(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def shapes_test_sets(tmp_path_factory):
+    """``studies.attention.scoring.ensure_test_sets`` for the tests, as a function of (seeds,
+    n_images, root): each set is made once a run (one `captioner shapes` process each, the slow
+    part; under pytest-xdist by whichever worker asks first, the others wait for it), then
+    copied into ``root``, where ensure_test_sets finds it and makes nothing. Returns what
+    ensure_test_sets returns for ``root``."""
+    import fcntl
+
+    from studies.attention import scoring
+
+    base = tmp_path_factory.getbasetemp()
+    made = (base.parent if _xdist_worker() else base) / "shapes-test-sets"  # the workers' common folder
+    made.mkdir(exist_ok=True)
+
+    def ensure(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
+        with open(made / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            sets = scoring.ensure_test_sets(seeds, n_images, made)
+        for folder in sets.values():
+            shutil.copytree(folder, root / folder.name, dirs_exist_ok=True)
+        return scoring.ensure_test_sets(seeds, n_images, root)
+
+    return ensure
 
 
 @pytest.fixture(params=[True, False], ids=["kernels", "plain"])

@@ -78,7 +78,8 @@ OPERATORS = {
     "core/ZeroIterationForLoop", "core/ExceptionReplacer",
 }
 
-PYTEST = "-m pytest -x -q -p no:cacheprovider --no-header -m 'not browser'"
+# One test process (-n 0, not pyproject's pytest-xdist workers): --jobs runs the copies side by side.
+PYTEST = "-m pytest -x -q -n 0 -p no:cacheprovider --no-header -m 'not browser'"
 
 
 def module_name(path: str) -> str:

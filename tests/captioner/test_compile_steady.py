@@ -5,6 +5,7 @@ not take the first one's graphs or budget."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -12,6 +13,8 @@ from torch._dynamo.utils import counters
 from captioner.search.decoding import beam_search, greedy
 from captioner.search.options import DecodeOptions
 from tests.tiny import tiny_captioner, tiny_image, token_batch
+
+pytestmark = pytest.mark.slow  # torch.compile: seconds of tracing each
 
 # One graph per kind of call: beam search, greedy (a beam of one row per image: another
 # relation between the batch sizes of the annotations and the state), and training's recurrence.

@@ -12,6 +12,7 @@ from captioner.model.encoders import create_encoder
 from tests.pretrained import fake_torch_home
 
 
+@pytest.mark.slow  # VGG's 143M weights: seconds to initialise
 def test_vgg19_is_conv5_4_after_relu_before_the_last_pool() -> None:
     torch.manual_seed(0)
     enc = create_encoder("vgg19")
@@ -26,6 +27,7 @@ def test_vgg19_is_conv5_4_after_relu_before_the_last_pool() -> None:
     assert (ann.vectors >= 0).all()  # after the ReLU
 
 
+@pytest.mark.slow
 def test_vgg19_fine_tunes_the_conv5_blocks() -> None:
     enc = create_encoder("vgg19", fine_tune_blocks=2)
     trainable = [i for i, m in enumerate(enc.trunk) if any(p.requires_grad for p in m.parameters())]

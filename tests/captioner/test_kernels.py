@@ -130,6 +130,7 @@ def test_the_environment_variable_reads_as_a_switch(value, on, monkeypatch):
     assert kernels._from_environment() is on
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_process_started_with_the_variable_at_0_has_the_kernels_off():
     code = "from captioner.model import kernels; print(kernels.enabled())"
     env = {**os.environ, kernels.ENVIRONMENT_VARIABLE: "0"}

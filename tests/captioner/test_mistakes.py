@@ -102,6 +102,7 @@ def test_a_read_only_out_file_is_one_line(place, capsys):
     assert code == 2 and "\n" not in err and "cannot write" in err
 
 
+@pytest.mark.slow  # a process of its own
 def test_a_mistake_under_python_m_is_one_line_too(tmp_path):
     """torchrun runs `-m captioner.cli`: the error a subcommand raises must be the one main() catches."""
     import subprocess

@@ -210,8 +210,9 @@ def test_small8_encoder_cells_are_centred_on_their_pixel_blocks():
         assert not seen(y, x), (y, x)
 
 
-@pytest.mark.parametrize("name,channels,grid", [("vgg16", 512, (14, 14)), ("resnet50", 2048, (7, 7)),
-                                                ("resnet101", 2048, (7, 7))])
+@pytest.mark.parametrize("name,channels,grid", [
+    pytest.param("vgg16", 512, (14, 14), marks=pytest.mark.slow),  # VGG's 138M weights: seconds to initialise
+    ("resnet50", 2048, (7, 7)), ("resnet101", 2048, (7, 7))])
 def test_torchvision_encoders_give_the_papers_grids(name, channels, grid):
     """Random weights (no download): VGG-16 conv5_3 is 14x14x512 at 224 px, ResNet layer4 7x7x2048."""
     from captioner.model.encoders import create_encoder
@@ -223,6 +224,7 @@ def test_torchvision_encoders_give_the_papers_grids(name, channels, grid):
     assert not any(p.requires_grad for p in enc.parameters())  # frozen unless fine-tuned
 
 
+@pytest.mark.slow  # VGG-16, built twice
 def test_fine_tuning_unfreezes_only_the_last_blocks():
     from captioner.model.encoders import create_encoder
 

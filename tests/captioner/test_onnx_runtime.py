@@ -182,6 +182,7 @@ def assert_captions_as_torch(cap: Captioner, rt: OnnxCaptioner, images: list[str
     return list(zip(ours, theirs))
 
 
+@pytest.mark.slow  # the module's ONNX export, seconds of tracing
 def test_the_graphs_caption_as_torch_does(model, images):
     cap, folder = model
     pairs = assert_captions_as_torch(cap, OnnxCaptioner(folder), images[:6])
@@ -229,6 +230,7 @@ def variant(request, tmp_path_factory) -> tuple[Captioner, OnnxCaptioner]:
     return cap, OnnxCaptioner(root / "folder")
 
 
+@pytest.mark.slow  # an ONNX export per variant, seconds of tracing each
 def test_the_graphs_give_torchs_numbers_for_every_attention(variant):
     """The encoder graph and the step graph against the torch model, on 3 images and 5 rows
     (counts the export did not trace with): each head's map, not only their mean."""
@@ -258,12 +260,14 @@ def test_the_graphs_give_torchs_numbers_for_every_attention(variant):
     assert ours[3].shape == (5, dec.attention.num_heads, ann.vectors.shape[1])
 
 
+@pytest.mark.slow  # an ONNX export per variant, seconds of tracing each
 def test_every_attention_the_exporter_takes_captions_as_torch_does(variant, images):
     cap, rt = variant
     pairs = assert_captions_as_torch(cap, rt, images[:4])
     assert any(a.words for a, _ in pairs)  # not every caption empty: some maps were compared
 
 
+@pytest.mark.slow
 def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
     cap, folder = model
     assert cli_main(["caption", *images[:3], "--weights", str(folder), "--max-len", "6", "--with-attention",
@@ -281,6 +285,7 @@ def test_the_json_lines_are_those_of_captioner_caption(model, images, capsys):
         assert total == pytest.approx(b["score"], abs=1e-3)
 
 
+@pytest.mark.slow
 def test_several_captions_and_a_broken_image(model, images, tmp_path):
     _, folder = model
     out = tmp_path / "lines.jsonl"
@@ -297,6 +302,7 @@ def test_probabilities_keep_four_significant_digits():
     assert significant(0.000123456) == 0.0001235 and significant(0.99996) == 1.0 and significant(0.0) == 0.0
 
 
+@pytest.mark.slow
 def test_the_runtime_runs_with_torch_impossible_to_import(model, images, tmp_path):
     _, folder = model
     script = f"""
@@ -319,6 +325,7 @@ print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "nltk": "nltk"
     assert line["image"] == images[0] and line["words"] and line["familiarity"] is not None
 
 
+@pytest.mark.slow
 def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, tmp_path, capsys):
     cap, folder = model
     export(cap, tmp_path / "plain")

@@ -25,6 +25,7 @@ def _run(*args, cwd):
     return res.stdout
 
 
+@pytest.mark.slow  # git and seven dvc processes
 @needs_dvc
 def test_weights_round_trip_through_a_local_remote(tmp_path):
     repo, remote = tmp_path / "repo", tmp_path / "remote"

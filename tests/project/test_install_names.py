@@ -8,9 +8,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a process of its own, importing training and the app
 def test_training_and_the_app_import_under_the_project_name_and_nowhere_else(tmp_path):
     # A user's own top-level `train` and `app` modules, in the folder they work in.
     (tmp_path / "train.py").write_text("MINE = True\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from captioner.cli.main import main as captioner_main
@@ -36,6 +37,7 @@ def overrides(data: Path) -> list[str]:
     return [a for kv in [f"data.dir={data}", *TINY] for a in ("--set", kv)]
 
 
+@pytest.mark.slow  # end to end: import, train, caption, evaluate
 def test_chinese_photos_import_train_caption_evaluate(tmp_path, photos, capsys):
     data = tmp_path / "zh"
     assert captioner_main(["data", "import", str(chinese_jsonl(photos)), "--out", str(data), "--val", "2",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from captioner.evaluation.grounding import ShapeObject
-from studies.attention import cli, misses, scoring
+from studies.attention import cli, misses
 from tests.tiny import tiny_captioner
 
 # A 4 x 4 grid over 64 x 64 px (16-px cells, centres at 8, 24, 40, 56).
@@ -48,10 +48,10 @@ def test_shares_add_to_one_and_name_every_place():
         misses.shares([])
 
 
-def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
+def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    scoring.ensure_test_sets([7001], 3, tmp_path / "tests")
+    shapes_test_sets([7001], 3, tmp_path / "tests")
     assert cli.main(["misses", str(weights), str(weights), "--data", str(tmp_path / "tests" / "shapes-test7001-3"),
                      "--images", "3"]) == 0
     out = capsys.readouterr().out

@@ -38,21 +38,21 @@ def test_wrong_colours_wrong_counts_and_wrong_pairs_are_told_apart():
     assert kind("a red circle a blue square and a white star") == "colour and shape"
 
 
-def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
+def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    scoring.ensure_test_sets([7001], 4, tmp_path / "tests")
-    assert cli.main(["naming", str(weights), str(weights), "--data", str(tmp_path / "tests" / "shapes-test7001-4"),
-                     "--images", "4", "--beam-size", "1"]) == 0
+    shapes_test_sets([7001], 3, tmp_path / "tests")
+    assert cli.main(["naming", str(weights), str(weights), "--data", str(tmp_path / "tests" / "shapes-test7001-3"),
+                     "--images", "3", "--beam-size", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {weights} |")]
     assert len(rows) == 2 and rows[0] == rows[1]  # the same model twice: the same counts
     assert len(rows[0].split("|")) == 3 + len(naming.KINDS) + 2
 
 
-def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch):
+def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    sets = scoring.ensure_test_sets([7001, 7002], 2, tmp_path / "tests")
+    sets = shapes_test_sets([7001, 7002], 3, tmp_path / "tests")  # 2 images of each are counted
     found = {sets["test7001"]: [None, "repeated shape"], sets["test7002"]: ["repeated shape", "count"]}
     monkeypatch.setattr(naming, "kinds_of", lambda cap, folder, *a: found[folder])
     assert cli.main(["naming", str(weights), "--data", str(sets["test7001"]), "--data", str(sets["test7002"]),
@@ -67,7 +67,7 @@ def test_a_folder_that_is_not_a_test_set_is_refused(tmp_path, capsys):
     assert e.value.code == 2 and "has no instances_test.json" in capsys.readouterr().err
 
 
-def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects(tmp_path):
+def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects(tmp_path, shapes_test_sets):
     """scoring.decoded_test_images, which naming and relation count over: the first N images
     only, each caption the comparison's decoding of that image, beside that image's objects."""
     from captioner.data.coco import load_split
@@ -76,10 +76,11 @@ def test_the_decoded_test_images_pair_each_first_images_caption_with_its_objects
     from captioner.inference import DecodeOptions
 
     cap = tiny_captioner(seed=3)
-    folder = scoring.ensure_test_sets([7001], 4, tmp_path / "tests")["test7001"]
-    got = scoring.decoded_test_images(cap, folder, 3, beam_size=2)
-    records = load_split(folder, "test")[:3]
+    folder = shapes_test_sets([7001], 3, tmp_path / "tests")["test7001"]
+    got = scoring.decoded_test_images(cap, folder, 2, beam_size=2)
+    records = load_split(folder, "test")[:2]
+    assert len(load_split(folder, "test")) == 3  # one image more than asked for
     objects = load_shape_objects(folder / "instances_test.json")
     decoded = decode_records(cap, records, DecodeOptions(beam_size=2, max_len=scoring.MAX_LEN))
     assert got == [(res.words, objects[rec.image_id].objects) for rec, res in zip(records, decoded)]
-    assert len({repr(objs) for _, objs in got}) == 3  # three images' objects, not one image's
+    assert len({repr(objs) for _, objs in got}) == 2  # two images' objects, not one image's

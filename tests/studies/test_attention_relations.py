@@ -11,7 +11,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.evaluation.grounding import ShapeObject
 from captioner.inference import Captioner
 from captioner.model.decoder import CaptionModel
-from studies.attention import cli, relations, scoring
+from studies.attention import cli, relations
 from tests.tiny import tiny_captioner, tiny_config, tiny_image
 
 # 128 x 128 px. The red circle is up and to the left of the blue square; the green star sits
@@ -58,10 +58,10 @@ def test_the_table_counts_each_kind_and_each_outcome():
                       "other-axis order": 1, "tie": 1, "other": 1}
 
 
-def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
+def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    scoring.ensure_test_sets([7001], 3, tmp_path / "tests")
+    shapes_test_sets([7001], 3, tmp_path / "tests")
     assert cli.main(["relation", str(weights), str(weights), "--data",
                      str(tmp_path / "tests" / "shapes-test7001-3"), "--images", "3"]) == 0
     out = capsys.readouterr().out
@@ -71,10 +71,10 @@ def test_the_subcommand_prints_a_row_per_checkpoint(tmp_path, capsys):
     assert "| weights | stated |" in out and "| weights | above/below: right / captions |" in out
 
 
-def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch):
+def test_the_row_counts_every_test_set_given(tmp_path, capsys, monkeypatch, shapes_test_sets):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=3).save(weights)
-    sets = scoring.ensure_test_sets([7001, 7002], 2, tmp_path / "tests")
+    sets = shapes_test_sets([7001, 7002], 3, tmp_path / "tests")  # 2 images of each are counted
     found = {sets["test7001"]: [("above", "right"), ("left_of", "tie")],
              sets["test7002"]: [("above", "other-axis order")]}
     monkeypatch.setattr(relations, "outcomes_of", lambda cap, folder, *a: found[folder])

@@ -173,6 +173,10 @@ def _args(tmp_path: Path, rows_file: Path, *more: str) -> list[str]:
             "--jobs", "0", "--resamples", "50", *more]
 
 
+# The test sets that _args's scoring reads (the train subcommand's --test-seeds, --test-images 3).
+TEST_SETS = ([7001, 7002, 7003], 3)
+
+
 def _record(results: store.Results, row: str, seed: int) -> dict:
     rec = results.get(row, seed)
     assert rec is not None, f"no record of {row} seed {seed}"
@@ -198,8 +202,9 @@ requires_param = "no_such_param"
     assert not (tmp_path / "out").exists()  # nothing trained before the check
 
 
-def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, monkeypatch):
+def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, monkeypatch, shapes_test_sets):
     rows = _rows_file(tmp_path)
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     assert cli.main(_args(tmp_path, rows, "--timing-steps", "5", "--timing-rounds", "2")) == 0
     out = tmp_path / "out" / "tiny-3steps"
     results = store.Results(out)
@@ -248,10 +253,11 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     assert (out / "table.md").read_text() == table
 
 
-def test_training_one_more_row_keeps_the_rows_already_in_the_table(tmp_path):
+def test_training_one_more_row_keeps_the_rows_already_in_the_table(tmp_path, shapes_test_sets):
     """train --rows B after A's seeds are in the results: the table it writes still holds A
     (every row of the file with results), as `table` alone would write it."""
     rows = _rows_file(tmp_path)
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--skip-timing"]) == 0
     out = tmp_path / "out" / "tiny-3steps"
     assert "| additive | 2 |" in (out / "table.md").read_text()
@@ -265,7 +271,7 @@ def test_training_one_more_row_keeps_the_rows_already_in_the_table(tmp_path):
     assert (out / "table.md").read_text() == table
 
 
-def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch):
+def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch, shapes_test_sets):
     import captioner.train.loop
     from captioner.train.config import load_config
 
@@ -281,7 +287,7 @@ def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_pa
     run_training(load_config(plan.ROOT / recipe["config"], stopped[:-2] + ["optim.max_steps=2", "optim.seed=0"]),
                  run_dir, progress=False)
     assert last_step(run_dir) == 2
-    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    tests = shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     calls = []
     monkeypatch.setattr(captioner.train.loop, "train",
                         lambda *a, **k: calls.append(k["resume"]) or run_training(*a, **k))
@@ -316,7 +322,8 @@ checkpoint = "best"
 '''
 
 
-def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last_step(tmp_path, monkeypatch):
+def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last_step(tmp_path, monkeypatch,
+                                                                                     shapes_test_sets):
     """Two rows of one training validated every epoch (the tiny recipe: ten steps an epoch,
     here twelve steps): one scores last.pt's weights, the other best.pt, chosen on validation
     among the epoch's end and the last step; each record says which. best.pt is made to hold
@@ -343,6 +350,7 @@ def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last
     best = replace(best, meta={**best.meta, "step": 10},
                    state_dict={**best.state_dict, "decoder.L_o.weight": best.state_dict["decoder.L_o.weight"] + 1.0})
     best.save(run_dir / "best.pt")
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     assert cli.main(args) == 0
     results = store.Results(tmp_path / "out" / "tiny-12steps")
     last_rec, best_rec = _record(results, "chosen-last", 0), _record(results, "chosen-best", 0)
@@ -445,7 +453,8 @@ def test_table_against_another_reference_is_written_beside_the_main_table(tmp_pa
 
 # ------------------------------------------------- trained on one machine, scored on another
 
-def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys):
+def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys,
+                                                                      shapes_test_sets):
     rows = _rows_file(tmp_path)
     gpu_box = _args(tmp_path, rows, "--rows", "additive")
     assert cli.main([*gpu_box, "--train-only", "--device", "cpu"]) == 0  # a device named: recorded as such
@@ -479,6 +488,7 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
         raise AssertionError("a packed run was trained again")
 
     monkeypatch.setattr(captioner.train.loop, "train", no_training)
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     assert cli.main([*gpu_box, *here, "--skip-timing"]) == 0
     rec = _record(store.Results(out), "additive", 0)
     assert rec["steps"] == 3 and rec["trained_on"] == "cpu" and sorted(rec["tests"]) == ["test7001", "test7002",
@@ -490,7 +500,7 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
 
 
 
-def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_elsewhere(tmp_path):
+def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_elsewhere(tmp_path, shapes_test_sets):
     """A "best" row trained on one machine is scored on another from the best.pt chosen there."""
     from captioner.io.checkpoint import load_checkpoint
 
@@ -508,6 +518,7 @@ def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_el
     chosen = load_checkpoint(run_dir / "best.pt")
     assert torch.equal(load_checkpoint(unpacked).state_dict["decoder.L_o.weight"],
                        chosen.state_dict["decoder.L_o.weight"])
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     assert cli.main([*there, *here, "--skip-timing"]) == 0
     rec = _record(store.Results(tmp_path / "out" / "tiny-12steps"), "chosen-best", 0)
     assert rec["checkpoint"].startswith(f"best.pt at step {chosen.meta['step']} of 12")
@@ -568,17 +579,24 @@ def test_the_table_says_which_device_trained_each_seed(tmp_path):
     assert ct._seed_list([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
 
 
-def _two_checkpoints_and_test_sets(tmp_path: Path) -> tuple[str, str, dict]:
+@pytest.fixture(scope="module")
+def additive_runs(tmp_path_factory) -> Path:
+    """The tiny recipe's additive row trained for seeds 0 and 1 (train --train-only), once for
+    the tests that only read its checkpoints: the row's folder of runs (seed0/, seed1/)."""
+    root = tmp_path_factory.mktemp("additive")
+    assert cli.main([*_args(root, _rows_file(root), "--rows", "additive"), "--train-only"]) == 0
+    return root / "runs" / "tiny-3steps" / "additive"
+
+
+def _two_checkpoints_and_test_sets(tmp_path: Path, runs: Path, shapes_test_sets) -> tuple[str, str, dict]:
     """Two seeds of the tiny recipe's additive row (their last.pt) and three 3-image test sets."""
-    rows = _rows_file(tmp_path)
-    assert cli.main([*_args(tmp_path, rows, "--rows", "additive"), "--train-only"]) == 0
-    runs = tmp_path / "runs" / "tiny-3steps" / "additive"
-    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    tests = shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     return str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt"), tests
 
 
-def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys):
-    a, b, tests = _two_checkpoints_and_test_sets(tmp_path)
+def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys, additive_runs,
+                                                                       shapes_test_sets):
+    a, b, tests = _two_checkpoints_and_test_sets(tmp_path, additive_runs, shapes_test_sets)
     same = scoring.score_only([a], tests, 1, against=a, resamples=50)
     assert all(d is None or (d["diff"] == 0 and d["lo"] == 0 == d["hi"]) for d in same.values())
     other = scoring.score_only([b], tests, 1, against=a, resamples=50)
@@ -597,10 +615,10 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
 
 
 
-def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys):
+def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys, additive_runs, shapes_test_sets):
     """A second confirmation on fresh data splits the error rate between the tries: --level
     0.975 gives the wider interval of the same resamples and names its level."""
-    a, b, tests = _two_checkpoints_and_test_sets(tmp_path)
+    a, b, tests = _two_checkpoints_and_test_sets(tmp_path, additive_runs, shapes_test_sets)
     at95 = scoring.score_only([b], tests, 1, against=a, resamples=200)
     at975 = scoring.score_only([b], tests, 1, against=a, resamples=200, level=0.975)
     e95, e975 = at95["entropy"], at975["entropy"]
@@ -616,12 +634,11 @@ def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys):
         assert e.value.code == 2
 
 
-def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path, monkeypatch):
+def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path, monkeypatch, additive_runs,
+                                                                       shapes_test_sets):
     """A run folder is scored at its last.pt's weight average, the weights the table scores."""
-    rows = _rows_file(tmp_path)
-    assert cli.main([*_args(tmp_path, rows, "--rows", "additive", "--seeds", "0"), "--train-only"]) == 0
-    run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"
-    tests = scoring.ensure_test_sets([7001, 7002, 7003], 3, tmp_path / "tests")
+    run_dir = additive_runs / "seed0"
+    tests = shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     seen = []
     real = scoring.evaluate_checkpoint
     monkeypatch.setattr(scoring, "evaluate_checkpoint",
@@ -631,11 +648,13 @@ def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path,
     assert all(torch.equal(seen[0][k], scored[k]) for k in scored)
 
 
-def test_a_row_whose_device_this_machine_lacks_is_left_out_not_failed(tmp_path, monkeypatch, capsys):
+def test_a_row_whose_device_this_machine_lacks_is_left_out_not_failed(tmp_path, monkeypatch, capsys,
+                                                                      shapes_test_sets):
     rows = _rows_file(tmp_path, '''[[rows]]
 name = "additive-cuda"
 sets = ["optim.device=cuda", "optim.precision=fp32"]
 ''')
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(_args(tmp_path, rows, "--rows", "additive,additive-cuda", "--seeds", "0", "--skip-timing")) == 0
     err = capsys.readouterr().err
@@ -675,8 +694,10 @@ def test_the_help_names_every_subcommand_and_an_unknown_one_is_refused_in_one_li
         assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and says in err
 
 
-def test_a_job_of_the_pool_hands_its_records_to_the_process_that_writes_them(tmp_path):
+@pytest.mark.slow  # a child process of the pool, which imports and trains
+def test_a_job_of_the_pool_hands_its_records_to_the_process_that_writes_them(tmp_path, shapes_test_sets):
     rows = _rows_file(tmp_path)
+    shapes_test_sets(*TEST_SETS, tmp_path / "tests")
     argv = _args(tmp_path, rows, "--rows", "additive", "--seeds", "0", "--skip-timing")
     assert cli.main([*argv, "--jobs", "1"]) == 0  # one child process
     run_dir = tmp_path / "runs" / "tiny-3steps" / "additive" / "seed0"

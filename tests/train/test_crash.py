@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from captioner.cli.main import main
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
 from tests.builders import tiny_train_config
@@ -32,6 +33,7 @@ def _lines(path):
     return path.read_bytes().count(b"\n")
 
 
+@pytest.mark.slow  # processes started, killed and started again
 def test_caption_killed_and_rerun_gives_every_image_exactly_once(tmp_path):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=1).save(weights)
@@ -72,9 +74,8 @@ def test_training_killed_by_sigkill_resumes_to_identical_weights(tiny_coco, tmp_
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
 
-    straight = tmp_path / "straight"
-    subprocess.run([*CAPTIONER, "train", "--config", str(cfg_path), "--run-dir", str(straight), "--quiet"],
-                   check=True, capture_output=True, timeout=300)
+    straight = tmp_path / "straight"  # uninterrupted, in this process: the killed run is the one that needs its own
+    assert main(["train", "--config", str(cfg_path), "--run-dir", str(straight), "--quiet"]) == 0
 
     killed = tmp_path / "killed"
     proc = _start_training(cfg_path, killed)
@@ -101,6 +102,7 @@ def test_training_killed_by_sigkill_resumes_to_identical_weights(tiny_coco, tmp_
         assert torch.equal(a.state_dict[k], b.state_dict[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_training_stops_cleanly_and_saves_on_signal(tiny_coco, tmp_path, sig):
     cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 100000, "optim.save_every": 0, "val.every_epochs": 0})
@@ -118,6 +120,7 @@ def test_training_stops_cleanly_and_saves_on_signal(tiny_coco, tmp_path, sig):
     assert state.step >= 3  # saved where it stopped, not at step 0
 
 
+@pytest.mark.slow
 def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
     """A terminal's Ctrl-C reaches every process of the job, the data loader's workers too: one
     press must read as one press."""

@@ -67,6 +67,7 @@ def test_distributed_captioning_gives_every_image_exactly_once(tmp_path):
     assert all("error" not in r for r in lines)
 
 
+@pytest.mark.slow  # torchrun and two processes
 def test_a_mistake_under_torchrun_is_said_once_on_its_own_line(tmp_path):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=1).save(weights)

@@ -71,6 +71,7 @@ def _tiny_decoder():
                                dropout=0.0))
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_step_matches_eager_values_and_gradients():
     a = torch.randn(3, 4, 8)
     tokens = torch.randint(4, 30, (3, 6))
@@ -91,6 +92,7 @@ def test_compiled_step_matches_eager_values_and_gradients():
         torch.testing.assert_close(g1[n], g2[n], msg=n)
 
 
+@pytest.mark.slow  # torch.compile
 def test_training_with_a_compiled_step_equals_eager_training(tiny_coco, tmp_path, monkeypatch):
     backends, real_compile = [], Decoder.compile_step
 
@@ -145,6 +147,7 @@ def test_autocast_captioning_names_the_same_objects_and_returns_fp32_maps(shapes
         cap.use_precision("int8")
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_captioner_gives_the_same_captions():
     cap = tiny_captioner()
     images = torch.rand(3, 3, 32, 32)

@@ -341,6 +341,7 @@ def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, t
     assert e.value.code == 2
 
 
+@pytest.mark.slow  # reads the module's ONNX export
 @pytest.mark.parametrize("corrupt", CORRUPTIONS.values(), ids=CORRUPTIONS)
 def test_a_corrupt_familiarity_file_is_refused_in_one_line(model, images, corrupt, tmp_path, capsys):
     """The runtime reads one safetensors file, the familiarity record (the weights are in the

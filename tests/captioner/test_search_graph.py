@@ -244,10 +244,10 @@ def _graphed(monkeypatch, capture) -> list:
     monkeypatch.setattr(search_graph, "CAPTURE", capture)
     seen, search = [], search_graph.search
 
-    def watched(*args):
+    def watched(*args, **kw):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
                      torch.is_autocast_cache_enabled()))
-        return search(*args)
+        return search(*args, **kw)
     monkeypatch.setattr(search_graph, "search", watched)
     return seen
 

@@ -579,7 +579,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+NO_TORCH = ("this install has no torch, which the captioner command needs; an exported model folder "
+            "captions without it: python -m captioner.onnx FOLDER IMAGES... (docs/export.md)")
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        import torch  # noqa: F401  (every subcommand, and --help, builds on it)
+    except ImportError:  # a torch-free install (the runtime's): one line, not a traceback
+        print(f"captioner: error: {NO_TORCH}", file=sys.stderr)
+        return EXIT_USAGE
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if not argv:

@@ -101,3 +101,20 @@ def test_the_runtime_checks_its_options_without_the_caption_command_s_module():
             "print(sorted(m for m in sys.modules if m.startswith(('captioner.cli', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_captioner_command_without_torch_says_what_to_use_in_one_line():
+    """A torch-free install (the runtime's) has the `captioner` command too: it names the runtime's
+    command and exits 2, for --help as for any subcommand, never with a traceback."""
+    code = ("import importlib.abc, sys\n"
+            "class Blocker(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch' or name.startswith('torch.'):\n"
+            "            raise ImportError('no torch here')\n"
+            "sys.meta_path.insert(0, Blocker())\n"
+            "from captioner.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    for args in (["--help"], ["caption", "x.png"]):
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stdout == "", args
+        assert done.stderr.count("\n") == 1 and "python -m captioner.onnx FOLDER IMAGES" in done.stderr, done.stderr

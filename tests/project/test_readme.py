@@ -68,3 +68,18 @@ def test_the_cpu_build_of_torch_is_offered_before_the_set_up_commands():
     first_command = README.index("python3 -m venv .venv && . .venv/bin/activate && pip install -e .")
     test_command = README.index('pip install -q -e ".[dev,dvc]"')
     assert cpu_choice < first_command < test_command
+
+
+def test_what_the_readme_s_commands_write_inside_the_repository_git_ignores():
+    """The README's commands write their outputs (an exported folder, runs, data) into the clone;
+    none of it should show up as something to commit."""
+    import subprocess
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    outputs = {m.group(1).split("/")[0] for m in re.finditer(r"--(?:out|run-dir)[= ](\S+)", README)
+               if not m.group(1).startswith(("/", "~", "-")) and "/" in m.group(1)}
+    assert "exported" in outputs  # the export section's folder
+    for top in sorted(outputs):
+        done = subprocess.run(["git", "check-ignore", "-q", f"{top}/x"], cwd=ROOT)
+        assert done.returncode == 0, f"{top}/ is not ignored by git"

@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "app", help="start the web app: upload an image, see its caption and the attention for every word",
         description="Start the Streamlit web app and print its address. Models offered: the bundled demo "
-                    "models that are installed, and every *.pt in $CAPTIONER_WEIGHTS_DIR (default ./weights).")
+                    "models that are installed, and every checkpoint (*.pt) and exported model folder (what "
+                    "captioner export wrote) in $CAPTIONER_WEIGHTS_DIR (default ./weights).")
     p.add_argument("--port", type=int, default=8501, help="port to listen on (default 8501)")
     p.add_argument("--address", default="localhost",
                    help="address to listen on (default localhost; 0.0.0.0 for every interface)")

@@ -125,7 +125,8 @@ def no_model_message() -> None:
     st.markdown(
         f"""
 The page offers the bundled demo models ({demos}) when they are installed,
-and every checkpoint (`*.pt`) in the folder `{folder}` (set `CAPTIONER_WEIGHTS_DIR` to use another).
+and every checkpoint (`*.pt`) and exported model folder in the folder `{folder}` (set
+`CAPTIONER_WEIGHTS_DIR` to use another).
 
 To get one, train the small demo model on the synthetic shapes data (about half an hour on a CPU),
 then put its best checkpoint in that folder and reload this page:
@@ -144,8 +145,8 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
     with st.sidebar:
         st.header("Settings")
         label = st.selectbox("Model", list(models),
-                             help="Bundled demo models, and the checkpoints (*.pt) found in the weights folder "
-                                  "(CAPTIONER_WEIGHTS_DIR, default ./weights).")
+                             help="Bundled demo models, and the checkpoints (*.pt) and exported model folders "
+                                  "found in the weights folder (CAPTIONER_WEIGHTS_DIR, default ./weights).")
         beam = st.slider("Beam size", 1, 10, 3,
                          help="How many candidate captions the search keeps at every step. 1 is greedy "
                               "decoding: fastest, sometimes worse.")

@@ -388,7 +388,9 @@ def add_evaluate_parser(sub: argparse._SubParsersAction) -> None:
                                    "CHAIRi (captions and object mentions naming an object not in the image) and the "
                                    "attention's pointing game on the objects' boxes and masks, overall and per "
                                    "category. --out's results file gives each image's objects named and hallucinated.")
-    p.add_argument("--data", type=Path, required=True, help="folder with captions_<split>.json and images/")
+    p.add_argument("--data", type=Path, required=True,
+                   help="folder with captions_<split>.json and images/ (COCO's format, as captioner shapes "
+                        "writes it), or an own-data folder with the dataset.json captioner data import wrote")
     p.add_argument("--split", default="test", help="split to evaluate (default test)")
     p.add_argument("--karpathy", type=Path, default=None, help="Karpathy split file (dataset_coco.json)")
     _add_model_args(p)

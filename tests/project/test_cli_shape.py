@@ -143,3 +143,24 @@ def test_the_shared_pieces_live_apart_from_the_command_modules():
     for name in ("UsageError", "check_device", "check_out_file", "make_folders", "demo_notice", "load_model",
                  "EXIT_OK", "EXIT_USAGE"):
         assert getattr(cli, name, getattr(cli_common, name)) is getattr(cli_common, name), name
+
+
+def _help(*words: str) -> str:
+    import contextlib
+    import io
+
+    from captioner.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        main([*words, "--help"])
+    return " ".join(out.getvalue().split())
+
+
+def test_evaluate_s_help_says_it_takes_an_own_data_folder_too():
+    assert "dataset.json" in _help("evaluate") and "captions_<split>.json" in _help("evaluate")
+
+
+def test_the_app_s_help_names_every_kind_of_model_it_offers():
+    text = _help("app")
+    assert "*.pt" in text and "exported" in text

@@ -71,6 +71,20 @@ def server_env(workers: int | None = None, base: dict | None = None, batch: int 
     return env
 
 
+def port_taken(address: str, port: int) -> str | None:
+    """Why the server could not listen on ``address``:``port`` (a one-line reason), or None when it
+    can: checked before the server starts, whose own refusal names no way out."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's port is free
+            s.bind((address, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def cmd_app(args: argparse.Namespace) -> int:
     from captioner.cli.common import UsageError, check_device
 
@@ -83,6 +97,10 @@ def cmd_app(args: argparse.Namespace) -> int:
     if args.max_pixels is not None and args.max_pixels < 1:
         raise UsageError(f"--max-pixels must be at least 1, got {args.max_pixels}")
     device = check_device(args.device)  # "auto" resolved here: the server runs where this says
+    busy = port_taken(args.address, args.port)
+    if busy:
+        raise UsageError(f"port {args.port} on {args.address} is taken ({busy}; another app?): give another "
+                         f"with --port, e.g. --port {args.port + 1 if args.port < 65535 else 8502}")
     cmd = streamlit_command(args.port, args.address)
     env = server_env(args.workers, batch=args.batch, max_pixels=args.max_pixels, device=device,
                      precision=args.precision)

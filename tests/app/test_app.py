@@ -677,3 +677,20 @@ def test_the_length_slider_starts_at_each_models_own_limit_and_a_length_chosen_s
     asked.clear()
     length.set_value(20).run()
     assert not at.exception and asked and all(o.max_len == 20 for o in asked)
+
+
+def test_a_port_another_server_holds_is_refused_in_one_line_that_names_port(capsys):
+    """A second `captioner app` on a busy port: one line naming --port, before any server starts."""
+    import socket
+
+    from captioner.app.cli import port_taken
+    from captioner.cli.main import main
+
+    with socket.socket() as held:
+        held.bind(("localhost", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["app", "--port", str(port), "--device", "cpu"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"port {port} on localhost is taken" in err and "--port" in err
+    assert port_taken("localhost", port) is None  # free again once the other server is gone

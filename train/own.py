@@ -281,7 +281,9 @@ def _read_folder(folder: Path, encoding: str | None = None) -> Source:
             if not text_file.is_file():
                 without.append(path)
                 continue
-            for line in read_text(text_file, encoding).split("\n"):
+            text = read_text(text_file, encoding)
+            # A final line break ends the last caption; it does not start an empty one.
+            for line in text.removesuffix("\n").removesuffix("\r").split("\n"):
                 pairs.append((path, line))
     source = _merged("folder", pairs, None)
     source.without_captions = without

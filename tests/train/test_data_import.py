@@ -444,3 +444,19 @@ def test_sentence_ids_count_from_zero_across_the_images(tmp_path, capsys):
     assert [s["sentid"] for s in sentences] == [0, 1, 2, 3]
     assert all(im["sentids"] == [s["sentid"] for s in im["sentences"]] for im in images)
     assert [im["imgid"] for im in images] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", ""])
+def test_a_sidecar_text_file_s_final_line_break_is_no_empty_caption(tmp_path, ending):
+    """A .txt written by any editor ends with a line break: that is the end of its last caption,
+    not an empty one; a blank line between captions still counts as one."""
+    from captioner.train.own import read_source
+
+    folder = tmp_path / "pics"
+    images = photo_folder(tmp_path)
+    for i, image in enumerate(images):
+        body = "a red circle" + ending if i else "a red circle\n\na blue square" + ending
+        image.with_suffix(".txt").write_bytes(body.encode())
+    source = read_source(folder)
+    assert source.empty_captions == 1  # the blank line of the first file, nothing else
+    assert source.captions == len(images) + 1

@@ -206,7 +206,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     splits = draw_splits(len(images), n_val, n_test, args.seed)
     make_folders(args.out)
     name = args.name or args.out.resolve().name
-    path = write_dataset(args.out, images, splits, tokenizer, name)
+    written = write_dataset(args.out, images, splits, tokenizer, name)
 
     columns = f" (image: {source.columns[0]!r}, caption: {source.columns[1]!r})" if source.columns else ""
     print(f"read {args.source} as {source.format}{columns}: {source.rows:,} rows")
@@ -231,7 +231,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     example = tokenizer_named(tokenizer).tokenize(captions[0])
     print(f"tokenizer: {tokenizer} ({why}); e.g. {captions[0]!r} -> {' | '.join(example[:12])}"
           f"{' ...' if len(example) > 12 else ''}")
-    print(f"wrote {path}")
+    print(f"wrote {written}")
     print(f"next: captioner train --config own-soft --set data.dir={args.out}")
     return 0
 

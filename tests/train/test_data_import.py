@@ -99,6 +99,7 @@ def test_a_folder_of_images_with_sidecar_text_files(tmp_path, capsys):
     data = read_dataset(out)
     assert len(data["images"]) == 5 and all(len(im["sentences"]) == 2 for im in data["images"])
     assert "1 image without a caption file left out" in said
+    assert said.splitlines()[-2] == f"wrote {out / 'dataset.json'}"  # not the image left out, named last
 
 
 def test_the_split_is_a_seeded_draw(tmp_path):

@@ -322,6 +322,7 @@ class BatchSummary:
     captioned: int = 0
     failed: int = 0
     wordless: int = 0  # captioned with no word, or with none but <unk>: nothing the model could say
+    unfamiliar: int = 0  # captioned, and flagged unlike the model's training images
 
 
 def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
@@ -360,6 +361,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                                                                max_pixels, captioner.name or "", captioner.notice())
                     summary.captioned += 1
                     summary.wordless += all(w == UNK for w in r.words)
+                    summary.unfamiliar += bool(r.familiarity is not None and r.familiarity.unfamiliar)
                 else:
                     record = {"image": path, "error": batch.errors[index]}
                     summary.failed += 1

@@ -293,7 +293,7 @@ def _caption_gathered(args: argparse.Namespace, ctx: DistContext, summary: Batch
         if ctx.is_main:
             merge_parts(args.out)
         return BatchSummary(round(ctx.sum(summary.captioned)), round(ctx.sum(summary.failed)),
-                            round(ctx.sum(summary.wordless)))
+                            round(ctx.sum(summary.wordless)), round(ctx.sum(summary.unfamiliar)))
     if args.out is not None and (plan.retried or plan.again):
         compact(args.out)  # the new lines replace the error lines and the lines without attention
     return summary
@@ -306,7 +306,9 @@ def _caption_report(args: argparse.Namespace, summary: BatchSummary, skipped: in
     if not args.quiet:
         extra = (f", retried {plan.retried} (failed before)" if plan.retried else "") + \
                 (f", {plan.again} again for their attention" if plan.again else "")
-        print(f"captioned {summary.captioned}, failed {summary.failed}, skipped {skipped} "
+        unfamiliar = f" ({summary.unfamiliar} unfamiliar: unlike the model's training images)" \
+            if summary.unfamiliar else ""
+        print(f"captioned {summary.captioned}{unfamiliar}, failed {summary.failed}, skipped {skipped} "
               f"(not image files), already done {plan.already}{extra}", file=sys.stderr)
     if summary.wordless:
         print(f"captioner caption: note: {summary.wordless} caption{'s' if summary.wordless != 1 else ''} "

@@ -308,3 +308,14 @@ def test_a_record_with_any_one_tensor_of_the_wrong_shape_is_refused(field, bad):
     TrainingFeatures.from_dict(d)
     with pytest.raises(ValueError, match="wrong shapes"):
         TrainingFeatures.from_dict({**d, field: bad})
+
+
+def test_the_caption_summary_counts_the_unfamiliar_images(capsys):
+    """Photographs captioned by a demo: the summary says how many it flagged, beside how many it
+    captioned; shapes alone, it says nothing of it."""
+    photos = sorted(str(p) for p in PHOTOS.glob("*/*.jpg"))[:3]
+    assert main(["caption", *photos, "--weights", "demo-soft", "--beam-size", "1", "--max-len", "8"]) == 0
+    assert "captioned 3 (3 unfamiliar: unlike the model's training images), failed 0" in capsys.readouterr().err
+    shapes = sorted(str(p) for p in SHAPES.glob("*.png"))[:2]
+    assert main(["caption", *shapes, "--weights", "demo-soft", "--beam-size", "1", "--max-len", "8"]) == 0
+    assert "captioned 2, failed 0" in capsys.readouterr().err

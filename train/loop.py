@@ -743,8 +743,9 @@ def _validate_here(run: Run, state: TrainState) -> bool:
                                                            f"val_{cfg.val.metric}": value,
                                                            "train_seconds": round(state.train_seconds, 1)}))
     if not chooses:
-        verdict = (f"saved as best.pt: {run.val_images} validation image{'s' if run.val_images != 1 else ''} "
-                   f"are too few to choose by (val.min_images = {cfg.val.min_images})")
+        few = f"{run.val_images} validation image is" if run.val_images == 1 else \
+            f"{run.val_images} validation images are"
+        verdict = f"saved as best.pt: {few} too few to choose by (val.min_images = {cfg.val.min_images})"
     elif improved:
         verdict = ("first validation" if previous is None else f"up from {figure(previous)}") + ": saved as best.pt"
     else:
@@ -772,7 +773,9 @@ def _print_summary(run: Run) -> None:
         f"run folder: {run.run_dir}",
     ]
     if not run.val_chooses:
-        lines.insert(-3, f"validation: {run.val_images} images, fewer than val.min_images = {run.cfg.val.min_images}: "
+        n = run.val_images
+        lines.insert(-3, f"validation: {n} image{'s' if n != 1 else ''}, fewer than val.min_images = "
+                         f"{run.cfg.val.min_images}: "
                          "too few to choose by; no early stopping, best.pt holds the last validated weights")
     print("\n".join(lines), file=sys.stderr)
 

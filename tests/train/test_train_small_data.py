@@ -184,3 +184,15 @@ def test_the_own_data_recipe_keeps_every_word_of_a_small_data_set(tiny_coco, cap
     assert words <= set(vocab.words) and UNK in vocab
     assert f"vocabulary: {len(words) + 4} words (tokenizer ptb, min_count 1 (data.min_count {cfg.data.min_count} " \
            "lowered: at most 1% of the training words <unk>)" in said
+
+
+def test_one_validation_image_is_said_in_the_singular(tiny_coco, tmp_path, monkeypatch, capsys):
+    """val.limit = 1: the start-up and the validation lines say "1 image", "1 validation image is"."""
+    figures(monkeypatch, [0.0])
+    sets = [f"data.dir={tiny_coco}", "data.karpathy=", *TINY, "optim.epochs=1", "val.limit=1"]
+    code = captioner_main(["train", "--config", OWN_SOFT, *[a for s in sets for a in ("--set", s)],
+                           "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert "validation: 1 image, fewer than val.min_images" in err
+    assert "1 validation image is too few to choose by" in err and " 1 images" not in err

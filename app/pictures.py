@@ -87,13 +87,12 @@ class Picture:
         model's reduced scale leaves it narrower than the page's views (LARGE_WIDTH) where the file
         is wider: then, and only then, the page decodes its own copy at the scale its views need."""
         image = preprocess.load(data, max_pixels)
-        as_is = _shown_as_is(data)
+        (width, height), as_is = _header(data)
         drawn = not as_is or preprocess.resize  # the views draw on an image, not on the upload shown whole
-        view = image if not drawn or image.width >= LARGE_WIDTH or not _reduced(data, image) else \
+        reduced = max(width, height) > max(image.size)  # the model's decode is smaller than the file
+        view = image if not drawn or image.width >= LARGE_WIDTH or not reduced else \
             load_image(data, max_pixels, at_least=LARGE_WIDTH)
         if as_is:
-            with Image.open(io.BytesIO(data)) as im:  # its header: the size it is shown at
-                width, height = im.size
             return cls(digest, width, height, data, as_is=True), Decoded(image, view, None)
         preview = fit_width(view, LARGE_WIDTH)
         return cls(digest, view.width, view.height, jpeg(preview)), Decoded(image, view, preview)
@@ -110,21 +109,15 @@ class Decoded:
     preview: Image.Image | None
 
 
-def _reduced(data: bytes, image: Image.Image) -> bool:
-    """Whether ``image`` was decoded from ``data`` at a reduced scale (smaller than the file)."""
-    with Image.open(io.BytesIO(data)) as im:
-        return max(im.size) > max(image.size)
-
-
-def _shown_as_is(data: bytes) -> bool:
+def _header(data: bytes) -> tuple[tuple[int, int], bool]:
+    """An upload that decoded, read from its header alone: its size as stored, and whether the page
+    shows it as it came (an RGB JPEG, upright, at most AS_IS_SIDE a side)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # load_image refuses it, with a message
-        try:
-            with Image.open(io.BytesIO(data)) as im:
-                return (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
-                        and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
-        except Exception:  # not an image Pillow reads: load_image says why
-            return False
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # load_image has checked the size
+        with Image.open(io.BytesIO(data)) as im:
+            as_is = (im.format == "JPEG" and im.mode == "RGB" and max(im.size) <= AS_IS_SIDE
+                     and im.getexif().get(EXIF_ORIENTATION, 1) == 1)
+            return im.size, as_is
 
 
 def seen_by_model(preprocess: Preprocess, image: Image.Image, picture: Picture | None = None,

@@ -73,8 +73,7 @@ class Captioner(Described):
     @property
     def tokens(self) -> Tokens:
         """The vocabulary's special ids, as the searches take them."""
-        v = self.vocab
-        return Tokens(start=v.start, end=v.end, pad=v.pad, unk=v.unk)
+        return Tokens.of(self.vocab)
 
     @property
     def device(self) -> torch.device:

@@ -98,3 +98,16 @@ def one_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
+
+
+def torch_step(decoder, grid: tuple[int, int]):
+    """``decoder``'s step as the numpy search (captioner.onnx.search) calls a step: numpy in, numpy
+    out, one row per beam."""
+    import torch.nn.functional as F
+
+    def step(word, h, c, ann, keys):
+        with torch.no_grad():
+            o = decoder.step(*(torch.from_numpy(x) for x in (word, h, c, ann, keys)), grid)
+        return (F.log_softmax(o.logits.float(), -1).numpy(), o.h.numpy(), o.c.numpy(), o.alpha_heads.numpy(),
+                o.beta.numpy())
+    return step

@@ -226,9 +226,7 @@ class ScstObjective:
                                       generator=self.generator)
             greedy_rewards = None
             if self.cfg.baseline == "greedy":
-                v = self.vocab
-                tokens = Tokens(v.start, v.end, v.pad, v.unk)
-                best = greedy(model.decoder, fixed, tokens, DecodeOptions(max_len=max_len))
+                best = greedy(model.decoder, fixed, Tokens.of(self.vocab), DecodeOptions(max_len=max_len))
                 greedy_rewards = self.rewards([self.vocab.decode(d.ids) for d in best], index)
             rewards = self.rewards(samples.words, [i for i in index for _ in range(k)]).view(-1, k)  # (B, k)
             baselines = self.baselines(rewards, greedy_rewards)

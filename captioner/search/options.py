@@ -165,6 +165,11 @@ class Tokens:
     pad: int
     unk: int | None = None
 
+    @classmethod
+    def of(cls, vocab) -> "Tokens":
+        """A vocabulary's (``data.vocab.Vocabulary``, or anything with its four ids)."""
+        return cls(start=vocab.start, end=vocab.end, pad=vocab.pad, unk=vocab.unk)
+
     def never(self, options: DecodeOptions) -> tuple[int, ...]:
         """The ids no caption may hold: <start> and <pad>, and <unk> unless the options allow it."""
         unk = () if self.unk is None or options.allow_unk else (self.unk,)

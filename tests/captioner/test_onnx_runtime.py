@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from captioner.cli.main import main as cli_main
 from captioner.inference import Captioner, DecodeOptions
@@ -27,7 +26,7 @@ from captioner.search import decoding
 from captioner.search.options import Tokens
 from captioner.search.record import significant
 from tests.badtensors import CORRUPTIONS
-from tests.builders import one_line
+from tests.builders import one_line, torch_step
 from tests.tiny import tiny_captioner, tiny_config, tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,16 +58,6 @@ def images(tmp_path_factory) -> list[str]:
         paths.append(str(root / f"im{i}.png"))
     (root / "broken.png").write_bytes(b"not an image")
     return paths
-
-
-def torch_step(decoder, grid):
-    """Decoder.step as npsearch calls a step: numpy in, numpy out, one row per beam."""
-    def step(word, h, c, ann, keys):
-        with torch.no_grad():
-            o = decoder.step(*(torch.from_numpy(x) for x in (word, h, c, ann, keys)), grid)
-        return (F.log_softmax(o.logits.float(), -1).numpy(), o.h.numpy(), o.c.numpy(), o.alpha_heads.numpy(),
-                o.beta.numpy())
-    return step
 
 
 def prepared(cap: Captioner, seed: int, b: int):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from captioner.model import kernels
 from captioner.model.encoders import Annotations
@@ -23,6 +22,7 @@ from captioner.search import graph as search_graph
 from captioner.search.decoding import DecodedIds, beam_search
 from captioner.search.graph import SearchGraphs, search_form
 from captioner.search.options import DecodeOptions, OptionError, Tokens
+from tests.builders import torch_step
 from tests.captioner.test_decoding import (
     END,
     MULTI_HEAD,
@@ -60,13 +60,7 @@ def _plain(decoder, a: torch.Tensor, tokens: Tokens, options: DecodeOptions) -> 
     with torch.no_grad():
         keys = decoder.attention.prepare(a)
         h, c = decoder.init_state(a)
-
-    def step(word, h, c, ann, keys):
-        with torch.no_grad():
-            o = decoder.step(*(torch.from_numpy(x) for x in (word, h, c, ann, keys)), (2, 2))
-        return (F.log_softmax(o.logits.float(), -1).numpy(), o.h.numpy(), o.c.numpy(), o.alpha_heads.numpy(),
-                o.beta.numpy())
-
+    step = torch_step(decoder, (2, 2))
     return npsearch.beam_search(step, a.numpy(), keys.numpy(), h.numpy(), c.numpy(), tokens, options)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from captioner.search.options import at_least
+
 if TYPE_CHECKING:
     from captioner.inference import Captioner
     from captioner.io.checkpoint import Checkpoint
@@ -121,23 +123,11 @@ def _parsed(value: str, kind, what: str):
         raise argparse.ArgumentTypeError(f"not a {what}: {value!r}") from None
 
 
-def _at_least(value: str, low: int) -> int:
-    n = whole_number(value)
-    if n < low:
-        raise argparse.ArgumentTypeError(f"must be >= {low}, got {n}")
-    return n
-
-
 def whole_number(value: str) -> int:
     return _parsed(value, int, "whole number")
 
 
-def positive(value: str) -> int:
-    return _at_least(value, 1)
-
-
-def non_negative(value: str) -> int:
-    return _at_least(value, 0)
+positive, non_negative = at_least(1), at_least(0)  # the decoding options' rule for whole numbers
 
 
 def number(value: str) -> float:

@@ -151,8 +151,13 @@ def _typed(rule: Callable[[object], str | None], kind: type) -> Callable[[str], 
     return parse
 
 
-# An argparse ``type=`` for a count that is not a decoding option (images per batch, threads).
-count = _typed(_whole(1), int)
+def at_least(low: int) -> Callable[[str], object]:
+    """An argparse ``type=`` for a whole number of at least ``low`` that is not a decoding option
+    (images per batch, threads, workers): the same words as the options' own refusals."""
+    return _typed(_whole(low), int)
+
+
+count = at_least(1)  # images per batch, threads
 
 
 @dataclass(frozen=True)

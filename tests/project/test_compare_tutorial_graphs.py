@@ -4,6 +4,7 @@ the two agree and fails when a replay computes something else."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import compare_tutorial as ct
@@ -42,6 +43,17 @@ def test_a_replay_that_computes_something_else_is_caught(monkeypatch):
     monkeypatch.setattr(ct, "CAPTURE", slightly_off)
     line, same = ct.graphs_check(CFG, torch.device("cpu"), *_inputs())
     assert not same and "BEYOND" in line
+
+
+def test_a_gradient_zero_in_exact_arithmetic_is_measured_against_the_others():
+    # attention's v.bias shifts every score alike, and the softmax ignores a shift: its gradient
+    # is rounding noise (on a GPU, 1e-9 against the others' 1e-2), and two noises differ by 100%
+    want = [torch.tensor([0.02, -0.01]), torch.tensor([1e-9])]
+    assert ct.gradient_gap([torch.tensor([0.02, -0.01]), torch.tensor([-2e-9])], want) < ct.GRAPH_TOLERANCE
+    # a gradient that is not noise is still measured against its own size
+    assert ct.gradient_gap([torch.tensor([0.02, -0.01]), torch.tensor([1e-3])], want) > 1e-2
+    gap = ct.gradient_gap([torch.tensor([0.02002, -0.01]), torch.tensor([1e-9])], want)
+    assert gap == pytest.approx(1e-3, rel=1e-3)
 
 
 def test_the_timed_graphed_step_trains(monkeypatch):

@@ -152,10 +152,10 @@ class OptimConfig:
     compile: str = ""
     # On a CUDA device, the soft objective's forward and backward recorded once per (batch size,
     # padded caption length) and replayed as CUDA graphs (train/graphed.py): the same losses and
-    # gradients, without the launch of each small kernel. Taken with one process, fp32 or bf16,
-    # no compile, and the kernels on (CAPTIONER_KERNELS); elsewhere the plain step runs. Off by
-    # default until its gradients have been compared with the plain step's on a GPU.
-    cuda_graphs: bool = False
+    # gradients, without the launch of each small kernel. Taken without torchrun, fp32 or bf16,
+    # no compile, and the kernels on (CAPTIONER_KERNELS); elsewhere the plain step runs. On by
+    # default: on a GPU its gradients agree with the plain step's (docs/benchmarks.md).
+    cuda_graphs: bool = True
     device: str = "auto"
     threads: int = 0  # CPU threads for this run (0: torch's default); 1 lets runs share a machine
     log_every: int = 20

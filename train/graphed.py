@@ -18,7 +18,7 @@ parameters (``p.grad``), and the optimiser's step and the gradient clipping then
 outside the graph. Dropout inside a graph draws fresh masks at every replay (CUDA's generator
 is graph-aware), so a graphed run is a run with other dropout masks, not another model.
 
-Taken when (``graphs_apply``): a CUDA device, the soft objective, one process, fp32 or bf16
+Taken when (``graphs_apply``): a CUDA device, the soft objective, no torchrun, fp32 or bf16
 (fp16's gradient scaler reads the gradients on the host), the step not compiled, and both
 ``optim.cuda_graphs`` and the kernels (CAPTIONER_KERNELS, captioner.kernels) on.
 
@@ -60,7 +60,7 @@ def padded_steps(steps: int, bucket: int = BUCKET) -> int:
     return -(-steps // bucket) * bucket
 
 
-def graphs_apply(*, device: torch.device, objective: str, world: int, precision: str, compiled: bool,
+def graphs_apply(*, device: torch.device, objective: str, distributed: bool, precision: str, compiled: bool,
                  enabled: bool) -> str | None:
     """None when the graphed step may run; otherwise why not, in words (for the run's log)."""
     if not enabled:
@@ -71,8 +71,8 @@ def graphs_apply(*, device: torch.device, objective: str, world: int, precision:
         return "not a CUDA device"
     if objective != "soft":
         return f"the {objective} objective samples on the host"
-    if world != 1:
-        return "more than one process"
+    if distributed:  # DistributedDataParallel's gradient hooks broke the capture, even for one process
+        return "the run is under torchrun (DistributedDataParallel)"
     if precision == "fp16":
         return "fp16's gradient scaler reads the gradients on the host"
     if compiled:

@@ -524,7 +524,7 @@ def _graphed_step(run: Run) -> GraphedSoftStep | None:
     """The training step as CUDA graphs (graphed.py) where it may run, else None; a run on a GPU
     says which it takes, and why not the graphs."""
     o, ctx = run.cfg.optim, run.ctx
-    why_not = graphs_apply(device=ctx.device, objective=run.objective.name, world=ctx.world,
+    why_not = graphs_apply(device=ctx.device, objective=run.objective.name, distributed=ctx.active,
                            precision=run.precision.name, compiled=bool(o.compile), enabled=o.cuda_graphs)
     if ctx.is_main and ctx.device.type == "cuda":
         print(f"training step: {'CUDA graphs' if why_not is None else f'plain, not CUDA graphs ({why_not})'}",

@@ -34,15 +34,14 @@ the length counting <end>) and, asked for N (``num_captions``, N <= k), the N be
    caption cut off at ``max_len`` words is returned only when none ended (where <end>
    has probability 0); then it is the only one.
 
-B images x k beams run as one (B*k)-row tensor program, a fixed one: every image runs every
-step until all are done (at most ``max_len + 1``), and an image's pool is frozen from the step
-it is done (rule 3), its later steps computed and thrown away. The k beams of an image share one copy of its
-annotations and keys. Each step records, per beam, its word, the beam it extends and the
-attention map it was computed with (``_Trace``); every caption is read back along these
-pointers once, after the last step. ``_Pool`` holds the finished captions and knows when an
-image is done. Nothing is asked of the device until the end, so on a GPU the host queues the
-whole search ahead of it, and the same program can be recorded as one CUDA graph
-(``graph.SearchGraphs``). Greedy decoding is the search of width 1.
+B images x k beams run as one (B*k)-row tensor program. The k beams of an image share one copy
+of its annotations and keys. Each step records, per beam, its word, the beam it extends and the
+attention map it was computed with (``_Trace``, indexed by the original image); every caption is
+read back along these pointers once, after the last step. ``_Pool`` holds the finished captions
+and knows when an image is done. Run eagerly, an image leaves the batch at the step it is done;
+recorded as a CUDA graph (``graph.SearchGraphs``), the same program runs every image to the last
+step with its pool frozen from the step it is done, and asks nothing of the device until the
+end. Greedy decoding is the search of width 1.
 """
 
 from __future__ import annotations
@@ -193,11 +192,13 @@ class Searched:
 
 
 def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], tokens: Tokens,
-           o: DecodeOptions, *, stop_early: bool = True) -> Searched:
-    """The search as one fixed program over annotations ``vectors`` (B, L, D): max_len + 1 steps
-    for every image, and no host wait but, with ``stop_early``, one a step to stop at the step every
-    image is done (the steps after it would change nothing). Without it, the program a CUDA graph
-    records (``graph.SearchGraphs``): every step, no wait at all."""
+           o: DecodeOptions, *, compact: bool = True) -> Searched:
+    """The search over annotations ``vectors`` (B, L, D), at most max_len + 1 steps. With
+    ``compact`` (eager), an image leaves the batch at the step it is done (rule 3), at the cost
+    of one host wait a step, and the search stops when none is left. Without it, the fixed
+    program a CUDA graph records (``graph.SearchGraphs``): every image runs every step, its pool
+    frozen from the step it is done, and nothing is asked of the device until the end. The
+    two give the same captions; the first does not pay for the steps of images already done."""
     kw, never = hard_kwargs(o), tokens.never(o)
     ann = decoder.annotate(Annotations(vectors, grid))  # once per image, shared by its beams
     a, k = ann.vectors, o.beam_size
@@ -206,36 +207,52 @@ def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], token
     h, c = (s.repeat_interleave(k, 0) for s in decoder.init_state(a))  # (B*k, H)
     scores = torch.full((b, k), float("-inf"), device=dev)  # the open beams' log p
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
+    last = scores.clone()  # (B, k) each image's open beams' log p when it left the batch
     pool = _Pool(b, k, o.num_captions, o.length_penalty, dev)
     trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=o.max_len, end=tokens.end,
                    pad=tokens.pad, device=dev)
     y = torch.full((b * k,), tokens.start, dtype=torch.long, device=dev)
-    parents_of = torch.arange(b, device=dev).unsqueeze(1) * k  # (B, 1) each image's first row
-    done = torch.zeros(b, 1, dtype=torch.bool, device=dev)  # (B, 1) done at an earlier step: its pool is frozen
+    # The images in the batch, by their original index: all of them in the fixed program (a
+    # slice: plain writes, no index a graph would copy); those not yet done, when compacting.
+    active: torch.Tensor | slice = torch.arange(b, device=dev) if compact else slice(None)
+    done = torch.zeros(b, 1, dtype=torch.bool, device=dev)  # (B, 1) fixed program: done, its pool frozen
     done_at = torch.full((b,), o.max_len, dtype=torch.long, device=dev)
     reach = (o.max_len + 1) ** o.length_penalty if o.length_penalty > 0 else 1.0  # log p / reach: a beam's best rank
     for t in range(o.max_len + 1):  # max_len words, then a step that can only end
+        bb = scores.shape[0]
         out = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(out.logits.float(), dim=-1), never)
         if t == o.max_len:
             logp = _only_end(logp, tokens.end)
-        trace.heads[t] = out.alpha_heads.view(b, k, -1, a.shape[1]).float()
-        trace.betas[t] = out.beta.view(b, k).float()
-        cand, beam, word = _extend(scores, logp.view(b, k, -1), 2 * k)  # (B, 2k) each, best first
+        trace.heads[t, active] = out.alpha_heads.view(bb, k, -1, a.shape[1]).float()
+        trace.betas[t, active] = out.beta.view(bb, k).float()
+        cand, beam, word = _extend(scores, logp.view(bb, k, -1), 2 * k)  # (b, 2k) each, best first
         ended = (word == tokens.end) & torch.isfinite(cand)
-        pool.push(t, cand, beam, ended, frozen=done)
-        if t < o.max_len:
-            go_on = _open_beams(ended, k)  # (B, k)
-            scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
-            trace.words[t], trace.parents[t], trace.scores[t] = word, beam, scores
-            rows = (parents_of + beam).view(-1)  # (B*k,) the rows each new beam extends
-            h, c, y = out.h[rows], out.c[rows], word.view(-1)
-            now = pool.beaten(scores[:, 0] / reach).unsqueeze(1) & ~done
-            done_at = torch.where(now.squeeze(1), t, done_at)
-            done = done | now
-            if stop_early and bool(done.all()):
+        pool.push(t, cand, beam, ended, active, frozen=None if compact else done)
+        if t == o.max_len:
+            break
+        go_on = _open_beams(ended, k)  # (b, k)
+        scores, beam, word = cand.gather(1, go_on), beam.gather(1, go_on), word.gather(1, go_on)
+        trace.words[t, active], trace.parents[t, active], trace.scores[t, active] = word, beam, scores
+        rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b*k,) the rows each beam extends
+        h, c, y = out.h[rows], out.c[rows], word.view(-1)
+        now = pool.beaten(scores[:, 0] / reach, active)  # (b,)
+        if not compact:
+            now = now & ~done.squeeze(1)
+            done_at = torch.where(now, t, done_at)
+            done = done | now.unsqueeze(1)
+            continue
+        if bool(now.any()):  # these images leave the batch
+            done_at[active[now]] = t
+            last[active] = scores
+            keep = (~now).nonzero().flatten()
+            if keep.numel() == 0:
                 break
-    return Searched(pool, trace, scores, done_at)
+            kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
+            active, a, keys, scores = active[keep], a[keep], keys[keep], scores[keep]
+            h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
+    last[active] = scores
+    return Searched(pool, trace, last, done_at)
 
 
 def _extend(scores: torch.Tensor, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
@@ -268,25 +285,29 @@ class _Pool:
         self.parent = torch.zeros(b, k, dtype=torch.long, device=device)
 
     def push(self, t: int, cand: torch.Tensor, beam: torch.Tensor, ended: torch.Tensor,
-             frozen: torch.Tensor) -> None:
-        """Step ``t``'s candidates (B, 2k), best first: those among the best k that ended join
-        the pool if they rank among its best k (rule 2), but for the images already done
-        (``frozen`` (B, 1)), whose pools stay as they were."""
+             images: torch.Tensor | slice, frozen: torch.Tensor | None) -> None:
+        """Step ``t``'s candidates (b, 2k) of the images ``images`` (their original indices, or
+        a slice for all), best first: those among the best k that ended join the pool if they
+        rank among its best k (rule 2), but for the images already done (``frozen`` (B, 1), the
+        fixed program's), whose pools stay as they were."""
         joins = ended.clone()
         joins[:, self.k:] = False
         rank = cand / (t + 1) ** self.length_penalty if self.length_penalty > 0 else cand
-        merged = torch.cat([self.rank, torch.where(joins, rank, torch.full_like(rank, float("-inf")))], 1)
-        best, pick = merged.topk(self.k, dim=1)  # (B, k), sorted: entry 0 is the best
-        new = (best, torch.cat([self.score, cand], 1).gather(1, pick),
-               torch.cat([self.step, torch.full_like(beam, t)], 1).gather(1, pick),
-               torch.cat([self.parent, beam], 1).gather(1, pick))
-        self.rank, self.score, self.step, self.parent = (
-            torch.where(frozen, old, now) for old, now in zip((self.rank, self.score, self.step, self.parent), new))
+        old = (self.rank[images], self.score[images], self.step[images], self.parent[images])
+        merged = torch.cat([old[0], torch.where(joins, rank, torch.full_like(rank, float("-inf")))], 1)
+        best, pick = merged.topk(self.k, dim=1)  # (b, k), sorted: entry 0 is the best
+        new = (best, torch.cat([old[1], cand], 1).gather(1, pick),
+               torch.cat([old[2], torch.full_like(beam, t)], 1).gather(1, pick),
+               torch.cat([old[3], beam], 1).gather(1, pick))
+        if frozen is not None:
+            new = tuple(torch.where(frozen, was, now) for was, now in zip(old, new))
+        self.rank[images], self.score[images], self.step[images], self.parent[images] = new
 
-    def beaten(self, reach: torch.Tensor) -> torch.Tensor:
-        """(B,) whether each image is done (rule 3): its N-th best ranks at least ``reach`` (B,),
-        the best rank its open beams can still reach (never while it holds fewer than N)."""
-        nth = self.rank[:, self.n - 1]
+    def beaten(self, reach: torch.Tensor, images: torch.Tensor | slice) -> torch.Tensor:
+        """(b,) whether each of the images ``images`` is done (rule 3): its N-th best ranks at
+        least ``reach`` (b,), the best rank its open beams can still reach (never while it
+        holds fewer than N)."""
+        nth = self.rank[images, self.n - 1]
         return torch.isfinite(nth) & (nth >= reach)
 
     def found(self, rows: torch.Tensor) -> list[int]:

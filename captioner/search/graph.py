@@ -102,7 +102,7 @@ class SearchGraphs:
                 graph.vectors[:b].copy_(vectors)
                 graph.replay()
                 return graph.searched.captions(b)
-        return search(self.decoder, vectors, ann.grid, tokens, o, stop_early=False).captions(b)
+        return search(self.decoder, vectors, ann.grid, tokens, o, compact=False).captions(b)
 
     def _record(self, key: tuple, vectors: torch.Tensor, grid: tuple[int, int], autocast: torch.dtype | None,
                 tokens: Tokens, o: DecodeOptions) -> _Graph | None:
@@ -116,7 +116,7 @@ class SearchGraphs:
             # must compute its casts itself.
             with torch.inference_mode(False), torch.autocast(dev, dtype=autocast or torch.float32,
                                                              enabled=autocast is not None, cache_enabled=False):
-                return search(self.decoder, static, grid, tokens, o, stop_early=False)
+                return search(self.decoder, static, grid, tokens, o, compact=False)
 
         try:
             replay, searched, self.pool = (self.capture or CAPTURE)(run, self.pool)

@@ -107,10 +107,11 @@ def test_results_carry_one_map_per_word():
         assert "<end>" not in r.words and "<start>" not in r.words
 
 
-def test_images_done_early_stay_in_the_batch_and_keep_their_captions(tmp_path):
-    """The search is one fixed program: every image runs every step (a done image's pool frozen)
-    until all are done, so captions of different lengths come out of one batch as each image alone
-    gives them; the steps stop at the one where the last image is done, before the length limit."""
+def test_images_done_early_leave_the_batch_and_keep_their_captions(tmp_path):
+    """Eager, an image leaves the batch at the step it is done (the steps of the others are not
+    paid for it), so captions of different lengths come out of one batch as each image alone
+    gives them; the steps stop at the one where the last image is done, before the length limit.
+    The fixed program a CUDA graph records keeps the batch whole (test_search_graph.py)."""
     from captioner.data.images import load_image
     from captioner.data.shapes import generate_dataset
 
@@ -132,7 +133,8 @@ def test_images_done_early_stay_in_the_batch_and_keep_their_captions(tmp_path):
         del decoder.step
     lengths = sorted(len(r.words) for r in together)
     assert lengths[0] < lengths[-1]  # the captions end at different steps ...
-    assert rows == [6 * 3] * len(rows) and len(rows) < opts.max_len + 1  # ... in a batch that stays whole
+    assert rows[0] == 6 * 3 and rows == sorted(rows, reverse=True) and rows[-1] < rows[0]  # ... leaving it
+    assert all(r % 3 == 0 for r in rows) and len(rows) < opts.max_len + 1
     for image, r in zip(images, together):  # the other images change no result
         alone = cap.caption(image, opts)
         assert alone.words == r.words and abs(alone.score - r.score) < 1e-4

@@ -144,7 +144,7 @@ def test_stopping_at_the_step_every_image_is_done_changes_nothing():
         a = torch.randn(4, 4, 5, dtype=torch.float64)
         with torch.no_grad():
             early = decoding.search(decoder, a, (2, 2), TOKENS, o)
-            full = decoding.search(decoder, a, (2, 2), TOKENS, o, stop_early=False)
+            full = decoding.search(decoder, a, (2, 2), TOKENS, o, compact=False)
         _same(early.captions(4), full.captions(4))
         stopped += int(early.done_at.max()) < o.max_len
     assert stopped > 20  # most batches were done before the limit
@@ -199,7 +199,7 @@ def test_the_search_never_waits_for_the_device_nor_copies_from_the_host(monkeypa
     for name in ("tensor", "as_tensor", "from_numpy"):
         monkeypatch.setattr(torch, name, no_copy)
     with torch.no_grad():
-        searched = decoding.search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts, stop_early=False)
+        searched = decoding.search(cap.model.decoder, ann.vectors, ann.grid, cap.tokens, opts, compact=False)
         with pytest.raises(AssertionError, match="host wait"):
             beam_search(cap.model.decoder, ann, cap.tokens, DecodeOptions(beam_size=3, max_len=6))
     monkeypatch.undo()

@@ -45,10 +45,34 @@ ON_RESUME = ("optim.epochs", "optim.max_steps", "optim.max_minutes", "val.patien
              "optim.device", "data.workers", "optim.cuda_graphs")
 
 
+def _read_last(run_dir: Path):
+    """The run's last.pt; where it cannot be read, a CheckpointError that says whether best.pt
+    is intact and how to go on from its weights (a new run: best.pt holds no optimiser state)."""
+    from captioner.io.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        return load_checkpoint(run_dir / "last.pt")
+    except CheckpointError as e:
+        best = run_dir / "best.pt"
+        try:
+            step = (load_checkpoint(best).meta or {}).get("step") if best.is_file() else None
+            intact = best.is_file()
+        except CheckpointError:
+            intact = False
+        if not intact:
+            raise CheckpointError(f"{e}. The run has no intact best.pt either: start it again with "
+                                  f"--config {run_dir / 'config.toml'} --run-dir {run_dir} --overwrite") from e
+        at = f" (step {step})" if step is not None else ""
+        raise CheckpointError(
+            f"{e}. {best}{at} is intact: to go on from its weights (a new run; the optimiser's state "
+            f"and the position in the data are in last.pt alone), captioner train --config "
+            f"{run_dir / 'config.toml'} --set model.init_from={best} --run-dir NEW_RUN_DIR") from e
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from captioner.cli.common import EXIT_SOME_FAILED, EXIT_USAGE, UsageError
     from captioner.distributed import is_main_process
-    from captioner.io.checkpoint import CheckpointError, load_checkpoint
+    from captioner.io.checkpoint import CheckpointError
 
     from .config import TrainConfig, apply_overrides, check_ignored, find_config, over_bases, written_keys
     from .data_cli import require_data
@@ -72,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 if item.split("=", 1)[0] not in ON_RESUME:
                     raise ValueError(f"--set {item}: a resumed run keeps its config; --set may change "
                                      f"{', '.join(ON_RESUME)} (start a new run for the rest)")
-            last = load_checkpoint(run_dir / "last.pt")  # read once: train() takes it as it is
+            last = _read_last(run_dir)  # read once: train() takes it as it is
             if last.train_state is None:
                 raise ValueError(f"{run_dir / 'last.pt'} has no training state to resume from")
             cfg = apply_overrides(TrainConfig.from_dict(last.train_state.config), args.overrides)

@@ -156,7 +156,7 @@ class AverageState:
 
 # Where a run stands: TrainingState's position fields, saved in this order; training's running
 # record of them (train/loop.py's TrainState) is made from these.
-POSITION = ("step", "epoch", "batch_in_epoch", "best", "bad_vals", "validated_at", "train_seconds")
+POSITION = ("step", "epoch", "batch_in_epoch", "best", "bad_vals", "validated_at", "train_seconds", "shown_loss")
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,7 @@ class TrainingState:
     bad_vals: int = 0  # validations since it last improved
     validated_at: int = -1  # the step of the last validation (-1: none yet)
     train_seconds: float = 0.0  # training time, checkpoints and validations left out
+    shown_loss: float | None = None  # the progress bar's moving average, which a resume goes on from
     optimizer: dict | None = None
     scheduler: dict | None = None
     rng_per_rank: tuple[dict, ...] = ()  # each rank's random state (loop._rng_state)
@@ -487,8 +488,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                 "and unpickling them could run code. A captioner checkpoint never needs that; "
                 f"load only files you trust. ({detail})") from e
         raise CheckpointError(f"cannot read checkpoint {path}: not a valid checkpoint file ({detail})") from e
-    except Exception as e:  # truncated file, not a zip/pickle at all, ...
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    except Exception as e:  # a zip cut short or overwritten part-way, not a zip/pickle at all, ...
+        raise CheckpointError(f"{path} is damaged: it cannot be read as a checkpoint (cut short, or "
+                              f"overwritten part-way, as by a full disk or a copy that stopped)") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise not_a_checkpoint(path, f"a PyTorch file, but not one captioner wrote: no '{FORMAT}' header")
     return Checkpoint.from_dict(ckpt, str(path))

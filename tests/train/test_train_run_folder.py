@@ -153,3 +153,31 @@ def test_familiarity_out_keeps_another_checkpoint_unless_asked(tiny_coco, tmp_pa
 
     assert captioner_main(args + ["--overwrite"]) == 0
     assert load_checkpoint(other).familiarity is not None
+
+
+def test_a_damaged_last_pt_on_resume_says_so_and_how_to_go_on_from_best_pt(tiny_coco, tmp_path, capsys):
+    run = tmp_path / "runs" / "a"
+    config = tmp_path / "cfg.toml"
+    config.write_text(to_toml(tiny_train_config(tiny_coco, **{"optim.max_steps": 2})))
+    assert captioner_main(["train", "--config", str(config), "--run-dir", str(run), "--quiet"]) == 0
+    assert (run / "best.pt").is_file()
+    whole = (run / "last.pt").read_bytes()
+    (run / "last.pt").write_bytes(whole[: len(whole) // 2])  # cut short, as by a full disk or a killed copy
+    capsys.readouterr()
+    assert captioner_main(["train", "--resume", str(run), "--quiet"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "PytorchStreamReader" not in line and "central directory" not in line  # torch's words, not ours
+    assert f"{run / 'last.pt'} is damaged" in line
+    assert f"{run / 'best.pt'} (step 2) is intact" in line
+    assert f"--config {run / 'config.toml'} --set model.init_from={run / 'best.pt'}" in line
+
+    # Followed as written (a new run folder), it trains from best.pt's weights.
+    new = tmp_path / "runs" / "b"
+    assert captioner_main(["train", "--config", str(run / "config.toml"), "--set",
+                           f"model.init_from={run / 'best.pt'}", "--run-dir", str(new), "--quiet"]) == 0
+    capsys.readouterr()
+
+    (run / "best.pt").write_bytes(b"")
+    assert captioner_main(["train", "--resume", str(run), "--quiet"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "is damaged" in line and "no intact best.pt" in line and "--overwrite" in line

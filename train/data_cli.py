@@ -193,6 +193,9 @@ def cmd_import(args: argparse.Namespace) -> int:
                                  workers=max(0, args.workers), progress=not args.quiet)
     if problems and not args.skip_unreadable:
         print_unusable(problems, len(source.images), MAX_NAMED)
+        hint = relative_to_here(problems, args.source)
+        if hint:
+            print(hint)
         print("nothing written: fix the paths, or pass --skip-unreadable to leave these images out")
         return EXIT_SOME_FAILED
     images = [im for im in source.images if im.path not in problems and im.captions]
@@ -276,6 +279,24 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 0
     print_unusable(problems, len(paths), MAX_LISTED)
     return 1
+
+
+def relative_to_here(problems: dict[str, str], source: Path) -> str | None:
+    """The commonest own-data mistake: a captions file's image paths written relative to the
+    folder the user stands in, not to the file's own folder. When missing images exist relative
+    to the current folder, one line that says so and names the fix; else None."""
+    if source.is_dir():  # a folder's images are found in it, never by a path written by hand
+        return None
+    base = source.parent
+    missing = [Path(p) for p, why in problems.items() if why == "missing"]
+    here = [rel for rel in (Path(os.path.relpath(p, base)) for p in missing) if rel.is_file()]
+    if not here:
+        return None
+    share = f"all {len(missing):,}" if len(here) == len(missing) else f"{len(here):,} of the {len(missing):,}"
+    fixed = Path(os.path.relpath(here[0].resolve(), base.resolve()))
+    return (f"{share} missing images exist relative to the current folder (e.g. {here[0]}), but paths in "
+            f"{source} are read relative to the file's own folder ({base}): write them from there "
+            f"(e.g. {fixed}), or absolute")
 
 
 def print_unusable(problems: dict[str, str], total: int, limit: int) -> None:

@@ -461,3 +461,27 @@ def test_a_sidecar_text_file_s_final_line_break_is_no_empty_caption(tmp_path, en
     source = read_source(folder)
     assert source.empty_captions == 1  # the blank line of the first file, nothing else
     assert source.captions == len(images) + 1
+
+
+def test_paths_written_relative_to_the_current_folder_are_recognised_and_the_fix_named(tmp_path, capsys,
+                                                                                      monkeypatch):
+    # The commonest own-data mistake: the captions file in own/, its paths written from the folder
+    # above it (where the user stood), not from the file's own folder.
+    photo_folder(tmp_path, n=3, sub="photos")
+    (tmp_path / "own").mkdir()
+    rows = ["image,caption"] + [f"photos/p{i}.png,caption {i}" for i in range(3)]
+    (tmp_path / "own" / "captions.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    assert data_main(["import", "own/captions.csv", "--out", "data", "--quiet"]) == 1
+    text = capsys.readouterr().out
+    assert "3 of 3 images cannot be used" in text
+    hint = [line for line in text.splitlines() if "current folder" in line]
+    assert len(hint) == 1, text
+    assert "all 3 missing images exist relative to the current folder" in hint[0]
+    assert "relative to the file's own folder (own)" in hint[0] and "../photos/p0.png" in hint[0]
+
+    # One not found anywhere: no such hint.
+    rows = ["image,caption", "elsewhere/x.png,a caption"]
+    (tmp_path / "own" / "other.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    assert data_main(["import", "own/other.csv", "--out", "data", "--quiet"]) == 1
+    assert "current folder" not in capsys.readouterr().out

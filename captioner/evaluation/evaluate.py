@@ -11,6 +11,7 @@ the attention's grounding on the instances (:mod:`captioner.evaluation.coco_grou
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from captioner.evaluation.coco_grounding import CocoGroundingSummary, coco_point
 from captioner.evaluation.grounding import GroundingSummary, evaluate_caption, load_shape_objects, summarize_grounding
 from captioner.evaluation.metrics import caption_metrics, meteor_wanted
 from captioner.inference import Captioner, DecodeOptions
+from captioner.model.familiarity import Familiarity
 from captioner.search.decoding import CaptionResult
 
 
@@ -158,7 +160,9 @@ def familiarity_stats(results: list[CaptionResult]) -> dict | None:
     if not known:
         return None
     return {"images": len(known), "mean": round(sum(f.value for f in known) / len(known), 4),
-            "unfamiliar": sum(f.unfamiliar for f in known), "threshold": known[0].threshold}
+            "unfamiliar": sum(f.unfamiliar for f in known),
+            # None: the flags come from a captions file, which does not say its threshold
+            "threshold": None if math.isnan(known[0].threshold) else known[0].threshold}
 
 
 def evaluate(captioner: Captioner, data_dir: str | Path, split: str, *, karpathy: str | Path | None = None,
@@ -204,10 +208,20 @@ class CaptionsFile:
     missing: int = 0  # images of the split with no caption in the file
 
 
-def _result(caption: str, words: list[str] | None, alphas: list | None, tokenizer: Tokenizer) -> CaptionResult:
+def _result(caption: str, words: list[str] | None, alphas: list | None, tokenizer: Tokenizer,
+            familiarity: Familiarity | None = None) -> CaptionResult:
     words = list(words) if words is not None else tokenizer.tokenize(caption)
     maps = torch.tensor(alphas, dtype=torch.float32) if alphas else torch.zeros(len(words), 0, 0)
-    return CaptionResult(words, maps, torch.zeros(len(words)), 0.0, text=caption)
+    return CaptionResult(words, maps, torch.zeros(len(words)), 0.0, text=caption, familiarity=familiarity)
+
+
+def _familiarity(line: dict) -> Familiarity | None:
+    """A line's familiarity as ``captioner caption`` wrote it ("familiarity", "unfamiliar"); the
+    threshold it was flagged at is not in the line (NaN: the file's own flags are counted)."""
+    value, flag = line.get("familiarity"), line.get("unfamiliar")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not isinstance(flag, bool):
+        return None
+    return Familiarity(float(value), flag, float("nan"))
 
 
 def read_captions(path: Path, records: list[ImageRecord], tokenizer: Tokenizer = PTB) -> CaptionsFile:
@@ -246,7 +260,8 @@ def read_captions(path: Path, records: list[ImageRecord], tokenizer: Tokenizer =
         if "caption" not in e:
             failed += 1
         elif image_id in ids:
-            results[image_id] = _result(str(e["caption"]), e.get("words"), e.get("alphas"), tokenizer)
+            results[image_id] = _result(str(e["caption"]), e.get("words"), e.get("alphas"), tokenizer,
+                                        _familiarity(e))
         else:
             outside += 1
             example = example or name
@@ -276,7 +291,8 @@ def evaluate_captions(path: str | Path, data_dir: str | Path, split: str, *, kar
     objects = coco_objects(data_dir, split, kept)
     hallucination, per_image, coco_grounding = coco_scores(kept, results, objects, preprocess) if objects \
         else (None, [], None)
-    report = EvalReport(split, len(kept), None, 0.0, metrics, grounding, attention_stats(results), None,
+    report = EvalReport(split, len(kept), None, 0.0, metrics, grounding, attention_stats(results),
+                        familiarity_stats(results),
                         {r.image_id: res.caption for r, res in zip(kept, results)}, tokenizer.name,
                         hallucination, coco_grounding, {c.image_id: c for c in per_image}, str(path))
     return report, read
@@ -330,9 +346,13 @@ def format_table(report: EvalReport) -> str:
         rows.append(("attention entropy (nats)", f"{at['entropy']:.3f}  (uniform {at['uniform_entropy']:.3f})"))
         rows.append(("attention exact zeros", f"{at['zero_share']:.3f}"))
     fam = report.familiarity
-    rows.append(("unfamiliar images", "unknown (no familiarity record: captioner familiarity adds one)" if fam is None
-                 else f"{fam['unfamiliar']} of {fam['images']} (familiarity below {fam['threshold']:g}; "
-                      f"mean familiarity {fam['mean']:.3f})"))
+    if fam is None:
+        said = "unknown (no familiarity record: captioner familiarity adds one)"
+    else:
+        rule = ("as the file flags them" if fam["threshold"] is None
+                else f"familiarity below {fam['threshold']:g}")
+        said = f"{fam['unfamiliar']} of {fam['images']} ({rule}; mean familiarity {fam['mean']:.3f})"
+    rows.append(("unfamiliar images", said))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -254,3 +254,25 @@ def test_a_trained_checkpoint_and_its_captions_file_give_the_same_chair(coco, tm
     for key in ("n_words", "pointing_accuracy", "pointing_chance"):
         assert from_file["coco_grounding"][key] == pytest.approx(model["coco_grounding"][key])
     assert np.isclose(from_file["coco_grounding"]["alpha_mass"], model["coco_grounding"]["alpha_mass"], atol=1e-3)
+
+
+def test_a_captions_file_s_familiarity_is_counted_from_its_lines(coco, tmp_path, capsys):
+    records = load_split(coco, "test", coco / "dataset_coco.json")
+    flags = [(0.004, True), (0.62, False)]
+    lines = [{"image": str(r.path), "caption": "a dog near a man", "familiarity": value, "unfamiliar": flag}
+             for r, (value, flag) in zip(records, flags)]
+    captions = tmp_path / "captions.jsonl"
+    captions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, out, err = _run(["evaluate", "--captions", str(captions), "--data", str(coco), "--karpathy",
+                           str(coco / "dataset_coco.json"), "--split", "test", "--no-meteor"], capsys)
+    assert code == 0, err
+    (row,) = [line for line in out.splitlines() if line.startswith("unfamiliar images")]
+    assert "unknown" not in row and f"1 of {len(lines)}" in row and "as the file flags them" in row
+    assert f"mean familiarity {(0.004 + 0.62) / 2:.3f}" in row
+
+    # Lines without it (a model with no record wrote them): unknown, as before.
+    captions.write_text("".join(json.dumps({k: v for k, v in line.items() if k not in ("familiarity", "unfamiliar")})
+                                + "\n" for line in lines))
+    code, out, _ = _run(["evaluate", "--captions", str(captions), "--data", str(coco), "--karpathy",
+                         str(coco / "dataset_coco.json"), "--split", "test", "--no-meteor"], capsys)
+    assert code == 0 and "unfamiliar images" in out and "unknown" in out

@@ -110,14 +110,16 @@ class _BarLoss:
     Self-critical training shows its samples' mean reward instead: what it climbs (the
     samples' NLL it would show falls as sampling sharpens, whatever the captions' quality)."""
 
-    def __init__(self, max_minutes: float) -> None:
+    LABEL = "nll (recent mean)"  # a moving average over about the last ten steps, and it says so
+
+    def __init__(self, max_minutes: float, average: float | None = None) -> None:
         self.max_minutes = max_minutes
-        self.average: float | None = None
+        self.average: float | torch.Tensor | None = average  # a resumed run's, from its last.pt
         self.shown_at = float("-inf")
         self.bar: tqdm | None = None
 
     def show(self, bar: tqdm, parts: LossParts, train_seconds: float) -> None:
-        label, value = ("nll", parts.nll) if parts.reward is None else ("reward", parts.reward)
+        label, value = (self.LABEL, parts.nll) if parts.reward is None else ("reward", parts.reward)
         # A (detached) tensor stays on the device: only the text, once a second, waits for it.
         self.average = value if self.average is None else 0.9 * self.average + 0.1 * value
         now = time.monotonic()
@@ -568,7 +570,7 @@ def run_epochs(run: Run, state: TrainState) -> str:
     o, v = run.cfg.optim, run.cfg.val
     reason = "finished"
     run.model.train()
-    bar_loss = _BarLoss(o.max_minutes)
+    bar_loss = _BarLoss(o.max_minutes, state.shown_loss)
     with _StopFlag(announce=run.ctx.is_main) as stop:
         try:
             while state.epoch < o.epochs:
@@ -580,7 +582,7 @@ def run_epochs(run: Run, state: TrainState) -> str:
                 state.batch_in_epoch = 0
                 run.scheduler.step()
                 early = v.every_epochs > 0 and state.epoch % v.every_epochs == 0 and validate(run, state)
-                save(run, state)
+                save(run, state, bar_loss)
                 if early:
                     reason = "early_stop"
                     break
@@ -589,7 +591,7 @@ def run_epochs(run: Run, state: TrainState) -> str:
             final_unseen = v.every_epochs > 0 and state.validated_at != state.step
             if reason != "interrupted" and (state.best is None or final_unseen):
                 validate(run, state)
-            save(run, state)
+            save(run, state, bar_loss)
         finally:
             run.files.close()
     return reason
@@ -630,7 +632,7 @@ def run_epoch(run: Run, state: TrainState, stop: _StopFlag, bar_loss: _BarLoss) 
         if reason is not None:
             break
         if o.save_every and state.step % o.save_every == 0:
-            save(run, state)
+            save(run, state, bar_loss)
             tick = time.perf_counter()  # saving is not training time
     if not bar.disable:
         bar.refresh()  # the epoch's last loss is seen even when steps outpace the bar
@@ -691,10 +693,13 @@ def _stop_reason(run: Run, state: TrainState, stop: _StopFlag) -> str | None:
     return None
 
 
-def save(run: Run, state: TrainState) -> None:
+def save(run: Run, state: TrainState, bar_loss: _BarLoss | None = None) -> None:
     """last.pt: the model and everything needed to go on exactly (all ranks call this: each
-    rank's random state and SCST sampler are gathered to rank 0, which writes)."""
+    rank's random state and SCST sampler are gathered to rank 0, which writes), the progress
+    bar's moving average (``bar_loss``) included."""
     ctx = run.ctx
+    if bar_loss is not None and bar_loss.average is not None:
+        state.shown_loss = float(bar_loss.average)
     rngs = ctx.gather(_rng_state(ctx.device))
     objective = run.objective.save(ctx)
     if ctx.is_main:
@@ -753,7 +758,9 @@ def _validate_here(run: Run, state: TrainState) -> bool:
             f"best so far {figure(previous)}"
     run.files.write({"step": state.step, "epoch": state.epoch, "val": report.metrics,
                      "grounding": grounding, "improved": improved})
-    print(f"epoch {state.epoch} step {state.step}: val {cfg.val.metric} {figure(value)} ({verdict})",
+    # the epoch the bar shows: the one the run is in, or at an epoch's end the one just done
+    shown = state.epoch + (1 if state.batch_in_epoch else 0)
+    print(f"epoch {shown} step {state.step}: val {cfg.val.metric} {figure(value)} ({verdict})",
           file=sys.stderr)
     return chooses and cfg.val.patience > 0 and state.bad_vals >= cfg.val.patience
 

@@ -11,6 +11,8 @@ from captioner.train.datainfo import load_dataset
 from captioner.train.loop import train
 from tests.builders import tiny_train_config
 
+LABEL = "nll (recent mean)="  # the bar's loss: a moving average, and it says so
+
 
 def _frames(err: str) -> list[str]:
     return [f.strip() for f in re.split(r"[\r\n]", err) if f.strip().startswith("epoch")]
@@ -27,16 +29,39 @@ def test_the_bar_counts_epochs_as_the_logs_do_with_a_fresh_loss_and_the_time_lef
     epochs = {int(m.group(1)) for f in frames if (m := re.match(r"epoch (\d+)/3", f))}
     assert epochs == {1, 2, 3}  # the first epoch is 1, as in "epoch 1 step 2: val ..."
     assert re.search(r"(^|\r)epoch 1 step 4: val ", err, re.M)
+    # Stopped by its step limit in the third epoch: the last validation is of the third, as the
+    # bar says (the summary counts the two done).
+    assert re.search(r"(^|\r)epoch 3 step 9: val ", err, re.M)
     stepped = [f for f in frames if re.search(r"\| [1-9]\d*/\d+ \[", f)]  # after a step of its epoch
-    assert len(stepped) >= 3 and all("nll=" in f for f in stepped)
-    assert all(re.search(r"nll=\d+\.\d\d, budget left (\d+:)?\d\d:\d\d", f) for f in frames if "nll=" in f)
+    assert len(stepped) >= 3 and all(LABEL in f for f in stepped)
+    assert all(re.search(re.escape(LABEL) + r"\d+\.\d\d, budget left (\d+:)?\d\d:\d\d", f)
+               for f in frames if LABEL in f)
+
+
+def test_the_bar_s_moving_average_goes_on_across_a_resume(tiny_coco, tmp_path, monkeypatch):
+    from captioner.train import loop
+
+    cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 3, "optim.log_every": 1000, "val.every_epochs": 0})
+    train(cfg, tmp_path / "run", progress=True)
+    saved = load_checkpoint(tmp_path / "run" / "last.pt").train_state.shown_loss
+    assert isinstance(saved, float) and saved > 0
+    seen, real = [], loop._BarLoss.show
+
+    def show(self, bar, parts, seconds):
+        seen.append(self.average)
+        real(self, bar, parts, seconds)
+
+    monkeypatch.setattr(loop._BarLoss, "show", show)
+    assert main(["train", "--resume", str(tmp_path / "run"), "--set", "optim.max_steps=5"]) == 0
+    assert seen[0] == saved  # the first step after the resume moves the run's average, not a new one
+    assert load_checkpoint(tmp_path / "run" / "last.pt").train_state.shown_loss != saved
 
 
 def test_the_bar_shows_no_time_left_without_a_budget(tiny_coco, tmp_path, capsys):
     cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 2, "optim.log_every": 1000, "val.every_epochs": 0})
     train(cfg, tmp_path / "run", progress=True)
     frames = _frames(capsys.readouterr().err)
-    assert any("nll=" in f for f in frames) and not any("budget left" in f for f in frames)
+    assert any(LABEL in f for f in frames) and not any("budget left" in f for f in frames)
 
 
 def test_checkpoints_name_their_training_data(tiny_coco, tmp_path):

@@ -101,10 +101,14 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
     model says so on stderr in the name of ``captioner COMMAND``."""
     from captioner.inference import Captioner
     from captioner.io.checkpoint import CheckpointError, load_checkpoint
-    from captioner.io.loading import resolve_weights
+    from captioner.io.loading import resolve_weights, shadows_demo
 
     try:
         path = resolve_weights(weights)
+        if shadows_demo(weights, path):
+            kind = "folder" if path.is_dir() else "file"
+            print(f"captioner {command}: note: took the {kind} {weights} here, not the bundled demo of that name "
+                  f"(a path is taken first)", file=sys.stderr)
         checkpoint = load_checkpoint(path)
         captioner = Captioner.from_file(path, checkpoint, device)
     except CheckpointError as e:

@@ -97,11 +97,14 @@ def model_card(config: dict, *, name: str) -> str:
     else:
         parts += ["The checkpoint recorded no figures. Measure them with:", "",
                   "```", f"captioner evaluate --weights {name} --data DATA_FOLDER --split test", "```", ""]
-    parts += ["## Use", "", "With captioner (the folder is taken wherever a checkpoint is):", "", "```",
-              'pip install captioner', f"captioner caption --weights {name} photo.jpg", "```", ""]
+    parts += ["## Use", "",
+              "captioner is not on the package index: install it from its clone's folder "
+              "(`pip install PATH/TO/captioner`). Then, from the folder that holds "
+              f"`{name}/` (a path is taken before a bundled model's name):", "", "```",
+              f"captioner caption --weights {name} photo.jpg", "```", ""]
     if config.get("onnx"):
-        parts += ["Without torch (onnxruntime, numpy and pillow only):", "", "```",
-                  "pip install --no-deps captioner && pip install onnxruntime numpy pillow",
+        parts += ["Without torch (onnxruntime, numpy and pillow only; captioner's docs/export.md):", "", "```",
+                  "pip install onnxruntime numpy pillow && pip install --no-deps PATH/TO/captioner",
                   f"python -m captioner.onnx {name} photo.jpg --beam-size 3", "```", ""]
     parts += ["## Files", "",
               f"- `{fmt.CONFIG}`: architecture, preprocessing, tokenizer, length limit, captioner version",

@@ -21,9 +21,11 @@ from captioner.search.options import DecodeOptions
 
 def resolve_weights(weights: str | os.PathLike | None) -> Path:
     """A bundled model name (demo-soft, demo-hard, demo-zh), a path to a checkpoint file, or a
-    model folder ``captioner export`` wrote."""
+    model folder ``captioner export`` wrote. A path that exists is taken before a bundled name:
+    a demo's exported folder downloaded into the current folder is what its card's commands
+    name (``shadows_demo`` says when that happened)."""
     name = str(weights or DEFAULT)
-    if name in DEMOS:
+    if name in DEMOS and not Path(name).expanduser().exists():
         if not DEMOS[name].installed:
             raise CheckpointError(f"the bundled model {name!r} is missing from this installation ({DEMOS[name].path})")
         return DEMOS[name].path
@@ -37,6 +39,12 @@ def resolve_weights(weights: str | os.PathLike | None) -> Path:
         raise CheckpointError(f"no such checkpoint: {name} (use a file path, an exported model folder, or one "
                               f"of {', '.join(DEMOS)})")
     return path
+
+
+def shadows_demo(weights: str | os.PathLike | None, path: Path) -> bool:
+    """Whether ``weights`` is a bundled model's name that resolved to a local file or folder
+    of that name (``resolve_weights`` takes the path first)."""
+    return weights is not None and str(weights) in DEMOS and path != DEMOS[str(weights)].path
 
 
 # The files every run of `captioner train` writes: named alone, they would not say which model.

@@ -251,3 +251,30 @@ def test_the_app_offers_the_exported_folders_in_its_weights_folder(exported, mon
     models = available_models()
     assert models["model"] == str(exported) and "run" not in models
     assert Captioner.load(models["model"]).vocab.words == tiny_captioner(seed=3).vocab.words
+
+
+def test_a_downloaded_folder_named_like_a_demo_is_taken_before_the_bundled_demo(tmp_path, monkeypatch, capsys):
+    # Standing where a downloader stands: the folder that holds the model's folder.
+    export(tiny_captioner(seed=3), tmp_path / "demo-soft")
+    monkeypatch.chdir(tmp_path)
+    from captioner.io.loading import resolve_weights
+
+    assert resolve_weights("demo-soft") == Path("demo-soft")
+    tiny_image(0).save(tmp_path / "photo.png")
+    assert main(["caption", "photo.png", "--weights", "demo-soft"]) == 0
+    out = capsys.readouterr()
+    line = json.loads(out.out.splitlines()[0])
+    image = tiny_image(0)
+    theirs = Captioner.load(str(tmp_path / "demo-soft")).caption(image, DecodeOptions(beam_size=3)).caption
+    bundled_caption = Captioner.load(bundled.DEMOS["demo-soft"].path).caption(image, DecodeOptions(beam_size=3))
+    assert line["caption"] == theirs != bundled_caption.caption  # the folder's model, not the bundled demo
+    assert "the folder demo-soft" in out.err and "not the bundled demo" in out.err  # and it says so
+
+
+def test_the_card_s_commands_run_from_where_a_downloader_stands(tmp_path):
+    assert main(["export", "demo-soft", "--out", str(tmp_path / "soft"), "--license", "mit"]) == 0
+    card = (tmp_path / "soft" / fmt.CARD).read_text()
+    use = card.split("## Use", 1)[1].split("## Files", 1)[0]
+    assert "pip install captioner" not in use and "--no-deps captioner" not in use  # not on the index
+    assert "from the folder that holds `soft/`" in use
+    assert "captioner caption --weights soft photo.jpg" in use

@@ -438,7 +438,12 @@ def build_run(cfg: TrainConfig, run_dir: Path, ckpt: Checkpoint | None, ctx: Dis
                                  ctx)
     average = WeightAverage(model, o.ema) if o.ema else None
     # "run": the run folder's name, which names its best.pt and last.pt (captioner.io.loading.checkpoint_name).
+    m = cfg.model
+    start = m.init_from or m.encoder_from
     meta = {"name": cfg.name, "run": run_dir.name, "data": d.dir, "training_data": data.name,
+            # where the encoder's weights came from, for the model card
+            "encoder_weights": "pretrained on ImageNet" if m.encoder_pretrained
+            else f"from {Path(start).name}" if start else "random",
             "max_caption_len": d.max_caption_len,  # decoding's default length limit (Captioner.max_len)
             "attention": model.config.attention, **({"weight_average": o.ema} if average is not None else {})}
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, progress=progress, preprocess=preprocess, data=data,
@@ -735,7 +740,8 @@ def _validate_here(run: Run, state: TrainState) -> bool:
                       limit=cfg.val.limit or None, meteor=False, progress=False, with_coco_objects=False)
     model.train()
     grounding = report.grounding.to_dict() if report.grounding is not None else None
-    value = validation_value(cfg.val.metric, {**report.metrics, **(grounding or {})})
+    figures = {**report.metrics, **(grounding or {})}
+    value = validation_value(cfg.val.metric, figures)
     previous, chooses = state.best, run.val_chooses
     improved = previous is None or value > previous
     # best.pt: a higher figure; an equal one too (the same score after more training: the later
@@ -744,8 +750,13 @@ def _validate_here(run: Run, state: TrainState) -> bool:
     state.bad_vals = 0 if improved or not chooses else state.bad_vals + 1
     if keep:
         state.best = value
+        # each part of a min:A,B metric too (a card names metrics, not expressions), and how many
+        # images the figure rests on
+        parts = {f"val_{n}": float(figures[n]) for n in metric_parts(cfg.val.metric)
+                 if n != cfg.val.metric and figures.get(n) is not None}
         run.files.save_best(run.captioner.checkpoint(meta={**run.meta, "step": state.step, "epoch": state.epoch,
-                                                           f"val_{cfg.val.metric}": value,
+                                                           f"val_{cfg.val.metric}": value, **parts,
+                                                           "val_images": run.val_images,
                                                            "train_seconds": round(state.train_seconds, 1)}))
     if not chooses:
         few = f"{run.val_images} validation image is" if run.val_images == 1 else \

@@ -16,12 +16,28 @@ from captioner.io import folder as fmt
 
 def recorded_figures(meta: dict) -> list[tuple[str, str, float]]:
     """(metric, split, value) of the figures a checkpoint recorded: training writes
-    ``val_<metric>`` into the checkpoint it keeps for its best validation figure."""
+    ``val_<metric>`` into the checkpoint it keeps for its best validation figure, and with a
+    ``min:A,B`` metric each of A and B too. The expression's own entry is in the list; the Hub's
+    metadata leaves it out (``hub_figures``)."""
     out = []
     for key, value in meta.items():
-        if key.startswith("val_") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key.startswith("val_") and key != "val_images" and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
             out.append((key.removeprefix("val_"), "val", float(value)))
     return out
+
+
+def hub_figures(figures: list[tuple[str, str, float]]) -> list[tuple[str, str, float]]:
+    """The figures that are metrics (a name), not a validation expression such as ``min:A,B``."""
+    return [f for f in figures if ":" not in f[0] and "," not in f[0]]
+
+
+def figure_name(metric: str) -> str:
+    """A metric as the card's table says it: ``min:a_b,c`` is "the lower of a b and c"."""
+    if not metric.startswith("min:"):
+        return metric
+    parts = [p.replace("_", " ") for p in metric.removeprefix("min:").split(",")]
+    return "the lower of " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
 
 
 def _slug(text: str) -> str:
@@ -35,21 +51,23 @@ def _q(value) -> str:
 def front_matter(config: dict, *, license: str, name: str) -> str:
     model = config["model"]
     data = config.get("training_data") or "unknown"
-    dataset = _slug(data.split(" (")[0])
-    figures = recorded_figures(config.get("meta") or {})
+    # own data is named after a folder (or --name): no data set the Hub knows, so none is listed
+    dataset = None if data.endswith("(own data)") or data == "unknown" else _slug(data.split(" (")[0])
+    figures = hub_figures(recorded_figures(config.get("meta") or {}))
     tags = ["image-captioning", "show-attend-and-tell", "visual-attention", f"{model['attention']}-attention",
             "safetensors"] + (["onnx"] if config.get("onnx") else [])
     lines = ["---", "pipeline_tag: image-to-text", "library_name: captioner", "tags:"]
     lines += [f"  - {_q(t)}" for t in tags]
-    lines += ["language:", f"  - {_q(config.get('language') or 'en')}", f"license: {_q(license)}",
-              "datasets:", f"  - {_q(dataset)}"]
+    lines += ["language:", f"  - {_q(config.get('language') or 'en')}", f"license: {_q(license)}"]
+    if dataset is not None:
+        lines += ["datasets:", f"  - {_q(dataset)}"]
     if figures:
         lines.append("metrics:")
         lines += [f"  - {_q(m)}" for m in dict.fromkeys(m for m, _, _ in figures)]
     lines += ["model-index:", f"  - name: {_q(name)}", "    results:"]
     if figures:
         lines += ["      - task:", "          type: image-to-text", "          name: Image captioning",
-                  "        dataset:", f"          name: {_q(data)}", f"          type: {_q(dataset)}",
+                  "        dataset:", f"          name: {_q(data)}", f"          type: {_q(dataset or _slug(data))}",
                   f"          split: {_q(figures[0][1])}", "        metrics:"]
         for metric, _, value in figures:
             lines += [f"          - type: {_q(metric)}", f"            name: {_q(metric.replace('_', ' '))}",
@@ -60,11 +78,29 @@ def front_matter(config: dict, *, license: str, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# Below this many validation images a card says its figures rest on too few to mean much.
+FEW_VALIDATION_IMAGES = 100
+
+
+def _validation_size(n) -> str:
+    if not isinstance(n, int) or isinstance(n, bool):
+        return ""  # a checkpoint saved before training recorded it
+    said = f", on {n:,} validation image{'s' if n != 1 else ''}"
+    return said + (": too few for the figures to say much" if n < FEW_VALIDATION_IMAGES else "")
+
+
+def _encoder_weights(kind: str) -> str:
+    if kind == "random":
+        return "trained from random values (no pretrained weights): expect little of it on photographs"
+    return kind
+
+
 def model_card(config: dict, *, name: str) -> str:
     """The card of the folder ``name`` whose config.json is ``config`` (its license and source in it)."""
     license, source = config.get("license") or "unknown", config.get("source")
     model = config["model"]
-    figures = recorded_figures(config.get("meta") or {})
+    meta = config.get("meta") or {}
+    figures = recorded_figures(meta)
     data = config.get("training_data") or "data it does not name"
     h, w = config["preprocess"]["size"]
     parts = [front_matter(config, license=license, name=name), f"# {name}", ""]
@@ -84,6 +120,8 @@ def model_card(config: dict, *, name: str) -> str:
         f"vocabulary {model['vocab_size']} tokens (tokenizer `{config['tokenizer']}`), captions of at most "
         f"{config['max_caption_len']} tokens",
         f"- **Trained on**: {data}",
+        *([f"- **Encoder weights**: {_encoder_weights(meta['encoder_weights'])}"] if meta.get("encoder_weights")
+          else []),
         f"- **Familiarity record**: {'yes' if config.get('familiarity') else 'no'} (every caption says how like "
         "the training images its image is)",
         "",
@@ -91,8 +129,9 @@ def model_card(config: dict, *, name: str) -> str:
     ]
     if figures:
         parts += ["| metric | split | value |", "|---|---|---|"]
-        parts += [f"| {m} | {s} | {v:.4g} |" for m, s, v in figures]
-        parts += ["", "Recorded by training on its validation split; measured again with:", "",
+        parts += [f"| {figure_name(m)} | {s} | {v:.4g} |" for m, s, v in figures]
+        parts += ["", "Recorded by training on its validation split"
+                  + _validation_size(meta.get("val_images")) + "; measured again with:", "",
                   "```", f"captioner evaluate --weights {name} --data DATA_FOLDER --split val", "```", ""]
     else:
         parts += ["The checkpoint recorded no figures. Measure them with:", "",

@@ -76,16 +76,17 @@ def test_the_folder_holds_no_pickle_and_says_what_it_is(tmp_path):
     assert "image-captioning" in meta["tags"] and meta["datasets"] == ["synthetic-shapes"]
 
 
-def test_the_cards_model_index_carries_the_recorded_figures(tmp_path):
+def test_the_cards_model_index_carries_metrics_never_the_validation_expression(tmp_path):
     cap = Captioner.load("demo-soft")
     [(key, value)] = [(k, v) for k, v in cap.meta.items() if k.startswith("val_")]
     assert main(["export", "demo-soft", "--out", str(tmp_path / "soft"), "--license", "mit"]) == 0
     card = (tmp_path / "soft" / fmt.CARD).read_text()
     meta = front_matter(card)
-    [result] = meta["model-index"][0]["results"]
-    assert result["task"]["type"] == "image-to-text" and result["dataset"]["split"] == "val"
-    assert result["metrics"] == [{"type": key[4:], "name": key[4:].replace("_", " "), "value": value}]
-    assert meta["metrics"] == [key[4:]] and meta["license"] == "mit"
+    # The demo recorded only its validation expression, min:object_accuracy,pointing_accuracy: a
+    # figure for the card's table, no metric the Hub could name.
+    assert key == "val_min:object_accuracy,pointing_accuracy"
+    assert meta["model-index"][0]["results"] == [] and "metrics" not in meta and meta["license"] == "mit"
+    assert f"| the lower of object accuracy and pointing accuracy | val | {value:.4g} |" in card
     assert "demo-soft is a demo model" in card  # the notice, in the card's text
 
 
@@ -278,3 +279,27 @@ def test_the_card_s_commands_run_from_where_a_downloader_stands(tmp_path):
     assert "pip install captioner" not in use and "--no-deps captioner" not in use  # not on the index
     assert "from the folder that holds `soft/`" in use
     assert "captioner caption --weights soft photo.jpg" in use
+
+
+def test_an_own_data_card_names_metrics_not_expressions_and_says_what_the_figures_rest_on(tmp_path):
+    from captioner.io.card import model_card
+
+    export(tiny_captioner(seed=3), tmp_path / "m")
+    config = json.loads((tmp_path / "m" / fmt.CONFIG).read_text())
+    config["training_data"] = "mine (own data)"  # `data import` named it after its folder
+    config["meta"] = {"val_min:object_accuracy,pointing_accuracy": 0.5, "val_object_accuracy": 0.75,
+                      "val_pointing_accuracy": 0.5, "val_images": 2, "encoder_weights": "random"}
+    card = model_card(config, name="m")
+    meta = front_matter(card)
+    assert meta["metrics"] == ["object_accuracy", "pointing_accuracy"]  # names, not a config expression
+    types = [m["type"] for m in meta["model-index"][0]["results"][0]["metrics"]]
+    assert types == ["object_accuracy", "pointing_accuracy"] and not any(":" in t for t in types)
+    assert "datasets" not in meta  # a folder's name is no data set's
+    assert "the lower of object accuracy and pointing accuracy | val | 0.5" in card
+    assert "on 2 validation images" in card and "too few" in card
+    assert "random" in card and "no pretrained weights" in card
+
+    # A checkpoint that recorded only the expression: in the table, not as a Hub metric.
+    config["meta"] = {"val_min:object_accuracy,pointing_accuracy": 0.5}
+    meta = front_matter(model_card(config, name="m"))
+    assert "metrics" not in meta and meta["model-index"][0]["results"] == []

@@ -117,3 +117,14 @@ def test_self_critical_training_shows_the_samples_reward_not_their_nll(tiny_coco
     train(cfg, tmp_path / "run", progress=True)
     frames = _frames(capsys.readouterr().err)
     assert any(re.search(r"reward=\d+\.\d\d", f) for f in frames) and not any("nll=" in f for f in frames)
+
+
+def test_best_pt_records_each_part_of_its_metric_the_validation_size_and_the_encoder_start(tiny_coco, tmp_path):
+    cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 2, "val.every_epochs": 0,
+                                          "val.metric": "min:BLEU-1,BLEU-4"})
+    train(cfg, tmp_path / "run", progress=False)
+    meta = load_checkpoint(tmp_path / "run" / "best.pt").meta
+    parts = meta["val_BLEU-1"], meta["val_BLEU-4"]
+    assert meta["val_min:BLEU-1,BLEU-4"] == min(parts)
+    assert meta["val_images"] == 2  # the tiny set's validation split
+    assert meta["encoder_weights"] == "random"  # a small encoder made from scratch

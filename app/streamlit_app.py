@@ -249,7 +249,8 @@ def _take_upload(upload) -> None:
 def choose_image() -> tuple[str, bytes] | None:
     """The last upload, else the chosen example: (name, raw bytes). None: neither, keep what is shown."""
     _take_upload(st.file_uploader("Upload an image", type=UPLOAD_TYPES, key="uploader",
-                                  help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF."))
+                                  help="JPEG, PNG, WebP, BMP, GIF (first frame) or TIFF. Transparent "
+                                       "pixels are seen on white."))
     examples = sorted(EXAMPLES_DIR.glob("*.png"))
     if "example" not in st.session_state:
         st.session_state["example"] = 0 if examples else None  # a new page starts with the first example

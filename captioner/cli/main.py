@@ -87,7 +87,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                     "before are tried again, and images captioned without the attention (or the "
                     "alternatives) asked for now are captioned again; the file keeps one line per image. "
                     "Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. The default model "
-                    "is a demo trained on synthetic shapes only.")
+                    "is a demo trained on synthetic shapes only. Transparent pixels are laid on white, as "
+                    "the model sees the image: a transparent background is described as white.")
     p.add_argument("paths", nargs="+", metavar="PATH",
                    help="image files or folders; - reads paths from standard input, one per line (e.g. from "
                         "find ... | captioner caption -). URLs are not fetched: download the image first")

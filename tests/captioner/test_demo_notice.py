@@ -78,6 +78,8 @@ def test_help_says_what_the_demo_models_know(capsys):
     assert "works out of the box" not in parser.format_help()
     caption_help = parser._subparsers._group_actions[0].choices["caption"].format_help()
     assert "synthetic shapes" in " ".join(caption_help.split())
+    # a transparent PNG is seen on white (the demo then calls its background a white square): said
+    assert "transparent pixels are laid on white" in " ".join(caption_help.split()).lower()
 
 
 def test_demo_hard_looks_through_demo_softs_frozen_encoder():

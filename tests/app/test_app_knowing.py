@@ -86,3 +86,12 @@ def test_each_word_shows_its_probability_and_the_beams_captions_are_listed(weigh
     assert len(re.findall(r"^\d+\. ", listed[0], re.M)) == len(line["alternatives"])
     # Familiarity unknown for a checkpoint without a record: said so, nothing flagged.
     assert not _unlike(at) and "familiarity unknown" in next(c.value for c in at.caption if " · beam " in c.value)
+
+
+def test_the_shaded_words_look_like_text_not_chips_that_would_be_clicked():
+    """The caption's words are shaded by doubt, and clicking them does nothing: so they are marked
+    as highlighted text (no padding, no rounded box, no pointer), not as pills like the word picker's."""
+    css = (Path(__file__).resolve().parents[2] / "app" / "page.css").read_text()
+    rule = re.search(r"\.captioner-probs \.word-prob \{([^}]*)\}", css).group(1)
+    assert "padding" not in rule and "border-radius" not in rule and "pointer" not in rule
+    assert "var(--p)" in rule  # still shaded by the word's probability

@@ -301,7 +301,8 @@ def relative_to_here(problems: dict[str, str], source: Path) -> str | None:
 
 def print_unusable(problems: dict[str, str], total: int, limit: int) -> None:
     """The images that cannot be used, each with its reason, the first ``limit`` of them."""
-    print(f"{len(problems):,} of {total:,} images cannot be used:")
+    n = len(problems)
+    print(f"{n:,} image{'s' if n != 1 else ''} of {total:,} cannot be used:")
     for path, reason in list(problems.items())[:limit]:
         print(f"  {path}: {reason}")
     if len(problems) > limit:

@@ -28,7 +28,7 @@ def test_check_reports_missing_and_unreadable_images(tmp_path, photos, capsys):
     (coco / "train2014" / "COCO_train2014_000000000030.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
     assert data_main(["check", "--config", str(coco_config(tmp_path, photos)), "--quiet"]) == 1
     out = capsys.readouterr().out
-    assert "2 of 12 images cannot be used" in out
+    assert "2 images of 12 cannot be used" in out
     assert "COCO_val2014_000000000074.jpg: missing" in out
     assert "COCO_train2014_000000000030.jpg:" in out and "truncated" in out
 

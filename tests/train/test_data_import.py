@@ -151,7 +151,7 @@ def test_missing_and_undecodable_images_are_named_and_stop_unless_skipped(tmp_pa
     assert data_main(["import", str(tmp_path / "c.csv"), "--out", str(out), "--quiet"]) == 1
     said = capsys.readouterr()
     text = said.out + said.err
-    assert "13 of 17 images cannot be used" in text
+    assert "13 images of 17 cannot be used" in text
     assert sum("gone" in line or "broken" in line for line in text.splitlines()) == 10  # up to ten named
     assert "--skip-unreadable" in text
     assert not (out / "dataset.json").exists()
@@ -474,7 +474,7 @@ def test_paths_written_relative_to_the_current_folder_are_recognised_and_the_fix
     monkeypatch.chdir(tmp_path)
     assert data_main(["import", "own/captions.csv", "--out", "data", "--quiet"]) == 1
     text = capsys.readouterr().out
-    assert "3 of 3 images cannot be used" in text
+    assert "3 images of 3 cannot be used" in text
     hint = [line for line in text.splitlines() if "current folder" in line]
     assert len(hint) == 1, text
     assert "all 3 missing images exist relative to the current folder" in hint[0]
@@ -485,3 +485,12 @@ def test_paths_written_relative_to_the_current_folder_are_recognised_and_the_fix
     (tmp_path / "own" / "other.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
     assert data_main(["import", "own/other.csv", "--out", "data", "--quiet"]) == 1
     assert "current folder" not in capsys.readouterr().out
+
+
+def test_one_unusable_image_is_said_in_the_singular(tmp_path, capsys):
+    photo_folder(tmp_path, n=3)
+    rows = ["image,caption"] + [f"pics/p{i}.png,caption {i}" for i in range(3)] + ["pics/gone.png,caption"]
+    (tmp_path / "c.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    assert data_main(["import", str(tmp_path / "c.csv"), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+    text = capsys.readouterr().out
+    assert "1 image of 4 cannot be used:" in text

@@ -95,7 +95,8 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     from .own import CAPTION_KEYS, CAPTION_LIST_KEYS, FORMATS, IMAGE_KEYS
 
     c = sub.add_parser(
-        "import", help="turn own images and captions (CSV/TSV, JSON Lines, folder + .txt) into a data set",
+        "import", help="turn own images and captions (CSV/TSV, JSON Lines, folder + .txt or metadata.jsonl) "
+                       "into a data set",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="\n\n".join([
             _wrapped("Turn own images and captions into a data set that `data check`, `train` and `evaluate` "
@@ -106,7 +107,11 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
             "  a JSON Lines file: one object per line with an image (image, file_name) and caption/text\n"
             "    or a list captions/descriptions (the metadata.jsonl of image-folder data sets)\n"
             "  a folder of images, each with a .txt file of the same name beside it (photo.jpg +\n"
-            "    photo.txt), one caption per line",
+            "    photo.txt), one caption per line\n"
+            "  a folder of images with Hugging Face's metadata.jsonl in it (file_name relative to the\n"
+            "    folder, and text); captioner caption --format txt or metadata writes these two, so a\n"
+            "    folder captioned, then corrected by hand, can be trained on. A folder that holds both\n"
+            "    is read once --format names one (folder: the .txt files, or metadata)",
             _wrapped("Image paths are relative to the source file's folder unless absolute. Rows of one image are "
                      "merged; a caption repeated for one image is kept once; empty captions are dropped (counted); "
                      "images left out are named. Every image is checked to exist and decode. "
@@ -127,7 +132,8 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--overwrite", action="store_true",
                    help="replace the dataset.json that --out holds (a model trained on it loses its split)")
     c.add_argument("--format", choices=FORMATS, default=None,
-                   help="the source's format (default: from its name: a folder, .jsonl, .tsv, else CSV)")
+                   help="the source's format (default: from its name: a folder (its metadata.jsonl if it holds "
+                        "one, else the .txt files), .jsonl, .tsv, else CSV)")
     c.add_argument("--image-column", default=None, metavar="NAME",
                    help=f"CSV/TSV column or JSON key of the image (default: the first of {', '.join(IMAGE_KEYS)})")
     c.add_argument("--caption-column", default=None, metavar="NAME",
@@ -218,8 +224,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     for n, one, many in dropped:
         if n:
             print(f"  {n:,} {one if n == 1 else many} dropped")
+    without = "a line in metadata.jsonl" if source.format == "metadata" else "a caption file"
     left_out = [(no_caption, "image with only empty captions", "images with only empty captions"),
-                (source.without_captions, "image without a caption file", "images without a caption file"),
+                (source.without_captions, f"image without {without}", f"images without {without}"),
                 (list(problems), "unreadable image", "unreadable images")]
     for paths, one, many in left_out:
         if paths:

@@ -8,7 +8,11 @@ Three sources are read, each giving (image path, caption) pairs:
   and ``caption``/``text``, or a list ``captions`` (the ``metadata.jsonl`` of image-folder
   data sets);
 - a folder of images, each with a text file of the same name beside it (``photo.jpg`` +
-  ``photo.txt``), one caption per line.
+  ``photo.txt``), one caption per line;
+- a folder of images with Hugging Face's ``metadata.jsonl`` in it (``file_name`` relative to the
+  folder, and ``text``). ``captioner caption --format txt`` and ``--format metadata`` write these
+  two, so that a folder captioned, then corrected by hand, can be trained on. A folder that holds
+  both is refused until the caller names one (``--format folder`` or ``--format metadata``).
 
 Image paths are relative to the source file's folder (the folder itself for a folder
 source) unless absolute. Rows of the same image are merged (however its path is spelt),
@@ -44,7 +48,8 @@ from captioner.data.vocab import tokenizer_named
 IMAGE_KEYS = ("image", "file_name", "filename", "path", "image_path", "file", "img")
 CAPTION_KEYS = ("caption", "text", "sentence", "description")
 CAPTION_LIST_KEYS = ("captions", "texts", "sentences", "descriptions")  # JSON Lines: a list of captions
-FORMATS = ("csv", "tsv", "jsonl", "folder")
+FORMATS = ("csv", "tsv", "jsonl", "folder", "metadata")
+METADATA = "metadata.jsonl"  # Hugging Face's imagefolder metadata, in the folder of its images
 
 
 class SourceError(ValueError):
@@ -96,10 +101,13 @@ def read_source(source: str | os.PathLike, fmt: str | None = None, image_key: st
     source = Path(source)
     if not source.exists():
         raise SourceError(f"no such file or folder: {source}")
+    given = fmt
     fmt = fmt or source_format(source)
-    if fmt == "folder":
+    if fmt in ("folder", "metadata"):
         if not source.is_dir():
             raise SourceError(f"{source} is not a folder")
+        if fmt == "metadata" or (fmt == "folder" and given is None and (source / METADATA).is_file()):
+            return _read_metadata(source, image_key, caption_key, encoding, chosen=given is not None)
         return _read_folder(source, encoding)
     if not source.is_file():
         raise SourceError(f"{source} is a folder; give a CSV, TSV or JSON Lines file, or --format folder")
@@ -287,6 +295,37 @@ def _read_folder(folder: Path, encoding: str | None = None) -> Source:
                 pairs.append((path, line))
     source = _merged("folder", pairs, None)
     source.without_captions = without
+    return source
+
+
+def _folder_images(folder: Path) -> list[Path]:
+    """The image files under ``folder``, in the order of a sorted walk."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        found += [Path(root) / name for name in sorted(files) if Path(name).suffix.lower() in IMAGE_EXTENSIONS]
+    return found
+
+
+def _read_metadata(folder: Path, image_key: str | None, caption_key: str | None, encoding: str | None,
+                   chosen: bool) -> Source:
+    """The captions of ``folder``'s metadata.jsonl; its images without a line are listed. Unless
+    the format was ``chosen``, .txt captions beside the images too are an ambiguity, refused."""
+    metadata = folder / METADATA
+    if not metadata.is_file():
+        raise SourceError(f"{folder} holds no {METADATA} (captioner caption --format metadata writes one); "
+                          "--format folder reads .txt files beside the images")
+    images = _folder_images(folder)
+    if not chosen:
+        sidecars = [p for p in images if p.with_suffix(".txt").is_file()]
+        if sidecars:
+            raise SourceError(f"{folder} holds both {METADATA} and .txt captions beside its images (e.g. "
+                              f"{sidecars[0].with_suffix('.txt')}): read one with --format metadata or --format "
+                              "folder (the .txt files)")
+    pairs, columns = _jsonl_pairs(read_text(metadata, encoding), metadata, image_key, caption_key)
+    source = _merged("metadata", ((_resolve(folder, image), caption) for image, caption in pairs), columns)
+    listed = {str(im.path) for im in source.images}
+    source.without_captions = [p for p in images if os.path.normpath(os.path.abspath(p)) not in listed]
     return source
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -39,6 +39,7 @@ from captioner.search.decoding import CaptionResult
 class Discovery:
     images: list[str] = field(default_factory=list)
     skipped: int = 0  # files in folders without an image extension
+    roots: list[str | None] = field(default_factory=list)  # each image's folder as given; None: named itself
 
 
 def discover(paths: list[str]) -> Discovery:
@@ -62,10 +63,12 @@ def discover(paths: list[str]) -> Discovery:
                 for name in sorted(files):
                     if is_image_path(name):
                         found.images.append(os.path.join(root, name))
+                        found.roots.append(p)
                     else:
                         found.skipped += 1
         elif os.path.lexists(p):
             found.images.append(p)  # named explicitly: try it whatever its extension
+            found.roots.append(None)
         else:
             missing.append(p)
     if missing:
@@ -325,12 +328,14 @@ class BatchSummary:
     unfamiliar: int = 0  # captioned, and flagged unlike the model's training images
 
 
-def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, options: DecodeOptions,
+def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, *, options: DecodeOptions,
                   batch_size: int = 16, workers: int = 0, with_attention: bool = False,
                   attention_dir: Path | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
                   progress: bool | None = None, resolved: bool = False, heads: bool = False,
-                  decode_on_device: bool = False) -> BatchSummary:
-    """Caption ``images`` in order, writing one JSON line per image to ``out``. With
+                  decode_on_device: bool = False,
+                  on_record: Callable[[str, dict], None] | None = None) -> BatchSummary:
+    """Caption ``images`` in order, writing one JSON line per image to ``out``, or handing
+    each image's path and record to ``on_record`` instead (the caption files). With
     ``resolved``, each line also holds the image's resume key (for an output file that a
     later run resumes). ``heads``: each head's maps too, in the line and the figure. Each line
     names the model ("model", and "training_data" when known): several runs' captions in one
@@ -367,8 +372,12 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str], *, opti
                     summary.failed += 1
                 if resolved:
                     record["resolved"] = resume_key(path, real_folders)
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write per whole line
-            out.flush()
+                if on_record is not None:
+                    on_record(path, record)
+                else:
+                    out.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write per whole line
+            if out is not None:
+                out.flush()
             bar.update(len(batch.indices))
     finally:
         bar.close()

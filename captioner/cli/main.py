@@ -16,6 +16,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from captioner.cli.caption_files import FORMATS as CAPTION_FORMATS
+from captioner.cli.caption_files import check_format_flags
 from captioner.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -86,6 +88,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                     "their real location, however the folder is spelled) are skipped, images that failed "
                     "before are tried again, and images captioned without the attention (or the "
                     "alternatives) asked for now are captioned again; the file keeps one line per image. "
+                    "With --format txt or metadata the captions go into files instead: a .txt beside each image, "
+                    "or Hugging Face's metadata.jsonl (see --format). "
                     "Exit code: 0 all captioned, 1 some failed (this run), 2 usage error. The default model "
                     "is a demo trained on synthetic shapes only. Transparent pixels are laid on white, as "
                     "the model sees the image: a transparent background is described as white.")
@@ -108,7 +112,26 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                    help="image-decoding worker processes (default: 2 for more than 64 images, else 0)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON-lines output file (default stdout; missing folders are made); resumable: each line "
-                        'also holds "resolved", the absolute path resume matches on')
+                        'also holds "resolved", the absolute path resume matches on. With --format txt: the '
+                        "folder the .txt files go to, in the tree of the folder given (default: beside the images)")
+    p.add_argument("--format", choices=CAPTION_FORMATS, default="jsonl",
+                   help="jsonl (default): one JSON line per image, as above. txt: the caption in NAME.txt beside "
+                        "each image (photo.jpg -> photo.txt), or under --out DIR, as tools that train image "
+                        "generators read them. metadata: Hugging Face's metadata.jsonl in the one folder given, "
+                        '{"file_name": path relative to the folder, "text": caption} a line, which '
+                        'datasets.load_dataset("imagefolder", data_dir=FOLDER) reads as it is. With txt and '
+                        "metadata, an image whose .txt (or metadata.jsonl line) is there already is not captioned "
+                        "and its file is kept (named in the summary): a run that stopped continues where it "
+                        "stopped, and captions corrected by hand stay. captioner data import reads both back "
+                        "(docs/caption-files.md)")
+    p.add_argument("--prefix", default="", metavar="TEXT",
+                   help="with --format txt or metadata: TEXT before each caption, as it is (give the separator "
+                        'too: --prefix "sks, ")')
+    p.add_argument("--suffix", default="", metavar="TEXT",
+                   help="with --format txt or metadata: TEXT after each caption, as it is")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --format txt or metadata: caption every image and replace the .txt files (or "
+                        "metadata.jsonl lines) that are there, those corrected by hand too")
     p.add_argument("--with-attention", action="store_true",
                    help='add "alphas" (T x H x W, rounded) and "betas" (T) to each line')
     p.add_argument("--attention-dir", type=Path, default=None,
@@ -135,7 +158,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                         "EXIF-rotated JPEGs go through the usual path. Pixels differ from it by a level or two "
                         "of 255 (full-scale decoding, torch's resampling), so a near tie may caption differently")
     p.add_argument("--quiet", action="store_true",
-                   help="no progress bar or summary on stderr (the demo-model note is still printed)")
+                   help="no progress bar or summary on stderr (the demo-model note is still printed; with "
+                        "--format txt or metadata, so are the images that failed, which have no other record)")
     p.set_defaults(func=cmd_caption)
 
 
@@ -194,7 +218,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     decode_options(args)  # refused before any work; the model's own length limit comes in later
-    check_out_file(args.out)
+    check_format_flags(args)
+    if args.format == "jsonl":
+        check_out_file(args.out)
     if args.attention_dir is not None:
         make_folders(args.attention_dir, "--attention-dir")  # refuses a file in the way, in one line
     # Under torchrun each rank captions its share into a part file; rank 0 merges them.
@@ -203,6 +229,10 @@ def cmd_caption(args: argparse.Namespace) -> int:
     except DeviceError as e:
         raise UsageError(str(e)) from None
     try:
+        if args.format != "jsonl":
+            if ctx.active:
+                raise UsageError(f"--format {args.format} runs in one process: under torchrun, use --format jsonl")
+            return _caption_files(args, ctx)
         found = _caption_inputs(args, ctx)
         captioner = load_model("caption", args.weights, ctx.device, notice=ctx.is_main).captioner
         captioner.use_precision(args.precision)
@@ -226,6 +256,51 @@ def cmd_caption(args: argparse.Namespace) -> int:
         return EXIT_SOME_FAILED if summary.failed else EXIT_OK
     finally:
         teardown(ctx)
+
+
+def _caption_files(args: argparse.Namespace, ctx: DistContext) -> int:
+    """``caption --format txt | metadata``: each caption into its file (caption_files.py), the
+    images that have one already left as they are; the summary names those and the failures."""
+    from captioner.cli.batch import caption_paths
+    from captioner.cli.caption_files import CaptionFiles, CaptionFilesError, plan_files
+    from captioner.data.images import DEFAULT_MAX_PIXELS
+
+    found = _caption_inputs(args, ctx)
+    try:
+        plan = plan_files(args.format, found.images, found.roots, out_dir=args.out, overwrite=args.overwrite)
+    except CaptionFilesError as e:
+        raise UsageError(str(e)) from None
+    captioner = load_model("caption", args.weights, ctx.device).captioner
+    captioner.use_precision(args.precision)
+    if args.compile and plan.todo:
+        captioner.compile(backend=args.compile)
+    files = CaptionFiles(plan, args.prefix, args.suffix, args.overwrite)
+    workers = args.workers if args.workers is not None else (2 if len(plan.todo) > 64 else 0)
+    try:
+        summary = caption_paths(captioner, plan.todo, None, options=decode_options(args, captioner.max_len),
+                                batch_size=args.batch_size or default_batch_size(captioner.device),
+                                workers=workers, attention_dir=args.attention_dir,
+                                max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
+                                progress=False if args.quiet else None, heads=args.attention_heads,
+                                decode_on_device=args.decode_on_device, on_record=files)
+    except KeyboardInterrupt:
+        what = plan.metadata if plan.metadata is not None else "the .txt files"
+        print(f"captioner caption: interrupted; the captions made so far are in {what}: the same command "
+              "continues where it stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        files.close()
+    if not args.quiet:
+        for line in files.summary(summary.captioned, found.skipped, args.out):
+            print(line, file=sys.stderr)
+    for line in files.failures():
+        print(f"captioner caption: {line}", file=sys.stderr)
+    if files.wordless:
+        n = len(files.wordless)
+        print(f"captioner caption: note: {n} caption{'s' if n != 1 else ''} with no word, so no .txt written "
+              f"(nor metadata line), e.g. {files.wordless[0]}: the model has nothing to say of "
+              f"{'them' if n != 1 else 'it'}", file=sys.stderr)
+    return EXIT_SOME_FAILED if files.failed else EXIT_OK
 
 
 def _caption_inputs(args: argparse.Namespace, ctx: DistContext) -> Discovery:

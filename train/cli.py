@@ -39,10 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
 
-# What --set may change when a run resumes: how long it goes on and where it runs. The rest
+# What --set may change when a run resumes: how long it goes on, where it runs and what it
+# writes for watching (TensorBoard). The rest
 # (the data, the model, the rates) is the run's own: changed, it would no longer be that run.
 ON_RESUME = ("optim.epochs", "optim.max_steps", "optim.max_minutes", "val.patience", "optim.threads",
-             "optim.device", "data.workers", "optim.cuda_graphs")
+             "optim.device", "data.workers", "optim.cuda_graphs",
+             "log.tensorboard", "log.tensorboard_images")
 
 
 def _read_last(run_dir: Path):

@@ -220,6 +220,18 @@ class ScstConfig:
 
 
 @dataclass
+class LogConfig:
+    """What a run writes for watching it besides metrics.jsonl (train/tensorboard.py)."""
+
+    # TensorBoard event files in the run folder (`tensorboard --logdir runs`): the training
+    # figures of every log line, the validation figures, and the attention figures below.
+    tensorboard: bool = True
+    # At each validation, the attention figure and caption of this many validation images (the
+    # split's first, the same at every validation). 0: none.
+    tensorboard_images: int = 3
+
+
+@dataclass
 class TrainConfig:
     name: str = "run"
     data: DataConfig = field(default_factory=DataConfig)
@@ -228,6 +240,7 @@ class TrainConfig:
     val: ValConfig = field(default_factory=ValConfig)
     hard: HardConfig = field(default_factory=HardConfig)
     scst: ScstConfig = field(default_factory=ScstConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -441,7 +454,7 @@ BOUNDS: dict[str, tuple[Callable[[float], bool], str]] = {
     "val.every_epochs": _at_least(0), "val.beam_size": _at_least(1), "val.max_len": _at_least(1),
     "val.limit": _at_least(0), "val.patience": _at_least(0), "val.min_images": _at_least(0),
     "hard.lambda_r": _at_least(0), "hard.entropy": _at_least(0), "hard.baseline_decay": _SHARE,
-    "hard.expected_context_prob": _SHARE,
+    "hard.expected_context_prob": _SHARE, "log.tensorboard_images": _at_least(0),
 }
 
 # What validation scores (train/loop.py's validate): the caption metrics but METEOR, which it

@@ -42,13 +42,14 @@ from captioner.model.familiarity import MIN_IMAGES, TrainingFeatures, training_f
 
 from .averaging import WeightAverage, same_encoder
 from .captions import CaptionDataset, TrainingCaptions, collate_captions, training_captions
-from .config import TrainConfig, metric_parts, to_toml
+from .config import GROUNDING_FIGURES, TrainConfig, metric_parts, to_toml
 from .datainfo import DataSet, load_dataset, summary_lines
 from .graphed import GraphedSoftStep, graphs_apply
 from .losses import LossParts, soft_loss
 from .objectives import Objective, choose_objective
 from .precision import MixedPrecision
 from .startup import StartupError, data_tokenizer, new_model, on_main, prepare_data, readable_splits, take_back
+from .tensorboard import Board, NoBoard, open_board
 
 
 class RunWriteError(Exception):
@@ -220,6 +221,7 @@ class Run:
     dataset: Dataset | None = None
     grid: tuple[int, int] | None = None  # the annotations' grid, when they come from the feature cache
     files: RunFiles | None = None
+    board: Board | NoBoard = field(default_factory=NoBoard)  # TensorBoard's event files (tensorboard.py)
     graphed: GraphedSoftStep | None = None  # the step as CUDA graphs, where it may run (graphed.py)
     channels_last: bool = False  # the encoder and its images in NHWC memory (kernels.channels_last_ok)
 
@@ -346,7 +348,7 @@ def _train(cfg: TrainConfig, run_dir: Path, ckpt: Checkpoint | None, ctx: DistCo
                       f"nothing to train; {_go_on(done, run_dir)}", file=sys.stderr)
             return TrainOutcome(run_dir, state.step, state.epoch, done, state.best, state.train_seconds,
                                 run.val_chooses)
-    open_run(run, resumed_at=state.step if ckpt is not None else None)
+    open_run(run, resumed_at=state.step if ckpt is not None else None, train_seconds=state.train_seconds)
     reason = run_epochs(run, state)
     if reason != "interrupted" and ctx.is_main:
         record_familiarity(run)
@@ -472,11 +474,12 @@ def restore(run: Run, ckpt: Checkpoint) -> TrainState:
     return state
 
 
-def open_run(run: Run, resumed_at: int | None) -> None:
+def open_run(run: Run, resumed_at: int | None, train_seconds: float = 0.0) -> None:
     """Write the run folder's config.toml (made, or resuming rewritten, only now that everything
     above is known good), say what the run trains on, and make the training set (with the feature
     cache, building it if need be). A new run's folder is taken back if this fails.
-    ``resumed_at``: the step of the checkpoint resumed from, None for a new run."""
+    ``resumed_at``: the step of the checkpoint resumed from, None for a new run; ``train_seconds``:
+    the run's training time there."""
     cfg, ctx, run_dir = run.cfg, run.ctx, run.run_dir
     created = resumed_at is None and not run_dir.exists()
 
@@ -509,6 +512,8 @@ def open_run(run: Run, resumed_at: int | None) -> None:
         device = ctx.device
         run.net = DistributedDataParallel(run.model, device_ids=[device.index] if device.type == "cuda" else None)
     run.files = RunFiles(run_dir, ctx, resumed_at)
+    run.board = open_board(run_dir, enabled=cfg.log.tensorboard, main=ctx.is_main, resumed_at=resumed_at,
+                           figure_images=run.val_records[:cfg.log.tensorboard_images], train_seconds=train_seconds)
     if cfg.optim.compile:
         run.model.decoder.compile_step(backend=cfg.optim.compile)
     run.graphed = _graphed_step(run)
@@ -599,6 +604,7 @@ def run_epochs(run: Run, state: TrainState) -> str:
             save(run, state, bar_loss)
         finally:
             run.files.close()
+            run.board.close()
     return reason
 
 
@@ -628,6 +634,7 @@ def run_epoch(run: Run, state: TrainState, stop: _StopFlag, bar_loss: _BarLoss) 
         tick = now
         state.step += 1
         state.batch_in_epoch += 1
+        run.board.took(len(global_batch))
         if not bar.disable:
             bar_loss.show(bar, parts, state.train_seconds)
         bar.update(1)
@@ -676,10 +683,13 @@ def _log_step(run: Run, state: TrainState, parts: LossParts) -> None:
     """A training line of metrics.jsonl, its figures averaged over the ranks (all ranks call this)."""
     ctx, scaler = run.ctx, run.precision.scaler
     nll = ctx.mean(float(parts.nll))
-    run.files.write({"step": state.step, "epoch": state.epoch, "nll": round(nll, 4),
-                     "penalty": round(ctx.mean(float(parts.penalty)), 4), "lr": run.optimizer.param_groups[0]["lr"],
-                     "train_seconds": round(state.train_seconds, 1), **run.objective.log_fields(parts, ctx),
-                     **({"grad_scale": scaler.get_scale()} if scaler else {})})
+    lrs = [group["lr"] for group in run.optimizer.param_groups]
+    record = {"step": state.step, "epoch": state.epoch, "loss": round(ctx.mean(float(parts.loss)), 4),
+              "nll": round(nll, 4), "penalty": round(ctx.mean(float(parts.penalty)), 4), "lr": lrs[0],
+              "train_seconds": round(state.train_seconds, 1), **run.objective.log_fields(parts, ctx),
+              **({"grad_scale": scaler.get_scale()} if scaler else {})}
+    run.files.write(record)
+    run.board.training(state.step, record, lrs, state.train_seconds)
     run.files.stop_on_failure()
 
 
@@ -734,13 +744,16 @@ def _validate_here(run: Run, state: TrainState) -> bool:
     """``validate``'s work on rank 0: decode, score, say it, keep the best."""
     cfg, model = run.cfg, run.model
     model.eval()
+    options = DecodeOptions(beam_size=cfg.val.beam_size, max_len=cfg.val.max_len)
     report = evaluate(run.captioner, cfg.data.dir, cfg.data.val_split, karpathy=cfg.data.split_file,
-                      records=run.val_records, options=DecodeOptions(beam_size=cfg.val.beam_size,
-                                                                     max_len=cfg.val.max_len),
-                      limit=cfg.val.limit or None, meteor=False, progress=False, with_coco_objects=False)
-    model.train()
+                      records=run.val_records, options=options, limit=cfg.val.limit or None, meteor=False,
+                      progress=False, with_coco_objects=False)
     grounding = report.grounding.to_dict() if report.grounding is not None else None
     figures = {**report.metrics, **(grounding or {})}
+    # the board plots every figure val.metric may name (config.CAPTION_FIGURES, GROUNDING_FIGURES), not the counts
+    shown = {k: v for k, v in figures.items() if k in report.metrics or k in GROUNDING_FIGURES}
+    run.board.validation(state.step, shown, run.captioner, options)
+    model.train()
     value = validation_value(cfg.val.metric, figures)
     previous, chooses = state.best, run.val_chooses
     improved = previous is None or value > previous

@@ -35,6 +35,7 @@ class LossParts:
     baseline: float | None = None
     entropy: torch.Tensor | float | None = None  # hard attention: a device tensor, like nll
     reward: float | None = None  # self-critical training: the mean reward of the samples
+    reinforce_reward: float | None = None  # hard attention: the minibatch's mean REINFORCE reward r
 
 
 def caption_log_likelihood(out: DecoderOutput, targets: torch.Tensor) -> torch.Tensor:
@@ -154,4 +155,4 @@ class HardAttentionObjective:
         d = self.cfg.baseline_decay
         self.baseline = d * self.baseline + (1 - d) * batch_reward
         return LossParts(loss, -ll.mean().detach(), penalty.detach(), out.mask.sum(), sampled, self.baseline,
-                         entropy.mean().detach())
+                         entropy.mean().detach(), reinforce_reward=batch_reward)

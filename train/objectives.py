@@ -86,7 +86,9 @@ class Hard:
         return []
 
     def log_fields(self, parts, ctx):
-        return {"baseline": round(self.objective.baseline, 4)}
+        # r (the minibatch's, already the global batch's mean) against b, and the maps' entropy
+        return {"reward": round(parts.reinforce_reward, 4), "baseline": round(self.objective.baseline, 4),
+                "entropy": round(ctx.mean(float(parts.entropy)), 4)}
 
 
 class SelfCritical:

@@ -242,10 +242,13 @@ def check_run_folder(run_dir: Path, overwrite: bool) -> None:
 
 
 def clear_run_folder(run_dir: Path) -> None:
-    """Delete an earlier run's checkpoints, log and config (a feature cache stays: the new run
-    may use it), for a new run asked to start over in place."""
+    """Delete an earlier run's checkpoints, logs (its TensorBoard event files too: their curves
+    would run under the new run's) and config (a feature cache stays: the new run may use it),
+    for a new run asked to start over in place."""
     for name in (*RUN_RESULTS, "config.toml"):
         (run_dir / name).unlink(missing_ok=True)
+    for events in run_dir.glob("events.out.tfevents.*"):
+        events.unlink(missing_ok=True)
 
 
 def on_main(ctx: DistContext, work) -> None:

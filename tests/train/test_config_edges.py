@@ -122,6 +122,7 @@ DEFAULTS = {
     "hard": {"reward": "word_mean", "lambda_r": 0.1, "entropy": 0.002, "reduction": "mean", "baseline_decay": 0.9,
              "expected_context_prob": 0.5},
     "scst": {"enabled": False, "samples": 5, "baseline": "loo", "max_len": 20},
+    "log": {"tensorboard": True, "tensorboard_images": 3},
 }
 
 
@@ -179,7 +180,7 @@ AT_LEAST = {"data.min_count": 1, "data.max_vocab": 0, "data.max_caption_len": 1,
             "optim.batch_size": 1, "optim.weight_decay": 0, "optim.lr_decay_every": 1, "optim.grad_clip": 0,
             "optim.doubly_stochastic": 0, "optim.threads": 0, "optim.log_every": 1, "optim.save_every": 0,
             "val.every_epochs": 0, "val.beam_size": 1, "val.max_len": 1, "val.limit": 0, "val.patience": 0,
-            "val.min_images": 0, "hard.lambda_r": 0, "hard.entropy": 0}
+            "val.min_images": 0, "hard.lambda_r": 0, "hard.entropy": 0, "log.tensorboard_images": 0}
 
 
 @pytest.mark.parametrize("key, low", AT_LEAST.items(), ids=list(AT_LEAST))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from captioner.model.decoder import CaptionModel
+from captioner.train.tensorboard import event_files
 from tests.builders import TORCHRUN, one_and_two_ranks
 from tests.tiny import tiny_captioner, tiny_image
 
@@ -22,6 +23,7 @@ def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, 
     # Only rank 0 wrote: one log line per logged step, not two.
     steps = [json.loads(x)["step"] for x in (multi / "metrics.jsonl").read_text().splitlines() if '"nll"' in x]
     assert steps == sorted(set(steps))
+    assert len(event_files(multi)) == 1  # and one TensorBoard event file, not one a rank
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 from captioner.cli.main import main as captioner_main
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
+from captioner.train.tensorboard import event_files
 from tests.builders import one_line, tiny_train_config
 from tests.tiny import tiny_captioner, write_tiny_coco
 
@@ -53,6 +54,7 @@ def test_a_new_run_into_a_used_run_folder_refuses_before_any_work_and_keeps_the_
     assert captioner_main(["train", "--config", str(one_step), "--run-dir", str(run), "--overwrite",
                            "--quiet"]) == 0
     assert load_checkpoint(run / "last.pt").train_state.step == 1
+    assert len(event_files(run)) == 1  # the earlier run's curves went with its log
     steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "nll" in r]
     assert steps == [1]
     assert "max_steps = 1" in (run / "config.toml").read_text()

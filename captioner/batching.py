@@ -60,15 +60,20 @@ class Gate:
     image on one core as one at a time (docs/app-serving.md), so when jobs queue up, the queue
     drains faster. With ``max_wait`` seconds, a job handed a slot before its batch is full waits
     until that long after it asked for others of its key to arrive (the jobs that come meanwhile
-    join it rather than take another slot). ``max_queue``: the most jobs waiting (None: no limit)."""
+    join it rather than take another slot). ``announced``: callers announce each job as it is on its
+    way (``announce``, then ``run(..., announced=True)`` or ``withdraw``), and a window waits only
+    while one is, so that a lone job never waits for mates that are not coming.
+    ``max_queue``: the most jobs waiting (None: no limit)."""
 
     def __init__(self, slots: int, threads: int = 1, batch: int = 1, *, max_wait: float = 0.0,
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, announced: bool = False):
         self.slots = max(1, int(slots))
         self.threads = max(1, int(threads))  # torch threads per job
         self.batch = max(1, int(batch))
         self.max_wait = max(0.0, float(max_wait))
         self.max_queue = max_queue
+        self.announced = announced
+        self._coming = 0  # jobs announced that have not joined the line yet
         self.last_seconds = 0.0  # the wall time of the latest batch: what the next one may take
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)  # told when a job joins the line
@@ -86,16 +91,32 @@ class Gate:
         """Whether a job that came now would be refused (``QueueFull``)."""
         return self.max_queue is not None and len(self._queue) >= self.max_queue
 
+    def announce(self) -> None:
+        """A job is on its way (a request being read): a gathering batch may wait for it."""
+        with self._lock:
+            self._coming += 1
+
+    def withdraw(self) -> None:
+        """An announced job will not come after all."""
+        with self._lock:
+            self._came()
+
+    def _came(self) -> None:
+        """One announced job came or will not; the caller holds the lock."""
+        self._coming = max(0, self._coming - 1)
+        self._arrived.notify_all()
+
     def run(self, key: object, item: object, work: Callable[[list], list],
-            on_wait: Callable[[int], None] | None = None, timeout: float | None = None) -> Batched:
+            on_wait: Callable[[int], None] | None = None, timeout: float | None = None,
+            announced: bool = False) -> Batched:
         """``work([item, ...])`` -> one result per item, for this item and any waiting ones of an equal
         ``key`` (up to ``batch`` in all; a None key runs alone); this item's result. ``on_wait(ahead)``
         is called before waiting, with the number of jobs ahead (running included). An error in
         ``work`` reaches every job of the batch. A full line raises ``QueueFull`` at once; a job
         still in line ``timeout`` seconds after it asked raises ``WaitedTooLong`` (once its batch
-        has begun, it finishes)."""
+        has begun, it finishes). ``announced``: this job was announced (``announce``)."""
         job = _Job(key, item)
-        self._enter(job, on_wait, timeout)
+        self._enter(job, on_wait, timeout, announced)
         if job.state == "done":
             if job.error is not None:
                 raise RuntimeError(str(job.error)) from job.error
@@ -132,7 +153,7 @@ class Gate:
             if key is not None and self.batch > 1 and self.max_wait > 0:
                 self._gathering.append(key)
                 try:
-                    while len(waiting()) < self.batch - 1:
+                    while len(waiting()) < self.batch - 1 and (self._coming or not self.announced):
                         left = job.asked + self.max_wait - time.perf_counter()
                         if left <= 0:
                             break
@@ -145,9 +166,12 @@ class Gate:
             self._dispatch()  # jobs that queued behind a gathering one while a slot was free
         return mates
 
-    def _enter(self, job: _Job, on_wait: Callable[[int], None] | None, timeout: float | None) -> None:
+    def _enter(self, job: _Job, on_wait: Callable[[int], None] | None, timeout: float | None,
+               announced: bool) -> None:
         """Return once ``job`` holds a slot ("lead") or has run in another's batch ("done")."""
         with self._lock:
+            if announced:
+                self._came()
             gathered = job.key is not None and any(k == job.key for k in self._gathering)
             if self._running < self.slots and not self._queue and not gathered:
                 self._running += 1

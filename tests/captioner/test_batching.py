@@ -248,3 +248,26 @@ def test_a_timeout_that_comes_after_the_job_began_lets_it_finish():
         return items
 
     assert gate.run(None, 1, slow, timeout=0.05).result == 1
+
+
+def test_a_window_waits_only_while_a_job_is_on_its_way():
+    """A server announces a request as it reads it: a lone job does not wait out the window for
+    mates that are not coming, and does wait for one that was announced."""
+    gate = Gate(slots=1, batch=4, max_wait=5, announced=True)
+    began = time.perf_counter()
+    gate.announce()
+    assert gate.run("a", 1, lambda items: items, announced=True).size == 1  # nothing else on its way
+    assert time.perf_counter() - began < 1
+    out = {}
+    gate.announce()
+    gate.announce()  # a second request, still being read
+    first = _arrive(gate, "a", 1, lambda items: items, out, announced=True)
+    time.sleep(0.2)
+    assert 1 not in out  # it waits for the announced one
+    out[2] = gate.run("a", 2, lambda items: items, announced=True)
+    first.join(10)
+    assert out[1].size == 2 and out[2].size == 2
+    gate.announce()
+    gate.withdraw()  # announced, then refused before it joined the line: nothing waits for it
+    began = time.perf_counter()
+    assert gate.run("a", 3, lambda items: items).size == 1 and time.perf_counter() - began < 1

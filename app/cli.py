@@ -71,22 +71,8 @@ def server_env(workers: int | None = None, base: dict | None = None, batch: int 
     return env
 
 
-def port_taken(address: str, port: int) -> str | None:
-    """Why the server could not listen on ``address``:``port`` (a one-line reason), or None when it
-    can: checked before the server starts, whose own refusal names no way out."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's port is free
-            s.bind((address, port))
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
-
-
 def cmd_app(args: argparse.Namespace) -> int:
-    from captioner.cli.common import UsageError, check_device
+    from captioner.cli.common import UsageError, check_device, port_taken
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be between 1 and 65535, got {args.port}")

@@ -1,7 +1,7 @@
 """What the page's sessions share, and how one upload is captioned and kept.
 
 The server's settings (workers, batch, pixel limit) come from the environment that `captioner
-app` sets; the process has one ``Gate`` (app/gate.py) for the model and one cache of captioned
+app` sets; the process has one ``Gate`` (captioner/batching.py) for the model and one cache of captioned
 images, shared between sessions. A caption is drawn once, at the size the page shows it
 (app/pictures.py), into one element of markup (app/page.py), and kept with its pictures, so
 that reruns (picking a word, reopening the page) encode nothing and Streamlit only hashes
@@ -27,8 +27,8 @@ import torch
 from PIL import Image
 
 from captioner.app import page
-from captioner.app.gate import Gate
 from captioner.app.pictures import Decoded, Picture, data_uri, heads_of, map_layers, seen_by_model
+from captioner.batching import Gate
 from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info

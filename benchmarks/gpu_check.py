@@ -323,7 +323,7 @@ def cmd_compare(paths: list[str]) -> int:
 def cmd_app(device: str, folder: str) -> int:
     """The app's captioning path (serving.caption_image) on the device, for every image of a folder."""
     from captioner.app import serving
-    from captioner.app.gate import Gate
+    from captioner.batching import Gate
     from captioner.inference import Captioner, DecodeOptions
 
     captioner = Captioner.load(None, device=device)

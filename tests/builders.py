@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -111,3 +112,20 @@ def torch_step(decoder, grid: tuple[int, int]):
         return (F.log_softmax(o.logits.float(), -1).numpy(), o.h.numpy(), o.c.numpy(), o.alpha_heads.numpy(),
                 o.beta.numpy())
     return step
+
+
+def hold_gate(gate, slots: int = 1) -> threading.Event:
+    """Start ``slots`` jobs that each hold a slot of ``gate`` (captioner.batching.Gate) until the
+    returned event is set; return once they all hold one."""
+    release, held = threading.Event(), threading.Semaphore(0)
+
+    def work(items):
+        held.release()
+        release.wait(10)
+        return items
+
+    for i in range(slots):
+        threading.Thread(target=gate.run, args=(None, i, work), daemon=True).start()
+    for _ in range(slots):
+        assert held.acquire(timeout=5)
+    return release

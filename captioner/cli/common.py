@@ -118,6 +118,21 @@ def load_model(command: str, weights: str | None, device: str, *, notice: bool =
     return LoadedModel(captioner, path, checkpoint)
 
 
+def port_taken(address: str, port: int) -> str | None:
+    """Why the server could not listen on ``address``:``port`` (a one-line reason), or None when it
+    can: checked before a server (`captioner app`, `captioner serve`) starts, whose own refusal
+    names no way out."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: a closed one's port is free
+            s.bind((address, port))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 # Counts and numbers, checked as argparse reads them (one line each when refused); the decoding
 # options' own rules are in captioner.search.options.
 def _parsed(value: str, kind, what: str):

@@ -34,6 +34,7 @@ from captioner.cli.common import (
 )
 from captioner.cli.export import add_export_parser
 from captioner.search.options import HARD_ATTENTION, MAX_WORDS, UNFAMILIAR_BELOW, DecodeOptions, OptionError, parser
+from captioner.serve.cli import add_serve_parser
 
 if TYPE_CHECKING:
     from captioner.cli.batch import BatchSummary, Discovery, ResumePlan
@@ -651,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_familiarity_parser(sub)
     add_shapes_parser(sub)
     add_export_parser(sub)
+    add_serve_parser(sub)
     for ep in sorted(entry_points(group="captioner.commands"), key=lambda e: e.name):
         try:
             ep.load()(sub)

@@ -683,7 +683,7 @@ def test_a_port_another_server_holds_is_refused_in_one_line_that_names_port(caps
     """A second `captioner app` on a busy port: one line naming --port, before any server starts."""
     import socket
 
-    from captioner.app.cli import port_taken
+    from captioner.cli.common import port_taken
     from captioner.cli.main import main
 
     with socket.socket() as held:

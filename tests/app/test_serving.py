@@ -1,10 +1,10 @@
-"""The app's shared machinery: the model gate, the results cache, overlays drawn in one go."""
+"""The app's shared machinery: uploads captioned together through the gate, the results cache, overlays
+drawn in one go. (The gate itself, captioner/batching.py, is tested in tests/captioner/test_batching.py.)"""
 
 from __future__ import annotations
 
 import re
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from captioner.overlay import overlays, upsample_alpha
+from tests.builders import hold_gate
 from tests.tiny import tiny_image
 
 
@@ -22,31 +23,6 @@ def _one_overlay(image: Image.Image, alpha: torch.Tensor) -> np.ndarray:
     m = ((m - m.min()) / (m.max() - m.min()))[..., None]
     out = rgb * (0.2 + 0.8 * m) * (1 - 0.35 * m) + np.array([1.0, 0.55, 0.1]) * 0.35 * m
     return np.clip(out * 255.0 + 0.5, 0, 255).astype(np.uint8)
-
-
-
-def _next_job_gets_a_turn(gate) -> bool:
-    """Whether a job started now on another thread gets its turn within 5 s."""
-    done = threading.Event()
-    threading.Thread(target=gate.run, args=(None, 0, lambda items: done.set() or items), daemon=True).start()
-    return done.wait(5)
-
-
-def _hold(gate, slots: int = 1) -> threading.Event:
-    """Start ``slots`` jobs that each hold a slot of ``gate`` until the returned event is set;
-    return once they all hold one."""
-    release, held = threading.Event(), threading.Semaphore(0)
-
-    def work(items):
-        held.release()
-        release.wait(10)
-        return items
-
-    for i in range(slots):
-        threading.Thread(target=gate.run, args=(None, i, work), daemon=True).start()
-    for _ in range(slots):
-        assert held.acquire(timeout=5)
-    return release
 
 
 def test_overlays_in_one_go_equal_one_at_a_time():
@@ -61,126 +37,12 @@ def test_overlays_in_one_go_equal_one_at_a_time():
         assert diff.max() <= 3  # 8-bit masks and products: within 3 levels of 255
 
 
-def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
-    from captioner.app.gate import Gate
-
-    gate = Gate(slots=2)
-    running, most, order, told, waited = [0], [0], [], {}, {}
-    lock = threading.Lock()
-    done = {i: threading.Event() for i in range(6)}  # each job holds its slot until told to finish
-
-    def work(items):
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-            order.extend(items)
-        for i in items:
-            done[i].wait(10)
-        with lock:
-            running[0] -= 1
-        return items
-
-    def job(i: int) -> None:
-        waited[i] = gate.run(None, i, work, on_wait=lambda ahead: told.__setitem__(i, ahead)).waited
-
-    def until(condition) -> None:
-        deadline = time.monotonic() + 10
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.001)
-
-    threads = []
-    for i in range(6):
-        threads.append(threading.Thread(target=job, args=(i,)))
-        threads[-1].start()
-        until(lambda: i in order if i < 2 else i in told)  # arrive in order: running or waiting first
-    assert told == {2: 2, 3: 3, 4: 4, 5: 5}  # jobs ahead, running included
-    for i in range(4):  # each finished job lets in the first in line, and only it
-        done[i].set()
-        until(lambda: i + 2 in order)
-        assert order == list(range(i + 3))
-    done[4].set()
-    done[5].set()
-    for t in threads:
-        t.join(10)
-    assert most[0] == 2 and order == list(range(6))
-    assert all(w >= 0 for w in waited.values()) and waited[5] > waited[0]
-
-
-def test_a_job_that_fails_gives_its_turn_back():
-    from captioner.app.gate import Gate
-
-    gate = Gate(slots=1)
-
-    def work(items):
-        raise RuntimeError("out of memory")
-
-    with pytest.raises(RuntimeError):
-        gate.run(None, 0, work)
-    assert _next_job_gets_a_turn(gate)
-
-
-def _queue_behind(gate, jobs: list[tuple[object, int]], work, out: dict) -> list[threading.Thread]:
-    """Start gate.run(key, item, work) for each (key, item) in order, each on its own thread, each
-    once the one before is in line (the gate's slots are held). ``out[item]``: what each got, or its error."""
-    threads, queued = [], threading.Semaphore(0)
-    for key, item in jobs:
-        def job(key=key, item=item):
-            try:
-                out[item] = gate.run(key, item, work, on_wait=lambda ahead: queued.release())
-            except Exception as e:
-                out[item] = e
-        threads.append(threading.Thread(target=job))
-        threads[-1].start()
-        assert queued.acquire(timeout=5)  # in line before the next one comes
-    return threads
-
-
-def test_jobs_waiting_with_the_same_key_run_together_in_order():
-    from captioner.app.gate import Gate
-
-    gate = Gate(slots=1, batch=3)
-    calls, out = [], {}
-
-    def work(items):
-        calls.append(list(items))
-        return [10 * i for i in items]
-
-    release = _hold(gate)  # the slot is busy: everything below queues
-    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("a", 6)], work, out)
-    release.set()
-    for t in threads:
-        t.join(10)
-    # The first in line takes along the next two "a"s; "b" runs alone; the "a"s left after it together.
-    assert calls == [[1, 2, 4], [3], [5, 6]]
-    assert {i: o.result for i, o in out.items()} == {i: 10 * i for i in range(1, 7)}  # each its own result
-    assert all(o.waited >= 0 and o.cpu >= 0 for o in out.values())
-    assert _next_job_gets_a_turn(gate)
-
-
-def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back():
-    from captioner.app.gate import Gate
-
-    gate = Gate(slots=1, batch=4)
-    out = {}
-
-    def work(items):
-        raise RuntimeError("out of memory")
-
-    release = _hold(gate)
-    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("a", 3)], work, out)
-    release.set()
-    for t in threads:
-        t.join(10)
-    assert all(isinstance(out[i], RuntimeError) and "out of memory" in str(out[i]) for i in (1, 2, 3))
-    assert _next_job_gets_a_turn(gate)
-
-
 def test_captions_made_together_are_each_image_s_own():
     """Four uploads queued behind a busy model are captioned in one batch, each as it is alone."""
     import io
 
-    from captioner.app.gate import Gate
     from captioner.app.serving import caption_image
+    from captioner.batching import Gate
     from captioner.inference import DecodeOptions
     from tests.tiny import tiny_captioner
 
@@ -201,7 +63,7 @@ def test_captions_made_together_are_each_image_s_own():
         shown[i] = caption_image(cap, gate, ("k", i), f"{i}.png", uploads[i], options,
                                  on_wait=lambda ahead: queued.release())
 
-    release = _hold(gate)
+    release = hold_gate(gate)
     threads = []
     for i in range(4):
         threads.append(threading.Thread(target=upload, args=(i,)))
@@ -259,23 +121,6 @@ def test_upsampling_by_axis_matrices_equals_blurring_every_pixel(size, grid):
     assert np.abs(fast - exact).max() <= 1e-4 * exact.max()
 
 
-def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
-    """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
-    waiting message itself may raise. The queued job's place must not be lost with it."""
-    from captioner.app.gate import Gate
-
-    gate = Gate(slots=1)
-    release = _hold(gate)
-
-    def stopped(ahead: int) -> None:
-        raise KeyboardInterrupt("the page was closed")
-
-    with pytest.raises(KeyboardInterrupt):
-        gate.run(None, 1, lambda items: items, on_wait=stopped)
-    release.set()
-    assert _next_job_gets_a_turn(gate)
-
-
 @pytest.mark.parametrize("size, grid", [((96, 64), (7, 7)), ((560, 420), (14, 14)), ((300, 500), (8, 6))])
 def test_a_layer_laid_over_the_photo_gives_the_overlay(size, grid):
     """The page lays each word's RGBA layer over the one photo and lets the browser blend it
@@ -331,9 +176,9 @@ def test_a_multi_head_model_s_result_carries_each_head_s_maps_for_the_head_picke
     each head's layer drawn from that head's own maps, and the picker offers the heads."""
     import io
 
-    from captioner.app.gate import Gate
     from captioner.app.pictures import attention_layers, data_uri, png
     from captioner.app.serving import caption_image
+    from captioner.batching import Gate
     from captioner.inference import DecodeOptions
     from tests.tiny import tiny_captioner
 
@@ -365,9 +210,9 @@ def test_an_upload_is_decoded_once_for_its_preview_its_caption_and_its_views(mon
     the views 560): the page decodes its own copy, once."""
     import io
 
-    from captioner.app.gate import Gate
     from captioner.app.pictures import LARGE_WIDTH, Picture
     from captioner.app.serving import caption_image
+    from captioner.batching import Gate
     from captioner.data import images
     from captioner.inference import DecodeOptions
     from tests.tiny import tiny_captioner

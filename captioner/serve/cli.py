@@ -1,0 +1,137 @@
+"""``captioner serve``: the command and its flags. FastAPI and uvicorn are imported only once it
+serves, so that the command line (and ``--help``) costs nothing more for them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from captioner.cli.common import (
+    EXIT_OK,
+    UsageError,
+    check_device,
+    load_model,
+    number,
+    port_taken,
+    positive,
+)
+from captioner.serve.service import MAX_BODY_BYTES, Limits
+
+WEB = ("fastapi", "uvicorn", "multipart")  # what serving needs beyond the library (multipart: python-multipart)
+
+
+def _seconds(text: str) -> float:
+    value = number(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _milliseconds(text: str) -> float:
+    value = number(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds >= 0, got {text}")
+    return value
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from captioner.inference import INFERENCE_PRECISIONS
+
+    d = Limits()
+    p = sub.add_parser(
+        "serve", help="caption images over HTTP for programs: concurrent requests batched, bounded",
+        description="Serve the model over HTTP (FastAPI on uvicorn). POST /v1/captions takes one image as the "
+                    "raw body or as the multipart field `file`, options as query parameters or form fields "
+                    "with `captioner caption`'s names (beam_size, num_captions, max_len, with_attention, ...), "
+                    "and answers the JSON record `captioner caption` writes, without \"image\". GET /v1/model "
+                    "(the model card), /healthz, /readyz, /docs and /openapi.json. Concurrent requests are "
+                    "captioned together: up to --max-batch images, or what arrived within --max-wait-ms. Bad "
+                    "input gets one line of JSON: 400 empty, 413 too large, 415 not an image, 422 a bad option, "
+                    "503 (with Retry-After) when the queue is full, 504 past --timeout-s. It takes bytes only, "
+                    "never paths, writes nothing to disk, and on SIGTERM finishes the requests in flight and "
+                    "exits 0. docs/serving.md has examples.")
+    p.add_argument("--weights", default=None,
+                   help="checkpoint file, exported model folder, or a bundled demo: demo-soft (default), demo-hard, "
+                        "demo-zh")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface, "
+                        "behind a reverse proxy)")
+    p.add_argument("--port", type=positive, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--workers", type=positive, default=d.workers,
+                   help="batches captioned at once, in this process (default 1: one batch at a time with every "
+                        "core's threads; more processes: run replicas, docs/serving.md)")
+    p.add_argument("--max-batch", type=positive, default=None, metavar="B",
+                   help="images captioned together at most (default 16 on a CPU, 64 on a GPU)")
+    p.add_argument("--max-wait-ms", type=_milliseconds, default=d.max_wait_ms, metavar="T",
+                   help="how long a batch waits for more requests that are on their way (being read or decoded), "
+                        f"in milliseconds (default {d.max_wait_ms:g}; a lone request never waits)")
+    p.add_argument("--max-queue", type=positive, default=d.max_queue, metavar="Q",
+                   help=f"requests waiting for the model at most; more are refused with 503 and Retry-After "
+                        f"(default {d.max_queue})")
+    p.add_argument("--max-pixels", type=positive, default=d.max_pixels, metavar="P",
+                   help="refuse images with more pixels than this with 413, a guard against decompression bombs "
+                        f"(default Pillow's {d.max_pixels:,})")
+    p.add_argument("--max-body-bytes", type=positive, default=MAX_BODY_BYTES, metavar="N",
+                   help=f"refuse bodies over this many bytes with 413, before reading them (default "
+                        f"{MAX_BODY_BYTES:,})")
+    p.add_argument("--timeout-s", type=_seconds, default=d.timeout_s, metavar="S",
+                   help=f"a request not captioned within S seconds of its arrival is answered 504 (default "
+                        f"{d.timeout_s:g})")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: the GPU if there is one)")
+    p.add_argument("--precision", choices=INFERENCE_PRECISIONS, default="fp32",
+                   help="fp32 (default), or bf16/fp16 autocast: faster on a GPU, the same captions up to rounding")
+    p.add_argument("--quiet", action="store_true", help="no access log; warnings and errors only")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    missing = [m for m in WEB if not _importable(m)]
+    if missing:
+        raise UsageError(f"serving needs {', '.join(missing)}: pip install fastapi uvicorn python-multipart")
+    device = check_device(args.device)
+    busy = port_taken(args.host, args.port)
+    if busy:
+        raise UsageError(f"port {args.port} on {args.host} is taken ({busy}): give another with --port")
+    captioner = load_model("serve", args.weights, device).captioner.use_precision(args.precision)
+    max_batch = args.max_batch or (64 if str(device).startswith("cuda") else 16)
+    limits = Limits(workers=args.workers, max_batch=max_batch, max_wait_ms=args.max_wait_ms,
+                    max_queue=args.max_queue, max_pixels=args.max_pixels, max_body_bytes=args.max_body_bytes,
+                    timeout_s=args.timeout_s)
+    return serve(captioner, limits, args.host, args.port, quiet=args.quiet)
+
+
+def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = False) -> int:
+    """Serve ``captioner`` until SIGTERM or Ctrl-C: then no new connection is taken, the requests
+    in flight are answered, and this returns 0 (130 for Ctrl-C, as the other commands)."""
+    import torch
+    import uvicorn
+    from PIL import Image
+
+    from captioner.serve.http import create_app
+    from captioner.serve.service import Service
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    service = Service(captioner, limits, threads=max(1, cores // limits.workers))
+    torch.set_num_threads(service.gate.threads)
+    captioner.caption_images([Image.new("RGB", (64, 64))] * 2)  # the first batch's one-off costs, before any request
+    config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning" if quiet else "info",
+                            access_log=not quiet, timeout_graceful_shutdown=None, server_header=False)
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM (it stops listening, finishes the requests in flight) and raises it again
+    # once done, which would end the process with the signal's status: the handler it then restores is
+    # this one, so that the process exits 0 as a service manager expects of a clean stop.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    print(f"captioner serve: http://{host}:{port} ({captioner.name}, {captioner.device}; batches of up to "
+          f"{limits.max_batch}, queue {limits.max_queue}; API at http://{host}:{port}/docs)", file=sys.stderr)
+    server.run()
+    if server.force_exit:
+        return 130
+    return EXIT_OK
+
+
+def _importable(name: str) -> bool:
+    from importlib.util import find_spec
+
+    return find_spec(name) is not None

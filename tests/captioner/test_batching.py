@@ -1,0 +1,273 @@
+"""The one batcher (captioner/batching.py) that the web app and `captioner serve` share: slots
+taken in order, waiting jobs of one key run together, a window to gather them, a bounded line
+and a deadline for waiting in it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from captioner.batching import Gate, QueueFull, WaitedTooLong
+from tests.builders import hold_gate as _hold
+
+
+def _next_job_gets_a_turn(gate) -> bool:
+    """Whether a job started now on another thread gets its turn within 5 s."""
+    done = threading.Event()
+    threading.Thread(target=gate.run, args=(None, 0, lambda items: done.set() or items), daemon=True).start()
+    return done.wait(5)
+
+
+def test_the_gate_lets_slots_jobs_run_at_once_and_the_rest_wait_in_order():
+    gate = Gate(slots=2)
+    running, most, order, told, waited = [0], [0], [], {}, {}
+    lock = threading.Lock()
+    done = {i: threading.Event() for i in range(6)}  # each job holds its slot until told to finish
+
+    def work(items):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            order.extend(items)
+        for i in items:
+            done[i].wait(10)
+        with lock:
+            running[0] -= 1
+        return items
+
+    def job(i: int) -> None:
+        waited[i] = gate.run(None, i, work, on_wait=lambda ahead: told.__setitem__(i, ahead)).waited
+
+    def until(condition) -> None:
+        deadline = time.monotonic() + 10
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    threads = []
+    for i in range(6):
+        threads.append(threading.Thread(target=job, args=(i,)))
+        threads[-1].start()
+        until(lambda: i in order if i < 2 else i in told)  # arrive in order: running or waiting first
+    assert told == {2: 2, 3: 3, 4: 4, 5: 5}  # jobs ahead, running included
+    for i in range(4):  # each finished job lets in the first in line, and only it
+        done[i].set()
+        until(lambda: i + 2 in order)
+        assert order == list(range(i + 3))
+    done[4].set()
+    done[5].set()
+    for t in threads:
+        t.join(10)
+    assert most[0] == 2 and order == list(range(6))
+    assert all(w >= 0 for w in waited.values()) and waited[5] > waited[0]
+
+
+def test_a_job_that_fails_gives_its_turn_back():
+    gate = Gate(slots=1)
+
+    def work(items):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        gate.run(None, 0, work)
+    assert _next_job_gets_a_turn(gate)
+
+
+def _queue_behind(gate, jobs: list[tuple[object, int]], work, out: dict) -> list[threading.Thread]:
+    """Start gate.run(key, item, work) for each (key, item) in order, each on its own thread, each
+    once the one before is in line (the gate's slots are held). ``out[item]``: what each got, or its error."""
+    threads, queued = [], threading.Semaphore(0)
+    for key, item in jobs:
+        def job(key=key, item=item):
+            try:
+                out[item] = gate.run(key, item, work, on_wait=lambda ahead: queued.release())
+            except Exception as e:
+                out[item] = e
+        threads.append(threading.Thread(target=job))
+        threads[-1].start()
+        assert queued.acquire(timeout=5)  # in line before the next one comes
+    return threads
+
+
+def test_jobs_waiting_with_the_same_key_run_together_in_order():
+    gate = Gate(slots=1, batch=3)
+    calls, out = [], {}
+
+    def work(items):
+        calls.append(list(items))
+        return [10 * i for i in items]
+
+    release = _hold(gate)  # the slot is busy: everything below queues
+    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("a", 6)], work, out)
+    release.set()
+    for t in threads:
+        t.join(10)
+    # The first in line takes along the next two "a"s; "b" runs alone; the "a"s left after it together.
+    assert calls == [[1, 2, 4], [3], [5, 6]]
+    assert {i: o.result for i, o in out.items()} == {i: 10 * i for i in range(1, 7)}  # each its own result
+    assert all(o.waited >= 0 and o.cpu >= 0 for o in out.values())
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_an_error_in_a_batch_reaches_each_of_its_jobs_and_the_slot_is_given_back():
+    gate = Gate(slots=1, batch=4)
+    out = {}
+
+    def work(items):
+        raise RuntimeError("out of memory")
+
+    release = _hold(gate)
+    threads = _queue_behind(gate, [("a", 1), ("a", 2), ("a", 3)], work, out)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert all(isinstance(out[i], RuntimeError) and "out of memory" in str(out[i]) for i in (1, 2, 3))
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_a_job_stopped_while_queued_leaves_its_place_to_the_next():
+    """Streamlit stops a run (a new upload, a closed page) by raising at its next command: the
+    waiting message itself may raise. The queued job's place must not be lost with it."""
+    gate = Gate(slots=1)
+    release = _hold(gate)
+
+    def stopped(ahead: int) -> None:
+        raise KeyboardInterrupt("the page was closed")
+
+    with pytest.raises(KeyboardInterrupt):
+        gate.run(None, 1, lambda items: items, on_wait=stopped)
+    release.set()
+    assert _next_job_gets_a_turn(gate)
+
+
+def _arrive(gate, key, item, work, out: dict, **kw) -> threading.Thread:
+    def job():
+        try:
+            out[item] = gate.run(key, item, work, **kw)
+        except Exception as e:
+            out[item] = e
+    t = threading.Thread(target=job)
+    t.start()
+    return t
+
+
+def test_a_job_waits_max_wait_for_others_to_arrive_and_runs_them_in_its_batch():
+    """Nothing queued when the first comes: with a window it waits for the others, not alone."""
+    gate = Gate(slots=1, batch=4, max_wait=0.5)
+    calls, out = [], {}
+
+    def work(items):
+        calls.append(list(items))
+        return items
+
+    threads = [_arrive(gate, "a", 1, work, out)]
+    time.sleep(0.05)
+    threads += [_arrive(gate, "a", i, work, out) for i in (2, 3)]
+    for t in threads:
+        t.join(10)
+    assert sorted(map(sorted, calls)) == [[1, 2, 3]] and calls[0][0] == 1
+
+
+def test_a_full_batch_starts_without_waiting_out_the_window():
+    gate = Gate(slots=1, batch=2, max_wait=30)
+    out = {}
+    began = time.perf_counter()
+    threads = [_arrive(gate, "a", i, lambda items: items, out) for i in (1, 2)]
+    for t in threads:
+        t.join(10)
+    assert time.perf_counter() - began < 5 and {out[1].result, out[2].result} == {1, 2}
+
+
+def test_without_a_window_a_lone_job_runs_at_once():
+    gate = Gate(slots=1, batch=8)
+    began = time.perf_counter()
+    assert gate.run("a", 1, lambda items: items).result == 1
+    assert time.perf_counter() - began < 0.5
+
+
+def test_a_job_that_queued_behind_a_window_gets_a_free_slot_when_it_ends():
+    """A job of another key that came while a batch gathered is not left in line while a slot is free."""
+    gate = Gate(slots=2, batch=3, max_wait=0.3)
+    out, release = {}, threading.Event()
+
+    def held(items):
+        release.wait(10)
+        return items
+
+    threads = [_arrive(gate, "a", 1, held, out)]
+    time.sleep(0.05)
+    threads.append(_arrive(gate, "a", 2, held, out))  # joins 1's batch
+    time.sleep(0.05)
+    threads.append(_arrive(gate, "b", 3, lambda items: items, out))  # queued behind the gathering one
+    threads[-1].join(5)
+    assert out.get(3) is not None and out[3].result == 3  # ran beside the held batch of 1 and 2
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert out[1].size == 2 and out[2].result == 2
+
+
+def test_a_full_line_refuses_at_once_and_says_so():
+    gate = Gate(slots=1, max_queue=2)
+    release = _hold(gate)
+    out = {}
+    queued = threading.Semaphore(0)
+    threads = [_arrive(gate, None, i, lambda items: items, out, on_wait=lambda ahead: queued.release())
+               for i in (1, 2)]
+    for _ in threads:
+        assert queued.acquire(timeout=5)
+    assert gate.full and gate.queued == 2
+    began = time.perf_counter()
+    with pytest.raises(QueueFull):
+        gate.run(None, 3, lambda items: items)
+    assert time.perf_counter() - began < 1
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert out[1].result == 1 and out[2].result == 2 and not gate.full
+
+
+def test_a_job_still_in_line_after_its_timeout_leaves_the_line():
+    gate = Gate(slots=1, max_queue=1)
+    release = _hold(gate)
+    began = time.perf_counter()
+    with pytest.raises(WaitedTooLong):
+        gate.run(None, 1, lambda items: items, timeout=0.1)
+    assert 0.1 <= time.perf_counter() - began < 2
+    assert gate.queued == 0  # its place is free for the next
+    release.set()
+    assert _next_job_gets_a_turn(gate)
+
+
+def test_a_timeout_that_comes_after_the_job_began_lets_it_finish():
+    gate = Gate(slots=1)
+
+    def slow(items):
+        time.sleep(0.3)
+        return items
+
+    assert gate.run(None, 1, slow, timeout=0.05).result == 1
+
+
+def test_a_window_waits_only_while_a_job_is_on_its_way():
+    """A server announces a request as it reads it: a lone job does not wait out the window for
+    mates that are not coming, and does wait for one that was announced."""
+    gate = Gate(slots=1, batch=4, max_wait=5, announced=True)
+    began = time.perf_counter()
+    gate.announce()
+    assert gate.run("a", 1, lambda items: items, announced=True).size == 1  # nothing else on its way
+    assert time.perf_counter() - began < 1
+    out = {}
+    gate.announce()
+    gate.announce()  # a second request, still being read
+    first = _arrive(gate, "a", 1, lambda items: items, out, announced=True)
+    time.sleep(0.2)
+    assert 1 not in out  # it waits for the announced one
+    out[2] = gate.run("a", 2, lambda items: items, announced=True)
+    first.join(10)
+    assert out[1].size == 2 and out[2].size == 2
+    gate.announce()
+    gate.withdraw()  # announced, then refused before it joined the line: nothing waits for it
+    began = time.perf_counter()
+    assert gate.run("a", 3, lambda items: items).size == 1 and time.perf_counter() - began < 1

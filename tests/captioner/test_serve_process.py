@@ -1,0 +1,78 @@
+"""`captioner serve` as its own process: a real uvicorn on a free localhost port, sent SIGTERM
+while requests are in flight: it answers them all, takes no new one, and exits 0."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.tiny import tiny_image
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet",
+                               "--max-batch", "4"], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        buf = io.BytesIO()
+        tiny_image(7, (640, 480)).save(buf, "JPEG")
+        image = buf.getvalue()
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            try:
+                answers[i] = httpx.post(f"{url}/v1/captions?beam_size=8", content=image, timeout=120)
+            except httpx.HTTPError as e:
+                answers[i] = e
+
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/readyz", timeout=5).json()["in_flight"] < 8:
+            assert time.monotonic() < deadline, "the requests did not arrive"
+            time.sleep(0.01)
+        server.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):  # no new request once told to stop
+            httpx.post(f"{url}/v1/captions", content=image, timeout=10)
+        for t in clients:
+            t.join(120)
+        assert server.wait(120) == 0, server.stderr.read()
+        assert all(getattr(r, "status_code", r) == 200 for r in answers.values()), answers
+        assert len(answers) == 12 and len({r.json()["caption"] for r in answers.values()}) == 1
+        assert "Traceback" not in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)

@@ -20,6 +20,7 @@ import torch
 
 from captioner.data.images import DEFAULT_MAX_PIXELS, Preprocess, as_image
 from captioner.data.vocab import Vocabulary
+from captioner.explain import gradient_maps
 from captioner.io.bundled import BundledModel
 from captioner.io.checkpoint import Checkpoint, TrainingState, load_checkpoint
 from captioner.io.loading import Described, identify, rebuild, resolve_weights
@@ -116,16 +117,21 @@ class Captioner(Described):
         return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
     @torch.no_grad()
-    def caption_batch(self, images: torch.Tensor, options: DecodeOptions | None = None) -> list[CaptionResult]:
+    def caption_batch(self, images: torch.Tensor, options: DecodeOptions | None = None,
+                      explain: str | None = None) -> list[CaptionResult]:
         """Preprocessed images (B, 3, H, W) -> one CaptionResult each. 8-bit pixels
         (``Preprocess.pixels``, as the batch loader hands them over) are normalised here, on the
-        model's device."""
+        model's device. ``explain``: each word's gradient map too ("gradcam" or "gradinput",
+        captioner.explain), in ``CaptionResult.gradients``."""
         opt = options or DecodeOptions()
         self.model.eval()
         with self.autocast():
             ann = self.encode(images)
             decoded = self.beam_search_batch(ann, opt)
         results = [to_result(d, self.vocab, ann.grid, opt.num_captions > 1, opt.length_penalty) for d in decoded]
+        if explain is not None:
+            maps = gradient_maps(self.model.decoder, ann, [d.ids for d in decoded], self.tokens, explain)
+            results = [replace(r, gradients={explain: m}) for r, m in zip(results, maps)]
         if self.familiarity is None:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
@@ -161,16 +167,16 @@ class Captioner(Described):
         return self._search_graphs.search(ann, self.tokens, opt)
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,
-                       max_pixels: int = DEFAULT_MAX_PIXELS) -> list[CaptionResult]:
+                       max_pixels: int = DEFAULT_MAX_PIXELS, explain: str | None = None) -> list[CaptionResult]:
         """Each image a path, raw bytes, a PIL image of any mode or an array, read as ``captioner
-        caption`` reads files (``captioner.data.images.as_image``)."""
+        caption`` reads files (``captioner.data.images.as_image``); ``explain`` as ``caption_batch``."""
         if not images:
             return []
         side = self.preprocess.decode_side
         batch = torch.stack([self.preprocess(as_image(im, max_pixels, side)) for im in images])
-        return self.caption_batch(batch, options)
+        return self.caption_batch(batch, options, explain)
 
     def caption(self, image, options: DecodeOptions | None = None,
-                max_pixels: int = DEFAULT_MAX_PIXELS) -> CaptionResult:
+                max_pixels: int = DEFAULT_MAX_PIXELS, explain: str | None = None) -> CaptionResult:
         """One image: a path, raw bytes, a PIL image of any mode or an array (see ``caption_images``)."""
-        return self.caption_images([image], options, max_pixels)[0]
+        return self.caption_images([image], options, max_pixels, explain)[0]

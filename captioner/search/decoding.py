@@ -96,6 +96,8 @@ class CaptionResult:
     # p of the <end> token after the words; None: cut off at the length limit, no <end>. score is
     # sum(log word_probs) + log end_prob
     end_prob: float | None = None
+    # asked for (captioner.explain): each kind's (T, H, W) gradient maps, "gradcam" or "gradinput"
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -121,6 +123,8 @@ class CaptionResult:
             attention["betas"] = torch.round(self.betas.double(), decimals=digits).tolist()
         if heads:
             attention["alphas_heads"] = torch.round(self.alphas_heads.double(), decimals=digits).tolist()
+        for kind, maps in self.gradients.items():  # asked for: always in the record, beside "alphas"
+            attention[kind] = torch.round(maps.double(), decimals=digits).tolist()
         return caption_record(image=image, caption=self.caption, words=self.words, score=self.score,
                               familiarity=None if fam is None else fam.value,
                               unfamiliar=None if fam is None else fam.unfamiliar,

@@ -1,0 +1,75 @@
+"""Gradient maps (captioner.explain): each kind equal to its plain autograd reference, word by
+word, on the attention maps' grid; nothing changes for a caption asked without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner.explain import KINDS, gradient_maps
+from captioner.model.encoders import Annotations
+from captioner.search.options import DecodeOptions
+from tests.tiny import tiny_captioner, tiny_image
+
+MODELS = {"soft": {}, "hard": {"attention": "hard"}, "two-heads": {"heads": 2}, "grid": {"grid_layers": 1}}
+
+
+def reference(cap, image, ids: list[int], kind: str) -> torch.Tensor:
+    """Word by word, each from a pass of its own through the step-by-step decoder: d log p(w_t)
+    / d a, then the map's formula as written (its positive part, scaled to sum to 1)."""
+    tokens = cap.tokens
+    with torch.no_grad():
+        ann = cap.encode(cap.preprocess(image).unsqueeze(0))
+    words = ids[:-1] if ids and ids[-1] == tokens.end else ids
+    seq = torch.tensor([[tokens.start, *words]])
+    maps = []
+    for t in range(len(words)):
+        a = ann.vectors.detach().clone().requires_grad_(True)
+        out = cap.model.decoder.forward_stepwise(Annotations(a, ann.grid), seq[:, : t + 2], torch.tensor([t + 2]))
+        logp = F.log_softmax(out.logits[0, t], -1)[words[t]]
+        (g,) = torch.autograd.grad(logp, a)
+        g, x = g[0], a.detach()[0]  # (L, D)
+        m = (x * g).sum(1) if kind == "gradinput" else (x * g.mean(0, keepdim=True)).sum(1)
+        m = m.clamp(min=0)
+        m = m / m.sum() if m.sum() > 0 else torch.full_like(m, 1 / m.numel())
+        maps.append(m.view(ann.grid))
+    return torch.stack(maps)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_map_equals_its_plain_autograd_reference(model, kind):
+    cap = tiny_captioner(seed=4, **MODELS[model])
+    images = [tiny_image(seed=i) for i in range(3)]
+    results = cap.caption_images(images, DecodeOptions(beam_size=2, max_len=6), explain=kind)
+    for image, r in zip(images, results):
+        maps = r.gradients[kind]
+        assert maps.shape == r.alphas.shape  # one per word, on the attention maps' grid
+        ids = [cap.vocab.index(w) for w in r.words] + ([cap.tokens.end] if r.end_prob is not None else [])
+        torch.testing.assert_close(maps, reference(cap, image, ids, kind), atol=1e-5, rtol=1e-4)
+        sums = maps.flatten(1).sum(1)
+        torch.testing.assert_close(sums, torch.ones_like(sums))
+
+
+def test_the_kinds_differ_and_point_where_the_gradient_is():
+    cap = tiny_captioner(seed=4)
+    [r] = cap.caption_images([tiny_image(seed=1)], DecodeOptions(beam_size=2), explain="gradcam")
+    [s] = cap.caption_images([tiny_image(seed=1)], DecodeOptions(beam_size=2), explain="gradinput")
+    assert r.words == s.words and not torch.allclose(r.gradients["gradcam"], s.gradients["gradinput"])
+
+
+def test_asked_without_maps_nothing_changes():
+    cap = tiny_captioner(seed=4)
+    images = [tiny_image(seed=i) for i in range(3)]
+    plain = cap.caption_images(images, DecodeOptions(beam_size=3))
+    explained = cap.caption_images(images, DecodeOptions(beam_size=3), explain="gradinput")
+    for p, e in zip(plain, explained):
+        assert p.words == e.words and p.score == e.score and torch.equal(p.alphas, e.alphas)
+        assert p.gradients == {} and "gradinput" not in p.to_json("x") and "gradinput" in e.to_json("x")
+
+
+def test_an_unknown_kind_is_refused():
+    cap = tiny_captioner(seed=4)
+    with pytest.raises(ValueError, match="gradcam, gradinput"):
+        gradient_maps(cap.model.decoder, cap.encode(torch.zeros(1, 3, 32, 32)), [[5]], cap.tokens, "saliency")

@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from captioner.cli.alt_text import add_alt_text_parser
 from captioner.cli.caption_files import FORMATS as CAPTION_FORMATS
 from captioner.cli.caption_files import check_format_flags
 from captioner.cli.common import (
@@ -653,6 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shapes_parser(sub)
     add_export_parser(sub)
     add_serve_parser(sub)
+    add_alt_text_parser(sub, _add_model_args, decode_options)
     for ep in sorted(entry_points(group="captioner.commands"), key=lambda e: e.name):
         try:
             ep.load()(sub)

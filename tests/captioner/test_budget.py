@@ -264,3 +264,37 @@ def test_the_numpy_search_keeps_the_budget_as_the_torch_search_does(beam, n, bud
         np.testing.assert_allclose(b.log_probs, a.log_probs.numpy(), atol=1e-5)
         assert len(cap.vocab.join(cap.vocab.decode(a.ids))) <= budget
     assert all(a.ids == [] for a in ours) == (budget == 1)
+
+
+def _no_single_letter(seed: int):
+    """The tiny captioner with "a" spelt "aa": no word of one character, so a budget of 1 fits none."""
+    cap = tiny_captioner(seed=seed)
+    words = list(cap.vocab.words)
+    words[words.index("a")] = "aa"
+    cap.vocab = Vocabulary(words)
+    return cap
+
+
+def test_the_caption_command_keeps_the_budget_and_names_an_image_no_caption_fits(tmp_path, capsys):
+    import json
+
+    from captioner.cli.main import main
+
+    path, image = tmp_path / "m.pt", tmp_path / "a.png"
+    cap = _no_single_letter(3)
+    cap.save(path)
+    tiny_image(1).save(image)
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", str(image), "--weights", str(path), "--out", str(out), "--quiet", "--max-len", "6",
+                 "--max-chars", "9", "--num-captions", "2"]) == 0
+    line = json.loads(out.read_text())
+    want = cap.caption(tiny_image(1), DecodeOptions(max_len=6, max_chars=9, num_captions=2))
+    assert line["caption"] == want.caption and len(line["caption"]) <= 9
+    assert all(len(a["caption"]) <= 9 for a in line["alternatives"])
+    assert main(["caption", str(image), "--weights", str(path), "--max-len", "6", "--max-chars", "1", "--quiet"]) == 1
+    [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert line["image"] == str(image) and "caption" not in line
+    assert line["error"].startswith(f"{image}: no caption fits in 1 characters (the shortest the search found is ")
+    with pytest.raises(SystemExit) as refused:
+        main(["caption", str(image), "--weights", str(path), "--max-chars", "0"])
+    assert refused.value.code == 2 and "--max-chars: must be >= 1, got 0" in capsys.readouterr().err

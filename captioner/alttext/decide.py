@@ -2,7 +2,8 @@
 
 A caption is held, with its reason, when the image is unlike the model's training images
 (``familiarity`` below ``--unfamiliar-below``: flagged ``unfamiliar``), when its confidence is
-below ``--min-confidence``, when it is longer than the character budget, or when it has no word.
+below ``--min-confidence``, or when there is none: no caption fits the character budget (which
+the search keeps, ``DecodeOptions.max_chars``: a caption is never cut), or the model ended none.
 
 The confidence is the caption's probability under the model, exp(score): the product of its
 words' probabilities and its <end>'s. Of the three measures compared on fresh shapes images
@@ -31,20 +32,36 @@ def confidence(score: float) -> float:
 @dataclass(frozen=True)
 class Caption:
     """What alt text is made from: a caption as the model gave it. ``familiarity`` None: the
-    model keeps no record of its training images, so nothing is known of it."""
+    model keeps no record of its training images, so nothing is known of it. ``no_fit``: why
+    there is no caption when none fits the budget (``text`` is then empty)."""
 
     text: str
     score: float
     familiarity: float | None
     words: int
+    no_fit: str | None = None
+
+    @classmethod
+    def of(cls, result) -> "Caption":
+        """The caption of a ``CaptionResult``."""
+        known, missed = result.familiarity, result.no_fit
+        no_fit = None
+        if missed is not None:
+            found = ("the search without it ended none" if missed.shortest is None else
+                     f"the shortest found without it has {len(missed.shortest)}: {missed.shortest!r}")
+            no_fit = f"no caption fits in --max-chars {missed.max_chars} ({found})"
+        score = result.score if result.words else 0.0  # no caption: -inf, which JSON cannot hold
+        return cls(result.caption if result.words else "", score, None if known is None else known.value,
+                   len(result.words), no_fit)
 
     def to_json(self) -> dict:
-        return {"text": self.text, "score": self.score, "familiarity": self.familiarity, "words": self.words}
+        return {"text": self.text, "score": self.score, "familiarity": self.familiarity, "words": self.words,
+                "no_fit": self.no_fit}
 
     @classmethod
     def from_json(cls, d: dict) -> "Caption":
         return cls(str(d["text"]), float(d["score"]), None if d["familiarity"] is None else float(d["familiarity"]),
-                   int(d["words"]))
+                   int(d["words"]), None if d.get("no_fit") is None else str(d["no_fit"]))
 
 
 @dataclass(frozen=True)
@@ -53,20 +70,17 @@ class Rules:
 
     min_confidence: float = MIN_CONFIDENCE
     unfamiliar_below: float = 0.01
-    max_chars: int | None = MAX_CHARS
 
 
 def held_because(caption: Caption, rules: Rules) -> str | None:
     """Why ``caption`` is not written as alt text, in words for the person who will write it;
     None: it is written."""
     if caption.words == 0 or not caption.text.strip():
-        return "the model gave no caption"
+        return caption.no_fit or "the model gave no caption"
     if caption.familiarity is not None and caption.familiarity < rules.unfamiliar_below:
         return (f"unfamiliar: unlike the model's training images (familiarity {caption.familiarity:.3g} < "
                 f"{rules.unfamiliar_below:g})")
     p = confidence(caption.score)
     if p < rules.min_confidence:
         return f"confidence {p:.3g} below --min-confidence {rules.min_confidence:g}"
-    if rules.max_chars is not None and len(caption.text) > rules.max_chars:
-        return f"{len(caption.text)} characters, over --max-chars {rules.max_chars}"
     return None

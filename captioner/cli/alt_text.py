@@ -60,9 +60,10 @@ def add_alt_text_parser(sub: argparse._SubParsersAction, add_model_args: Callabl
                    help="apply the change to the files (each atomically: a temporary file, then a rename; a file "
                         "changed since it was read is not written, and the output says so); the diff is printed "
                         "all the same")
-    p.add_argument("--max-chars", type=positive, default=MAX_CHARS, metavar="N",
+    p.add_argument("--max-chars", type=parser("max_chars"), default=MAX_CHARS, metavar="N",
                    help=f"longest alt text, in characters (default {MAX_CHARS}, what most alt-text guides ask; "
-                        "some screen readers cut at 150): a longer caption is held for a person, never cut")
+                        "some screen readers cut at 150): the best caption that fits, found by the search, never "
+                        "cut; an image no caption fits is held for a person")
     p.add_argument("--min-confidence", type=parser("unfamiliar_below", float),  # the same rule: a share
                    default=MIN_CONFIDENCE,
                    metavar="P",
@@ -164,7 +165,7 @@ def cmd_alt_text(args: argparse.Namespace, decode_options: Callable) -> int:
                 run.images.setdefault(real, Image(located.path))
     if run.images:
         _caption(run, args, device, decode_options)
-    rules = Rules(args.min_confidence, args.unfamiliar_below, args.max_chars)
+    rules = Rules(args.min_confidence, args.unfamiliar_below)
     for i, doc in enumerate(run.documents):
         _edit(run, i, doc, rules, args.write)
     for line in [*(f"refused: {r}" for r in run.refused), *run.listed, *run.not_written]:
@@ -189,7 +190,7 @@ def _caption(run: Run, args: argparse.Namespace, device: str, decode_options: Ca
     cache = None
     if not args.no_cache:
         searched = {k: getattr(options, k) for k in ("beam_size", "max_len", "hard_attention", "allow_unk",
-                                                     "length_penalty")}
+                                                     "length_penalty", "max_chars")}
         cache = CaptionCache(args.cache or default_folder(), model_digest(model.path), searched)
     todo: list[tuple[Image, object]] = []
     for image in run.images.values():
@@ -209,9 +210,7 @@ def _caption(run: Run, args: argparse.Namespace, device: str, decode_options: Ca
     for start in range(0, len(todo), args.batch_size):
         batch = todo[start:start + args.batch_size]
         for (image, _), result in zip(batch, captioner.caption_images([im for _, im in batch], options)):
-            known = result.familiarity
-            image.caption = Caption(result.caption, result.score, None if known is None else known.value,
-                                    len(result.words))
+            image.caption = Caption.of(result)
             if cache is not None and not cache.put(image.digest, image.caption):
                 cache_failed = True
     if cache_failed:
@@ -240,7 +239,8 @@ def _edit(run: Run, i: int, doc: Document, rules: Rules, write: bool) -> None:
         if why is None and markup is None:
             why = f"the caption has characters {doc.encoding} cannot hold"
         if why is not None:
-            run.listed.append(f"held: {at}: {why} (caption: {image.caption.text!r})")
+            said = f" (caption: {image.caption.text!r})" if image.caption.text else ""
+            run.listed.append(f"held: {at}: {why}{said}")
             continue
         alts[missing] = markup
     if not alts:

@@ -2,11 +2,12 @@
 captions by image content: where it lives, what keys it, what it keeps."""
 
 import math
+from types import SimpleNamespace
 
 from captioner.alttext.cache import CaptionCache, default_folder, model_digest
 from captioner.alttext.decide import MAX_CHARS, MIN_CONFIDENCE, Caption, Rules, confidence, held_because
 
-RULES = Rules(min_confidence=0.05, unfamiliar_below=0.01, max_chars=20)
+RULES = Rules(min_confidence=0.05, unfamiliar_below=0.01)
 
 
 def _caption(text="a red circle", p=0.5, familiarity=0.5, words=3) -> Caption:
@@ -15,7 +16,7 @@ def _caption(text="a red circle", p=0.5, familiarity=0.5, words=3) -> Caption:
 
 def test_the_defaults_are_the_measured_threshold_and_the_usual_budget():
     assert (MIN_CONFIDENCE, MAX_CHARS) == (0.01, 125)
-    assert Rules() == Rules(MIN_CONFIDENCE, 0.01, MAX_CHARS)
+    assert Rules() == Rules(MIN_CONFIDENCE, 0.01)
 
 
 def test_the_confidence_is_the_caption_s_probability():
@@ -44,14 +45,26 @@ def test_familiarity_unknown_leaves_the_confidence_to_decide():
     assert held_because(_caption(familiarity=None, p=0.01), RULES).startswith("confidence ")
 
 
-def test_over_the_budget_is_held_and_at_it_is_written():
-    assert held_because(_caption(text="x" * 20), RULES) is None
-    assert held_because(_caption(text="x" * 21), RULES) == "21 characters, over --max-chars 20"
-    assert held_because(_caption(text="x" * 500), Rules(max_chars=None)) is None
-
-
-def test_no_caption_is_held():
+def test_no_caption_is_held_and_one_that_fits_no_budget_says_so():
     assert held_because(_caption(text="", words=0), RULES) == "the model gave no caption"
+    missed = Caption("", 0.0, 0.5, 0, "no caption fits in --max-chars 5 (...)")
+    assert held_because(missed, RULES) == "no caption fits in --max-chars 5 (...)"
+
+
+def _result(words, score, familiarity=None, no_fit=None):
+    known = None if familiarity is None else SimpleNamespace(value=familiarity, unfamiliar=familiarity < 0.01)
+    return SimpleNamespace(words=words, caption=" ".join(words), score=score, familiarity=known, no_fit=no_fit)
+
+
+def test_a_caption_is_made_from_a_search_result():
+    assert Caption.of(_result(["a", "red", "circle"], -1.5, 0.3)) == Caption("a red circle", -1.5, 0.3, 3)
+    assert Caption.of(_result(["a"], -0.5)) == Caption("a", -0.5, None, 1)
+    none_fits = Caption.of(_result([], -math.inf, 0.3, SimpleNamespace(max_chars=5, shortest="a red circle")))
+    assert none_fits == Caption("", 0.0, 0.3, 0, "no caption fits in --max-chars 5 (the shortest found without it "
+                                               "has 12: 'a red circle')")
+    ended_none = Caption.of(_result([], -math.inf, None, SimpleNamespace(max_chars=5, shortest=None)))
+    assert ended_none.no_fit == "no caption fits in --max-chars 5 (the search without it ended none)"
+    assert Caption.from_json(none_fits.to_json()) == none_fits
 
 
 def test_the_cache_lives_under_xdg_cache_home_or_the_home_folder(monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 # The default of --min-confidence: docs/alt-text.md's table.
-MIN_CONFIDENCE = 0.01
+MIN_CONFIDENCE = 0.05
 # The default of --max-chars: the length most alt-text guides ask captions to stay within.
 MAX_CHARS = 125
 

@@ -15,7 +15,7 @@ def _caption(text="a red circle", p=0.5, familiarity=0.5, words=3) -> Caption:
 
 
 def test_the_defaults_are_the_measured_threshold_and_the_usual_budget():
-    assert (MIN_CONFIDENCE, MAX_CHARS) == (0.01, 125)
+    assert (MIN_CONFIDENCE, MAX_CHARS) == (0.05, 125)
     assert Rules() == Rules(MIN_CONFIDENCE, 0.01)
 
 

@@ -14,7 +14,7 @@ import hashlib
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from captioner.alttext.cache import CaptionCache, default_folder, model_digest
@@ -111,7 +111,7 @@ def find_documents(paths: list[str]) -> list[Path]:
 
 
 @dataclass
-class Image:
+class LocalImage:
     """A local image some page shows without alt text: its bytes' digest, and its caption once known."""
 
     path: Path
@@ -127,7 +127,7 @@ class Run:
     pages: int = 0  # HTML and Markdown files found
     documents: list[Document] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # "PATH: why"
-    images: dict[Path, Image] = field(default_factory=dict)  # by resolved path
+    images: dict[Path, LocalImage] = field(default_factory=dict)  # by resolved path
     where: dict[tuple[int, MissingAlt], Path | str] = field(default_factory=dict)  # -> resolved path, or why skipped
     listed: list[str] = field(default_factory=list)  # held, skipped and failed, one line each
     filled: int = 0
@@ -162,7 +162,7 @@ def cmd_alt_text(args: argparse.Namespace, decode_options: Callable) -> int:
             else:
                 real = located.path.resolve()
                 run.where[i, image] = real
-                run.images.setdefault(real, Image(located.path))
+                run.images.setdefault(real, LocalImage(located.path))
     if run.images:
         _caption(run, args, device, decode_options)
     rules = Rules(args.min_confidence, args.unfamiliar_below)
@@ -189,10 +189,10 @@ def _caption(run: Run, args: argparse.Namespace, device: str, decode_options: Ca
               "so unfamiliar images cannot be told: only --min-confidence holds captions back", file=sys.stderr)
     cache = None
     if not args.no_cache:
-        searched = {k: getattr(options, k) for k in ("beam_size", "max_len", "hard_attention", "allow_unk",
-                                                     "length_penalty", "max_chars")}
+        # every option that shapes the caption; familiarity's threshold is applied to the value kept
+        searched = {k: v for k, v in asdict(options).items() if k != "unfamiliar_below"}
         cache = CaptionCache(args.cache or default_folder(), model_digest(model.path), searched)
-    todo: list[tuple[Image, object]] = []
+    todo: list[tuple[LocalImage, object]] = []
     for image in run.images.values():
         try:
             data = image.path.read_bytes()

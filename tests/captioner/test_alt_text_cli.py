@@ -2,6 +2,7 @@
 that have not changed, what it skips, holds for a person or refuses listed with the reason, and
 captions kept by the image's content."""
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -230,3 +231,15 @@ def test_mistakes_are_refused_in_one_line(tmp_path, weights, capsys, monkeypatch
     monkeypatch.chdir(tmp_path)
     code, out, err = _run(args, weights, capsys)
     assert code == 2 and words in one_line(err)
+
+
+def test_the_defaults_are_a_budget_of_125_characters_the_measured_confidence_and_the_user_cache():
+    from captioner.alttext.cache import default_folder
+    from captioner.alttext.decide import MIN_CONFIDENCE
+    from captioner.cli.main import build_parser
+
+    args = build_parser().parse_args(["alt-text", "site/"])
+    assert (args.max_chars, args.min_confidence, args.write, args.cache) == (125, MIN_CONFIDENCE, False, None)
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    cache_help = next(a.help for a in sub.choices["alt-text"]._actions if "--cache" in a.option_strings)
+    assert str(default_folder()) in cache_help and "delete the folder to clear it" in cache_help

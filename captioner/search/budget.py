@@ -82,5 +82,6 @@ class NoFit:
     def message(self, image: str) -> str:
         """The one line said of the image: which, the budget, and the shortest caption found."""
         found = ("the search without a budget ended no caption" if self.shortest is None
-                 else f"the shortest the search found is {len(self.shortest)}: {self.shortest!r}")
+                 else f"the shortest found without a budget is {len(self.shortest)} characters long: "
+                 f"{self.shortest!r}")
         return f"{image}: no caption fits in {self.max_chars} characters ({found})"

@@ -84,4 +84,5 @@ class NoFit:
         found = ("the search without a budget ended no caption" if self.shortest is None
                  else f"the shortest found without a budget is {len(self.shortest)} characters long: "
                  f"{self.shortest!r}")
-        return f"{image}: no caption fits in {self.max_chars} characters ({found})"
+        unit = "character" if self.max_chars == 1 else "characters"
+        return f"{image}: no caption fits in {self.max_chars} {unit} ({found})"

@@ -720,6 +720,6 @@ def test_a_budget_no_caption_fits_is_said_in_place_of_the_caption(tmp_path, monk
     at.slider(key="max_chars").set_value(1).run()
     assert not at.exception
     [warning] = [re.sub(r"\\(.)", r"\1", w.value) for w in at.warning if "no caption fits" in w.value]
-    assert warning.startswith("generated.png: no caption fits in 1 characters "
+    assert warning.startswith("generated.png: no caption fits in 1 character "
                               "(the shortest found without a budget is ")
     assert not at.main.header  # no caption shown

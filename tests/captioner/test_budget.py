@@ -189,7 +189,7 @@ def test_the_captioner_says_which_budget_no_caption_fits_and_the_shortest_it_fou
     unbudgeted = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, num_captions=3))
     assert r.no_fit.shortest == min((x.caption for x in unbudgeted.alternatives), key=len)
     line = r.no_fit.message("x.png")
-    assert line.startswith("x.png: no caption fits in 1 characters") and repr(r.no_fit.shortest) in line
+    assert line.startswith("x.png: no caption fits in 1 character") and repr(r.no_fit.shortest) in line
     fits = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, max_chars=12))
     assert fits.no_fit is None and 0 < len(fits.caption) <= 12
 
@@ -294,7 +294,7 @@ def test_the_caption_command_keeps_the_budget_and_names_an_image_no_caption_fits
     assert main(["caption", str(image), "--weights", str(path), "--max-len", "6", "--max-chars", "1", "--quiet"]) == 1
     [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert line["image"] == str(image) and "caption" not in line
-    assert line["error"].startswith(f"{image}: no caption fits in 1 characters "
+    assert line["error"].startswith(f"{image}: no caption fits in 1 character "
                                     "(the shortest found without a budget is ")
     with pytest.raises(SystemExit) as refused:
         main(["caption", str(image), "--weights", str(path), "--max-chars", "0"])

@@ -182,7 +182,7 @@ class Service:
         if isinstance(result, Exception):
             raise Refused(422, f"the image decoded but could not be captioned: {result}")
         if result.no_fit is not None:
-            raise Refused(422, result.no_fit.message("the image"))
+            raise Refused(422, result.no_fit.reason)
         return result.to_json(None, asked.with_attention, heads=asked.attention_heads, model=self.captioner.name,
                               training_data=self.captioner.training_data)
 

@@ -294,8 +294,12 @@ def test_the_caption_command_keeps_the_budget_and_names_an_image_no_caption_fits
     assert main(["caption", str(image), "--weights", str(path), "--max-len", "6", "--max-chars", "1", "--quiet"]) == 1
     [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert line["image"] == str(image) and "caption" not in line
-    assert line["error"].startswith(f"{image}: no caption fits in 1 character "
+    assert line["error"].startswith("no caption fits in 1 character "
                                     "(the shortest found without a budget is ")
+    assert main(["caption", str(image), "--weights", str(path), "--max-len", "6", "--max-chars", "1", "--quiet",
+                 "--format", "txt"]) == 1
+    assert f"failed: {image}: no caption fits in 1 character (" in capsys.readouterr().err
+    assert not (tmp_path / "a.txt").exists()
     with pytest.raises(SystemExit) as refused:
         main(["caption", str(image), "--weights", str(path), "--max-chars", "0"])
     assert refused.value.code == 2 and "--max-chars: must be >= 1, got 0" in capsys.readouterr().err

@@ -338,5 +338,5 @@ def test_a_character_budget_is_an_option_like_the_others_and_none_fitting_is_422
     short.vocab = Vocabulary([("aa" if w == "a" else w) for w in short.vocab.words])  # no one-letter word
     _, client = serve(short)
     message = refusal(client.post("/v1/captions?max_chars=1", content=png(1)), 422)
-    assert message.startswith("the image: no caption fits in 1 character "
+    assert message.startswith("no caption fits in 1 character "
                               "(the shortest found without a budget is ")

@@ -207,6 +207,9 @@ def test_the_captioner_says_which_budget_no_caption_fits_and_the_shortest_it_fou
     cap.vocab = Vocabulary(words)
     r = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, max_chars=1))
     assert r.words == [] and r.caption == "" and r.no_fit is not None
+    listed = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, max_chars=1, num_captions=3,
+                                                      length_penalty=1.0))
+    assert listed.no_fit is not None and listed.alternatives == ()  # nothing to list, nothing ranked
     assert r.no_fit.max_chars == 1 and r.no_fit.shortest
     unbudgeted = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, num_captions=3))
     assert r.no_fit.shortest == min((x.caption for x in unbudgeted.alternatives), key=len)

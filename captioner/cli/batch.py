@@ -368,7 +368,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
                     summary.wordless += all(w == UNK for w in r.words)
                     summary.unfamiliar += bool(r.familiarity is not None and r.familiarity.unfamiliar)
                 else:  # unreadable, or no caption fits --max-chars
-                    record = {"image": path, "error": batch.errors[index] if r is None else r.no_fit.message(path)}
+                    record = {"image": path, "error": batch.errors[index] if r is None else r.no_fit.reason}
                     summary.failed += 1
                 if resolved:
                     record["resolved"] = resume_key(path, real_folders)

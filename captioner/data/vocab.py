@@ -315,16 +315,6 @@ class Spelling:
         return cls(lengths=tuple(0 if i in quiet else len(w) for i, w in enumerate(words)),
                    before=tuple(b for b, _ in sides), after=tuple(a for _, a in sides))
 
-    def printed(self, ids: Iterable[int]) -> int:
-        """The printed length of the caption of token ``ids``, one token at a time: what
-        ``len(tokenizer.join(words))`` gives."""
-        chars, after = 0, False
-        for i in ids:
-            if self.lengths[i]:
-                chars += self.lengths[i] + (after and self.before[i])
-                after = self.after[i]
-        return chars
-
 
 # -------------------------------------------------------------------------- vocabulary
 

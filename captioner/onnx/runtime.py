@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             for path, r in zip(chunk, results):
                 if isinstance(r, str) or r.no_fit is not None:
                     failed += 1
-                    record = {"image": path, "error": r if isinstance(r, str) else r.no_fit.message(path)}
+                    record = {"image": path, "error": r if isinstance(r, str) else r.no_fit.reason}
                 else:
                     record = {**r.to_json(path, args.with_attention), **tag}
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -79,8 +79,16 @@ class NoFit:
         found without it; none: None)."""
         return cls(max_chars, min(captions, key=len) if captions else None)
 
+    @property
+    def reason(self) -> str:
+        """Why, in one line: the budget and the shortest caption found (a JSON line's "error",
+        beside its "image")."""
+        found = ("the search without a budget ended no caption" if self.shortest is None
+                 else f"the shortest found without a budget is {len(self.shortest)} characters long: "
+                 f"{self.shortest!r}")
+        unit = "character" if self.max_chars == 1 else "characters"
+        return f"no caption fits in {self.max_chars} {unit} ({found})"
+
     def message(self, image: str) -> str:
         """The one line said of the image: which, the budget, and the shortest caption found."""
-        found = ("the search without a budget ended no caption" if self.shortest is None
-                 else f"the shortest the search found is {len(self.shortest)}: {self.shortest!r}")
-        return f"{image}: no caption fits in {self.max_chars} characters ({found})"
+        return f"{image}: {self.reason}"

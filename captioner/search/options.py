@@ -15,6 +15,10 @@ import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from captioner.data.vocab import Spelling
 
 # The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
 # (COCO's longest training captions, which the configs keep, are 50 words); a larger limit only lets
@@ -181,7 +185,7 @@ class Tokens:
     end: int
     pad: int
     unk: int | None = None
-    spelling: object | None = None  # data.vocab.Spelling, equal only to itself (a cheap key)
+    spelling: Spelling | None = None  # equal only to itself: a cheap key for the search's graphs
 
     @classmethod
     def of(cls, vocab) -> "Tokens":
@@ -189,7 +193,7 @@ class Tokens:
         return cls(start=vocab.start, end=vocab.end, pad=vocab.pad, unk=vocab.unk,
                    spelling=getattr(vocab, "spelling", None))
 
-    def budget_spelling(self, options: DecodeOptions):
+    def budget_spelling(self, options: DecodeOptions) -> Spelling | None:
         """The spelling the options' character budget needs (None without a budget); refused in
         one line where these tokens do not know it."""
         if options.max_chars is None:

@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from captioner.data.vocab import TOKENIZERS, Spelling, Vocabulary, tokenizer_named
 from captioner.model.encoders import Annotations
 from captioner.search import decoding
+from captioner.search.budget import Budget
 from captioner.search.decoding import beam_search, greedy
 from captioner.search.options import DecodeOptions, OptionError, Tokens, parser
 from tests.captioner.test_decoding import END, PAD, START, _random_decoder, _reference_search
@@ -48,10 +50,30 @@ def test_the_printed_length_is_the_length_of_the_joined_text(name):
     pieces = ["a", "red", "红", "圆", "ab", "12", "。", "，", "-5", "x.y", "T", "の"]
     words = ["<pad>", "<start>", "<end>", "<unk>", *pieces]
     spelling = Spelling.of(words, tokenizer, (0, 1, 2))
+    table = [np.array(x) for x in (spelling.lengths, spelling.before, spelling.after)]
     rng = random.Random(0)
-    for _ in range(300):
-        ids = [rng.randrange(3, len(words)) for _ in range(rng.randrange(0, 7))]
-        assert spelling.printed(ids + [2]) == len(tokenizer.join([words[i] for i in ids])), [words[i] for i in ids]
+    for _ in range(300):  # the budget's count, word by word, of one row, and the joined text
+        ids = [rng.randrange(3, len(words)) for _ in range(rng.randrange(1, 7))]
+        budget = Budget(100, 2, *table, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=bool))
+        for i in ids:
+            budget = budget.follow(np.zeros(1, dtype=np.int64), np.array([i]))
+        assert int(budget.chars[0]) == len(tokenizer.join([words[i] for i in ids])), [words[i] for i in ids]
+
+
+def test_a_word_is_over_the_budget_one_character_past_it_and_end_never_comes_first():
+    # ids: 0 <pad>, 1 <start>, 2 <end>, 3 "red" (spaced), 4 "红" (no space), 5 "ab" (spaced)
+    words = ["<pad>", "<start>", "<end>", "red", "红", "ab"]
+    spelling = Spelling.of(words, tokenizer_named("chars2"), (0, 1, 2))
+    table = [np.array(x) for x in (spelling.lengths, spelling.before, spelling.after)]
+    rows = np.array([0, 3, 3, 1])  # printed so far; rows 1, 3 end in a Latin word (a space next), row 2 in 红
+    closes = np.array([False, True, False, False])
+    for limit in (6, 5):
+        over = Budget(limit, 2, *table, rows, closes).over()
+        assert over[:, 2].tolist() == [True, False, False, False]  # <end>: not as the first token
+        # "ab" after a Latin word takes 1 + 2; after 红 or at the start 2
+        assert over[:, 5].tolist() == [False, 3 + 3 > limit, 3 + 2 > limit, False]
+        assert over[:, 3].tolist() == [False, 3 + 4 > limit, 3 + 3 > limit, 1 + 3 > limit]
+        assert not over[:, 4].any()  # 红 takes no space: 3 + 1
 
 
 def test_join_puts_spaces_where_it_did_before_the_budget():
@@ -185,11 +207,14 @@ def test_the_captioner_says_which_budget_no_caption_fits_and_the_shortest_it_fou
     cap.vocab = Vocabulary(words)
     r = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, max_chars=1))
     assert r.words == [] and r.caption == "" and r.no_fit is not None
+    listed = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, max_chars=1, num_captions=3,
+                                                      length_penalty=1.0))
+    assert listed.no_fit is not None and listed.alternatives == ()  # nothing to list, nothing ranked
     assert r.no_fit.max_chars == 1 and r.no_fit.shortest
     unbudgeted = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, num_captions=3))
     assert r.no_fit.shortest == min((x.caption for x in unbudgeted.alternatives), key=len)
     line = r.no_fit.message("x.png")
-    assert line.startswith("x.png: no caption fits in 1 characters") and repr(r.no_fit.shortest) in line
+    assert line.startswith("x.png: no caption fits in 1 character") and repr(r.no_fit.shortest) in line
     fits = cap.caption(tiny_image(0), DecodeOptions(beam_size=3, max_len=6, max_chars=12))
     assert fits.no_fit is None and 0 < len(fits.caption) <= 12
 
@@ -238,8 +263,6 @@ def test_the_graphed_search_runs_a_budget_eagerly_and_records_no_graph():
 
 @pytest.mark.parametrize("beam,n,budget", [(1, 1, 6), (3, 1, 9), (3, 3, 12), (4, 2, 5), (2, 1, 1)])
 def test_the_numpy_search_keeps_the_budget_as_the_torch_search_does(beam, n, budget):
-    import numpy as np
-
     from captioner.onnx import search as npsearch
     from tests.builders import torch_step
 
@@ -294,7 +317,12 @@ def test_the_caption_command_keeps_the_budget_and_names_an_image_no_caption_fits
     assert main(["caption", str(image), "--weights", str(path), "--max-len", "6", "--max-chars", "1", "--quiet"]) == 1
     [line] = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert line["image"] == str(image) and "caption" not in line
-    assert line["error"].startswith(f"{image}: no caption fits in 1 characters (the shortest the search found is ")
+    assert line["error"].startswith("no caption fits in 1 character "
+                                    "(the shortest found without a budget is ")
+    assert main(["caption", str(image), "--weights", str(path), "--max-len", "6", "--max-chars", "1", "--quiet",
+                 "--format", "txt"]) == 1
+    assert f"failed: {image}: no caption fits in 1 character (" in capsys.readouterr().err
+    assert not (tmp_path / "a.txt").exists()
     with pytest.raises(SystemExit) as refused:
         main(["caption", str(image), "--weights", str(path), "--max-chars", "0"])
     assert refused.value.code == 2 and "--max-chars: must be >= 1, got 0" in capsys.readouterr().err

@@ -45,11 +45,7 @@ class Caption:
     def of(cls, result) -> "Caption":
         """The caption of a ``CaptionResult``."""
         known, missed = result.familiarity, result.no_fit
-        no_fit = None
-        if missed is not None:
-            found = ("the search without it ended none" if missed.shortest is None else
-                     f"the shortest found without it has {len(missed.shortest)}: {missed.shortest!r}")
-            no_fit = f"no caption fits in --max-chars {missed.max_chars} ({found})"
+        no_fit = None if missed is None else missed.reason  # as `captioner caption` says it
         score = result.score if result.words else 0.0  # no caption: -inf, which JSON cannot hold
         return cls(result.caption if result.words else "", score, None if known is None else known.value,
                    len(result.words), no_fit)

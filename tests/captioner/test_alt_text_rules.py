@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from captioner.alttext.cache import CaptionCache, default_folder, model_digest
 from captioner.alttext.decide import MAX_CHARS, MIN_CONFIDENCE, Caption, Rules, confidence, held_because
+from captioner.search.budget import NoFit
 
 RULES = Rules(min_confidence=0.05, unfamiliar_below=0.01)
 
@@ -59,11 +60,9 @@ def _result(words, score, familiarity=None, no_fit=None):
 def test_a_caption_is_made_from_a_search_result():
     assert Caption.of(_result(["a", "red", "circle"], -1.5, 0.3)) == Caption("a red circle", -1.5, 0.3, 3)
     assert Caption.of(_result(["a"], -0.5)) == Caption("a", -0.5, None, 1)
-    none_fits = Caption.of(_result([], -math.inf, 0.3, SimpleNamespace(max_chars=5, shortest="a red circle")))
-    assert none_fits == Caption("", 0.0, 0.3, 0, "no caption fits in --max-chars 5 (the shortest found without it "
-                                               "has 12: 'a red circle')")
-    ended_none = Caption.of(_result([], -math.inf, None, SimpleNamespace(max_chars=5, shortest=None)))
-    assert ended_none.no_fit == "no caption fits in --max-chars 5 (the search without it ended none)"
+    none_fits = Caption.of(_result([], -math.inf, 0.3, NoFit(5, "a red circle")))
+    assert none_fits == Caption("", 0.0, 0.3, 0, NoFit(5, "a red circle").reason)
+    assert none_fits.no_fit.startswith("no caption fits in 5 characters")
     assert Caption.from_json(none_fits.to_json()) == none_fits
 
 

@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
 
 HTML, MARKDOWN = "html", "markdown"
+VECTOR = (".svg", ".svgz")  # drawings the image reader cannot open: skipped, not failed
 SUFFIXES = {".html": HTML, ".htm": HTML, ".xhtml": HTML, ".md": MARKDOWN, ".markdown": MARKDOWN}
 
 
@@ -199,8 +200,8 @@ class Located:
 
 def locate(src: str, document: Path, root: Path | None = None) -> Located:
     """The local file ``src`` names, relative to ``document``'s folder (a path from the site's
-    root, ``/img/a.png``, under ``root``); remote URLs, ``data:`` URIs and files that are not
-    there are named with the reason they are not captioned."""
+    root, ``/img/a.png``, under ``root``); remote URLs, ``data:`` URIs, files that are not there
+    and SVG drawings are named with the reason they are not captioned."""
     if not src:
         return Located(None, "no source")
     if src.lower().startswith("data:"):
@@ -224,4 +225,6 @@ def locate(src: str, document: Path, root: Path | None = None) -> Located:
             path = document.parent / name
     if not path.is_file():
         return Located(None, f"not found: {path}")
+    if path.suffix.lower() in VECTOR:
+        return Located(None, "an SVG drawing: only pictures of pixels are captioned")
     return Located(path)

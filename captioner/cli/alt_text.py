@@ -86,9 +86,9 @@ def add_alt_text_parser(sub: argparse._SubParsersAction, add_model_args: Callabl
 
 def find_documents(paths: list[str]) -> list[Path]:
     """The HTML and Markdown files named, and those under the folders named (recursively, sorted;
-    a folder reached twice through links is entered once). A missing path, or a file named that
-    is neither, is a one-line UsageError."""
-    found: list[Path] = []
+    a folder reached twice through links is entered once, a page found twice is read once). A
+    missing path, or a file named that is neither, is a one-line UsageError."""
+    found: dict[Path, Path] = {}  # real location -> as found: a page named twice is read once
     seen: set[tuple[int, int]] = set()
     for given in paths:
         path = Path(given)
@@ -100,14 +100,16 @@ def find_documents(paths: list[str]) -> list[Path]:
                     continue
                 seen.add((st.st_dev, st.st_ino))
                 dirs.sort()
-                found += [Path(root) / name for name in sorted(files) if kind_of(Path(name))]
+                for name in sorted(files):
+                    if kind_of(Path(name)):
+                        found.setdefault((Path(root) / name).resolve(), Path(root) / name)
         elif path.is_file():
             if kind_of(path) is None:
                 raise UsageError(f"{given}: not an HTML or Markdown file (the extensions read: {', '.join(SUFFIXES)})")
-            found.append(path)
+            found.setdefault(path.resolve(), path)
         else:
             raise UsageError(f"{given}: no such file or folder")
-    return found
+    return list(found.values())
 
 
 @dataclass

@@ -91,6 +91,12 @@ def test_markdown_folders_are_searched_and_the_same_image_is_captioned_once(tmp_
     assert "wrote 2 files" in err
 
 
+def test_a_page_named_twice_is_read_once(tmp_path, weights, capsys, cache):
+    page = _site(tmp_path / "site")
+    code, out, err = _run([tmp_path / "site", page, "--write"], weights, capsys, *OPEN, "--cache", cache)
+    assert code == 0 and out.count("+++ ") == 1 and "1 page (0 refused)" in err and "wrote 1 file" in err
+
+
 def test_remote_urls_data_uris_and_missing_files_are_listed_as_skipped(tmp_path, weights, capsys, cache):
     data = (b'<img src="https://example.org/a.png">\n<img src="data:image/png;base64,' + b"A" * 200 + b'">\n'
             b'<img src="gone.png">\n<img src="/a.png">\n')

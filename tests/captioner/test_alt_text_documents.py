@@ -210,6 +210,8 @@ def test_sources_resolve_locally_and_remote_ones_and_data_uris_are_named(tmp_pat
     assert locate("data:image/png;base64,iVBORw0KGgo=", page).why == "a data: URI"
     assert locate("DATA:image/png;base64,iVBORw0KGgo=", page).why == "a data: URI"
     assert locate("missing.png", page).why.startswith("not found: ")
+    (tmp_path / "site" / "img" / "logo.SVG").write_bytes(b"<svg/>")
+    assert locate("../img/logo.SVG", page).why == "an SVG drawing: only pictures of pixels are captioned"
     assert locate("", page).why == "no source"
 
 

@@ -44,6 +44,7 @@ EXAMPLES_DIR = Path(__file__).parent / "examples"
 # A local file: an emoji or material icon here would make the browser fetch it from a public CDN.
 PAGE_ICON = Path(__file__).parent / "icon.png"
 UPLOAD_TYPES = ["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
+MOST_CHARS = 300  # the character budget slider's end: alt text asks for 125 to 150 characters
 
 
 class Html:
@@ -158,10 +159,14 @@ def sidebar(models: dict[str, str]) -> tuple[str, DecodeOptions]:
                         help="The beam's best finished captions, with their log-probabilities; the first is "
                              "the caption. Up to this many: those that had ended when the search stopped."
                         ) if beam > 1 else 1
+        chars = st.slider("Most characters (0: any length)", 0, MOST_CHARS, 0, key="max_chars",
+                          help="A budget for alt text (125 is the common guideline): the best caption whose "
+                               "text is at most this many characters, found by the search among those that fit, "
+                               "never cut.")
         st.markdown("The model follows *Show, Attend and Tell* "
                     "([Xu et al., 2015](https://arxiv.org/abs/1502.03044)): a CNN looks at the image, an LSTM "
                     "writes the caption, and an attention step picks the image regions for every word.")
-    return label, DecodeOptions(beam_size=beam, max_len=max_len, num_captions=num)
+    return label, DecodeOptions(beam_size=beam, max_len=max_len, num_captions=num, max_chars=chars or None)
 
 
 def shapes_notice(captioner: Captioner, label: str) -> str | None:
@@ -267,6 +272,9 @@ def choose_image() -> tuple[str, bytes] | None:
 def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_model: bool,
                 notice: str | None = None) -> None:
     result = shown.result
+    if result.no_fit is not None:
+        st.warning(_markdown_text(result.no_fit.message(shown.name)))
+        return
     with st.container(key="caption"):
         st.header(_markdown_text(result.caption) if result.words else "(no words)", anchor=False)
     if result.words:  # each word shaded by how doubtful it is, its probability in a tooltip
@@ -278,8 +286,9 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
         st.warning(notice)
     hard = f" · hard attention: {options.hard_attention}" if hard_model else ""
     waited = f" (after {shown.waited:.1f} s waiting for the model)" if shown.waited >= 0.05 else ""
-    st.caption(f"{shown.name} · {model_label} · beam {options.beam_size} · up to {options.max_len} words{hard} · "
-               f"{shown.seconds * 1000:.0f} ms{waited} · log-probability {result.score:.2f} · "
+    budget = "" if options.max_chars is None else f" · at most {options.max_chars} characters"
+    st.caption(f"{shown.name} · {model_label} · beam {options.beam_size} · up to {options.max_len} words{hard}"
+               f"{budget} · {shown.seconds * 1000:.0f} ms{waited} · log-probability {result.score:.2f} · "
                f"{familiarity_text(result)}")
     others = alternatives_list(result)
     if others:

@@ -28,6 +28,7 @@ from captioner.model import kernels
 from captioner.model.decoder import CaptionModel
 from captioner.model.encoders import Annotations
 from captioner.model.familiarity import TrainingFeatures, pooled
+from captioner.search.budget import NoFit
 from captioner.search.decoding import CaptionResult, DecodedIds, beam_search
 from captioner.search.graph import SearchGraphs, search_form
 from captioner.search.options import DecodeOptions, Tokens
@@ -128,14 +129,30 @@ class Captioner(Described):
         with self.autocast():
             ann = self.encode(images)
             decoded = self.beam_search_batch(ann, opt)
-        results = [to_result(d, self.vocab, ann.grid, opt.num_captions > 1, opt.length_penalty) for d in decoded]
-        if explain is not None:
-            maps = gradient_maps(self.model.decoder, ann, [d.ids for d in decoded], self.tokens, explain)
-            results = [replace(r, gradients={explain: m}) for r, m in zip(results, maps)]
+            misses = self._no_fits(ann, opt, [i for i, d in enumerate(decoded) if not d.ids])
+        results = [replace(to_result(d, self.vocab, ann.grid, opt.num_captions > 1, opt.length_penalty),
+                           no_fit=misses.get(i)) for i, d in enumerate(decoded)]
+        for kind in (explain,) if isinstance(explain, str) else explain or ():
+            maps = gradient_maps(self.model.decoder, ann, [d.ids for d in decoded], self.tokens, kind)
+            results = [replace(r, gradients={**r.gradients, kind: m}) for r, m in zip(results, maps)]
         if self.familiarity is None:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)
         return [replace(r, familiarity=f) for r, f in zip(results, known)]
+
+    def _no_fits(self, ann: Annotations, opt: DecodeOptions, rows: list[int]) -> dict[int, NoFit]:
+        """Why the images ``rows`` got no caption (none fits ``max_chars``): the shortest of the
+        captions the same search finds without the budget (its N best, N = its width)."""
+        if not rows or opt.max_chars is None:
+            return {}
+        unbudgeted = replace(opt, max_chars=None, num_captions=opt.beam_size)
+        pick = torch.tensor(rows, device=ann.vectors.device)
+        found = self.beam_search_batch(Annotations(ann.vectors[pick], ann.grid), unbudgeted)
+        misses = {}
+        for i, d in zip(rows, found):
+            misses[i] = NoFit.among(opt.max_chars, [self.vocab.join(self.vocab.decode(x.ids))
+                                                    for x in (d, *d.runners_up) if x.ids[-1:] == [self.vocab.end]])
+        return misses
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> Annotations:

@@ -357,8 +357,8 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
                 results = dict(zip(batch.loaded, captioner.caption_batch(batch.pixels, options)))
             for index in batch.indices:
                 path = images[index]
-                if index in results:
-                    r = results[index]
+                r = results.get(index)
+                if r is not None and r.no_fit is None:
                     record = r.to_json(path, with_attention, heads=heads, model=captioner.name,
                                        training_data=captioner.training_data)
                     if attention_dir is not None:
@@ -367,8 +367,8 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
                     summary.captioned += 1
                     summary.wordless += all(w == UNK for w in r.words)
                     summary.unfamiliar += bool(r.familiarity is not None and r.familiarity.unfamiliar)
-                else:
-                    record = {"image": path, "error": batch.errors[index]}
+                else:  # unreadable, or no caption fits --max-chars
+                    record = {"image": path, "error": batch.errors[index] if r is None else r.no_fit.reason}
                     summary.failed += 1
                 if resolved:
                     record["resolved"] = resume_key(path, real_folders)

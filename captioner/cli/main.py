@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from captioner.cli.alt_text import add_alt_text_parser
 from captioner.cli.caption_files import FORMATS as CAPTION_FORMATS
 from captioner.cli.caption_files import check_format_flags
 from captioner.cli.common import (
@@ -106,6 +107,12 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
                         "beam can beat the N-th best, so fewer than N only where fewer can end within --max-len. "
                         'With --length-penalty they come in the order of the search\'s rank, log p / '
                         'length**P, given as "rank". N at most --beam-size (default 1: none)')
+    p.add_argument("--max-chars", type=parser("max_chars"), default=None, metavar="C",
+                   help="the best caption whose text (as the model's language writes it: spaces between English "
+                        "words, none between Chinese characters) is at most C characters, found by the search "
+                        "among the captions that fit, never cut (with --num-captions: the N best that fit). An "
+                        'image that no caption fits gets an "error" line naming the budget and the shortest '
+                        "caption found without it (e.g. 125 for alt text; default: no budget)")
     p.add_argument("--batch-size", type=positive, default=None,
                    help="images per batch (default 16 on a CPU, 64 on a GPU, where a batch of 32 images' beam "
                         "search takes about the time of one image's)")
@@ -205,7 +212,8 @@ def default_batch_size(device) -> int:
 def decode_options(args: argparse.Namespace, model_max_len: int = DecodeOptions.max_len) -> DecodeOptions:
     """The decoding options the flags ask for (``DecodeOptions`` checks them), the model's own
     length limit where --max-len is not given; a refusal is a one-line UsageError."""
-    given = {name: getattr(args, name) for name in ("length_penalty", "num_captions") if hasattr(args, name)}
+    given = {name: getattr(args, name) for name in ("length_penalty", "num_captions", "max_chars")
+             if hasattr(args, name)}
     try:
         return DecodeOptions(beam_size=args.beam_size, max_len=args.max_len or model_max_len,
                              hard_attention=args.hard_attention, unfamiliar_below=args.unfamiliar_below,
@@ -653,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shapes_parser(sub)
     add_export_parser(sub)
     add_serve_parser(sub)
+    add_alt_text_parser(sub, _add_model_args, decode_options)
     for ep in sorted(entry_points(group="captioner.commands"), key=lambda e: e.name):
         try:
             ep.load()(sub)

@@ -34,7 +34,7 @@ import unicodedata
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)
@@ -137,8 +137,25 @@ class Tokenizer:
         """The tokens the metrics count: the tokens, less any kept only for reading."""
         return self.tokenize(text)
 
+    def spaces(self, token: str) -> tuple[bool, bool]:
+        """Whether ``token`` takes a space (before it, after it): :meth:`join` puts one between two
+        tokens where the first takes one after and the second one before. Words written with
+        spaces take both; a Chinese character neither. The character budget of the search
+        (``captioner.search.budget``) counts a caption's printed length by this rule, so that it
+        is ``len(join(tokens))`` exactly."""
+        return True, True
+
     def join(self, tokens: Sequence[str]) -> str:
-        return " ".join(tokens)
+        """The text a caption shows: the tokens, with a space between two that take one (:meth:`spaces`)."""
+        out: list[str] = []
+        after = False  # whether the token before takes a space after it (none before the first)
+        for tok in tokens:
+            before, next_after = self.spaces(tok)
+            if after and before:
+                out.append(" ")
+            out.append(tok)
+            after = next_after
+        return "".join(out)
 
 
 class PTBTokenizer(Tokenizer):
@@ -164,14 +181,9 @@ class CharTokenizer(Tokenizer):
     def tokenize(self, text: str) -> list[str]:
         return _CHAR_TOKEN.findall(unicodedata.normalize("NFKC", text).lower())
 
-    def join(self, tokens: Sequence[str]) -> str:
-        """No space between characters; one between two Latin words or numbers ("iphone 12")."""
-        out: list[str] = []
-        for tok in tokens:
-            if out and not _IS_CJK.match(tok) and not _IS_CJK.match(out[-1][-1]):
-                out.append(" ")
-            out.append(tok)
-        return "".join(out)
+    def spaces(self, token: str) -> tuple[bool, bool]:
+        """No space beside a character; one between two Latin words or numbers ("iphone 12")."""
+        return not _IS_CJK.match(token[0]), not _IS_CJK.match(token[-1])
 
 
 class Char2Tokenizer(Tokenizer):
@@ -191,15 +203,10 @@ class Char2Tokenizer(Tokenizer):
     def scored(self, text: str) -> list[str]:
         return [t for t in self.tokenize(text) if t not in _KEPT_MARKS]
 
-    def join(self, tokens: Sequence[str]) -> str:
+    def spaces(self, token: str) -> tuple[bool, bool]:
         """No space around a character or a punctuation mark; one between two words or
         numbers ("iphone 12")."""
-        out: list[str] = []
-        for tok in tokens:
-            if out and _spaced(out[-1][-1]) and _spaced(tok[0]):
-                out.append(" ")
-            out.append(tok)
-        return "".join(out)
+        return _spaced(token[0]), _spaced(token[-1])
 
 
 _KEPT_MARKS = frozenset(_SENTENCE_MARKS.values())
@@ -287,6 +294,28 @@ def _is_latin(ch: str) -> bool:
     return unicodedata.name(ch, "").startswith("LATIN")
 
 
+@dataclass(frozen=True, eq=False)
+class Spelling:
+    """How each token of a vocabulary prints, by id: its characters, and whether it takes a space
+    before and after it (``Tokenizer.spaces``), so that a caption's printed length is known token
+    by token (the search's character budget, ``captioner.search.budget``). <pad>, <start> and
+    <end> print nothing; <unk> prints as "<unk>", as a caption that holds it shows it. Equal only
+    to itself: a vocabulary makes its one spelling once."""
+
+    lengths: tuple[int, ...]
+    before: tuple[bool, ...]
+    after: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, words: Sequence[str], tokenizer: "Tokenizer", silent: Iterable[int]) -> "Spelling":
+        """The spelling of the tokens ``words`` (by id) joined by ``tokenizer``; the ids ``silent``
+        print nothing and take no space."""
+        quiet = set(silent)
+        sides = [(False, False) if i in quiet else tokenizer.spaces(w) for i, w in enumerate(words)]
+        return cls(lengths=tuple(0 if i in quiet else len(w) for i, w in enumerate(words)),
+                   before=tuple(b for b, _ in sides), after=tuple(a for _, a in sides))
+
+
 # -------------------------------------------------------------------------- vocabulary
 
 
@@ -370,6 +399,11 @@ class Vocabulary:
     def join(self, words: Sequence[str]) -> str:
         """The caption these words make, as its language writes it (no spaces in Chinese)."""
         return self.tokenizer.join(words)
+
+    @cached_property
+    def spelling(self) -> Spelling:
+        """How each of its tokens prints (made once, on first use)."""
+        return Spelling.of(self.words, self.tokenizer, (self.pad, self.start, self.end))
 
     def to_list(self) -> list[str]:
         return list(self.words)

@@ -1,7 +1,7 @@
 """Caption with an exported model's ONNX graphs: onnxruntime, numpy and pillow, no torch.
 
     python -m captioner.onnx MODEL_FOLDER IMAGES... [--beam-size K] [--max-len N]
-        [--num-captions N] [--with-attention] [--out FILE]
+        [--num-captions N] [--max-chars C] [--with-attention] [--out FILE]
 
 MODEL_FOLDER is what ``captioner export CHECKPOINT --out FOLDER --onnx`` wrote. The images are
 decoded and resized by the project's own code (captioner.data.images), the graphs run the encoder
@@ -19,15 +19,16 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from captioner.data.images import DEFAULT_MAX_PIXELS, ImageLoadError, Preprocess, is_image_path
-from captioner.data.vocab import tokenizer_named
+from captioner.data.vocab import Spelling, tokenizer_named
 from captioner.io import folder as fmt
 from captioner.onnx.search import Decoded, beam_search, greedy
+from captioner.search.budget import NoFit
 from captioner.search.options import UNFAMILIAR_BELOW, DecodeOptions, OptionError, Tokens, count, parser
 from captioner.search.record import DIGITS, caption_record
 
@@ -46,6 +47,7 @@ class Caption:
     familiarity: float | None
     unfamiliar: bool | None
     alternatives: tuple[tuple[str, float], ...] = ()  # (caption, score), best first, with --num-captions > 1
+    no_fit: NoFit | None = None  # no caption fits the character budget: words empty (CaptionResult.no_fit)
 
     def to_json(self, image: str, with_attention: bool = False, digits: int = DIGITS) -> dict:
         attention = {}
@@ -87,7 +89,8 @@ class OnnxCaptioner:
         self.max_len = int(config["max_caption_len"])
         self.special = config["special_tokens"]
         s = self.special
-        self.tokens = Tokens(start=s["start"], end=s["end"], pad=s["pad"], unk=s.get("unk"))
+        spelling = Spelling.of(words, self.tokenizer, (s["pad"], s["start"], s["end"]))
+        self.tokens = Tokens(start=s["start"], end=s["end"], pad=s["pad"], unk=s.get("unk"), spelling=spelling)
         self.training_data = config.get("training_data")
         self.notice = config.get("notice")
 
@@ -123,7 +126,16 @@ class OnnxCaptioner:
         search = greedy if opt.greedy else beam_search
         decoded = search(self.step, ann, keys, h0, c0, self.tokens, opt)
         fam = self.familiarities(features)
-        return [self._caption(d, f, opt.unfamiliar_below, opt.num_captions > 1) for d, f in zip(decoded, fam)]
+        captions = [self._caption(d, f, opt.unfamiliar_below, opt.num_captions > 1) for d, f in zip(decoded, fam)]
+        missed = [i for i, d in enumerate(decoded) if not d.ids]
+        if missed and opt.max_chars is not None:  # Captioner._no_fits: the shortest caption without the budget
+            free = replace(opt, max_chars=None, num_captions=opt.beam_size)
+            for i, d in zip(missed, beam_search(self.step, ann[missed], keys[missed], h0[missed], c0[missed],
+                                                self.tokens, free)):
+                ended = [self.tokenizer.join(self.decode(x.ids)) for x in (d, *d.runners_up)
+                         if x.ids[-1:] == [self.special["end"]]]
+                captions[i] = replace(captions[i], no_fit=NoFit.among(opt.max_chars, ended))
+        return captions
 
     def decode(self, ids: list[int]) -> list[str]:
         """Words up to the first <end>, <start> and <pad> skipped (Vocabulary.decode)."""
@@ -197,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='also write "alternatives": the N best finished captions, best first (N <= --beam-size)')
     p.add_argument("--allow-unk", action="store_true",
                    help="let captions hold <unk>, the vocabulary's word for any word it lacks (default: never)")
+    p.add_argument("--max-chars", type=parser("max_chars"), default=None, metavar="C",
+                   help="the best caption whose text is at most C characters, found by the search, never cut; "
+                        "an image no caption fits is an error line that says the shortest found (default: none)")
     p.add_argument("--with-attention", action="store_true", help='add "alphas" (T x H x W) and "betas" (T)')
     p.add_argument("--unfamiliar-below", type=parser("unfamiliar_below", float), default=UNFAMILIAR_BELOW,
                    metavar="SHARE", help=f"report an image as unfamiliar below this familiarity (default "
@@ -214,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         DecodeOptions(beam_size=args.beam_size, num_captions=args.num_captions)  # before the model loads
         model = OnnxCaptioner(args.folder, threads=args.threads)
         options = model.options(beam_size=args.beam_size, max_len=args.max_len, num_captions=args.num_captions,
-                                unfamiliar_below=args.unfamiliar_below, allow_unk=args.allow_unk)
+                                unfamiliar_below=args.unfamiliar_below, allow_unk=args.allow_unk,
+                                max_chars=args.max_chars)
         paths = discover(args.images)
     except OptionError as e:
         print(f"{prog}: error: {e.for_command()}", file=sys.stderr)
@@ -235,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             chunk = paths[i:i + args.batch_size]
             results = model.caption_files(chunk, options)
             for path, r in zip(chunk, results):
-                if isinstance(r, str):
+                if isinstance(r, str) or r.no_fit is not None:
                     failed += 1
-                    record = {"image": path, "error": r}
+                    record = {"image": path, "error": r if isinstance(r, str) else r.no_fit.reason}
                 else:
                     record = {**r.to_json(path, args.with_attention), **tag}
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -5,7 +5,10 @@ The same searches as captioner.search.decoding, rule for rule (read its docstrin
 words, and after the ``max_len``-th word only <end> may come; beam search keeps k open beams
 and, apart from them, a pool of the best k finished captions, and an image is done only when
 no open beam can still beat the pool's N-th best (N = ``num_captions``; N = 1: its best), or at
-the length limit. Only the decoder step differs: a function (an ONNX graph's session) taking one row per open beam.
+the length limit; with a character budget (``max_chars``), the extensions that would print past it
+and <end> as the first token are masked at every step by the same ``search.budget.Budget``, and
+an image no word fits gets no caption. Only the decoder step differs: a function (an ONNX
+graph's session) taking one row per open beam.
 
 Legend: B images, k beams, N = B*k rows, L locations, D annotation size, A attention size,
 V vocabulary, h attention heads, T steps.
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from captioner.search.budget import Budget
 from captioner.search.options import DecodeOptions, Tokens
 
 # (word (N,), h (N, H), c (N, H), annotations (N, L, D), keys (N, L, A))
@@ -52,6 +56,8 @@ def _only_end(logp: np.ndarray, end: int) -> np.ndarray:
 
 def _trim(ids: list[int], heads: np.ndarray, betas: np.ndarray, score: float, end: int, pad: int,
           log_probs: np.ndarray) -> Decoded:
+    if score == -np.inf:  # no word fits the character budget: no caption
+        return Decoded([], heads[:0], betas[:0], score, log_probs[:0])
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
     return Decoded(ids[:m], heads[:m], betas[:m], score, log_probs[:m])
 
@@ -63,7 +69,8 @@ def _topk(x: np.ndarray, k: int) -> np.ndarray:
 
 def greedy(step: Step, ann: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.ndarray, tokens: Tokens,
            options: DecodeOptions) -> list[Decoded]:
-    """The most likely next word at every step, up to ``options.max_len`` words and <end>."""
+    """The most likely next word at every step, up to ``options.max_len`` words and <end> (for
+    options that are ``greedy``: a budget takes ``beam_search`` of width 1)."""
     start, end, pad, max_len, never = tokens.start, tokens.end, tokens.pad, options.max_len, tokens.never(options)
     b = len(ann)
     rows = np.arange(b)
@@ -107,6 +114,7 @@ def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
     pool = _Pool(b, k, num_captions, length_penalty)
     trace = _Trace(b, k, max_len=max_len, end=end, pad=pad)
+    budget = _budget(tokens, options, b * k)  # None: no character budget
     y = np.full(b * k, start, dtype=np.int64)
     active = np.arange(b)  # original index of each image still in the batch
     out: list[Decoded | None] = [None] * b
@@ -114,6 +122,8 @@ def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c
     for t in range(max_len + 1):  # max_len words, then a step that can only end
         logp, h_next, c_next, alpha, beta = step(y, h, c, a, kk)
         logp = _never_emit(logp, never)
+        if budget is not None:
+            logp = np.where(budget.over(), NINF, logp)
         if t == max_len:
             logp = _only_end(logp, end)
         trace.record_maps(t, active, alpha, beta)
@@ -128,6 +138,8 @@ def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c
             trace.record_beams(t, active, word, beam, scores)
             rows = (np.arange(len(active))[:, None] * k + beam).reshape(-1)  # (b'*k,) parents
             h, c, y = h_next[rows], c_next[rows], word.reshape(-1)
+            if budget is not None:
+                budget = budget.follow(rows, y)
             done = pool.beaten(scores[:, 0] / reach)
         if done.any():
             rows = np.flatnonzero(done)
@@ -140,7 +152,19 @@ def beam_search(step: Step, ann: np.ndarray, keys: np.ndarray, h0: np.ndarray, c
             active, a, kk, scores = active[keep], a[kept_rows], kk[kept_rows], scores[keep]
             pool.keep(keep)
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
+            if budget is not None:
+                budget = budget.take(kept_rows)
     return out  # type: ignore[return-value]
+
+
+def _budget(tokens: Tokens, options: DecodeOptions, rows: int) -> Budget | None:
+    """decoding._budget: the character budget of ``rows`` empty captions, or None without one."""
+    spelling = tokens.budget_spelling(options)
+    if spelling is None:
+        return None
+    before, after = np.array(spelling.before, dtype=bool), np.array(spelling.after, dtype=bool)
+    return Budget(options.max_chars, tokens.end, np.array(spelling.lengths, dtype=np.int64), before, after,
+                  np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=bool))
 
 
 def _extend(scores: np.ndarray, logp: np.ndarray, width: int) -> tuple[np.ndarray, ...]:
@@ -254,7 +278,8 @@ class _Trace:
             running[:, t] = np.where(step == t, score, np.where(before, self.scores[t, img, j], running[:, t]))
             j = np.where(before, self.parents[t, img, j], j)
             heads[:, t], betas[:, t] = self.heads[t, img, j], self.betas[t, img, j]
-        logps = running - np.pad(running[:, :-1], ((0, 0), (1, 0)))
+        with np.errstate(invalid="ignore"):  # -inf - -inf: a caption no word fits, which _trim drops
+            logps = running - np.pad(running[:, :-1], ((0, 0), (1, 0)))
         m = step + 1
         return [_trim(ids[i, :m[i]].tolist(), heads[i, :m[i]], betas[i, :m[i]], float(score[i]), self.end, self.pad,
                       logps[i, :m[i]]) for i in range(n)]

@@ -33,6 +33,10 @@ the length counting <end>) and, asked for N (``num_captions``, N <= k), the N be
    the order of their rank (with a length penalty, not necessarily of their log p). A
    caption cut off at ``max_len`` words is returned only when none ended (where <end>
    has probability 0); then it is the only one.
+6. With a character budget C (``max_chars``), every extension whose printed text would pass
+   C, and <end> as the first token, get log p -inf at every step, as <start> and <pad> do
+   (``search.budget``, which proves this exact for the width); the rest is unchanged. An image
+   no single word fits gets no caption (no ids, log p -inf), never a cut one.
 
 B images x k beams run as one (B*k)-row tensor program. The k beams of an image share one copy
 of its annotations and keys. Each step records, per beam, its word, the beam it extends and the
@@ -55,6 +59,7 @@ from captioner.model.attention import HARD_INFERENCE
 from captioner.model.decoder import Decoder
 from captioner.model.encoders import Annotations
 from captioner.model.familiarity import Familiarity
+from captioner.search.budget import Budget, NoFit
 from captioner.search.options import DecodeOptions, Tokens
 from captioner.search.record import caption_record
 
@@ -98,6 +103,9 @@ class CaptionResult:
     end_prob: float | None = None
     # asked for (captioner.explain): each kind's (T, H, W) gradient maps, "gradcam" or "gradinput"
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)
+    # no caption fits the character budget (max_chars): words are empty, score -inf, and this
+    # says the budget and the shortest caption found without it
+    no_fit: NoFit | None = None
 
     def __post_init__(self):
         if self.alphas_heads is None:
@@ -215,6 +223,7 @@ def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], token
     pool = _Pool(b, k, o.num_captions, o.length_penalty, dev)
     trace = _Trace(b, k, decoder.attention.num_heads, a.shape[1], max_len=o.max_len, end=tokens.end,
                    pad=tokens.pad, device=dev)
+    budget = _budget(tokens, o, b * k, dev)  # None: no character budget
     y = torch.full((b * k,), tokens.start, dtype=torch.long, device=dev)
     # The images in the batch, by their original index: all of them in the fixed program (a
     # slice: plain writes, no index a graph would copy); those not yet done, when compacting.
@@ -226,6 +235,8 @@ def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], token
         bb = scores.shape[0]
         out = decoder.step(y, h, c, a, keys, ann.grid, **kw)
         logp = _never_emit(F.log_softmax(out.logits.float(), dim=-1), never)
+        if budget is not None:
+            logp = logp.masked_fill(budget.over(), float("-inf"))
         if t == o.max_len:
             logp = _only_end(logp, tokens.end)
         trace.heads[t, active] = out.alpha_heads.view(bb, k, -1, a.shape[1]).float()
@@ -240,6 +251,8 @@ def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], token
         trace.words[t, active], trace.parents[t, active], trace.scores[t, active] = word, beam, scores
         rows = (torch.arange(bb, device=dev).unsqueeze(1) * k + beam).view(-1)  # (b*k,) the rows each beam extends
         h, c, y = out.h[rows], out.c[rows], word.view(-1)
+        if budget is not None:
+            budget = budget.follow(rows, y)
         now = pool.beaten(scores[:, 0] / reach, active)  # (b,)
         if not compact:
             now = now & ~done.squeeze(1)
@@ -255,8 +268,20 @@ def search(decoder: Decoder, vectors: torch.Tensor, grid: tuple[int, int], token
             kept_rows = (keep.unsqueeze(1) * k + torch.arange(k, device=dev)).view(-1)
             active, a, keys, scores = active[keep], a[keep], keys[keep], scores[keep]
             h, c, y = h[kept_rows], c[kept_rows], y[kept_rows]
+            if budget is not None:
+                budget = budget.take(kept_rows)
     last[active] = scores
     return Searched(pool, trace, last, done_at)
+
+
+def _budget(tokens: Tokens, o: DecodeOptions, rows: int, device: torch.device) -> Budget | None:
+    """The character budget of ``rows`` empty captions (``search.budget``), or None without one."""
+    spelling = tokens.budget_spelling(o)
+    if spelling is None:
+        return None
+    table = torch.tensor([spelling.lengths, spelling.before, spelling.after], device=device)  # (3, V)
+    empty = torch.zeros(rows, dtype=torch.long, device=device)  # (B*k,) no character yet, no token before
+    return Budget(o.max_chars, tokens.end, table[0], table[1].bool(), table[2].bool(), empty, empty.bool())
 
 
 def _extend(scores: torch.Tensor, logp: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
@@ -397,6 +422,9 @@ def _only_end(logp: torch.Tensor, end: int) -> torch.Tensor:
 def _trim(ids: list[int], heads: torch.Tensor, betas: torch.Tensor, score: float, end: int, pad: int,
           log_probs: torch.Tensor) -> DecodedIds:
     """Up to and with the first <end>; a caption cut off at the length limit stops before
-    its first <pad> (never a word of a caption). heads (T, h, L), log_probs (T,)."""
+    its first <pad> (never a word of a caption). heads (T, h, L), log_probs (T,). Of log p -inf
+    (no word fits the character budget, ``search.budget``), no caption: no ids."""
+    if score == float("-inf"):
+        return DecodedIds([], heads[:0], betas[:0], score, log_probs[:0])
     m = ids.index(end) + 1 if end in ids else ids.index(pad) if pad in ids else len(ids)
     return DecodedIds(ids[:m], heads[:m], betas[:m], score, log_probs[:m])

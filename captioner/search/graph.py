@@ -10,7 +10,7 @@ returns is what the search run eagerly returns: the same captions, runners-up, s
 shape and type, decoding options), up to ``MAX_GRAPHS``, in one shared memory pool; a batch is
 copied into its graph's input tensor, the rows past the batch's own hold what an earlier batch
 left there and their captions are never read. Beyond ``MAX_GRAPHS`` shapes, or after a capture
-fails (said once, as a warning), the search runs eagerly.
+fails (said once, as a warning), the search runs eagerly, as it does with a character budget.
 
 Taken when (``search_form``): the kernels on (CAPTIONER_KERNELS, captioner.model.kernels), a CUDA
 device, a deterministic inference (hard attention's "sample" draws), and the decoder's step not
@@ -88,8 +88,12 @@ class SearchGraphs:
     @torch.no_grad()
     def search(self, ann: Annotations, tokens: Tokens, o: DecodeOptions) -> list[DecodedIds]:
         """``decoding.beam_search``'s captions, replayed from this shape's graph (recorded the first
-        time it comes), or from the search run eagerly where no graph can be had."""
+        time it comes), or from the search run eagerly where no graph can be had. A character
+        budget (``max_chars``) always runs eagerly: its tables of printed lengths are copied to
+        the device at the start of each search, which a graph cannot hold."""
         vectors, b = ann.vectors, ann.vectors.shape[0]
+        if o.max_chars is not None:
+            return search(self.decoder, vectors, ann.grid, tokens, o).captions(b)
         padded = -(-b // self.bucket) * self.bucket
         autocast = torch.get_autocast_dtype(vectors.device.type) if torch.is_autocast_enabled(vectors.device.type) \
             else None

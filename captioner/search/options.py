@@ -15,6 +15,10 @@ import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from captioner.data.vocab import Spelling
 
 # The most words --max-len allows (tokens: characters for a Chinese model): captions are a sentence
 # (COCO's longest training captions, which the configs keep, are 50 words); a larger limit only lets
@@ -58,6 +62,12 @@ def _whole(low: int, high: int | None = None, unit: str = "") -> Callable[[objec
     return rule
 
 
+def _none_or(rule: Callable[[object], str | None]) -> Callable[[object], str | None]:
+    def either(x) -> str | None:
+        return None if x is None else rule(x)
+    return either
+
+
 def _finite_at_least_0(x) -> str | None:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
         return "must be a number >= 0 (0: rank by log p)"
@@ -87,11 +97,12 @@ _RULES: dict[str, Callable[[object], str | None]] = {
     "unfamiliar_below": _share,
     "num_captions": _whole(1),
     "allow_unk": _flag,
+    "max_chars": _none_or(_whole(1)),
 }
 
 
 # A flag's rule where it asks more than the field's.
-_FLAG_RULES = {"max_len": _whole(1, MAX_WORDS, " words")}
+_FLAG_RULES = {"max_len": _whole(1, MAX_WORDS, " words"), "max_chars": _whole(1)}
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,9 @@ class DecodeOptions:
     # <unk> stands for every word the vocabulary lacks: a caption shown to a person never holds it
     # unless asked for (True: the search may choose it, as a word like any other)
     allow_unk: bool = False
+    # a character budget: the best caption whose printed text (as the tokenizer joins it) has at
+    # most this many characters, found inside the search, never cut (search.budget); None: no budget
+    max_chars: int | None = None
 
     def __post_init__(self):
         for f in fields(self):
@@ -126,8 +140,9 @@ class DecodeOptions:
 
     @property
     def greedy(self) -> bool:
-        """Width 1 with nothing that needs a beam: the most likely next word at every step."""
-        return self.beam_size == 1 and self.length_penalty == 0
+        """Width 1 with nothing that needs a beam (a length penalty, a character budget): the most
+        likely next word at every step."""
+        return self.beam_size == 1 and self.length_penalty == 0 and self.max_chars is None
 
 
 def parser(option: str, kind: type = int) -> Callable[[str], object]:
@@ -163,17 +178,30 @@ count = at_least(1)  # images per batch, threads
 @dataclass(frozen=True)
 class Tokens:
     """The vocabulary's special ids a search needs. ``unk`` None: the vocabulary has no <unk> (a
-    test's table of words)."""
+    test's table of words). ``spelling``: how each token prints (``data.vocab.Spelling``), which
+    a character budget needs; None: unknown (a search with ``max_chars`` refuses it)."""
 
     start: int
     end: int
     pad: int
     unk: int | None = None
+    spelling: Spelling | None = None  # equal only to itself: a cheap key for the search's graphs
 
     @classmethod
     def of(cls, vocab) -> "Tokens":
-        """A vocabulary's (``data.vocab.Vocabulary``, or anything with its four ids)."""
-        return cls(start=vocab.start, end=vocab.end, pad=vocab.pad, unk=vocab.unk)
+        """A vocabulary's (``data.vocab.Vocabulary``, or anything with its four ids and spelling)."""
+        return cls(start=vocab.start, end=vocab.end, pad=vocab.pad, unk=vocab.unk,
+                   spelling=getattr(vocab, "spelling", None))
+
+    def budget_spelling(self, options: DecodeOptions) -> Spelling | None:
+        """The spelling the options' character budget needs (None without a budget); refused in
+        one line where these tokens do not know it."""
+        if options.max_chars is None:
+            return None
+        if self.spelling is None:
+            raise ValueError("max_chars needs to know how the vocabulary prints its tokens: "
+                             "build the tokens with Tokens.of(vocabulary)")
+        return self.spelling
 
     def never(self, options: DecodeOptions) -> tuple[int, ...]:
         """The ids no caption may hold: <start> and <pad>, and <unk> unless the options allow it."""

@@ -24,7 +24,7 @@ def to_result(d: DecodedIds, vocab: Vocabulary, grid: tuple[int, int], alternati
 
     alts = ((alternative(d, words, text),
              *(alternative(x, w, vocab.join(w)) for x in d.runners_up for w in [vocab.decode(x.ids)]))
-            if alternatives else ())
+            if alternatives and d.ids else ())  # no ids: no caption fits the budget, nothing to list
     return CaptionResult(words, d.alphas[:t].reshape(t, *grid), d.betas[:t], d.score,
                          heads, text=text, word_probs=tuple(probs[:t]), alternatives=alts,
                          end_prob=probs[t] if ended else None)

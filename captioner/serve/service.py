@@ -76,6 +76,7 @@ OPTIONS = {
     "hard_attention": _choice(HARD_ATTENTION),
     "unfamiliar_below": parser("unfamiliar_below", float),
     "allow_unk": _flag,
+    "max_chars": parser("max_chars"),
     "with_attention": _flag,
     "attention_heads": _flag,
 }
@@ -87,6 +88,8 @@ OPTION_HELP = {
     "hard_attention": f"hard-attention models: {', '.join(HARD_ATTENTION)} (default expected)",
     "unfamiliar_below": f'"unfamiliar" when "familiarity" is below this share (default {UNFAMILIAR_BELOW})',
     "allow_unk": "let captions hold <unk> (default false)",
+    "max_chars": "the best caption of at most this many characters, found by the search, never cut (no caption "
+                 "fits: 422 naming the shortest found; default: no budget)",
     "with_attention": 'add "alphas" (T x H x W) and "betas" (T) (default false)',
     "attention_heads": 'add each head\'s maps, "alphas_heads" (default false)',
 }
@@ -178,6 +181,8 @@ class Service:
         result = done.result
         if isinstance(result, Exception):
             raise Refused(422, f"the image decoded but could not be captioned: {result}")
+        if result.no_fit is not None:
+            raise Refused(422, result.no_fit.reason)
         return result.to_json(None, asked.with_attention, heads=asked.attention_heads, model=self.captioner.name,
                               training_data=self.captioner.training_data)
 

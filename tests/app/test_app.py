@@ -694,3 +694,32 @@ def test_a_port_another_server_holds_is_refused_in_one_line_that_names_port(caps
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and f"port {port} on localhost is taken" in err and "--port" in err
     assert port_taken("localhost", port) is None  # free again once the other server is gone
+
+
+def test_the_character_budget_slider_captions_within_it_as_the_cli_does(app, weights_dir, tmp_path, capsys):
+    data = _png(seed=6)
+    app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
+    assert app.session_state["shown"].key[-1].max_chars is None  # 0 on the slider: no budget
+    app.slider(key="max_chars").set_value(12).run()
+    assert not app.exception
+    assert app.session_state["shown"].key[-1].max_chars == 12 and "at most 12 characters" in _details(app)
+    cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, 3, 20, "--max-chars", "12")
+    assert _shown_caption(app) == cli["caption"] and 0 < len(cli["caption"]) <= 12
+
+
+def test_a_budget_no_caption_fits_is_said_in_place_of_the_caption(tmp_path, monkeypatch):
+    from captioner.data.vocab import Vocabulary
+
+    cap = tiny_captioner(seed=SEED)
+    cap.vocab = Vocabulary([("aa" if w == "a" else w) for w in cap.vocab.words])  # no word of one letter
+    cap.save(tmp_path / "short.pt")
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", str(tmp_path))
+    at = AppTest.from_file(str(APP), default_timeout=180).run()
+    at.sidebar.selectbox[0].select("short.pt").run()
+    at.file_uploader[0].set_value(("generated.png", _png(seed=6), "image/png")).run()
+    at.slider(key="max_chars").set_value(1).run()
+    assert not at.exception
+    [warning] = [re.sub(r"\\(.)", r"\1", w.value) for w in at.warning if "no caption fits" in w.value]
+    assert warning.startswith("generated.png: no caption fits in 1 character "
+                              "(the shortest found without a budget is ")
+    assert not at.main.header  # no caption shown

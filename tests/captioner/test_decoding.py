@@ -298,7 +298,8 @@ def test_the_search_stops_when_no_open_beam_can_beat_the_best_finished_caption()
 
 # --- against a plain search, one image and one beam at a time ------------------------------
 @torch.no_grad()
-def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_captions=1, never=(START, PAD)):
+def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_captions=1, never=(START, PAD),
+                      fits=None):
     """Beam search of width k written plainly from DESIGN.md's definition, for one image:
     Python lists of (log p, ids, state), every extension scored one at a time.
 
@@ -308,7 +309,8 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_capti
     join the pool; the best k that do not end are the next open beams. The search stops
     when no open beam can still beat the pool's ``num_captions``-th best (an open caption's
     log p only falls; its rank is best when it is as long as it can be), or after the step
-    that can only end. No caption holds a word of ``never``. Returns (ids, log p) of the pool's
+    that can only end. No caption holds a word of ``never``. ``fits`` (a character budget): an
+    extension is taken only where ``fits(ids)`` holds of its ids. Returns (ids, log p) of the pool's
     best, or of the best open beam cut off at ``max_len`` words when nothing ended (only where <end> cannot come), every
     finished caption the pool held, as (rank, ids), whether the search reached the last
     step, and how many steps it took."""
@@ -327,12 +329,16 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_capti
             for w, lp in enumerate(logp):
                 if w in never or lp == -math.inf or (t == max_len and w != END):
                     continue
+                if fits is not None and not fits(ids + [w]):
+                    continue
                 cands.append((score + lp, ids + [w], (o.h, o.c)))
         cands.sort(key=lambda x: -x[0])
         pool += [(rank(score, len(ids)), score, ids) for score, ids, _ in cands[:k] if ids[-1] == END]
         if t == max_len:
             break
         beams = [x for x in cands if x[1][-1] != END][:k]
+        if not beams:  # nothing to go on with (a character budget no word fits)
+            break
         ranked = sorted((x[0] for x in pool), reverse=True)
         if len(ranked) >= num_captions and ranked[num_captions - 1] >= rank(beams[0][0], max_len + 1):
             break
@@ -340,6 +346,8 @@ def _reference_search(decoder, a, grid, *, k, max_len, length_penalty, num_capti
     if pool:
         best = max(pool, key=lambda x: x[0])
         return best[2], best[1], held, t == max_len, t + 1
+    if not beams:
+        return [], -math.inf, held, False, t + 1
     return beams[0][1], beams[0][0], held, t == max_len, t + 1
 
 

@@ -342,3 +342,27 @@ def test_a_corrupt_familiarity_file_is_refused_in_one_line(model, images, corrup
     assert onnx_main([str(copy), images[0]]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith("python -m captioner.onnx: error: ") and str(path) in line
+
+
+@pytest.mark.slow
+def test_a_character_budget_gives_captioner_caption_s_captions_and_names_an_image_none_fits(model, images,
+                                                                                           capsys):
+    from dataclasses import replace
+
+    from captioner.data.vocab import Spelling
+
+    cap, folder = model
+    flags = ["--max-len", "6", "--beam-size", "3", "--max-chars", "8"]
+    assert cli_main(["caption", *images[:4], "--weights", str(folder), *flags, "--quiet"]) == 0
+    theirs = [json.loads(line)["caption"] for line in capsys.readouterr().out.splitlines()]
+    assert onnx_main([str(folder), *images[:4], *flags]) == 0
+    ours = [json.loads(line)["caption"] for line in capsys.readouterr().out.splitlines()]
+    assert ours == theirs and all(0 < len(c) <= 8 for c in ours)
+    rt = OnnxCaptioner(folder)
+    rt.words = [("aa" if w == "a" else w) for w in rt.words]  # no word of one character: a budget of 1 fits none
+    s = rt.special
+    rt.tokens = replace(rt.tokens, spelling=Spelling.of(rt.words, rt.tokenizer, (s["pad"], s["start"], s["end"])))
+    [missed] = rt.caption_files(images[:1], rt.options(beam_size=3, max_len=6, max_chars=1))
+    free = rt.caption_files(images[:1], rt.options(beam_size=3, max_len=6, num_captions=3))[0]
+    assert missed.words == [] and missed.no_fit.max_chars == 1
+    assert missed.no_fit.shortest == min((text for text, _ in free.alternatives), key=len)

@@ -16,7 +16,7 @@ from captioner.search.options import MAX_WORDS, DecodeOptions, OptionError, Toke
 # (field, a value just inside its rule, one just outside)
 EDGES = [("beam_size", 1, 0), ("max_len", 1, 0), ("num_captions", 1, 0), ("length_penalty", 0.0, -1e-9),
          ("unfamiliar_below", 0.0, -1e-9), ("unfamiliar_below", 1.0, 1.0 + 1e-9),
-         ("hard_attention", "sample", "samples"), ("allow_unk", True, 1)]
+         ("hard_attention", "sample", "samples"), ("allow_unk", True, 1), ("max_chars", 1, 0)]
 
 
 @pytest.mark.parametrize("field, good, bad", EDGES)

@@ -322,3 +322,21 @@ def test_without_swagger_s_files_the_docs_are_a_plain_page_of_this_server(tiny, 
     page = client.get("/docs")
     assert page.status_code == 200 and 'fetch("/openapi.json")' in page.text
     assert not re.search(r"(?i)(src|href)\s*=\s*[\"'](https?:)?//", page.text)
+
+
+def test_a_character_budget_is_an_option_like_the_others_and_none_fitting_is_422(tiny):
+    from captioner.data.vocab import Vocabulary
+    from captioner.search.options import DecodeOptions
+
+    _, client = serve(tiny)
+    answer = client.post("/v1/captions?max_chars=9&num_captions=2", content=png(1)).json()
+    want = tiny.caption(Image.open(io.BytesIO(png(1))), DecodeOptions(max_len=tiny.max_len, max_chars=9,
+                                                                      num_captions=2))
+    assert answer["caption"] == want.caption and all(len(a["caption"]) <= 9 for a in answer["alternatives"])
+    assert "max_chars: must be >= 1, got 0" in refusal(client.post("/v1/captions?max_chars=0", content=png()), 422)
+    short = tiny_captioner(3)
+    short.vocab = Vocabulary([("aa" if w == "a" else w) for w in short.vocab.words])  # no one-letter word
+    _, client = serve(short)
+    message = refusal(client.post("/v1/captions?max_chars=1", content=png(1)), 422)
+    assert message.startswith("no caption fits in 1 character "
+                              "(the shortest found without a budget is ")

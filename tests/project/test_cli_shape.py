@@ -1,5 +1,5 @@
 """The ``captioner`` command's shape: `caption` reads in one sitting, and every command that
-runs a model (caption, evaluate, familiarity, export) loads it through the one loader of
+runs a model (caption, evaluate, familiarity, export, alt-text) loads it through the one loader of
 captioner/cli/common.py, so that each refuses a bad device or a file that is not a
 checkpoint in the same words, and a demo model's notice is said in one place."""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner.cli import alt_text as alt_text_cli
 from captioner.cli import common as cli_common
 from captioner.cli import export as export_cli
 from captioner.cli import main as cli
@@ -29,6 +30,7 @@ def place(tmp_path_factory) -> Path:
     tiny_captioner(seed=1).save(root / "tiny.pt")
     tiny_image(0).save(root / "img.png")
     (root / "notes.txt").write_text("not a checkpoint\n")
+    (root / "page.html").write_text('<img src="img.png">\n')
     write_tiny_coco(root / "coco")
     return root
 
@@ -42,6 +44,8 @@ def commands(root: Path, weights: str, device: str = "cpu") -> dict[str, list[st
         "familiarity": ["familiarity", weights, "--data", str(root / "coco"), "--out", str(root / "f.pt"),
                         "--device", device, "--quiet"],
         "export": ["export", weights, "--out", str(root / "exported")],
+        "alt-text": ["alt-text", str(root / "page.html"), "--weights", weights, "--device", device, "--no-cache",
+                     "--quiet"],
     }
 
 
@@ -52,7 +56,7 @@ def test_caption_command_is_under_fifty_lines():
 
 # (command, where the loader is expected to put the model, whether it says a demo's notice)
 LOADS = [("caption", "cpu", True), ("evaluate", "cpu", True), ("familiarity", "cpu", False),
-         ("export", "cpu", True)]
+         ("export", "cpu", True), ("alt-text", "cpu", True)]
 
 
 @pytest.mark.parametrize(("command", "device", "notice"), LOADS, ids=[c for c, *_ in LOADS])
@@ -66,6 +70,7 @@ def test_each_model_command_loads_its_model_through_the_one_loader(place, monkey
 
     monkeypatch.setattr(cli, "load_model", loader)
     monkeypatch.setattr(export_cli, "load_model", loader)
+    monkeypatch.setattr(alt_text_cli, "load_model", loader)
     weights = str(place / "tiny.pt")
     assert main(commands(place, weights)[command]) == 2
     assert one_line(capsys.readouterr().err) == f"captioner {command}: error: {STOP}"

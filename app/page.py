@@ -32,6 +32,9 @@ from captioner.overlay import TINT
 
 STYLE = (f"<style>:root {{ --captioner-tint: rgb{TINT}; }}\n"
          f"{(Path(__file__).parent / 'page.css').read_text(encoding='utf-8')}</style>")
+# The gradient maps (captioner.explain), as the page names how each is made.
+GRADIENT_MAPS = {"gradcam": "Grad-CAM on the encoder's last feature map",
+                 "gradinput": "gradient × input on the annotation vectors"}
 # Shown while the model writes: page.css reveals it after half a second, so a quick caption (most are)
 # never flashes it, and the server starts no timer for it (st.spinner starts a thread per caption).
 WRITING = '<p class="captioner-writing">Writing a caption…</p>'
@@ -91,13 +94,14 @@ def _hc(head: int | None) -> str:
 
 
 def result_html(prefix: str, words: list[Word], layers: dict[Key, str], photo: str, aspect: float,
-                grid: tuple[int, int], heads: int = 1) -> str:
+                grid: tuple[int, int], heads: int = 1, explain: str | None = None) -> str:
     """The word picker, the picked word's map over the photo, and the grid of every word's map:
     one element. ``prefix``: unique on the page (the inputs' name and ids); ``layers``: data URIs,
     (t, None) for every word, and with ``heads`` > 1 also (t, j) for every head j; ``photo``: a
     CSS image, ``var(--img-…)`` (the preview's definition, see ``photo_var``) or ``url(data:…)``;
-    ``aspect``: the photo's width / height; ``grid``: the maps' (H, W). The custom properties are
-    data URIs and numbers: nothing in them needs escaping."""
+    ``aspect``: the photo's width / height; ``grid``: the maps' (H, W); ``explain``: the layers are
+    that kind's gradient maps, and the text says so. The custom properties are data URIs and
+    numbers: nothing in them needs escaping."""
     choices = [None] if heads <= 1 else [None, *range(heads)]
     values = [f"--photo: {photo}", f"--aspect: {aspect:.5f}",
               *(f"--l{t}{_hc(c)}: url({uri})" for (t, c), uri in layers.items())]
@@ -122,11 +126,20 @@ def result_html(prefix: str, words: list[Word], layers: dict[Key, str], photo: s
 
     groups = "".join('<div class="head-group">' + "".join(word(t, c, w) for t, w in enumerate(words)) + "</div>"
                      for c in choices)
-    intro = (f"<p>The model writes the caption one word at a time. Before each word it spreads its attention "
-             f"<b>α</b> over a {grid[0]}×{grid[1]} grid of image regions; the panels light up those regions "
-             f"(brightest, orange: most weight) and darken the rest. <b>β</b> is the gate on what it saw: near 1 "
-             f"the image mattered for that word, near 0 the word came mostly from the sentence so far (words "
-             f"like <i>a</i> or <i>and</i>). Click a panel to pick its word.</p>")
+    if explain is None:
+        heading = "Every word, where the model looked"
+        intro = (f"<p>The model writes the caption one word at a time. Before each word it spreads its attention "
+                 f"<b>α</b> over a {grid[0]}×{grid[1]} grid of image regions; the panels light up those regions "
+                 f"(brightest, orange: most weight) and darken the rest. <b>β</b> is the gate on what it saw: near "
+                 f"1 the image mattered for that word, near 0 the word came mostly from the sentence so far (words "
+                 f"like <i>a</i> or <i>and</i>). Click a panel to pick its word.</p>")
+    else:
+        heading = "Every word, what made the model say it"
+        how = GRADIENT_MAPS[explain]
+        intro = (f"<p>For each word, the regions of the {grid[0]}×{grid[1]} grid whose features raised the "
+                 f"word's probability, by {how} (brightest, orange: most). The attention shows where the model "
+                 f"looked before a word; this shows what in the image spoke for it. Click a panel to pick its "
+                 f"word.</p>")
     return (f'<div class="captioner-result" style="{"; ".join(values)}"><span class="row-name">Word</span>'
-            f"{groups}<h3>Every word, where the model looked</h3>{intro}"
+            f"{groups}<h3>{heading}</h3>{intro}"
             '<div class="cell"><div class="pic"></div><span>the image</span></div></div>')

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import streamlit as st
@@ -172,14 +172,17 @@ class Shown:
     waited: float = 0.0  # seconds this session waited for the model
     model: str | None = None  # the model that captioned it, as `captioner caption` names it (Captioner.name)
     training_data: str | None = None  # what that model was trained on, when known
+    explain: str | None = None  # the gradient maps' kind the view shows (captioner.explain); None: the attention
 
 
 def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data: bytes, options: DecodeOptions,
                   picture: Picture | None = None, decoded: Decoded | None = None,
-                  on_wait: Callable[[int], None] | None = None) -> Shown:
+                  on_wait: Callable[[int], None] | None = None, explain: str | None = None) -> Shown:
     """Caption the raw bytes (decoded as `captioner caption` decodes them, so the page gives the
     checkpoint's own caption) and draw what the page shows. ``picture``, ``decoded``: the upload as
-    Picture.decode gave them for this model; without them the bytes are decoded here, once."""
+    Picture.decode gave them for this model; without them the bytes are decoded here, once.
+    ``explain``: the view shows each word's gradient map of that kind (captioner.explain), what
+    made the model say it, in place of its attention."""
     start, cpu = time.perf_counter(), time.thread_time()
     if decoded is None:  # decoded before the gate, by this session's thread
         image = captioner.preprocess.load(data, pixel_limit())
@@ -189,10 +192,10 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
 
     def caption_all(images: list[Image.Image]) -> list[CaptionResult]:
         torch.set_num_threads(gate.threads)  # the thread that runs the batch, not only the first one
-        return captioner.caption_images(images, options)
+        return captioner.caption_images(images, options, explain=explain)
 
     # Uploads waiting with the same model and settings are captioned together (Gate.run).
-    done = gate.run((id(captioner), options), image, caption_all, on_wait)
+    done = gate.run((id(captioner), options, explain), image, caption_all, on_wait)
     result, seconds, cpu = done.result, decoding + done.seconds, cpu + done.cpu
     # Drawn outside the gate: the next caption need not wait for it.
     seen, size = seen_by_model(captioner.preprocess, decoded.view, picture, decoded.preview)
@@ -203,18 +206,28 @@ def caption_image(captioner: Captioner, gate: Gate, key: tuple, name: str, data:
         else:
             photo = f"url({data_uri(seen, 'image/jpeg')})"
         prefix = "r" + hashlib.sha1(repr(key).encode()).hexdigest()[:12]  # unique on the page
-        view = page.result_html(prefix, page.words_of(result.words, result.betas), map_layers(result, size), photo,
-                                size[0] / size[1], tuple(result.alphas.shape[1:]), heads_of(result))
+        drawn = shown_maps(result, explain)
+        view = page.result_html(prefix, page.words_of(result.words, result.betas), map_layers(drawn, size), photo,
+                                size[0] / size[1], tuple(result.alphas.shape[1:]), heads_of(drawn), explain)
     return Shown(key, name, result, seconds, cpu, seen, view, waited=done.waited, model=captioner.name,
-                 training_data=captioner.training_data)
+                 training_data=captioner.training_data, explain=explain)
+
+
+def shown_maps(result: CaptionResult, explain: str | None) -> CaptionResult:
+    """The result whose maps the view and the figure draw: its attention, or with ``explain``
+    its gradient maps of that kind in the attention's place (one map per word, no heads)."""
+    if explain is None:
+        return result
+    return replace(result, alphas=result.gradients[explain], alphas_heads=None)
 
 
 def figure_png(shown: Shown, model: str) -> bytes:
     """The downloadable figure: the image and one panel per word under a title (the caption and
     the model), as `captioner caption --attention-dir` draws it."""
     buf = io.BytesIO()
-    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown.result, model=model).save(
-        buf, "PNG", pnginfo=figure_info(shown.result, model))
+    title = model if shown.explain is None else f"{model}, {shown.explain} maps: what made it say each word"
+    attention_figure(Image.open(io.BytesIO(shown.seen)).convert("RGB"), shown_maps(shown.result, shown.explain),
+                     model=title).save(buf, "PNG", pnginfo=figure_info(shown.result, title))
     return buf.getvalue()
 
 

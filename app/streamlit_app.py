@@ -63,6 +63,12 @@ class Html:
 STYLE = Html(page.STYLE)
 
 
+# The toggle above the result: what the word maps show (captioner.explain's kinds, or None: the attention).
+MAPS = {"attention": None, "gradcam": "gradcam", "gradinput": "gradinput"}
+MAP_NAMES = {"attention": "Where it looked (attention)", "gradcam": "What made it say it (Grad-CAM)",
+             "gradinput": "What made it say it (gradient × input)"}
+
+
 def available_models() -> dict[str, str]:
     """Label -> weights for Captioner.load: the installed bundled models, then *.pt in the weights folder,
     then the model folders `captioner export` wrote there."""
@@ -303,16 +309,17 @@ def show_result(shown: Shown, model_label: str, options: DecodeOptions, hard_mod
     buttons = st.container(horizontal=True)
     # Callables: made on the click (a figure costs several times the caption), not for every caption.
     buttons.download_button("Download the figure (PNG)", lambda: figure_png(shown, model_label),
-                            file_name=f"{stem}-attention.png", mime="image/png", on_click="ignore")
+                            file_name=f"{stem}-{shown.explain or 'attention'}.png", mime="image/png",
+                            on_click="ignore")
     buttons.download_button("Download the result (JSON)", lambda: result_json(shown),
                             file_name=f"{stem}-caption.json", mime="application/json", on_click="ignore")
 
 
 def show_last(left, right, captioner: Captioner, label: str, options: DecodeOptions, path: Path,
-              modified: float) -> None:
+              modified: float, explain: str | None) -> None:
     """No image chosen: the last one shown stays, while it was made with these settings."""
     shown, picture = st.session_state.get("shown"), st.session_state.get("picture")
-    if shown is None or picture is None or shown.key != (picture.digest, str(path), modified, options):
+    if shown is None or picture is None or shown.key != (picture.digest, str(path), modified, options, explain):
         right.info("Upload an image, or pick an example, to get a caption.")
         return
     show_preview(left, picture, shown.name)
@@ -378,9 +385,14 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     left, right = st.columns([2, 3], gap="large")
     with left:
         chosen = choose_image()
+    explain = MAPS[right.radio("The maps show", list(MAPS), format_func=MAP_NAMES.get, horizontal=True, key="maps",
+                               help="Where the model looked before each word (its attention), or what in the "
+                                    "image made it say the word: a gradient map of the word's probability, "
+                                    "Grad-CAM on the encoder's last feature map or gradient × input on the "
+                                    "annotation vectors. The gradient maps cost one backward pass per word.")]
     run["what"] = "-" if chosen is None else chosen[0]
     if chosen is None:
-        show_last(left, right, captioner, label, options, path, modified)
+        show_last(left, right, captioner, label, options, path, modified, explain)
         return
     name, data = chosen
     digest = hashlib.sha256(data).hexdigest()
@@ -397,7 +409,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
     decoded = held[1]
     show_preview(left, picture, name)
 
-    key = (digest, str(path), modified, options)
+    key = (digest, str(path), modified, options, explain)
     shown = st.session_state.get("shown")
     if shown is None or shown.key != key or shown.name != name:
         shown = shared = results_cache().get(key)  # an example, or the same photo from another student
@@ -414,7 +426,7 @@ def show_image_and_result(run: dict, captioner: Captioner, label: str, options: 
 
                 try:
                     shown = caption_image(captioner, caption_gate(), key, name, data, options, picture, decoded,
-                                          queued)
+                                          queued, explain)
                 except RuntimeError as e:  # e.g. out of memory on a huge batch of beams
                     right.error(f"Captioning failed: {_clause(e)}.")
                     return

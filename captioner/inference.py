@@ -13,6 +13,7 @@ and hands back typed results.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -119,11 +120,11 @@ class Captioner(Described):
 
     @torch.no_grad()
     def caption_batch(self, images: torch.Tensor, options: DecodeOptions | None = None,
-                      explain: str | None = None) -> list[CaptionResult]:
+                      explain: str | Sequence[str] | None = None) -> list[CaptionResult]:
         """Preprocessed images (B, 3, H, W) -> one CaptionResult each. 8-bit pixels
         (``Preprocess.pixels``, as the batch loader hands them over) are normalised here, on the
-        model's device. ``explain``: each word's gradient map too ("gradcam" or "gradinput",
-        captioner.explain), in ``CaptionResult.gradients``."""
+        model's device. ``explain``: each word's gradient map too, of that kind or of each kind
+        given ("gradcam", "gradinput": captioner.explain), in ``CaptionResult.gradients``."""
         opt = options or DecodeOptions()
         self.model.eval()
         with self.autocast():
@@ -184,7 +185,8 @@ class Captioner(Described):
         return self._search_graphs.search(ann, self.tokens, opt)
 
     def caption_images(self, images: list, options: DecodeOptions | None = None,
-                       max_pixels: int = DEFAULT_MAX_PIXELS, explain: str | None = None) -> list[CaptionResult]:
+                       max_pixels: int = DEFAULT_MAX_PIXELS,
+                       explain: str | Sequence[str] | None = None) -> list[CaptionResult]:
         """Each image a path, raw bytes, a PIL image of any mode or an array, read as ``captioner
         caption`` reads files (``captioner.data.images.as_image``); ``explain`` as ``caption_batch``."""
         if not images:
@@ -194,6 +196,6 @@ class Captioner(Described):
         return self.caption_batch(batch, options, explain)
 
     def caption(self, image, options: DecodeOptions | None = None,
-                max_pixels: int = DEFAULT_MAX_PIXELS, explain: str | None = None) -> CaptionResult:
+                max_pixels: int = DEFAULT_MAX_PIXELS, explain: str | Sequence[str] | None = None) -> CaptionResult:
         """One image: a path, raw bytes, a PIL image of any mode or an array (see ``caption_images``)."""
         return self.caption_images([image], options, max_pixels, explain)[0]

@@ -13,7 +13,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -130,11 +130,12 @@ class Resume:
 
 
 def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: Path | None = None,
-                heads: bool = False, alternatives: bool = False) -> Resume:
+                heads: bool = False, alternatives: bool = False, explain: str | None = None) -> Resume:
     """Sort the images of ``out_path`` into done, failed before, and captioned without the
     attention asked for now (``alphas`` for --with-attention, ``alphas_heads`` for
-    --attention-heads, an existing ``attention_png`` for --attention-dir) or without the
-    ``alternatives`` asked for (--num-captions): the last two are captioned again."""
+    --attention-heads, an existing ``attention_png`` for --attention-dir), without the
+    ``alternatives`` asked for (--num-captions) or without the gradient maps ``explain`` asks
+    for (and their figure, with --attention-dir): the last three are captioned again."""
     ok: set[str] = set()
     good: set[str] = set()
     errors: set[str] = set()
@@ -149,7 +150,9 @@ def read_resume(out_path: Path, *, with_attention: bool = False, attention_dir: 
         good.add(key)
         enough = (not with_attention or "alphas" in rec) and (not heads or "alphas_heads" in rec) and \
             (attention_dir is None or os.path.isfile(str(rec.get("attention_png", "")))) and \
-            (not alternatives or "alternatives" in rec)
+            (not alternatives or "alternatives" in rec) and \
+            (explain is None or (explain in rec and (attention_dir is None
+                                                     or os.path.isfile(str(rec.get(f"{explain}_png", ""))))))
         if enough:
             ok.add(key)
     return Resume(done=ok, failed=errors - good, lacking=good - ok)
@@ -333,14 +336,15 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
                   attention_dir: Path | None = None, max_pixels: int = DEFAULT_MAX_PIXELS,
                   progress: bool | None = None, resolved: bool = False, heads: bool = False,
                   decode_on_device: bool = False,
-                  on_record: Callable[[str, dict], None] | None = None) -> BatchSummary:
+                  on_record: Callable[[str, dict], None] | None = None, explain: str | None = None) -> BatchSummary:
     """Caption ``images`` in order, writing one JSON line per image to ``out``, or handing
     each image's path and record to ``on_record`` instead (the caption files). With
     ``resolved``, each line also holds the image's resume key (for an output file that a
     later run resumes). ``heads``: each head's maps too, in the line and the figure. Each line
     names the model ("model", and "training_data" when known): several runs' captions in one
     folder stay told apart. ``decode_on_device``: JPEGs are decoded on the model's device
-    (jpeg_device), everything else as before."""
+    (jpeg_device), everything else as before. ``explain``: each word's gradient map of that kind
+    (captioner.explain) in the line, and with ``attention_dir`` a figure of them too."""
     summary = BatchSummary()
     if not images:
         return summary
@@ -354,7 +358,7 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
             batch = batch.decoded_on(captioner.device, images, captioner.preprocess, max_pixels)
             results: dict[int, CaptionResult] = {}
             if batch.pixels is not None:
-                results = dict(zip(batch.loaded, captioner.caption_batch(batch.pixels, options)))
+                results = dict(zip(batch.loaded, captioner.caption_batch(batch.pixels, options, explain)))
             for index in batch.indices:
                 path = images[index]
                 r = results.get(index)
@@ -364,6 +368,11 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
                     if attention_dir is not None:
                         record["attention_png"] = _save_figure(path, r, attention_dir, captioner.preprocess, heads,
                                                                max_pixels, captioner.name or "", captioner.notice())
+                        if explain is not None:  # the same figure, the word's gradient map in place of its attention
+                            record[f"{explain}_png"] = _save_figure(
+                                path, replace(r, alphas=r.gradients[explain], alphas_heads=None), attention_dir,
+                                captioner.preprocess, False, max_pixels, captioner.name or "", captioner.notice(),
+                                kind=explain)
                     summary.captioned += 1
                     summary.wordless += all(w == UNK for w in r.words)
                     summary.unfamiliar += bool(r.familiarity is not None and r.familiarity.unfamiliar)
@@ -385,12 +394,17 @@ def caption_paths(captioner: Captioner, images: list[str], out: IO[str] | None, 
 
 
 def _save_figure(path: str, result: CaptionResult, folder: Path, preprocess: Preprocess, heads: bool = False,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "", notice: str | None = None) -> str:
+                 max_pixels: int = DEFAULT_MAX_PIXELS, model: str = "", notice: str | None = None,
+                 kind: str | None = None) -> str:
+    """The image's figure in ``folder``; ``kind``: of that kind's gradient maps (NAME-HASH-KIND.png),
+    its title saying so."""
     from captioner.overlay import attention_figure, figure_info
 
     folder.mkdir(parents=True, exist_ok=True)
     # Same stem in different folders must not collide: add a short hash of the full path.
-    name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}.png"
+    name = f"{Path(path).stem}-{hashlib.sha1(path.encode()).hexdigest()[:8]}{'-' + kind if kind else ''}.png"
+    if kind is not None:
+        model = f"{model}, {kind} maps: what made it say each word" if model else f"{kind} maps"
     seen = preprocess.seen(load_image(path, max_pixels))  # the part the model saw
     attention_figure(seen, result, heads=heads, model=model, notice=notice).save(
         folder / name, pnginfo=figure_info(result, model, notice))

@@ -77,6 +77,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_caption_parser(sub: argparse._SubParsersAction) -> None:
+    from captioner.explain import KINDS as EXPLAIN_KINDS
     from captioner.inference import INFERENCE_PRECISIONS  # torch: not at this module's import (captioner.onnx uses it)
 
     p = sub.add_parser(
@@ -145,6 +146,13 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-dir", type=Path, default=None,
                    help="write one PNG per image: the caption and the model as its title, the image and an "
                         "attention overlay per word (missing folders are made)")
+    p.add_argument("--explain", choices=EXPLAIN_KINDS, default=None,
+                   help="each word's gradient map too, what in the image made the model say it (the attention "
+                        "maps show where it looked before the word): gradcam (Grad-CAM on the encoder's last "
+                        "feature map) or gradinput (gradient x input on the annotation vectors), the decoder "
+                        "teacher-forced on the chosen caption. In each line as \"gradcam\" or \"gradinput\" (T x H "
+                        "x W, beside \"alphas\"), and with --attention-dir a second figure of these maps, its "
+                        "path as \"gradcam_png\" or \"gradinput_png\". One backward pass per word: slower")
     p.add_argument("--attention-heads", action="store_true",
                    help='each attention head\'s maps too (models with model.heads > 1; the default maps are '
                         'the heads\' mean): "alphas_heads" (T x heads x H x W) on each line, with "alphas" and '
@@ -291,7 +299,7 @@ def _caption_files(args: argparse.Namespace, ctx: DistContext) -> int:
                                 workers=workers, attention_dir=args.attention_dir,
                                 max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
                                 progress=False if args.quiet else None, heads=args.attention_heads,
-                                decode_on_device=args.decode_on_device, on_record=files)
+                                decode_on_device=args.decode_on_device, on_record=files, explain=args.explain)
     except KeyboardInterrupt:
         what = plan.metadata if plan.metadata is not None else "the .txt files"
         print(f"captioner caption: interrupted; the captions made so far are in {what}: the same command "
@@ -339,7 +347,8 @@ def _caption_plan(args: argparse.Namespace, ctx: DistContext, images: list[str])
         merge_parts(args.out)  # parts left by an earlier, killed distributed run
     ctx.barrier()
     resume = (read_resume(args.out, with_attention=args.with_attention, attention_dir=args.attention_dir,
-                          heads=args.attention_heads, alternatives=args.num_captions > 1)
+                          heads=args.attention_heads, alternatives=args.num_captions > 1,
+                          explain=args.explain)
               if args.out is not None else None)
     return plan_resume(images, resume)
 
@@ -362,7 +371,7 @@ def _caption_share(args: argparse.Namespace, ctx: DistContext, captioner: Captio
                              max_pixels=args.max_pixels or DEFAULT_MAX_PIXELS,
                              progress=False if args.quiet or not ctx.is_main else None,
                              resolved=args.out is not None, heads=args.attention_heads,
-                             decode_on_device=args.decode_on_device)
+                             decode_on_device=args.decode_on_device, explain=args.explain)
     finally:
         if out is not sys.stdout:
             out.close()

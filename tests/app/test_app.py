@@ -7,9 +7,11 @@ import html
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from captioner import inference
@@ -140,11 +142,11 @@ def test_changing_the_beam_size_captions_again(app, weights_dir, tmp_path, capsy
     data = _png(seed=6)
     app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
     first = app.session_state["shown"]
-    assert first.key[-1].beam_size == 3 and "beam 3" in _details(app)
+    assert first.key[3].beam_size == 3 and "beam 3" in _details(app)
     app.sidebar.slider[0].set_value(5).run()
     assert not app.exception
     again = app.session_state["shown"]
-    assert again is not first and again.key[-1].beam_size == 5  # captioned again, with the new beam
+    assert again is not first and again.key[3].beam_size == 5  # captioned again, with the new beam
     assert "beam 5" in _details(app)
     cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, beam=5)
     assert _shown_caption(app) == cli["caption"]
@@ -699,10 +701,10 @@ def test_a_port_another_server_holds_is_refused_in_one_line_that_names_port(caps
 def test_the_character_budget_slider_captions_within_it_as_the_cli_does(app, weights_dir, tmp_path, capsys):
     data = _png(seed=6)
     app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
-    assert app.session_state["shown"].key[-1].max_chars is None  # 0 on the slider: no budget
+    assert app.session_state["shown"].key[3].max_chars is None  # 0 on the slider: no budget
     app.slider(key="max_chars").set_value(12).run()
     assert not app.exception
-    assert app.session_state["shown"].key[-1].max_chars == 12 and "at most 12 characters" in _details(app)
+    assert app.session_state["shown"].key[3].max_chars == 12 and "at most 12 characters" in _details(app)
     cli = _cli_record(tmp_path, capsys, data, weights_dir / MODEL, 3, 20, "--max-chars", "12")
     assert _shown_caption(app) == cli["caption"] and 0 < len(cli["caption"]) <= 12
 
@@ -723,3 +725,34 @@ def test_a_budget_no_caption_fits_is_said_in_place_of_the_caption(tmp_path, monk
     assert warning.startswith("generated.png: no caption fits in 1 character "
                               "(the shortest found without a budget is ")
     assert not at.main.header  # no caption shown
+
+
+@pytest.mark.parametrize("kind", ["gradcam", "gradinput"])
+def test_the_maps_toggle_shows_what_made_it_say_each_word_with_the_same_picker(app, weights_dir, kind):
+    """The toggle above the result: the same caption, word picker, big view and grid, each word's
+    layer now its gradient map (captioner.explain) rather than its attention; the figure and the
+    JSON carry those maps too."""
+    from captioner.app.pictures import map_layers
+
+    data = _png(seed=3, size=(96, 64))
+    app.file_uploader[0].set_value(("generated.png", data, "image/png")).run()
+    looked = app.session_state["shown"]
+    assert app.radio(key="maps").value == "attention" and looked.explain is None
+    app.radio(key="maps").set_value(kind).run()
+    assert not app.exception
+    said = app.session_state["shown"]
+    assert said.explain == kind and said.result.words == looked.result.words  # the same caption
+    want = inference.Captioner.load(weights_dir / MODEL).caption(data, DecodeOptions(num_captions=3), explain=kind)
+    assert torch.allclose(said.result.gradients[kind], want.gradients[kind], atol=1e-5)
+    size = _data_images(said.view)[0].size
+    drawn = map_layers(replace(said.result, alphas=said.result.gradients[kind], alphas_heads=None), size)
+    assert [uri for _, uri in sorted(drawn.items())] == re.findall(r"--l\d+hm: url\(([^)]+)\)", said.view)
+    assert re.findall(r"--l\d+hm: url\(([^)]+)\)", said.view) != re.findall(r"--l\d+hm: url\(([^)]+)\)", looked.view)
+    assert "<h3>Every word, what made the model say it</h3>" in said.view
+    assert "<h3>Every word, where the model looked</h3>" in looked.view and "<h3>Every word, where" not in said.view
+    assert len(re.findall(r'<div class="word">', said.view)) == len(said.result.words)  # one picker entry a word
+    assert kind in json.loads(result_json(said))
+    assert Image.open(io.BytesIO(figure_png(said, MODEL))).text["Model"].endswith(f"{kind} maps: what made it say "
+                                                                                  "each word")
+    app.radio(key="maps").set_value("attention").run()
+    assert app.session_state["shown"].view == looked.view  # back to where it looked

@@ -73,3 +73,14 @@ def test_an_unknown_kind_is_refused():
     cap = tiny_captioner(seed=4)
     with pytest.raises(ValueError, match="gradcam, gradinput"):
         gradient_maps(cap.model.decoder, cap.encode(torch.zeros(1, 3, 32, 32)), [[5]], cap.tokens, "saliency")
+
+
+def test_both_kinds_at_once_are_each_kind_alone():
+    cap = tiny_captioner(seed=4)
+    images = [tiny_image(seed=i) for i in range(2)]
+    both = cap.caption_images(images, DecodeOptions(beam_size=2), explain=KINDS)
+    for kind in KINDS:
+        alone = cap.caption_images(images, DecodeOptions(beam_size=2), explain=kind)
+        for b, a in zip(both, alone):
+            assert set(a.gradients) == {kind} and set(b.gradients) == set(KINDS)
+            torch.testing.assert_close(b.gradients[kind], a.gradients[kind])

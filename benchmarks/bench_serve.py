@@ -59,10 +59,11 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+# this checkout's `captioner` (as the servers it starts get it), then its benchmarks
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from bench_caption import photo_images  # noqa: E402  (the caption benchmark's photographs)
 
-ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 CLIENT_TIMEOUT_S = 120.0  # one request's limit on the client's side: the load always ends
 
@@ -391,8 +392,9 @@ def checks(report: dict) -> list[tuple[str, bool, bool]]:
 
 
 def print_report(report: dict) -> None:
-    print(f"\n{report['images']} images (640x480 JPEG), {report['cores']} cores; server flags: "
-          f"{' '.join(report['server_flags']) or '(defaults)'}")
+    print(f"\n{report['images']} images (640x480 JPEG), {report['cores']} cores, load average "
+          f"{report['load_average_before']:.1f} before the run (other work on the machine skews every figure); "
+          f"server flags: {' '.join(report['server_flags']) or '(defaults)'}")
     print("\n| clients | images/s | p50 ms | p95 ms | p99 ms | answers | server CPU-s/image | peak RSS MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in report.get("levels", []):
@@ -445,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     base = [*(["--weights", args.weights] if args.weights else []), "--device", args.device]
     jpegs = make_jpegs(args.images)
     report: dict = {"images": args.images, "server_flags": server_flags, "cores": os.cpu_count(),
-                    "device": args.device, "weights": args.weights or "demo-soft"}
+                    "device": args.device, "weights": args.weights or "demo-soft",
+                    "load_average_before": os.getloadavg()[0]}
     if not args.no_reference:
         report["reference"] = reference(jpegs, args.weights, args.device)
         print(json.dumps({"reference": report["reference"]}), flush=True)

@@ -99,8 +99,8 @@ def _flags(named: dict) -> list[str]:
 
 
 class Server:
-    """`captioner serve` in its own process, on a free localhost port; its stderr kept in memory
-    of a temporary file (the benchmark's, not the server's: it is given a pipe)."""
+    """`captioner serve` in its own process, on a free localhost port; its stderr goes to a
+    temporary file of the benchmark's, read for tracebacks."""
 
     def __init__(self, flags: list[str]):
         self.port = free_port()

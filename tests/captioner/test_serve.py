@@ -340,3 +340,36 @@ def test_a_character_budget_is_an_option_like_the_others_and_none_fitting_is_422
     message = refusal(client.post("/v1/captions?max_chars=1", content=png(1)), 422)
     assert message.startswith("no caption fits in 1 character "
                               "(the shortest found without a budget is ")
+
+
+def test_every_decoding_option_of_the_library_is_a_request_option():
+    """A field added to DecodeOptions (and so to `captioner caption`) must be given a request option."""
+    from dataclasses import fields
+
+    from captioner.search.options import DecodeOptions
+    from captioner.serve.service import OPTION_HELP, OPTIONS
+
+    assert {f.name for f in fields(DecodeOptions)} <= set(OPTIONS)
+    assert {"with_attention", "attention_heads"} <= set(OPTIONS) and set(OPTION_HELP) == set(OPTIONS)
+
+
+def test_workers_n_captions_n_batches_at_once(tiny):
+    """--workers 2: with one batch holding the model, a request is captioned beside it, not after."""
+    service, client = serve(tiny, workers=2, timeout_s=5)
+    release = hold_gate(service.gate)
+    try:
+        began = time.perf_counter()
+        assert client.post("/v1/captions", content=png(6)).status_code == 200
+        assert time.perf_counter() - began < 4
+    finally:
+        release.set()
+    assert client.get("/v1/model").json()["limits"]["workers"] == 2
+
+
+def test_a_file_name_in_a_form_is_never_opened(tiny):
+    """The form's file name is a client's word, never a path the server reads."""
+    _, client = serve(tiny)
+    r = client.post("/v1/captions", files={"file": ("/etc/passwd", b"root:x:0:0", "text/plain")})
+    assert "not an image" in refusal(r, 415)
+    r = client.post("/v1/captions", files={"file": ("../../../etc/hostname", png(8), "image/png")})
+    assert r.status_code == 200 and "image" not in r.json()

@@ -1,5 +1,6 @@
 """`captioner serve` as its own process: a real uvicorn on a free localhost port, sent SIGTERM
-while requests are in flight: it answers them all, takes no new one, and exits 0."""
+while requests are in flight: it answers them all, takes no new one, and exits 0; and it writes
+nothing to disk: its working folder, $HOME and $TMPDIR are empty folders, and stay so."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.tiny import tiny_image
 
+ROOT = Path(__file__).resolve().parents[2]
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
@@ -27,12 +30,16 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0():
+def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
+    cwd, home, tmp = tmp_path / "cwd", tmp_path / "home", tmp_path / "tmp"
+    for folder in (cwd, home, tmp):
+        folder.mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet",
-                               "--max-batch", "4"], stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               "--max-batch", "4"], stderr=subprocess.PIPE, text=True, cwd=cwd,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", "HOME": str(home), "TMPDIR": str(tmp),
+                                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -47,6 +54,11 @@ def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0():
         buf = io.BytesIO()
         tiny_image(7, (640, 480)).save(buf, "JPEG")
         image = buf.getvalue()
+        big = io.BytesIO()  # a form's file over Starlette's 1 MB spool size: kept in memory all the same
+        tiny_image(8, (700, 700)).save(big, "BMP")
+        r = httpx.post(f"{url}/v1/captions", files={"file": ("big.bmp", big.getvalue(), "image/bmp")},
+                       data={"beam_size": "2"}, timeout=120)
+        assert r.status_code == 200, r.text
         answers: dict[int, object] = {}
 
         def ask(i: int) -> None:
@@ -72,6 +84,7 @@ def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0():
         assert all(getattr(r, "status_code", r) == 200 for r in answers.values()), answers
         assert len(answers) == 12 and len({r.json()["caption"] for r in answers.values()}) == 1
         assert "Traceback" not in server.stderr.read()
+        assert [p for folder in (cwd, home, tmp) for p in folder.rglob("*")] == []  # nothing written
     finally:
         if server.poll() is None:
             server.kill()

@@ -27,7 +27,8 @@ def _commands(text: str) -> list[str]:
     return found
 
 
-COMMANDS = _commands(README) + _commands((ROOT / "docs" / "results.md").read_text(encoding="utf-8"))
+COMMANDS = _commands(README) + [c for page in ("results.md", "serving.md")
+                                 for c in _commands((ROOT / "docs" / page).read_text(encoding="utf-8"))]
 
 
 def test_the_test_command_is_the_one_ci_runs():

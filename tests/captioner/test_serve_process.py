@@ -71,7 +71,7 @@ def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
         for t in clients:
             t.start()
         deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/readyz", timeout=5).json()["in_flight"] < 8:
+        while (in_flight := httpx.get(f"{url}/readyz", timeout=5).json()["in_flight"]) < 8:
             assert time.monotonic() < deadline, "the requests did not arrive"
             time.sleep(0.01)
         server.send_signal(signal.SIGTERM)
@@ -81,8 +81,14 @@ def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
         for t in clients:
             t.join(120)
         assert server.wait(120) == 0, server.stderr.read()
-        assert all(getattr(r, "status_code", r) == 200 for r in answers.values()), answers
-        assert len(answers) == 12 and len({r.json()["caption"] for r in answers.values()}) == 1
+        # Every request admitted before SIGTERM is answered, in full. A connection the server had
+        # not yet read from when it stopped listening (a slow machine's) is closed unanswered, never
+        # given an error status or half an answer.
+        captioned = [r for r in answers.values() if isinstance(r, httpx.Response)]
+        assert len(answers) == 12 and all(r.status_code == 200 for r in captioned), answers
+        assert len(captioned) >= in_flight >= 8, (in_flight, answers)
+        assert all(isinstance(r, httpx.TransportError) for r in answers.values() if r not in captioned), answers
+        assert len({r.json()["caption"] for r in captioned}) == 1
         assert "Traceback" not in server.stderr.read()
         assert [p for folder in (cwd, home, tmp) for p in folder.rglob("*")] == []  # nothing written
     finally:

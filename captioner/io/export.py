@@ -249,6 +249,7 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
         quantized = None
         if int8:  # the calibration images first: a missing folder is told before the slow export
             try:
+                quantize.require_onnxruntime()
                 images, said = quantize.calibration_images(
                     None if calibration is None else Path(calibration), captioner.shapes_only, tmp / ".calibration")
             except quantize.CalibrationError as e:

@@ -41,7 +41,19 @@ BEAMS = 3
 
 
 class CalibrationError(ValueError):
-    """The calibration images cannot be had; the message says why, in one line."""
+    """The int8 graphs cannot be made as asked (no calibration images, no onnxruntime); the
+    message says why, in one line."""
+
+
+NEEDS = '--int8 needs onnxruntime\'s quantisation tools: pip install "captioner[export,runtime]"'
+
+
+def require_onnxruntime() -> None:
+    """Refuse --int8 at once, before the slow export, where onnxruntime is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise CalibrationError(NEEDS)
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,7 @@ def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], sour
         )
         from onnxruntime.quantization.shape_inference import quant_pre_process
     except ImportError:
-        raise CalibrationError("--int8 needs onnxruntime (pip install onnxruntime)") from None
+        raise CalibrationError(NEEDS) from None
     inputs = _batches(calibration, preprocess)
     names = (fmt.ENCODER_ONNX, fmt.STEP_ONNX)
     fp32 = {n: folder / n for n in names}

@@ -333,6 +333,18 @@ def test_a_model_not_trained_on_shapes_needs_calibration_images(tmp_path):
     assert not (tmp_path / "m").exists()  # refused before anything was written
 
 
+def test_int8_without_onnxruntime_is_refused_before_the_export(tmp_path, monkeypatch):
+    import importlib.util
+
+    from captioner.io.export import ExportError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    with pytest.raises(ExportError, match=r"needs onnxruntime.*captioner\[export,runtime\]"):
+        export(tiny_captioner(seed=3), tmp_path / "m", onnx=True, int8=True, calibration=tmp_path)
+    assert not (tmp_path / "m").exists()
+
+
 def test_calibration_images_are_found_in_subfolders_and_spread_over_at_most_the_limit(tmp_path, monkeypatch):
     from captioner.io import quantize
 
@@ -401,6 +413,7 @@ def test_int8_graphs_hold_int8_weights_and_say_so(int8_folder):
     q = config["onnx"]["int8"]
     assert "calibrated" in q["encoder"] and "6 images" in q["encoder"] and "dynamic" in q["decoder_step"]
     assert set(q["timing"]) == {"encoder", "decoder step"} and all(t["int8_ms"] > 0 for t in q["timing"].values())
+    assert "decoder step quantised to int8" in (folder / fmt.CARD).read_text()
     lines = printed.splitlines()
     assert any(line.startswith("int8 graphs: ") and "x fp32's" in line for line in lines)
     for part in ("encoder", "decoder step"):

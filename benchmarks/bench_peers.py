@@ -309,12 +309,12 @@ def report(names, times, parts, flops, rss, peak, args) -> None:
         bound = "" if share is None else "compute" if share >= 0.5 else "per-call overhead and memory traffic"
         ratio = {b: ms[n][b] / base[b] for b in ms[n]} if base else None
 
-        def fmt(x, spec):
-            return format(x, spec) if x is not None else "-"
-        print(f"{n:<22}{ms[n][1]:>10.1f}{ms[n][IMAGES]:>10.1f}{fmt(ratio and ratio[1], '>9.2f')}x"
-              f"{fmt(ratio and ratio[IMAGES], '>9.2f')}x{fmt(f and f / 1e9, '>10.2f')}"
-              f"{fmt(rate and rate[1], '>11.1f')}{fmt(rate and rate[IMAGES], '>11.1f')}"
-              f"{fmt(share and share * 100, '>9.0f')}%{rss[n]:>8.0f}  {bound}")
+        def cell(x, width: int, spec: str, unit: str = "") -> str:
+            return f"{format(x, spec) + unit if x is not None else '-':>{width}}"
+        print(f"{n:<22}{ms[n][1]:>10.1f}{ms[n][IMAGES]:>10.1f}{cell(ratio and ratio[1], 10, '.2f', 'x')}"
+              f"{cell(ratio and ratio[IMAGES], 10, '.2f', 'x')}{cell(f and f / 1e9, 10, '.2f')}"
+              f"{cell(rate and rate[1], 11, '.1f')}{cell(rate and rate[IMAGES], 11, '.1f')}"
+              f"{cell(share and share * 100, 10, '.0f', '%')}{rss[n]:>8.0f}  {bound or '-'}")
     for n in names:
         if parts[n]:
             enc = statistics.median(p["encoder"] for p in parts[n]) * 1000

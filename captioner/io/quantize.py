@@ -27,11 +27,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy and the images load when a model is quantised, not when the CLI starts
+    import numpy as np
 
-from captioner.data.images import ImageLoadError, Preprocess, is_image_path
-from captioner.io import folder as fmt
+    from captioner.data.images import Preprocess
 
 CALIBRATION_IMAGES = 64  # the most images the encoder's ranges are calibrated on
 SHAPES_SEED = 7373  # fresh shapes images for a shapes model's calibration: a seed no demo was trained on
@@ -106,6 +107,10 @@ def calibration_images(given: Path | None, shapes_only: bool, scratch: Path) -> 
     """The images the encoder's ranges are calibrated on, and where they came from: those in
     ``given`` (searched recursively, at most CALIBRATION_IMAGES spread over them in name order),
     or for a model that knows only the synthetic shapes, fresh shapes images made in ``scratch``."""
+    import numpy as np
+
+    from captioner.data.images import is_image_path
+
     if given is not None:
         if not given.is_dir():
             raise CalibrationError(f"--calibration {given} is not a folder; give a folder of training images")
@@ -126,6 +131,8 @@ def calibration_images(given: Path | None, shapes_only: bool, scratch: Path) -> 
 
 def _batches(paths: list[Path], preprocess: Preprocess) -> list[np.ndarray]:
     """Each readable image as the encoder's (1, 3, H, W) input; unreadable ones are left out."""
+    from captioner.data.images import ImageLoadError
+
     out = []
     for p in paths:
         try:
@@ -159,6 +166,10 @@ def _median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
 def time_parts(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.ndarray]) -> tuple[PartTiming, ...]:
     """Each graph in fp32 and int8 on this CPU: the encoder per image at batch 1 on ``inputs``
     (TIMED_IMAGES of them), and one decoder step for 3 rows (beam 3 at batch 1)."""
+    import numpy as np
+
+    from captioner.io import folder as fmt
+
     enc = {k: _session(paths[fmt.ENCODER_ONNX]) for k, paths in (("fp32", fp32), ("int8", int8))}
     step = {k: _session(paths[fmt.STEP_ONNX]) for k, paths in (("fp32", fp32), ("int8", int8))}
     images = inputs[:TIMED_IMAGES]
@@ -184,6 +195,8 @@ def time_parts(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.nda
 def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], source: str) -> Quantized:
     """Replace ``folder``'s encoder.onnx and decoder_step.onnx (fp32, as write_onnx made them)
     by their int8 forms, after timing both forms on this CPU."""
+    from captioner.io import folder as fmt
+
     try:
         from onnxruntime.quantization import (
             CalibrationDataReader,

@@ -3,13 +3,16 @@
 The two graphs captioner.io.export writes are quantised with onnxruntime's tools, each the way
 its arithmetic suits:
 
-    decoder_step.onnx   dynamically: the weights (per output channel) of its matrix products (the LSTM's gates, the
-                        attention's query, the deep output layer, the gate) and its word
-                        embedding stored as int8, each activation quantised as it comes
-                        (no calibration; products of two activations, the attention's, stay fp32)
+    decoder_step.onnx   dynamically: the weights of its matrix products (the LSTM's gates, the
+                        attention's query, the deep output layer, the gate), per output channel,
+                        and its word embedding stored in 8 bits, each activation quantised as it
+                        comes (no calibration; products of two activations, the attention's,
+                        stay fp32)
     encoder.onnx        statically: convolutions and matrix products with int8 weights per output
                         channel and uint8 activations whose ranges are calibrated on images like
                         the training images (QDQ format, onnxruntime fuses it into int8 kernels)
+
+Weights keep 7 bits of the 8 (reduce_range), for CPUs without VNNI (docs/export.md).
 
 The graphs keep their names, inputs and outputs, so ``python -m captioner.onnx`` runs the
 folder unchanged; model.safetensors stays fp32 (torch reads it as before). Whether int8 is

@@ -19,6 +19,8 @@ outside, in numpy (captioner.onnx), so that captioning needs no torch:
                            beta (N,)               the gate
 
 N rows are the open beams, each with its image's annotations and keys; B and N are dynamic.
+With ``int8=True`` both graphs are then quantised in place (captioner.io.quantize): same names,
+inputs and outputs.
 A hard-attention model's step is its expected context (DecodeOptions.hard_attention
 "expected", the default). The step holds dropout in eval mode: the same numbers as
 ``Decoder.step`` in eval.
@@ -39,7 +41,8 @@ import torch
 from torch import nn
 
 from captioner.io import folder as fmt
-from captioner.io import tensorfile
+from captioner.io import quantize, tensorfile
+from captioner.io.quantize import Quantized
 from captioner.model.familiarity import pooled
 
 OPSET = 18
@@ -57,6 +60,7 @@ class ExportError(ValueError):
 class Exported:
     folder: Path
     files: tuple[str, ...]  # the names written, in the folder
+    int8: Quantized | None = None  # with int8=True: the timings and sizes of both forms (captioner.io.quantize)
 
 
 class _EncoderGraph(nn.Module):
@@ -212,12 +216,23 @@ def check_target(out: Path) -> None:
                               f"{', ...' if len(others) > 3 else ''}); give an empty or new folder")
 
 
+def check_options(onnx: bool, int8: bool, calibration: str | os.PathLike | None) -> None:
+    """Refuse options that do not go together, before anything is loaded."""
+    if int8 and not onnx:
+        raise ExportError("--int8 quantises the ONNX graphs: give --onnx too")
+    if calibration is not None and not int8:
+        raise ExportError("--calibration calibrates the int8 encoder: give --onnx --int8 too")
+
+
 def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: str = "unknown",
-           source: str | None = None) -> Exported:
+           source: str | None = None, int8: bool = False, calibration: str | os.PathLike | None = None) -> Exported:
     """Write ``captioner`` to the folder ``out`` (made if missing; an earlier export there is
     replaced, whole). Written into a temporary folder beside it first, so a failure (an ONNX
-    export that breaks half-way) leaves ``out`` as it was."""
+    export that breaks half-way) leaves ``out`` as it was. ``int8``: the ONNX graphs quantised
+    (captioner.io.quantize), the encoder calibrated on the images in the folder ``calibration``,
+    or, for a model that knows only the synthetic shapes, on fresh shapes images."""
     out = Path(out)
+    check_options(onnx, int8, calibration)
     check_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -231,9 +246,23 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
         if captioner.familiarity is not None:
             _write_familiarity_file(tmp / fmt.FAMILIARITY, captioner.familiarity.to_dict())
             files.append(fmt.FAMILIARITY)
+        quantized = None
+        if int8:  # the calibration images first: a missing folder is told before the slow export
+            try:
+                quantize.require_onnxruntime()
+                images, said = quantize.calibration_images(
+                    None if calibration is None else Path(calibration), captioner.shapes_only, tmp / ".calibration")
+            except quantize.CalibrationError as e:
+                raise ExportError(str(e)) from None
         graphs = write_onnx(captioner, tmp) if onnx else None
         if graphs is not None:
             files += [fmt.ENCODER_ONNX, fmt.STEP_ONNX]
+        if int8:
+            try:
+                quantized = quantize.quantize(tmp, captioner.preprocess, images, said)
+            except quantize.CalibrationError as e:
+                raise ExportError(str(e)) from None
+            graphs["int8"] = quantized.to_config()
         config = config_of(captioner, grid, graphs, license, source)
         _write_config_and_card(tmp, config, out.name)
         out.mkdir(exist_ok=True)
@@ -244,5 +273,5 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
             os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Exported(out, tuple(files))
+    return Exported(out, tuple(files), quantized)
 

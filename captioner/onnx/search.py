@@ -63,8 +63,22 @@ def _trim(ids: list[int], heads: np.ndarray, betas: np.ndarray, score: float, en
 
 
 def _topk(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest of each row, largest first (ties: the lower index first)."""
-    return np.argsort(-x, axis=1, kind="stable")[:, :k]
+    """Indices of the k largest of each row, largest first (ties: the lower index first).
+
+    A row of k * V candidates (30,000 at the paper's sizes) is partitioned, not sorted: only its
+    k largest are sorted, which is what a beam step costs in numpy. Where a tie at the k-th value
+    leaves more than k candidates (at the last step, where all but <end> are -inf), the rows are
+    sorted whole, so that ties fall as a stable sort lets them."""
+    n = x.shape[1]
+    if n <= 4 * k:
+        return np.argsort(-x, axis=1, kind="stable")[:, :k]
+    part = np.argpartition(-x, k - 1, axis=1)[:, :k]  # the k largest of each row, in no order
+    kth = np.take_along_axis(x, part, 1).min(1, keepdims=True)  # (b, 1) the k-th largest value
+    if not ((x >= kth).sum(1) == k).all():  # a tie at the k-th value: which of them is taken matters
+        return np.argsort(-x, axis=1, kind="stable")[:, :k]
+    part.sort(axis=1)  # in index order, so that the stable sort below puts equal values' lower index first
+    order = np.argsort(-np.take_along_axis(x, part, 1), axis=1, kind="stable")
+    return np.take_along_axis(part, order, 1)
 
 
 def greedy(step: Step, ann: np.ndarray, keys: np.ndarray, h: np.ndarray, c: np.ndarray, tokens: Tokens,

@@ -4,6 +4,8 @@ in one line."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import shutil
@@ -303,3 +305,143 @@ def test_an_own_data_card_names_metrics_not_expressions_and_says_what_the_figure
     config["meta"] = {"val_min:object_accuracy,pointing_accuracy": 0.5}
     meta = front_matter(model_card(config, name="m"))
     assert "metrics" not in meta and meta["model-index"][0]["results"] == []
+
+
+# ------------------------------------------------------------------ --int8
+
+def test_int8_needs_onnx_and_calibration_needs_int8_told_before_loading(tmp_path, capsys):
+    assert main(["export", "no-such-model", "--out", str(tmp_path / "a"), "--int8"]) == 2
+    assert "--int8 quantises the ONNX graphs: give --onnx too" in one_error_line(capsys)
+    assert main(["export", "no-such-model", "--out", str(tmp_path / "a"), "--onnx",
+                 "--calibration", str(tmp_path)]) == 2
+    assert "give --onnx --int8 too" in one_error_line(capsys)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_model_not_trained_on_shapes_needs_calibration_images(tmp_path):
+    from captioner.io.export import ExportError
+
+    cap = tiny_captioner(seed=3)
+    with pytest.raises(ExportError, match="give --calibration DIR"):
+        export(cap, tmp_path / "m", onnx=True, int8=True)
+    (tmp_path / "empty" / "deep").mkdir(parents=True)
+    (tmp_path / "empty" / "notes.txt").write_text("no image")
+    with pytest.raises(ExportError, match="holds no images"):
+        export(cap, tmp_path / "m", onnx=True, int8=True, calibration=tmp_path / "empty")
+    with pytest.raises(ExportError, match="is not a folder"):
+        export(cap, tmp_path / "m", onnx=True, int8=True, calibration=tmp_path / "empty" / "notes.txt")
+    assert not (tmp_path / "m").exists()  # refused before anything was written
+
+
+def test_int8_without_onnxruntime_is_refused_before_the_export(tmp_path, monkeypatch):
+    import importlib.util
+
+    from captioner.io.export import ExportError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    with pytest.raises(ExportError, match=r"needs onnxruntime.*captioner\[export,runtime\]"):
+        export(tiny_captioner(seed=3), tmp_path / "m", onnx=True, int8=True, calibration=tmp_path)
+    assert not (tmp_path / "m").exists()
+
+
+def test_calibration_images_are_found_in_subfolders_and_spread_over_at_most_the_limit(tmp_path, monkeypatch):
+    from captioner.io import quantize
+
+    for i in range(7):
+        (tmp_path / "cal" / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
+        tiny_image(i).save(tmp_path / "cal" / f"d{i % 2}" / f"im{i}.png")
+    paths, said = quantize.calibration_images(tmp_path / "cal", False, tmp_path / "scratch")
+    assert len(paths) == 7 and "cal" in said
+    monkeypatch.setattr(quantize, "CALIBRATION_IMAGES", 3)
+    paths, _ = quantize.calibration_images(tmp_path / "cal", False, tmp_path / "scratch")
+    every = sorted((tmp_path / "cal").rglob("*.png"))
+    assert paths == [every[0], every[3], every[6]]  # the first, the middle and the last, not the first three
+
+
+def test_a_shapes_model_is_calibrated_on_fresh_shapes_images(tmp_path, monkeypatch):
+    from captioner.io import quantize
+
+    monkeypatch.setattr(quantize, "CALIBRATION_IMAGES", 2)
+    paths, said = quantize.calibration_images(None, True, tmp_path)
+    assert len(paths) == 2 and all(p.suffix == ".png" and p.is_file() for p in paths)
+    assert "shapes" in said and str(quantize.SHAPES_SEED) in said
+
+
+@pytest.mark.parametrize("fp32,int8,slower", [(88.0, 121.0, True), (88.0, 88.0, False), (88.0, 44.0, False)])
+def test_the_timing_line_says_where_int8_is_slower_with_its_figures(fp32, int8, slower):
+    from captioner.io.quantize import PartTiming
+
+    t = PartTiming("encoder", fp32, int8, "per image")
+    line = t.line()
+    assert t.slower is slower and "\n" not in line
+    assert f"{int8:.2f} ms per image in int8" in line and f"{fp32:.2f} ms in fp32" in line
+    assert ("slower" in line and "VNNI or AMX" in line and "1.38x" in line) if slower else "faster" in line
+
+
+@pytest.fixture(scope="module")
+def int8_folder(tmp_path_factory) -> tuple[Captioner, Path, str]:
+    """A tiny captioner exported with --onnx --int8 through the command, calibrated on tiny images
+    (the slow part, once for the module), and what the command printed."""
+    root = tmp_path_factory.mktemp("int8")
+    (root / "cal").mkdir()
+    for i in range(6):
+        tiny_image(50 + i, (40, 30)).save(root / "cal" / f"im{i}.png")
+    cap = tiny_captioner(seed=5)
+    export(cap, root / "fp32")  # the weights as a folder, which the command takes as CHECKPOINT
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["export", str(root / "fp32"), "--out", str(root / "int8"), "--onnx", "--int8",
+                     "--calibration", str(root / "cal")]) == 0
+    return cap, root / "int8", err.getvalue()
+
+
+@pytest.mark.slow  # the module's ONNX export and quantisation
+def test_int8_graphs_hold_int8_weights_and_say_so(int8_folder):
+    import onnx
+
+    _, folder, printed = int8_folder
+    encoder, step = (onnx.load(str(folder / n)) for n in (fmt.ENCODER_ONNX, fmt.STEP_ONNX))
+    assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in encoder.graph.node}  # static, QDQ
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= {n.op_type for n in step.graph.node}  # dynamic
+    int8_weights = {i.name for g in (encoder, step) for i in g.graph.initializer  # the embedding's are uint8
+                    if i.data_type in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)}
+    for weight in ("decoder.lstm.weight_ih", "decoder.lstm.weight_hh", "decoder.L_o.weight",
+                   "decoder.embedding.weight", "model.encoder.trunk.1.0.weight"):
+        assert any(name.startswith(weight) for name in int8_weights), weight
+    config = json.loads((folder / fmt.CONFIG).read_text())
+    q = config["onnx"]["int8"]
+    assert "calibrated" in q["encoder"] and "6 images" in q["encoder"] and "dynamic" in q["decoder_step"]
+    assert set(q["timing"]) == {"encoder", "decoder step"} and all(t["int8_ms"] > 0 for t in q["timing"].values())
+    assert "decoder step quantised to int8" in (folder / fmt.CARD).read_text()
+    lines = printed.splitlines()
+    assert any(line.startswith("int8 graphs: ") and "x fp32's" in line for line in lines)
+    for part in ("encoder", "decoder step"):
+        [line] = [x for x in lines if x.startswith(f"int8 {part} is ")]
+        ms = q["timing"][part]
+        assert ("slower" in line) == (ms["int8_ms"] > ms["fp32_ms"])
+
+
+@pytest.mark.slow  # the module's ONNX export and quantisation
+def test_the_runtime_takes_the_int8_folder_unchanged_and_torch_its_fp32_weights(int8_folder, image, capsys):
+    from captioner.onnx.runtime import OnnxCaptioner
+    from captioner.onnx.runtime import main as onnx_main
+    from tests.builders import torch_step
+
+    cap, folder, _ = int8_folder
+    assert onnx_main([str(folder), image, "--beam-size", "3"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["image"] == image and isinstance(line["caption"], str)
+    # The quantised graphs approximate the model: near torch's numbers, and not equal to them.
+    rt = OnnxCaptioner(folder)
+    x = torch.stack([cap.preprocess(tiny_image(60 + i, (40, 30))) for i in range(3)])
+    ann, keys, h0, c0, _ = rt.encode(x.numpy())
+    with torch.no_grad():
+        ours = cap.model.decoder.annotate(cap.model.encode(x)).vectors.numpy()
+    assert 0 < np.abs(ann - ours).max() < 0.1 * np.abs(ours).max()
+    word = np.full(3, cap.tokens.start, dtype=np.int64)
+    theirs = rt.step(word, h0, c0, ann, keys)[0]
+    exact = torch_step(cap.model.decoder, rt.grid)(word, h0, c0, ann, keys)[0]
+    assert 0 < np.abs(theirs - exact).max() < 0.02 * np.ptp(exact)  # log p spans some 15 nats here
+    again = Captioner.load(folder)  # torch reads model.safetensors, in fp32 as before
+    assert all(torch.equal(a, b) for a, b in zip(again.model.state_dict().values(), cap.model.state_dict().values()))

@@ -117,6 +117,23 @@ def table_search(table: Table, **options):
                                 Tokens(start=1, end=2, pad=0), DecodeOptions(**options))[0]
 
 
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_the_partitioned_top_k_is_the_stable_sort_ties_and_infinities_included(k):
+    rng = np.random.default_rng(k)
+    rows = [rng.standard_normal(300).astype(np.float32),  # no ties
+            np.round(rng.standard_normal(300), 1).astype(np.float32),  # ties everywhere, at the k-th too
+            np.full(300, npsearch.NINF), np.full(300, np.float32(-2.5))]  # all tied
+    rows[2][[7, 150, 299]] = [-1.0, -1.0, -3.0]  # fewer finite than k for k = 6: -inf ties fill the rest
+    rows[3][[5, 250]] = 0.0
+    rows.append(rng.random(300).astype(np.float32) - 2)  # two equal largest, no tie at the k-th for k > 2:
+    rows[4][[200, 10]] = 5.0  # the partition's own path orders them by index
+    x = np.stack(rows)
+    expected = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(npsearch._topk(x, k), expected)
+    for row in x:  # row by row too: the whole-row fallback of one row must not decide for the others
+        np.testing.assert_array_equal(npsearch._topk(row[None], k), np.argsort(-row, kind="stable")[None, :k])
+
+
 def test_n_captions_search_until_the_nth_best_cannot_be_beaten():
     # <start> -> <end> 0.5 | A 0.5;  A -> <end> 0.9 | B 0.1;  B -> <end> 1
     table = Table({1: {2: 0.5, 3: 0.5}, 3: {2: 0.9, 4: 0.1}, 4: {2: 1.0}}, vocab=5)

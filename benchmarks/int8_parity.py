@@ -1,0 +1,126 @@
+"""int8 against fp32 in the torch-free runtime: the same captions, object accuracy, pointing, and size.
+
+    python benchmarks/int8_parity.py [--images 500] [--seed 5858] [--beam-size 3] [--models demo-soft ...]
+                                     [--paper-size]
+
+For each demo model: export it with --onnx (fp32) and with --onnx --int8 (calibrated on fresh
+shapes images, captioner.io.quantize) into a temporary folder, caption N fresh shapes images
+(``captioner shapes --seed SEED``, a seed neither the demos nor the calibration used) with both
+folders in onnxruntime (captioner.onnx), from the same decoded pixels, and print per model: the
+share of identical captions, object accuracy (colour and shape, per image) and pointing accuracy
+(argmax cell in the named object's box, per word) of each, and the graphs' size on disk
+(encoder.onnx + decoder_step.onnx) of each.
+``--paper-size`` adds the size of a captioner at the paper's sizes (ResNet-101 at 224 px,
+LSTM 512, attention 512, embedding 512, vocabulary 10,000; random weights, which leave the size
+as it is), calibrated on the same shapes images.
+Targets: >= 98% identical captions, accuracies within 0.01, int8 graphs <= 0.35x fp32's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from captioner.data.shapes import generate_dataset
+from captioner.evaluation.grounding import evaluate_caption, load_shape_objects, summarize_grounding
+from captioner.inference import Captioner
+from captioner.io import folder as fmt
+from captioner.io.export import export
+from captioner.onnx.runtime import OnnxCaptioner
+
+
+def graph_bytes(folder: Path) -> int:
+    return sum((folder / n).stat().st_size for n in (fmt.ENCODER_ONNX, fmt.STEP_ONNX))
+
+
+def caption_all(rt: OnnxCaptioner, pixels: np.ndarray, beam_size: int, batch: int = 16) -> list:
+    opts = rt.options(beam_size=beam_size)
+    out = []
+    for i in range(0, len(pixels), batch):
+        out += rt.caption_arrays(pixels[i:i + batch], opts)
+    return out
+
+
+def grounding(captions: list, objects: list, crops: list) -> tuple[float, float]:
+    """Object accuracy (colour and shape) and pointing accuracy of the captions."""
+    pointing, accuracy = [], []
+    for cap, image, crop in zip(captions, objects, crops):
+        p, a = evaluate_caption(cap.words, cap.alphas, image, crop)
+        pointing.append(p)
+        accuracy.append(a)
+    g = summarize_grounding(pointing, accuracy)
+    return g.object_accuracy, g.pointing_accuracy
+
+
+def paper_size(tmp: Path, calibration: Path) -> tuple[int, int]:
+    """Graph bytes of a paper-size captioner (random weights) in fp32 and in int8."""
+    import torch
+
+    from captioner.data.images import Preprocess
+    from captioner.data.vocab import SPECIALS, Vocabulary
+    from captioner.model.decoder import CaptionModel, ModelConfig
+
+    torch.manual_seed(0)
+    vocab = Vocabulary(list(SPECIALS) + [f"w{i}" for i in range(10_000 - len(SPECIALS))])
+    cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
+                      hidden_dim=512, attention_dim=512, dropout=0.5)
+    cap = Captioner(CaptionModel(cfg), vocab, Preprocess(size=(224, 224)))
+    fp32 = export(cap, tmp / "paper-fp32", onnx=True).folder
+    int8 = export(cap, tmp / "paper-int8", onnx=True, int8=True, calibration=calibration).folder
+    return graph_bytes(fp32), graph_bytes(int8)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--images", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=5858)
+    ap.add_argument("--beam-size", type=int, default=3)
+    ap.add_argument("--models", nargs="+", default=["demo-soft", "demo-hard", "demo-zh"])
+    ap.add_argument("--paper-size", action="store_true", help="also the graphs' size at the paper's sizes")
+    ap.add_argument("--show", type=int, default=5, help="captions that differ to print per model (default 5)")
+    args = ap.parse_args()
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        generate_dataset(tmp / "shapes", {"test": args.images}, seed=args.seed, progress=False)
+        objects = sorted(load_shape_objects(tmp / "shapes" / "instances_test.json").values(), key=lambda o: o.file_name)
+        paths = [tmp / "shapes" / "images" / o.file_name for o in objects]
+        print(f"beam {args.beam_size}; {len(paths)} fresh shapes images (seed {args.seed}); onnxruntime, fp32 "
+              "graphs against int8 (encoder calibrated on 64 fresh shapes images, seed 7373)")
+        print(f"{'model':<10} {'identical':>9}  {'objects fp32':>12} {'int8':>6}  {'pointing fp32':>13} {'int8':>6}  "
+              f"{'MB fp32':>8} {'int8':>6} {'ratio':>6}")
+        for name in args.models:
+            cap = Captioner.load(name)
+            folders = {"fp32": export(cap, tmp / name / "fp32", onnx=True).folder,
+                       "int8": export(cap, tmp / name / "int8", onnx=True, int8=True).folder}
+            runtimes = {k: OnnxCaptioner(f) for k, f in folders.items()}
+            pre = runtimes["fp32"].preprocess
+            pixels = np.stack([pre.array(pre.load(p)) for p in paths])  # (N, H, W, 3), decoded once for both
+            crops = [pre.crop_box(o.size) for o in objects]
+            caps = {k: caption_all(rt, pixels, args.beam_size) for k, rt in runtimes.items()}
+            same = sum(a.text == b.text for a, b in zip(caps["fp32"], caps["int8"])) / len(paths)
+            (obj32, pt32), (obj8, pt8) = (grounding(caps[k], objects, crops) for k in ("fp32", "int8"))
+            size = {k: graph_bytes(f) for k, f in folders.items()}
+            ratio = size["int8"] / size["fp32"]
+            ok &= same >= 0.98 and abs(obj32 - obj8) <= 0.01 and abs(pt32 - pt8) <= 0.01
+            print(f"{name:<10} {same:>9.1%}  {obj32:>12.3f} {obj8:>6.3f}  {pt32:>13.3f} {pt8:>6.3f}  "
+                  f"{size['fp32'] / 1e6:>8.2f} {size['int8'] / 1e6:>6.2f} {ratio:>6.2f}")
+            differ = [(p.name, a.text, b.text) for p, a, b in zip(paths, caps["fp32"], caps["int8"])]
+            for file, a, b in [d for d in differ if d[1] != d[2]][:args.show]:
+                print(f"    differs: {file}: fp32 {a!r}, int8 {b!r}")
+        if args.paper_size:
+            fp32, int8 = paper_size(tmp, tmp / "shapes" / "images")
+            ok &= int8 / fp32 <= 0.35
+            print(f"{'paper size':<10} {'':>9}  {'':>12} {'':>6}  {'':>13} {'':>6}  "
+                  f"{fp32 / 1e6:>8.1f} {int8 / 1e6:>6.1f} {int8 / fp32:>6.2f}   (ResNet-101, LSTM 512, "
+                  "vocabulary 10,000)")
+    print("targets met" if ok else "TARGETS MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""int8 graphs for the torch-free runtime (``captioner export --onnx --int8``).
+
+The two graphs captioner.io.export writes are quantised with onnxruntime's tools, each the way
+its arithmetic suits:
+
+    decoder_step.onnx   dynamically: the weights of its matrix products (the LSTM's gates, the
+                        attention's query, the deep output layer, the gate), per output channel,
+                        and its word embedding stored in 8 bits, each activation quantised as it
+                        comes (no calibration; products of two activations, the attention's,
+                        stay fp32)
+    encoder.onnx        statically: convolutions and matrix products with int8 weights per output
+                        channel and uint8 activations whose ranges are calibrated on images like
+                        the training images (QDQ format, onnxruntime fuses it into int8 kernels)
+
+Weights keep 7 bits of the 8 (reduce_range), for CPUs without VNNI (docs/export.md).
+
+The graphs keep their names, inputs and outputs, so ``python -m captioner.onnx`` runs the
+folder unchanged; model.safetensors stays fp32 (torch reads it as before). Whether int8 is
+faster depends on the CPU: with VNNI (AVX-512 VNNI, AVX-VNNI) or AMX its integer products run
+at several times fp32's rate, without them (AVX2 alone) the static encoder can be slower than
+fp32. So the export times each part both ways on a few images, on the CPU it runs on, and says
+in one line where int8 is slower.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numpy and the images load when a model is quantised, not when the CLI starts
+    import numpy as np
+
+    from captioner.data.images import Preprocess
+
+CALIBRATION_IMAGES = 64  # the most images the encoder's ranges are calibrated on
+SHAPES_SEED = 7373  # fresh shapes images for a shapes model's calibration: a seed no demo was trained on
+TIMED_IMAGES = 4  # images the export times each encoder on, at batch 1
+TIMED_STEPS = 20  # decoder steps it times each step graph on, 3 rows (beam 3 at batch 1)
+BEAMS = 3
+
+
+class CalibrationError(ValueError):
+    """The int8 graphs cannot be made as asked (no calibration images, no onnxruntime); the
+    message says why, in one line."""
+
+
+NEEDS = '--int8 needs onnxruntime\'s quantisation tools: pip install "captioner[export,runtime]"'
+
+
+def require_onnxruntime() -> None:
+    """Refuse --int8 at once, before the slow export, where onnxruntime is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise CalibrationError(NEEDS)
+
+
+@dataclass(frozen=True)
+class PartTiming:
+    """One graph's time in fp32 and int8 on this CPU (medians of interleaved runs)."""
+
+    part: str  # "encoder", "decoder step"
+    fp32_ms: float
+    int8_ms: float
+    per: str  # what one timing covers: "per image", "per step of 3 beams"
+
+    @property
+    def slower(self) -> bool:
+        return self.int8_ms > self.fp32_ms
+
+    def line(self) -> str:
+        """The timing in one line; where int8 is slower, it says so and where it gains."""
+        figures = f"{self.int8_ms:.2f} ms {self.per} in int8, {self.fp32_ms:.2f} ms in fp32"
+        if self.slower:
+            return (f"int8 {self.part} is {self.int8_ms / self.fp32_ms:.2f}x slower than fp32 on this CPU ({figures}); "
+                    "int8 gains on CPUs with VNNI or AMX (docs/export.md)")
+        return f"int8 {self.part} is {self.fp32_ms / self.int8_ms:.2f}x faster than fp32 on this CPU ({figures})"
+
+    def to_dict(self) -> dict:
+        return {"fp32_ms": round(self.fp32_ms, 3), "int8_ms": round(self.int8_ms, 3), "per": self.per}
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What quantising a folder's graphs did: config.json's ``onnx.int8``, the timings and sizes."""
+
+    calibration: str  # where the calibration images came from, in words
+    images: int
+    timings: tuple[PartTiming, ...]
+    fp32_bytes: dict[str, int]  # graph file -> its size before
+    int8_bytes: dict[str, int]
+
+    def to_config(self) -> dict:
+        return {
+            "encoder": "static: int8 weights (7 bits) per output channel, uint8 activations (QDQ), "
+                       f"calibrated (min-max) on {self.images} images: {self.calibration}",
+            "decoder_step": "dynamic: int8 weights (7 bits) per output channel of its matrix products and "
+                            "word embedding, uint8 activations quantised as they come",
+            "timing": {t.part: t.to_dict() for t in self.timings},
+            "bytes": {"fp32": self.fp32_bytes, "int8": self.int8_bytes},
+        }
+
+
+def calibration_images(given: Path | None, shapes_only: bool, scratch: Path) -> tuple[list[Path], str]:
+    """The images the encoder's ranges are calibrated on, and where they came from: those in
+    ``given`` (searched recursively, at most CALIBRATION_IMAGES spread over them in name order),
+    or for a model that knows only the synthetic shapes, fresh shapes images made in ``scratch``."""
+    import numpy as np
+
+    from captioner.data.images import is_image_path
+
+    if given is not None:
+        if not given.is_dir():
+            raise CalibrationError(f"--calibration {given} is not a folder; give a folder of training images")
+        found = sorted(p for p in given.rglob("*") if p.is_file() and is_image_path(p))
+        if not found:
+            raise CalibrationError(f"--calibration {given} holds no images (.jpg, .png, ...)")
+        picked = [found[i] for i in np.linspace(0, len(found) - 1, min(len(found), CALIBRATION_IMAGES)).astype(int)]
+        return list(dict.fromkeys(picked)), f"from {given.name}"
+    if not shapes_only:
+        raise CalibrationError("--int8 calibrates the encoder on images like the model's training images: give "
+                               "--calibration DIR, a folder of them (e.g. the training split's images)")
+    from captioner.data.shapes import generate_split
+
+    generate_split(scratch, "calibration", CALIBRATION_IMAGES, seed=SHAPES_SEED)
+    return sorted((scratch / "images" / "calibration").glob("*.png")), \
+        f"fresh synthetic shapes images (seed {SHAPES_SEED})"
+
+
+def _batches(paths: list[Path], preprocess: Preprocess) -> list[np.ndarray]:
+    """Each readable image as the encoder's (1, 3, H, W) input; unreadable ones are left out."""
+    from captioner.data.images import ImageLoadError
+
+    out = []
+    for p in paths:
+        try:
+            out.append(preprocess.normalize_array(preprocess.array(preprocess.load(p)))[None])
+        except ImageLoadError:
+            continue
+    if not out:
+        raise CalibrationError(f"none of the {len(paths)} calibration images could be read")
+    return out
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Each run's median time in ms over ``rounds`` interleaved rounds, after one warm-up each."""
+    for run in runs.values():
+        run()
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def time_parts(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.ndarray]) -> tuple[PartTiming, ...]:
+    """Each graph in fp32 and int8 on this CPU: the encoder per image at batch 1 on ``inputs``
+    (TIMED_IMAGES of them), and one decoder step for 3 rows (beam 3 at batch 1)."""
+    import numpy as np
+
+    from captioner.io import folder as fmt
+
+    enc = {k: _session(paths[fmt.ENCODER_ONNX]) for k, paths in (("fp32", fp32), ("int8", int8))}
+    step = {k: _session(paths[fmt.STEP_ONNX]) for k, paths in (("fp32", fp32), ("int8", int8))}
+    images = inputs[:TIMED_IMAGES]
+
+    def encode(session):
+        return lambda: [session.run(None, {"images": x}) for x in images]
+
+    ms = _median_ms({k: encode(s) for k, s in enc.items()}, rounds=3)
+    encoder = PartTiming("encoder", ms["fp32"] / len(images), ms["int8"] / len(images), "per image")
+    ann, keys, h0, c0, _ = enc["fp32"].run(None, {"images": images[0]})
+    feed = {"word": np.full(BEAMS, 1, dtype=np.int64),
+            **{k: np.repeat(v, BEAMS, 0) for k, v in (("h", h0), ("c", c0), ("annotations", ann), ("keys", keys))}}
+
+    def steps(session):
+        return lambda: [session.run(None, feed) for _ in range(TIMED_STEPS)]
+
+    ms = _median_ms({k: steps(s) for k, s in step.items()}, rounds=3)
+    decoder = PartTiming("decoder step", ms["fp32"] / TIMED_STEPS, ms["int8"] / TIMED_STEPS,
+                         f"per step of {BEAMS} beams")
+    return encoder, decoder
+
+
+def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], source: str) -> Quantized:
+    """Replace ``folder``'s encoder.onnx and decoder_step.onnx (fp32, as write_onnx made them)
+    by their int8 forms, after timing both forms on this CPU."""
+    from captioner.io import folder as fmt
+
+    try:
+        from onnxruntime.quantization import (
+            CalibrationDataReader,
+            QuantFormat,
+            QuantType,
+            quantize_dynamic,
+            quantize_static,
+        )
+        from onnxruntime.quantization.shape_inference import quant_pre_process
+    except ImportError:
+        raise CalibrationError(NEEDS) from None
+    inputs = _batches(calibration, preprocess)
+    names = (fmt.ENCODER_ONNX, fmt.STEP_ONNX)
+    fp32 = {n: folder / n for n in names}
+    with tempfile.TemporaryDirectory(prefix=".int8.", dir=folder) as tmp:
+        tmp = Path(tmp)
+        int8 = {n: tmp / n for n in names}
+        # Each graph's shapes inferred and its batch norms folded into the convolutions first (onnxruntime's
+        # advice), so that each product becomes one int8 kernel.
+        prepared = {n: tmp / f"prepared.{n}" for n in names}
+        for n in names:
+            quant_pre_process(str(fp32[n]), str(prepared[n]), skip_symbolic_shape=True)
+        # Weights in 7 bits (reduce_range): AVX2's uint8 x int8 products without VNNI add pairs into
+        # saturating 16-bit sums, which full-range int8 weights overflow (docs/export.md).
+        quantize_dynamic(prepared[fmt.STEP_ONNX], int8[fmt.STEP_ONNX], weight_type=QuantType.QInt8,
+                         per_channel=True, reduce_range=True, op_types_to_quantize=["MatMul", "Gemm", "Gather"],
+                         extra_options={"MatMulConstBOnly": True})  # attention's products of activations stay fp32
+
+        class Images(CalibrationDataReader):  # the prepared (1, 3, H, W) inputs, once each
+            def __init__(self):
+                self.left = iter(inputs)
+
+            def get_next(self) -> dict | None:
+                x = next(self.left, None)
+                return None if x is None else {"images": x}
+
+        quantize_static(prepared[fmt.ENCODER_ONNX], int8[fmt.ENCODER_ONNX], Images(),
+                        quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        op_types_to_quantize=["Conv", "MatMul", "Gemm"])
+        timings = time_parts(fp32, int8, inputs)
+        done = Quantized(source, len(inputs), timings, {n: fp32[n].stat().st_size for n in names},
+                         {n: int8[n].stat().st_size for n in names})
+        for n in names:
+            int8[n].replace(fp32[n])
+    return done

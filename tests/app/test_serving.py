@@ -57,7 +57,7 @@ def test_captions_made_together_are_each_image_s_own():
     gate, shown, queued = Gate(slots=1, batch=4), {}, threading.Semaphore(0)
     sizes = []
     original = cap.caption_images
-    cap.caption_images = lambda images, opt: sizes.append(len(images)) or original(images, opt)
+    cap.caption_images = lambda images, opt, **kw: sizes.append(len(images)) or original(images, opt, **kw)
 
     def upload(i):
         shown[i] = caption_image(cap, gate, ("k", i), f"{i}.png", uploads[i], options,

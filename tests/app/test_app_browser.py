@@ -258,6 +258,26 @@ def test_the_chinese_demo_captions_in_chinese_in_the_browser(browser, server, tm
         _screenshot_when_drawn(page, "CAPTIONER_DEMO_ZH_SCREENSHOT", tmp_path / "app-demo-zh.png")
 
 
+@pytest.mark.skipif(not (bundled.DEMOS["demo-soft"].path).is_file(),
+                    reason="the bundled demo model is not installed")
+def test_the_maps_toggle_shows_the_gradient_maps_in_the_browser(browser, server, tmp_path):
+    """"What made it say it" clicked above demo-soft's first example: the same caption and word
+    picker, the grid's heading says what the maps show now. The screenshot is docs/app-explain.png."""
+    with _fresh_page(browser, server) as page:
+        _wait_idle(page)
+        page.locator("label.cell").first.wait_for()  # the word picker and the grid drawn
+        caption = page.locator(".st-key-caption").inner_text().strip()
+        words = page.locator("label.cell").count()
+        assert page.get_by_text("Every word, where the model looked").count() == 1
+        page.get_by_text("What made it say it (gradient × input)").click()
+        page.get_by_text("Every word, what made the model say it").wait_for()
+        _wait_idle(page)
+        assert page.locator(".st-key-caption").inner_text().strip() == caption
+        assert page.locator("label.cell").count() == words
+        assert page.get_by_test_id("stException").count() == 0
+        _screenshot_when_drawn(page, "CAPTIONER_EXPLAIN_SCREENSHOT", tmp_path / "app-explain.png")
+
+
 PHOTO = Path(__file__).parents[1] / "fixtures" / "photos" / "coco" / "train2014" / "COCO_train2014_000000000009.jpg"
 
 

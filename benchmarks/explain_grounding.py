@@ -14,6 +14,12 @@ and each gradient map minus attention with a 95% bootstrap interval over the tes
 attention comparison's statistics, ``studies.attention.stats``), then the maps ranked by
 pointing. ``--timing N``: the time per image to caption N images with and without each
 ``explain`` kind (batches of 16, median of 3 rounds, interleaved).
+
+``--coco DIR`` (a COCO folder in the published layout, with its instances files; ``--karpathy
+FILE --split S`` as ``captioner evaluate`` takes them) scores the three maps of each model on
+COCO's instance boxes instead, by ``captioner evaluate``'s grounding
+(``captioner.evaluation.coco_grounding.coco_pointing``: each word naming a category among the
+image's instances), the same words for each map.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from captioner.data.coco import load_split
+from captioner.data.coco import instance_files, load_instances, load_split
+from captioner.evaluation.coco_grounding import coco_pointing
 from captioner.evaluation.grounding import evaluate_caption, load_shape_objects
 from captioner.explain import KINDS
 from captioner.inference import Captioner, DecodeOptions
@@ -62,6 +69,31 @@ def columns(cap: Captioner, folder: Path, images: int, beam_size: int) -> dict[s
                 maps = res.alphas if m == "attention" else res.gradients[m]
                 scored, _ = evaluate_caption(res.words, maps, image, crop)
                 scored = [p for p in scored if p.seen]
+                c = cols[m]
+                c["pt_hit"].append(sum(p.hit for p in scored))
+                c["pt_n"].append(len(scored))
+                c["pt_mass"].append(sum(p.mass for p in scored))
+                c["pt_chance"].append(sum(p.chance for p in scored))
+    return cols
+
+
+def coco_columns(cap: Captioner, folder: Path, split: str, karpathy: Path | None, images: int,
+                 beam_size: int) -> dict[str, dict[str, list]]:
+    """As ``columns``, on a COCO split's instance boxes (``captioner evaluate``'s grounding)."""
+    records = load_split(folder, split, karpathy)[:images]
+    objects = load_instances(instance_files(folder, split), {r.image_id for r in records})
+    cols = {m: {k: [] for k in ("pt_hit", "pt_n", "pt_mass", "pt_chance")} for m in MAPS}
+    options = DecodeOptions(beam_size=beam_size)
+    for start in range(0, len(records), 32):
+        chunk = records[start:start + 32]
+        results = cap.caption_images([r.path for r in chunk], options, explain=KINDS)
+        for rec, res in zip(chunk, results):
+            image = objects.get(rec.image_id)
+            for m in MAPS:
+                maps = res.alphas if m == "attention" else res.gradients[m]
+                scored = [] if image is None else [
+                    p for p in coco_pointing(res.words, maps, image,
+                                             cap.preprocess.crop_box((image.width, image.height))) if p.seen]
                 c = cols[m]
                 c["pt_hit"].append(sum(p.hit for p in scored))
                 c["pt_n"].append(len(scored))
@@ -121,7 +153,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beam-size", type=int, default=3)
     p.add_argument("--resamples", type=int, default=2000)
     p.add_argument("--timing", type=int, default=0, metavar="N", help="time N images with and without --explain")
+    p.add_argument("--coco", type=Path, default=None, metavar="DIR",
+                   help="score on this COCO folder's instance boxes instead of fresh shapes")
+    p.add_argument("--karpathy", type=Path, default=None, help="with --coco: Karpathy's split file")
+    p.add_argument("--split", default="test", help="with --coco: the split (default test)")
     args = p.parse_args(argv)
+    if args.coco is not None:
+        print(f"COCO instance boxes: {args.coco}, split {args.split}; beam {args.beam_size}")
+        for w in args.weights:
+            cap = Captioner.load(w, device="cpu")
+            cols = coco_columns(cap, args.coco, args.split, args.karpathy, args.images, args.beam_size)
+            report(w, cols, args.resamples, args.seed)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_test_set(Path(tmp), args.images, args.seed)
         print(f"fresh shapes test set: {args.images} images, seed {args.seed}; beam {args.beam_size}")

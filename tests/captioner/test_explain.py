@@ -84,3 +84,33 @@ def test_both_kinds_at_once_are_each_kind_alone():
         for b, a in zip(both, alone):
             assert set(a.gradients) == {kind} and set(b.gradients) == set(KINDS)
             torch.testing.assert_close(b.gradients[kind], a.gradients[kind])
+
+
+def test_the_grounding_benchmark_scores_each_map_on_coco_boxes_on_the_same_words(photos):
+    """benchmarks/explain_grounding.py --coco: attention, Grad-CAM and gradient x input scored by
+    captioner evaluate's COCO grounding, on the same words; the attention's column is what
+    coco_pointing gives for the captions' own maps."""
+    from benchmarks.explain_grounding import MAPS, coco_columns
+    from captioner.data.coco import instance_files, load_instances, load_split
+    from captioner.data.vocab import Vocabulary
+    from captioner.evaluation.coco_grounding import coco_pointing
+    from tests.tiny import write_coco_instances
+
+    coco = photos / "coco"
+    dog, person = ("dog", [0.0, 0.0, 160.0, 160.0], None), ("person", [160.0, 160.0, 160.0, 160.0], None)
+    write_coco_instances(coco, {136: [dog, person], 139: [person]})
+    cap = tiny_captioner(seed=4)
+    names = iter(["dog", "person", "man", "a", "near", "puppy", "woman", "the", "and", "people", "on", "grass"])
+    cap.vocab = Vocabulary([w if i < 4 else next(names) for i, w in enumerate(cap.vocab.words)])
+    karpathy = coco / "dataset_coco.json"
+    cols = coco_columns(cap, coco, "test", karpathy, 10, 2)
+    assert set(cols) == set(MAPS) and sum(cols["attention"]["pt_n"]) > 0  # words naming the boxes' categories
+    assert all(cols[m]["pt_n"] == cols["attention"]["pt_n"] for m in MAPS)  # the same words for each map
+    records = load_split(coco, "test", karpathy)[:10]
+    objects = load_instances(instance_files(coco, "test"), {r.image_id for r in records})
+    results = cap.caption_images([r.path for r in records], DecodeOptions(beam_size=2))
+    want = [sum(p.hit for p in coco_pointing(res.words, res.alphas, objects[r.image_id],
+                                              cap.preprocess.crop_box((objects[r.image_id].width,
+                                                                       objects[r.image_id].height))) if p.seen)
+            if r.image_id in objects else 0 for r, res in zip(records, results)]
+    assert cols["attention"]["pt_hit"] == want

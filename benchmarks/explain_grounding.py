@@ -53,53 +53,50 @@ def make_test_set(root: Path, images: int, seed: int) -> Path:
     return folder
 
 
-def columns(cap: Captioner, folder: Path, images: int, beam_size: int) -> dict[str, dict[str, list]]:
-    """Per map, per-image columns: pt_hit, pt_n, pt_mass, pt_chance (the pointing game's sums)."""
-    records = load_split(folder, "test")[:images]
-    objects = load_shape_objects(folder / "instances_test.json")
+def _columns(cap: Captioner, records: list, beam_size: int, points) -> dict[str, dict[str, list]]:
+    """Per map, per-image columns: pt_hit, pt_n, pt_mass, pt_chance (the pointing game's sums).
+    ``points(record, words, maps)``: the pointing records of one caption's words on one map."""
     cols = {m: {k: [] for k in ("pt_hit", "pt_n", "pt_mass", "pt_chance")} for m in MAPS}
     options = DecodeOptions(beam_size=beam_size)
     for start in range(0, len(records), 32):
         chunk = records[start:start + 32]
         results = cap.caption_images([r.path for r in chunk], options, explain=KINDS)
         for rec, res in zip(chunk, results):
-            image = objects[rec.image_id]
-            crop = cap.preprocess.crop_box(image.size)
             for m in MAPS:
                 maps = res.alphas if m == "attention" else res.gradients[m]
-                scored, _ = evaluate_caption(res.words, maps, image, crop)
-                scored = [p for p in scored if p.seen]
+                scored = [p for p in points(rec, res.words, maps) if p.seen]
                 c = cols[m]
                 c["pt_hit"].append(sum(p.hit for p in scored))
                 c["pt_n"].append(len(scored))
                 c["pt_mass"].append(sum(p.mass for p in scored))
                 c["pt_chance"].append(sum(p.chance for p in scored))
     return cols
+
+
+def columns(cap: Captioner, folder: Path, images: int, beam_size: int) -> dict[str, dict[str, list]]:
+    """``_columns`` on a shapes test set, by the shapes' pointing game."""
+    objects = load_shape_objects(folder / "instances_test.json")
+
+    def points(rec, words, maps):
+        image = objects[rec.image_id]
+        return evaluate_caption(words, maps, image, cap.preprocess.crop_box(image.size))[0]
+
+    return _columns(cap, load_split(folder, "test")[:images], beam_size, points)
 
 
 def coco_columns(cap: Captioner, folder: Path, split: str, karpathy: Path | None, images: int,
                  beam_size: int) -> dict[str, dict[str, list]]:
-    """As ``columns``, on a COCO split's instance boxes (``captioner evaluate``'s grounding)."""
+    """``_columns`` on a COCO split's instance boxes (``captioner evaluate``'s grounding)."""
     records = load_split(folder, split, karpathy)[:images]
     objects = load_instances(instance_files(folder, split), {r.image_id for r in records})
-    cols = {m: {k: [] for k in ("pt_hit", "pt_n", "pt_mass", "pt_chance")} for m in MAPS}
-    options = DecodeOptions(beam_size=beam_size)
-    for start in range(0, len(records), 32):
-        chunk = records[start:start + 32]
-        results = cap.caption_images([r.path for r in chunk], options, explain=KINDS)
-        for rec, res in zip(chunk, results):
-            image = objects.get(rec.image_id)
-            for m in MAPS:
-                maps = res.alphas if m == "attention" else res.gradients[m]
-                scored = [] if image is None else [
-                    p for p in coco_pointing(res.words, maps, image,
-                                             cap.preprocess.crop_box((image.width, image.height))) if p.seen]
-                c = cols[m]
-                c["pt_hit"].append(sum(p.hit for p in scored))
-                c["pt_n"].append(len(scored))
-                c["pt_mass"].append(sum(p.mass for p in scored))
-                c["pt_chance"].append(sum(p.chance for p in scored))
-    return cols
+
+    def points(rec, words, maps):
+        image = objects.get(rec.image_id)
+        if image is None:
+            return []
+        return coco_pointing(words, maps, image, cap.preprocess.crop_box((image.width, image.height)))
+
+    return _columns(cap, records, beam_size, points)
 
 
 def report(name: str, cols: dict[str, dict[str, list]], resamples: int, seed: int) -> None:

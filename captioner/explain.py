@@ -20,6 +20,8 @@ one backward pass through the decoder per word; the encoder is not run again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -31,16 +33,18 @@ KINDS = ("gradcam", "gradinput")
 
 
 def gradient_maps(decoder: Decoder, ann: Annotations, ids: list[list[int]], tokens: Tokens,
-                  kind: str) -> list[torch.Tensor]:
-    """One (T_i, H, W) map per word of each image's caption ``ids[i]`` (its token ids, <end>
-    included where it ended; T_i the words before <end>), of annotations ``ann`` (B, L, D)."""
-    if kind not in KINDS:
-        raise ValueError(f"the gradient map must be one of {', '.join(KINDS)}, got {kind!r}")
+                  kinds: Sequence[str]) -> dict[str, list[torch.Tensor]]:
+    """For each of ``kinds``, one (T_i, H, W) map per word of each image's caption ``ids[i]``
+    (its token ids, <end> included where it ended; T_i the words before <end>), of annotations
+    ``ann`` (B, L, D). Every kind comes from the same forward pass and the same gradients."""
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ValueError(f"the gradient map must be one of {', '.join(KINDS)}, got {kind!r}")
     b, (gh, gw) = len(ids), ann.grid
     words = [len(x) - (1 if x and x[-1] == tokens.end else 0) for x in ids]
     steps = max(words, default=0)
-    out = [torch.full((w, gh, gw), 1.0 / (gh * gw)) for w in words]
-    if steps == 0:
+    out = {kind: [torch.full((w, gh, gw), 1.0 / (gh * gw)) for w in words] for kind in kinds}
+    if steps == 0 or not kinds:
         return out
     device = ann.vectors.device
     # <start> w_1 .. w_T: step t reads w_<t and is scored on w_t
@@ -58,10 +62,11 @@ def gradient_maps(decoder: Decoder, ann: Annotations, ids: list[list[int]], toke
             alive = torch.tensor([t < w for w in words], device=device)
             score = (logp[:, t] * alive).sum()  # the images are independent: one backward for all
             (g,) = torch.autograd.grad(score, a, retain_graph=t + 1 < steps)
-            m = _map(a.detach(), g, kind)  # (B, L)
-            for i in range(b):
-                if t < words[i]:
-                    out[i][t] = m[i].view(gh, gw).cpu()
+            for kind in kinds:
+                m = _map(a.detach(), g, kind)  # (B, L)
+                for i in range(b):
+                    if t < words[i]:
+                        out[kind][i][t] = m[i].view(gh, gw).cpu()
     return out
 
 

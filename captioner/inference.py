@@ -133,9 +133,10 @@ class Captioner(Described):
             misses = self._no_fits(ann, opt, [i for i, d in enumerate(decoded) if not d.ids])
         results = [replace(to_result(d, self.vocab, ann.grid, opt.num_captions > 1, opt.length_penalty),
                            no_fit=misses.get(i)) for i, d in enumerate(decoded)]
-        for kind in (explain,) if isinstance(explain, str) else explain or ():
-            maps = gradient_maps(self.model.decoder, ann, [d.ids for d in decoded], self.tokens, kind)
-            results = [replace(r, gradients={**r.gradients, kind: m}) for r, m in zip(results, maps)]
+        if explain:
+            kinds = (explain,) if isinstance(explain, str) else tuple(explain)
+            maps = gradient_maps(self.model.decoder, ann, [d.ids for d in decoded], self.tokens, kinds)
+            results = [replace(r, gradients={k: maps[k][i] for k in kinds}) for i, r in enumerate(results)]
         if self.familiarity is None:
             return results
         known = self.familiarity.score(pooled(ann.vectors), opt.unfamiliar_below)

@@ -72,7 +72,7 @@ def test_asked_without_maps_nothing_changes():
 def test_an_unknown_kind_is_refused():
     cap = tiny_captioner(seed=4)
     with pytest.raises(ValueError, match="gradcam, gradinput"):
-        gradient_maps(cap.model.decoder, cap.encode(torch.zeros(1, 3, 32, 32)), [[5]], cap.tokens, "saliency")
+        gradient_maps(cap.model.decoder, cap.encode(torch.zeros(1, 3, 32, 32)), [[5]], cap.tokens, ("saliency",))
 
 
 def test_both_kinds_at_once_are_each_kind_alone():

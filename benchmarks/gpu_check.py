@@ -31,6 +31,9 @@ plain step's, then its speed).
 benchmarks to their --tiny sizes on the small encoder, bench_coco_train to the shapes config's
 model) and compiles with torch.compile's eager backend (the compiler's capture and its guards, no
 code generation), so that a CPU test can run the whole check: every step, in a few minutes.
+``--fork`` (CPU only) runs each ``python -m`` step in a fork of the check's own process, which
+has imported torch, torchvision and the captioner once: a step then costs its own work, not the
+imports' seconds again (most of a quick step on a CPU). torchrun keeps its own processes.
 
 The whole check is meant to fit ``--budget 480`` on a GPU. To make room for the profile and
 batch 128, bench_precision at batch 32 leaves its compiled variants to them (the profile times
@@ -46,13 +49,17 @@ The exit code is 0 when every step passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
 import re
+import runpy
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,18 +277,85 @@ def select_steps(steps: list[Step], only: str) -> list[Step]:
     return [s for s in steps if s.name in chosen]
 
 
-def run_step(step: Step, index: int, logs: Path) -> Outcome:
+STEP_ENV = {"TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
+
+
+def forkable(step: Step) -> bool:
+    """A ``python -m MODULE`` step other than torchrun, which starts processes of its own."""
+    return step.argv[:2] == [sys.executable, "-m"] and step.argv[2] != "torch.distributed.run"
+
+
+def preload(steps: list[Step]) -> None:
+    """Import, in this process, what the forked steps import (torch, torchvision, the captioner,
+    the training, each step's module), so that a fork starts with them loaded."""
+    import torch  # noqa: F401
+    import torchvision  # noqa: F401
+
+    for module in ("captioner.cli.main", "captioner.train", *{s.argv[2] for s in steps if forkable(s)}):
+        importlib.import_module(module)
+
+
+def _run_forked(step: Step, log) -> int | None:
+    """``python -m MODULE ARGS`` as a fork of this process: its output into ``log``, its exit
+    code back, killed at its time box (None)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the step
+        code = 1
+        try:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            # print() into the log too where a caller (a test's capture) had replaced sys.stdout
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+            os.setpgid(0, 0)  # its own group: a timeout kills what it started too
+            sys.argv = [step.argv[2], *step.argv[3:]]
+            sys.modules.pop(step.argv[2], None)  # preloaded for its imports: run afresh as __main__
+            runpy.run_module(step.argv[2], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + step.timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
+def run_step(step: Step, index: int, logs: Path, fork: bool = False) -> Outcome:
+    """Run one step, its output in ``LOGS/NN-name.log``; ``fork``: a ``python -m`` step as a
+    fork of this process (preload first), the others in processes of their own."""
     log = logs / f"{index:02d}-{step.name}.log"
-    env = {**os.environ, "TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **STEP_ENV}
     start = time.perf_counter()
     with open(log, "w") as f:
         f.write("$ " + " ".join(step.argv) + "\n")
         f.flush()
-        try:
-            code: int | None = subprocess.run(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                              timeout=step.timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = None
+        if fork and forkable(step):
+            code = _run_forked(step, f)
+        else:
+            try:
+                code = subprocess.run(step.argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                      timeout=step.timeout).returncode
+            except subprocess.TimeoutExpired:
+                code = None
     seconds = time.perf_counter() - start
     text = log.read_text(errors="replace").split("\n", 1)[-1]  # the output, not the command line above it
     note = ""
@@ -358,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated step names (or prefixes) to run; default all. The steps a named one needs "
                          "run too: compare-beamN's two caption steps, and the soft fp32 training that hard, SCST "
                          "and resumed training start from")
+    ap.add_argument("--fork", action="store_true",
+                    help="with --device cpu: run each python -m step in a fork of this process, which has imported "
+                         "torch and the captioner once (seconds less a step; the CPU test of the check uses it)")
     ap.add_argument("--skip-bench", action="store_true", help="leave out the benchmarks")
     ap.add_argument("--budget", type=float, default=600,
                     help="seconds for the whole check (default 600): steps that would start later are skipped "
@@ -372,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.tutorial is not None and not (args.tutorial / "models.py").is_file() and not args.tutorial.is_file():
         print(f"gpu_check: --tutorial {args.tutorial}: no models.py there (the tutorial's folder)", file=sys.stderr)
         return 2
+    if args.fork and args.device != "cpu":
+        print("gpu_check: --fork is for --device cpu (a fork of a process that has used CUDA cannot use it)",
+              file=sys.stderr)
+        return 2
+    if args.fork:
+        os.environ.update(STEP_ENV)  # torch reads TORCH_LOGS at its import, which the forks share
     import torch
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no GPU; use --device cpu --quick on a CPU", file=sys.stderr)
@@ -389,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
              + caption_steps(args.device, args.quick, logs, images)
              + ([] if args.skip_bench else bench_steps(args.device, args.quick, logs, args.tutorial)))
     steps = select_steps(steps, args.only)
+    if args.fork:
+        preload(steps)
     head = environment_line(args.device)
     print(head, flush=True)
     lines = [head]
@@ -400,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             o = Outcome(step.name, None, 0.0, 0, 0, False, "skipped: out of --budget")
         else:
             step.timeout = min(step.timeout * (3 if args.quick else 1), left)  # a CPU is slower
-            o = run_step(step, i, logs)
+            o = run_step(step, i, logs, args.fork)
         outcomes.append(o)
         lines.append(o.line())
         print(o.line(), flush=True)

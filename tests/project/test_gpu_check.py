@@ -40,6 +40,35 @@ def test_a_summary_line_counts_tracebacks_and_recompilations(tmp_path):
     assert slow.code is None and not slow.ok and "timeout" in slow.line()
 
 
+def test_a_forked_step_reports_its_exit_code_output_and_time_box_as_a_process_would(tmp_path, monkeypatch):
+    (tmp_path / "step_ok.py").write_text("print('RESULT 2/2 fine')\n")
+    (tmp_path / "step_exit.py").write_text("import sys\nprint('Recompiling function f')\nsys.exit(3)\n")
+    (tmp_path / "step_raise.py").write_text("raise ValueError('broken')\n")
+    (tmp_path / "step_sleep.py").write_text("import time\ntime.sleep(30)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    py = [sys.executable, "-m"]
+
+    def run(module: str, timeout: float = 60) -> gpu_check.Outcome:
+        return gpu_check.run_step(gpu_check.Step(module, py + [module, "--x"], timeout), 1, tmp_path, fork=True)
+
+    ok = run("step_ok")
+    assert (ok.code, ok.note, ok.ok) == (0, "2/2 fine", True)
+    out = run("step_exit")
+    assert (out.code, out.recompiles, out.ok) == (3, 1, False)
+    raised = run("step_raise")
+    assert (raised.code, raised.tracebacks) == (1, 1) and "broken" in (tmp_path / "01-step_raise.log").read_text()
+    slow = run("step_sleep", timeout=1)
+    assert slow.code is None and slow.seconds < 10
+    assert gpu_check.forkable(gpu_check.Step("x", py + ["captioner.cli"], 1))
+    assert not gpu_check.forkable(gpu_check.Step("x", py + ["torch.distributed.run"], 1))
+    assert not gpu_check.forkable(gpu_check.Step("x", [sys.executable, "-c", "pass"], 1))
+
+
+def test_fork_is_refused_off_the_cpu(tmp_path, capsys):
+    assert gpu_check.main(["--out", str(tmp_path / "logs"), "--device", "cuda", "--fork"]) == 2
+    assert "--fork" in capsys.readouterr().err
+
+
 def _all_steps(device: str = "cuda") -> list:
     logs = Path("logs")  # nothing runs: the steps are only listed
     return (gpu_check.train_steps(device, False, logs, logs / "shapes")
@@ -68,7 +97,7 @@ def test_only_pulls_in_the_steps_a_selected_step_needs_and_keeps_their_order():
 def test_the_quick_mode_runs_every_step_on_the_cpu(tmp_path):
     logs = tmp_path / "logs"
     res = subprocess.run([str(ROOT / "benchmarks" / "gpu_check.sh"), "--out", str(logs), "--device", "cpu",
-                          "--quick", "--budget", "1800"], capture_output=True, text=True, timeout=2000,
+                          "--quick", "--fork", "--budget", "1800"], capture_output=True, text=True, timeout=2000,
                          env={**os.environ, "PYTHON": sys.executable})
     summary = (logs / "summary.txt").read_text()
     assert res.returncode == 0, summary + res.stderr[-2000:]

@@ -345,16 +345,19 @@ def test_the_page_asks_nothing_of_any_other_host(browser, server, tmp_path):
 
 
 def test_a_long_session_keeps_the_server_memory_level(page, served, tmp_path):
-    """Hundreds of distinct uploads in one session: the server's memory stops growing."""
+    """Many distinct uploads in one session: the server's memory stops growing. The pictures are
+    640x480, so that a server keeping each upload's decoded picture (0.9 MB) grows by some 55 MB
+    over the last three quarters of the session, past the allowance (it grew 80 MB where it was
+    tried; 4 MB without it). CAPTIONER_LONG_SESSION_UPLOADS=500 for a longer session."""
     import psutil
 
     server = psutil.Process(served[1].pid)
-    uploads = int(os.environ.get("CAPTIONER_LONG_SESSION_UPLOADS", "200"))
+    uploads = int(os.environ.get("CAPTIONER_LONG_SESSION_UPLOADS", "80"))
     deadline = time.monotonic() + 300
     rss = []
     for i in range(uploads):
         image = tmp_path / f"long-{i}.png"
-        tiny_image(1000 + i, (160, 120)).save(image)
+        tiny_image(1000 + i, (640, 480)).save(image)
         _upload(page, image)
         page.get_by_text(f"{image.name} · {MODEL} · beam 3").wait_for()
         image.unlink()
@@ -364,7 +367,7 @@ def test_a_long_session_keeps_the_server_memory_level(page, served, tmp_path):
     settled = rss[len(rss) // 4]  # after the first quarter: caches filled, arenas grown
     print(f"server memory: {rss[0] / 2**20:.0f} MiB after the first upload, {settled / 2**20:.0f} MiB after "
           f"{len(rss) // 4}, {max(rss) / 2**20:.0f} MiB at most, {rss[-1] / 2**20:.0f} MiB after {len(rss)}")
-    assert rss[-1] < settled * 1.15 and max(rss[len(rss) // 4:]) < settled * 1.25
+    assert rss[-1] < settled + 24 * 2**20 and max(rss[len(rss) // 4:]) < settled + 32 * 2**20
 
 
 def _runs(served) -> list[str]:

@@ -30,11 +30,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist, the tests marked slow first: the long ones start at once, and the
-    workers share out the short ones around them (--dist worksteal), rather than one worker
-    meeting a long test when the others are nearly done."""
+    """Under pytest-xdist, the files that hold a test marked slow first, each file's tests in
+    their own order: pyproject's `--dist loadfile --no-loadscope-reorder` hands out whole files
+    in this order, so the long ones start at once and the workers share out the short files
+    around them, rather than one worker meeting a long test when the others are nearly done. A
+    file stays whole on one worker, so its module fixtures (a trained model, an ONNX export) are
+    made once a run, not once a worker."""
     if _xdist_worker():
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: item.path not in slow_files)
 
 
 @pytest.fixture

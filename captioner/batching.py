@@ -8,6 +8,10 @@ caption at a time. A server adds what a page's queue does not need: a window in 
 with a slot waits for others to arrive (``max_wait``), a line of bounded length
 (``max_queue``: beyond it a job is refused at once, ``QueueFull``) and a deadline for waiting
 in it (``timeout``: ``WaitedTooLong``).
+
+The batches run on the gate's own threads, one a slot, whichever caller's job leads them:
+torch keeps its pool of compute threads per calling thread, so a model called from a new
+thread each request builds a new pool each time (a caption took 1.5x as long so, docs/serving.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -80,6 +86,15 @@ class Gate:
         self._running = 0
         self._queue: deque[_Job] = deque()
         self._gathering: list[object] = []  # the keys of the jobs that hold a slot and wait for mates
+        self._runner = ThreadPoolExecutor(self.slots, thread_name_prefix="gate")  # where the batches run
+
+    def on_each_thread(self, fn: Callable[[], object]) -> None:
+        """Call ``fn()`` once on each of the threads the batches run on, before any job: a
+        server warms its model there (torch's first batch on a thread pays one-off costs)."""
+        together = threading.Barrier(self.slots)  # each call holds its thread until all have one
+        calls = [self._runner.submit(lambda: (together.wait(), fn())) for _ in range(self.slots)]
+        for call in calls:
+            call.result()
 
     @property
     def queued(self) -> int:
@@ -123,10 +138,12 @@ class Gate:
             return job.out
         mates = self._mates(job)
         jobs = [job, *mates]
-        began, cpu0 = time.perf_counter(), time.thread_time()
+        began = time.perf_counter()
+        batch = self._runner.submit(_timed, work, [j.item for j in jobs])
         try:
-            results = work([j.item for j in jobs])
+            results, cpu = batch.result()
         except BaseException as e:
+            wait_for([batch])  # the slot is not given back while its batch still runs
             for mate in mates:
                 mate.error, mate.state = e, "done"
                 mate.event.set()
@@ -135,7 +152,7 @@ class Gate:
             with self._lock:
                 self.last_seconds = time.perf_counter() - began
                 self._release()
-        seconds, cpu = time.perf_counter() - began, (time.thread_time() - cpu0) / len(jobs)
+        seconds, cpu = time.perf_counter() - began, cpu / len(jobs)
         for mate, result in zip(mates, results[1:]):
             mate.out = Batched(result, began - mate.asked, seconds, cpu, len(jobs))
             mate.state = "done"
@@ -219,3 +236,9 @@ class Gate:
             job = self._queue.popleft()
             job.state = "lead"
             job.event.set()
+
+
+def _timed(work: Callable[[list], list], items: list) -> tuple[list, float]:
+    """``work(items)`` and the CPU seconds it took on this thread."""
+    cpu = time.thread_time()
+    return work(items), time.thread_time() - cpu

@@ -115,7 +115,12 @@ def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = Fals
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     service = Service(captioner, limits, threads=max(1, cores // limits.workers))
     torch.set_num_threads(service.gate.threads)
-    captioner.caption_images([Image.new("RGB", (64, 64))] * 2)  # the first batch's one-off costs, before any request
+
+    def warm() -> None:  # the first batch's one-off costs on each thread the batches run on, before any request
+        torch.set_num_threads(service.gate.threads)
+        captioner.caption_images([Image.new("RGB", (64, 64))] * 2)
+
+    service.gate.on_each_thread(warm)
     config = uvicorn.Config(create_app(service), host=host, port=port, log_level="warning" if quiet else "info",
                             access_log=not quiet, timeout_graceful_shutdown=None, server_header=False)
     server = uvicorn.Server(config)

@@ -271,3 +271,53 @@ def test_a_window_waits_only_while_a_job_is_on_its_way():
     gate.withdraw()  # announced, then refused before it joined the line: nothing waits for it
     began = time.perf_counter()
     assert gate.run("a", 3, lambda items: items).size == 1 and time.perf_counter() - began < 1
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_the_batches_run_on_the_gates_own_threads_one_a_slot_whoever_asks(slots):
+    """Torch keeps its compute threads per calling thread: the batches must not run on the
+    callers' threads, one new pool a request, but on as many threads as the gate has slots."""
+    gate = Gate(slots=slots)
+    ran_on, callers = set(), set()
+    lock = threading.Lock()
+
+    def work(items):
+        with lock:
+            ran_on.add(threading.get_ident())
+        time.sleep(0.002)
+        return items
+
+    def job(i: int) -> None:
+        callers.add(threading.get_ident())
+        assert gate.run(None, i, work).result == i
+
+    for _ in range(3):  # three waves of ten callers, each on a thread of its own
+        threads = [threading.Thread(target=job, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(callers) >= 10 and len(ran_on) == slots and not ran_on & callers
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_on_each_thread_reaches_every_thread_the_batches_then_run_on(slots):
+    gate = Gate(slots=slots)
+    warmed = []
+    gate.on_each_thread(lambda: warmed.append(threading.get_ident()))
+    assert len(warmed) == len(set(warmed)) == slots
+    ran_on, release = set(), threading.Event()
+
+    def work(items):
+        ran_on.add(threading.get_ident())
+        release.wait(5)
+        return items
+
+    threads = [threading.Thread(target=gate.run, args=(None, i, work)) for i in range(2 * slots)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    release.set()
+    for t in threads:
+        t.join()
+    assert ran_on == set(warmed)

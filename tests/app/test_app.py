@@ -507,6 +507,7 @@ def test_an_image_captioned_in_one_session_is_not_captioned_again_in_another(app
     assert calls == [1]
 
 
+@pytest.mark.slow
 def test_a_session_keeps_one_result_and_the_shared_results_are_bounded(app, monkeypatch):
     from captioner.app.serving import RESULTS_KEPT, Shown
 

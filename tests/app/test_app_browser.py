@@ -35,6 +35,7 @@ UPLOADER = ".stElementContainer:not([data-stale=true]) input[type=file]"
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.slow,  # a Streamlit server and Chromium: the whole suite runs them, the fast tier does not
     pytest.mark.skipif(not CHROMIUM.is_file(), reason="needs chromium at /usr/bin/chromium"),
 ]
 sync_api = pytest.importorskip("playwright.sync_api")

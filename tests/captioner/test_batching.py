@@ -297,7 +297,7 @@ def test_the_batches_run_on_the_gates_own_threads_one_a_slot_whoever_asks(slots)
             t.start()
         for t in threads:
             t.join()
-    assert len(callers) >= 10 and len(ran_on) == slots and not ran_on & callers
+    assert len(callers) >= 10 and 1 <= len(ran_on) <= slots and not ran_on & callers  # a thread is made as needed
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -363,6 +363,7 @@ def _random_decoder(seed, **variant):
     return decoder
 
 
+@pytest.mark.slow
 def test_batched_search_equals_the_plain_search_on_random_tiny_models():
     """500 images over 100 random decoders (vocabulary 6, k 2-4, max_len 4-8, some with a
     length penalty): the batched search returns exactly what the plain one does, and
@@ -441,6 +442,7 @@ def _steps(decoder, ann: Annotations, options: DecodeOptions) -> list[int]:
         return (decoding.search(decoder, ann.vectors, ann.grid, TOKENS, options).done_at + 1).tolist()
 
 
+@pytest.mark.slow
 def test_the_n_best_are_those_of_a_search_that_goes_on_until_none_can_beat_the_n_th():
     """60 images over 20 random decoders (k 2-4, N 2..k, some with a length penalty): the
     N best finished captions, in rank order, are those of the plain search that stops only

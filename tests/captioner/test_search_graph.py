@@ -75,6 +75,7 @@ def _same_as_plain(searched: list[DecodedIds], plain: list) -> None:
             np.testing.assert_allclose(p.log_probs.numpy(), q.log_probs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_search_returns_the_plain_search_s_captions_on_random_tiny_models():
     """1,000 images over 200 random decoders (vocabulary 6, k 2-4, max_len 4-8, some with a
     length penalty, 1 to k captions asked for): images done at different steps, images cut off

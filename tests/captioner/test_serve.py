@@ -307,6 +307,7 @@ def test_the_command_s_flags_and_its_defaults(capsys):
         assert flag in helped
 
 
+@pytest.mark.slow
 def test_the_command_line_imports_no_web_framework_until_it_serves():
     code = ("import sys; from captioner.cli.main import build_parser; build_parser().parse_args(['serve']); "
             "print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))")

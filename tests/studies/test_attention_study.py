@@ -202,6 +202,7 @@ requires_param = "no_such_param"
     assert not (tmp_path / "out").exists()  # nothing trained before the check
 
 
+@pytest.mark.slow
 def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, monkeypatch, shapes_test_sets):
     rows = _rows_file(tmp_path)
     shapes_test_sets(*TEST_SETS, tmp_path / "tests")

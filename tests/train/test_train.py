@@ -52,6 +52,7 @@ def test_the_encoder_starts_from_a_checkpoint_and_the_decoder_fresh(tiny_coco, t
         train(bad, tmp_path / "bad", progress=False)
 
 
+@pytest.mark.slow
 def test_fixture_trains_and_the_loss_falls(tiny_coco, tmp_path):
     run = tmp_path / "run"
     outcome = train(tiny_train_config(tiny_coco, **{"optim.max_steps": 60, "val.every_epochs": 0}), run, progress=False)

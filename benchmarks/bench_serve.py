@@ -1,7 +1,8 @@
 """`captioner serve` under load: the same JPEGs from 1, 4, 16 and 64 concurrent clients.
 
     python benchmarks/bench_serve.py [--images 200] [--clients 1 4 16 64] [--weights W] [--device cpu]
-                                     [--bad 1000] [--no-overload] [--no-reference] [--json FILE]
+                                     [--bad 1000] [--no-overload] [--no-reference] [--rounds 1]
+                                     [--json FILE]
                                      [-- SERVER FLAGS...]
 
 Starts `captioner serve` on a free 127.0.0.1 port (flags after -- go to it), makes --images
@@ -15,8 +16,13 @@ user+system time over the level) and its peak resident memory so far (VmHWM).
 References, on the same images and device: `captioner caption DIR` (the images written to a
 temporary folder; its throughput is (N - 1) images over its wall time on N images less its
 wall time on one, so that start-up and loading the model are left out), and the time to caption
-one image in this process (`Captioner.caption` on the JPEG's bytes, decoding included, median
-of 20).
+one image in this process (`Captioner.caption` on each JPEG's bytes once, decoding included:
+the median and p99).
+
+--rounds R (default 1) repeats the references and the levels R times, in turn, each round
+with a server of its own, and reports each figure's median over the rounds (answers summed),
+and each round's ratios: a machine whose speed drifts from one minute to the next then moves
+the reference and the level it is compared with together.
 
 The overload run: a second server with a short line (--max-queue 4, --max-batch 4, --timeout-s
 3, so it holds 8 requests: workers x batch + queue) is sent 4x as many clients as it holds, two
@@ -244,6 +250,24 @@ def level(server: Server, jpegs: list[bytes], clients: int, passes: int = 1) -> 
             "cpu_s_per_image": cpu / max(1, len(ok)), "peak_rss_mib": server.memory("VmHWM") / 2**20}
 
 
+def median_of_rounds(records: list[dict]) -> dict:
+    """One record from the rounds' records of the same figures: each measured figure's median,
+    the answers by status and the requests summed, anything else as the first round has it."""
+    out = dict(records[0])
+    for key, value in records[0].items():
+        if key == "by_status":
+            total: dict[str, int] = {}
+            for r in records:
+                for status, n in r[key].items():
+                    total[status] = total.get(status, 0) + n
+            out[key] = dict(sorted(total.items()))
+        elif key == "requests":
+            out[key] = sum(r[key] for r in records)
+        elif isinstance(value, float):  # a measured figure (counts, such as the clients, are ints)
+            out[key] = statistics.median(r[key] for r in records)
+    return out
+
+
 def reference(jpegs: list[bytes], weights: str | None, device: str) -> dict:
     """`captioner caption DIR` on the images (start-up left out), and one image in-process. Both in
     processes of their own, so that this one (the load generator) never runs torch's threads."""
@@ -425,6 +449,18 @@ def print_report(report: dict) -> None:
         for name, want in b["kinds"].items():
             got = b["wrong_status"].get(name)
             print(f"  {name}: {want}" + (f"; other statuses: {got}" if got else ""))
+    for i, r in enumerate(report.get("rounds", []), 1):
+        levels = {lv["clients"]: lv for lv in r.get("levels", [])}
+        ref = r.get("reference")
+        parts = []
+        if ref and 16 in levels:
+            ratio = levels[16]["images_per_s"] / ref["caption_dir_images_per_s"]
+            parts.append(f"16 clients / caption DIR {ratio:.2f}x")
+        if ref and 1 in levels:
+            ratio = levels[1]["p99_ms"] / ref["one_image_in_process_ms"]
+            parts.append(f"1 client p99 / in-process median {ratio:.2f}x")
+        if parts:
+            print(f"round {i}: " + ", ".join(parts))
     print()
     for line, met, _ in report["checks"]:
         print(f"{line}: {'met' if met else 'NOT met'}")
@@ -449,25 +485,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", action="store_true", help="skip `captioner caption DIR` and the in-process time")
     p.add_argument("--no-overload", action="store_true", help="skip the overload run")
     p.add_argument("--bad", type=int, default=1000, metavar="N", help="bad-input requests (default 1000; 0: none)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="references and levels this many times in turn, each figure's median reported (default 1)")
     p.add_argument("--json", type=Path, default=None, help="write every figure to this file")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     base = [*(["--weights", args.weights] if args.weights else []), "--device", args.device]
     jpegs = make_jpegs(args.images)
     report: dict = {"images": args.images, "server_flags": server_flags, "cores": os.cpu_count(),
                     "device": args.device, "weights": args.weights or "demo-soft",
                     "load_average_before": os.getloadavg()[0]}
-    if not args.no_reference:
-        report["reference"] = reference(jpegs, args.weights, args.device)
-        print(json.dumps({"reference": report["reference"]}), flush=True)
-    if args.clients:
-        server = Server([*base, *server_flags])
-        try:
-            report["levels"] = []
-            for clients in args.clients:
-                report["levels"].append(level(server, jpegs, clients))
-                print(json.dumps({"level": report["levels"][-1]}), flush=True)
-        finally:
-            report["exit_code"] = server.stop()
+    rounds: list[dict] = []
+    for _ in range(args.rounds):
+        this: dict = {}
+        if not args.no_reference:
+            this["reference"] = reference(jpegs, args.weights, args.device)
+            print(json.dumps({"reference": this["reference"]}), flush=True)
+        if args.clients:
+            server = Server([*base, *server_flags])
+            try:
+                this["levels"] = []
+                for clients in args.clients:
+                    this["levels"].append(level(server, jpegs, clients))
+                    print(json.dumps({"level": this["levels"][-1]}), flush=True)
+            finally:
+                this["exit_code"] = server.stop()
+        rounds.append(this)
+    if rounds and "reference" in rounds[0]:
+        report["reference"] = median_of_rounds([r["reference"] for r in rounds])
+    if rounds and "levels" in rounds[0]:
+        report["levels"] = [median_of_rounds([r["levels"][i] for r in rounds]) for i in range(len(args.clients))]
+        report["exit_code"] = next((r["exit_code"] for r in rounds if r["exit_code"] != 0), 0)
+    if args.rounds > 1:
+        report["rounds"] = rounds
     if not args.no_overload:
         report["overload"] = overload(jpegs, base)
         print(json.dumps({"overload": report["overload"]}), flush=True)

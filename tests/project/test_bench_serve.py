@@ -64,3 +64,12 @@ def test_the_targets_are_printed_as_lines_met_or_not():
     assert lines["overload: accepted p99 3.50 s (target <= --timeout-s 3 s)"] == (False, True)
     assert lines["bad input: 2 of 1000 got another status than their own (target 0)"] == (False, True)
     assert lines["bad input: RSS after / before: 1.020 (target <= 1.1)"] == (True, True)
+
+
+def test_rounds_are_combined_by_their_medians_with_the_answers_summed():
+    rounds = [{"clients": 16, "requests": 200, "images_per_s": v, "p99_ms": 10 * v, "by_status": {"200": 200 - e,
+                                                                                                  "503": e}}
+              for v, e in ((50.0, 0), (90.0, 2), (70.0, 1))]
+    got = bench_serve.median_of_rounds(rounds)
+    assert (got["clients"], got["requests"], got["images_per_s"], got["p99_ms"]) == (16, 600, 70.0, 700.0)
+    assert got["by_status"] == {"200": 597, "503": 3}

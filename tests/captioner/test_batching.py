@@ -283,12 +283,12 @@ def test_the_batches_run_on_the_gates_own_threads_one_a_slot_whoever_asks(slots)
 
     def work(items):
         with lock:
-            ran_on.add(threading.get_ident())
+            ran_on.add(threading.current_thread())
         time.sleep(0.002)
         return items
 
     def job(i: int) -> None:
-        callers.add(threading.get_ident())
+        callers.add(threading.current_thread())  # the objects: an ended thread's ident is reused
         assert gate.run(None, i, work).result == i
 
     for _ in range(3):  # three waves of ten callers, each on a thread of its own

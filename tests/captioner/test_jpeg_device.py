@@ -91,6 +91,7 @@ def _decoded_on_the_device(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 def test_the_bad_folder_loads_and_fails_as_on_the_cpu_path(tmp_path, weights, monkeypatch):
     root = tmp_path / "imgs"
     expect = make_bad_folder(root)

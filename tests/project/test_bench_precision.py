@@ -23,6 +23,7 @@ def test_a_variant_is_a_precision_then_compile_and_channels_last_in_any_order():
             bench_precision.parse_variant(bad)
 
 
+@pytest.mark.slow
 def test_channels_last_gives_the_encoders_output_within_float_tolerance():
     cap = bench_precision.build(torch.device("cpu"), compile_step=False)
     model = cap.model.eval()

@@ -159,6 +159,7 @@ def test_student_t_quantiles_and_the_welch_interval():
     assert cs.welch_difference([0.7], [0.8, 0.9]) is None  # one seed: no spread to judge by
 
 
+@pytest.mark.slow
 def test_the_two_level_bootstrap_stays_fast_for_the_full_table():
     # 14 variants x 3 seeds x 3,000 images x 2,000 resamples, as the full table has.
     found = _found({f"v{k}": [0.0, 0.01, -0.01] for k in range(14)})

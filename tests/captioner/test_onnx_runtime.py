@@ -196,6 +196,25 @@ def test_the_graphs_caption_as_torch_does(model, images):
     assert len({b.familiarity for _, b in pairs}) > 1  # not all the same value: the test could tell them apart
 
 
+@pytest.mark.slow  # the module's ONNX export
+def test_int8_parity_s_teacher_forced_log_prob_is_the_search_s_score(model, images):
+    """benchmarks/int8_parity.py measures how near a tie two captions are by teacher forcing:
+    on the search's own caption it must give the search's score (no length penalty)."""
+    from benchmarks.int8_parity import caption_log_prob, tie_gaps
+
+    rt = OnnxCaptioner(model[1])
+    pixels = np.stack([rt.preprocess.array(rt.preprocess.load(p)) for p in images[:4]])
+    caps = rt.caption_arrays(pixels, rt.options(beam_size=3))
+    assert any(c.words for c in caps)
+    for x, c in zip(pixels, caps):
+        assert caption_log_prob(rt, x, c.words) == pytest.approx(c.score, abs=1e-4)
+    short = rt.caption_arrays(pixels, rt.options(beam_size=3, max_len=1))  # other captions, scored the same way
+    differ = [(a, b) for a, b in zip(caps, short) if a.text != b.text]
+    assert differ
+    gaps = tie_gaps(rt, pixels, caps, short)
+    assert gaps == pytest.approx([a.score - b.score for a, b in differ], abs=1e-4)
+
+
 # Every attention the exporter takes, one export each: each score with two heads, the other
 # options (normaliser, mode, local window and its width, grid self-attention, coordinates)
 # spread over them. Mean attention has one head only (the model refuses more). Each with the

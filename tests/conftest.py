@@ -101,8 +101,8 @@ def weights(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def shapes_test_sets(tmp_path_factory):
     """``studies.attention.scoring.ensure_test_sets`` for the tests, as a function of (seeds,
-    n_images, root): each set is made once a run (one `captioner shapes` process each, the slow
-    part; under pytest-xdist by whichever worker asks first, the others wait for it), then
+    n_images, root): each set is made once a run (`captioner shapes` called in the worker's own
+    process; under pytest-xdist by whichever worker asks first, the others wait for it), then
     copied into ``root``, where ensure_test_sets finds it and makes nothing. Returns what
     ensure_test_sets returns for ``root``."""
     import fcntl
@@ -113,10 +113,15 @@ def shapes_test_sets(tmp_path_factory):
     made = (base.parent if _xdist_worker() else base) / "shapes-test-sets"  # the workers' common folder
     made.mkdir(exist_ok=True)
 
+    def shapes(args: list[str]) -> None:  # `captioner shapes` in this process: no torch imported again
+        from captioner.cli.main import main
+
+        assert main(args) == 0
+
     def ensure(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
         with open(made / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            sets = scoring.ensure_test_sets(seeds, n_images, made)
+            sets = scoring.ensure_test_sets(seeds, n_images, made, make=shapes)
         for folder in sets.values():
             shutil.copytree(folder, root / folder.name, dirs_exist_ok=True)
         return scoring.ensure_test_sets(seeds, n_images, root)

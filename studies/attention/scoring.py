@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,14 +23,21 @@ FIGURE_NAMES = ["object_accuracy", "relation_accuracy", "pointing", "pointing_ge
                 "mass_in_box", "entropy", "BLEU-4", "CIDEr"]
 
 
-def ensure_test_sets(seeds: list[int], n_images: int, root: Path) -> dict[str, Path]:
-    """Three fresh test sets, each `captioner shapes --train 0 --val 0 --test N --seed S`."""
+def ensure_test_sets(seeds: list[int], n_images: int, root: Path,
+                     make: Callable[[list[str]], object] | None = None) -> dict[str, Path]:
+    """Three fresh test sets, each `captioner shapes --train 0 --val 0 --test N --seed S`, made
+    where missing: by a `captioner` process, or by ``make(arguments)`` (the tests call the
+    command line in their own process)."""
     sets = {}
     for seed in seeds:
         folder = root / f"shapes-test{seed}-{n_images}"
         if not (folder / "instances_test.json").is_file():
-            subprocess.run([sys.executable, "-m", "captioner.cli", "shapes", "--out", str(folder), "--train", "0",
-                            "--val", "0", "--test", str(n_images), "--seed", str(seed)], check=True, env=child_env())
+            args = ["shapes", "--out", str(folder), "--train", "0", "--val", "0", "--test", str(n_images),
+                    "--seed", str(seed)]
+            if make is None:
+                subprocess.run([sys.executable, "-m", "captioner.cli", *args], check=True, env=child_env())
+            else:
+                make(args)
         sets[f"test{seed}"] = folder
     return sets
 

@@ -802,3 +802,16 @@ def test_goal_reads_every_seed_against_the_floors_and_names_the_closest_row(tmp_
         with pytest.raises(SystemExit) as e:
             cli.main([*base, "--floor", bad])
         assert e.value.code == 2 and "--floor" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a `captioner shapes` process
+def test_missing_test_sets_are_made_by_a_captioner_process_and_kept(tmp_path):
+    from studies.attention import scoring
+
+    sets = scoring.ensure_test_sets([3], 2, tmp_path)
+    folder = sets["test3"]
+    assert folder == tmp_path / "shapes-test3-2" and (folder / "instances_test.json").is_file()
+    assert len(list((folder / "images" / "test").glob("*.png"))) == 2
+    stamp = (folder / "instances_test.json").stat().st_mtime_ns
+    assert scoring.ensure_test_sets([3], 2, tmp_path, make=lambda args: pytest.fail(f"made again: {args}")) == sets
+    assert (folder / "instances_test.json").stat().st_mtime_ns == stamp

@@ -321,3 +321,26 @@ def test_on_each_thread_reaches_every_thread_the_batches_then_run_on(slots):
     for t in threads:
         t.join()
     assert ran_on == set(warmed)
+
+
+def test_counts_below_one_are_taken_as_one():
+    gate = Gate(slots=0, threads=0, batch=0)
+    assert (gate.slots, gate.threads, gate.batch) == (1, 1, 1)
+    plain = Gate(slots=2)  # by default one torch thread a batch, one job a batch, no window
+    assert (plain.threads, plain.batch, plain.max_wait) == (1, 1, 0.0)
+    assert gate.run("k", 7, lambda items: [i * 2 for i in items]).result == 14
+
+
+def test_a_window_of_a_batch_of_two_waits_for_its_mate_and_ends_on_time():
+    gate = Gate(slots=1, batch=2, max_wait=0.4)
+    out = {}
+    first = _arrive(gate, "k", 1, lambda items: time.sleep(0.05) or items, out)
+    time.sleep(0.1)
+    out[2] = gate.run("k", 2, lambda items: items)
+    first.join(5)
+    assert out[1].size == out[2].size == 2  # the second came within the window: one batch
+    began = time.perf_counter()
+    alone = gate.run("k", 3, lambda items: time.sleep(0.05) or items)
+    waited = time.perf_counter() - began
+    assert alone.size == 1 and 0.35 < waited < 0.9  # no mate: the window (0.4 s), then the batch
+    assert 0.04 < alone.seconds < 0.4  # the batch's own wall time, not the wait before it

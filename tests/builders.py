@@ -1,6 +1,6 @@
 """Builders shared by the test modules: a tiny training config, a config for the photo
-fixture, a run's NLL log, JSON Lines read back, and two processes trained against one
-under torchrun. (The tiny model, vocabulary, images and COCO-format data set are in
+fixture, a run's NLL log, JSON Lines read back, and two ranks trained against one
+process. (The tiny model, vocabulary, images and COCO-format data set are in
 tiny.py; fixtures in conftest.py.)"""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from captioner.cli.main import main
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import load_config, to_toml
+from tests.ranks import two_ranks_ok
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -77,16 +78,21 @@ SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0
                "val.every_epochs": 0, "optim.save_every": 0}
 
 
-def one_and_two_ranks(tiny_coco, tmp_path, **sets):
+def one_and_two_ranks(tiny_coco, tmp_path, torchrun: bool = False, **sets):
     """Train the tiny config (SAME_AS_ONE and ``sets``) in one process, this one (run folder
-    tmp_path/single), and on two ranks under torchrun (tmp_path/multi); check that they end with
-    the same weights; return the config and the two last checkpoints."""
+    tmp_path/single), and on two ranks (tmp_path/multi), forked as tests.ranks sets them up or,
+    with ``torchrun``, under torchrun; check that they end with the same weights; return the
+    config and the two last checkpoints."""
     cfg = tiny_train_config(tiny_coco, **{**SAME_AS_ONE, **sets})
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
     single, multi = tmp_path / "single", tmp_path / "multi"
     assert main(["train", "--config", str(cfg_path), "--run-dir", str(single), "--quiet"]) == 0
-    run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"])
+    argv = ["train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"]
+    if torchrun:
+        run_ok([*TORCHRUN, "-m", "captioner.cli", *argv])
+    else:
+        two_ranks_ok(argv, tmp_path)
     a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
     assert b.train_state.step == 6 and len(b.train_state.rng_per_rank) == 2
     for k, v in a.state_dict.items():

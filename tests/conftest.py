@@ -41,6 +41,35 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.path not in slow_files)
 
 
+@pytest.fixture(scope="session")
+def onnx_registry_once():
+    """torch's ONNX exporter builds its table of ONNX functions afresh for every graph it
+    exports: about 2 s of parsing onnxscript's sources, for a tiny graph's 4 s. The tests export
+    dozens of graphs of one opset, so each test process builds the table once and hands the same
+    one to every export (the exporter only reads it; `captioner export` itself is unchanged).
+    Where torch has moved that builder, the exports build it each time, as before."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+    except ImportError:
+        yield
+        return
+    build = _registration.ONNXRegistry.__dict__.get("from_torchlib")
+    if not isinstance(build, classmethod):
+        yield
+        return
+    built: dict = {}
+
+    def once(cls, *args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in built:
+            built[key] = build.__func__(cls, *args, **kwargs)
+        return built[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_registration.ONNXRegistry, "from_torchlib", classmethod(once))
+        yield
+
+
 @pytest.fixture
 def tiny_coco(tmp_path: Path) -> Path:
     """A folder with captions_{train,val,test}.json (6/2/2 images, 2-3 captions each) and images/."""

@@ -26,6 +26,8 @@ from tests.badtensors import CORRUPTIONS
 from tests.builders import one_line
 from tests.tiny import tiny_captioner, tiny_image
 
+pytestmark = pytest.mark.usefixtures("onnx_registry_once")  # conftest: one exporter table a process
+
 DEMOS = [m.name for m in bundled.installed()]
 
 
@@ -380,7 +382,7 @@ def test_the_timing_line_says_where_int8_is_slower_with_its_figures(fp32, int8, 
 
 
 @pytest.fixture(scope="module")
-def int8_folder(tmp_path_factory) -> tuple[Captioner, Path, str]:
+def int8_folder(tmp_path_factory, onnx_registry_once) -> tuple[Captioner, Path, str]:
     """A tiny captioner exported with --onnx --int8 through the command, calibrated on tiny images
     (the slow part, once for the module), and what the command printed."""
     root = tmp_path_factory.mktemp("int8")

@@ -41,7 +41,7 @@ def with_familiarity(cap: Captioner) -> Captioner:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tuple[Captioner, Path]:
+def model(tmp_path_factory, onnx_registry_once) -> tuple[Captioner, Path]:
     """A tiny captioner and its folder, exported with --onnx once for the module (the slow part)."""
     cap = with_familiarity(tiny_captioner(seed=5))
     folder = tmp_path_factory.mktemp("onnx") / "tiny"
@@ -244,7 +244,7 @@ def test_the_variants_cover_every_attention_option():
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request, tmp_path_factory) -> tuple[Captioner, OnnxCaptioner]:
+def variant(request, tmp_path_factory, onnx_registry_once) -> tuple[Captioner, OnnxCaptioner]:
     """A tiny captioner of one VARIANTS entry, exported by `captioner export --onnx` once for
     the module, and its folder in the runtime."""
     seed, options = VARIANTS[request.param]

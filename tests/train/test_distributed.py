@@ -1,5 +1,7 @@
 """torch.distributed on CPU (gloo): two processes train like one over the same global batch,
-and distributed captioning yields every image exactly once."""
+and distributed captioning yields every image exactly once. torchrun itself starts the ranks
+of one training and of the tests of its exit codes and messages; the others fork their ranks
+(tests.ranks)."""
 
 import json
 import subprocess
@@ -10,12 +12,13 @@ import torch
 from captioner.model.decoder import CaptionModel
 from captioner.train.tensorboard import event_files
 from tests.builders import TORCHRUN, one_and_two_ranks
+from tests.ranks import two_ranks, two_ranks_ok
 from tests.tiny import tiny_captioner, tiny_image
 
 
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, tmp_path):
-    cfg, a, _ = one_and_two_ranks(tiny_coco, tmp_path)
+    cfg, a, _ = one_and_two_ranks(tiny_coco, tmp_path, torchrun=True)  # once under torchrun itself
     multi = tmp_path / "multi"
     torch.manual_seed(cfg.optim.seed)  # the weights both runs started from
     start = CaptionModel(a.model_config).state_dict()
@@ -48,21 +51,19 @@ def test_distributed_captioning_gives_every_image_exactly_once(tmp_path):
     out = tmp_path / "out.jsonl"
     # One image is already done: it must not be captioned again.
     out.write_text(json.dumps({"image": paths[0], "caption": "x", "words": ["x"], "score": 0.0}) + "\n")
-    res = subprocess.run([*TORCHRUN, "-m", "captioner.cli", "caption", str(folder), "--weights", str(weights),
-                          "--out", str(out), "--max-len", "5", "--batch-size", "3"],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 1, res.stderr[-3000:]  # the broken file failed, the rest were captioned
-    # torchrun stops the other ranks when one exits 1: rank 0 still merged and summed up first.
+    caption = ["caption", str(folder), "--weights", str(weights), "--out", str(out), "--max-len", "5",
+               "--batch-size", "3"]
+    res = two_ranks(caption, tmp_path)
+    assert 1 in res.codes, res.stderr[-3000:]  # the broken file failed, the rest were captioned
+    # The other rank is stopped once one exits 1 (as torchrun stops it): rank 0 still merged
+    # and summed up first.
     assert "captioned 22, failed 1, skipped 0 (not image files), already done 1" in res.stderr
     images = [json.loads(x)["image"] for x in out.read_text().splitlines()]
     assert sorted(images) == sorted(paths + [str(folder / "broken.jpg")])
     assert not list(tmp_path.glob("out.jsonl.part*"))  # parts merged and removed
 
     tiny_image(99, size=(24, 24)).save(folder / "broken.jpg", "JPEG")  # mended: tried again, its line replaced
-    res = subprocess.run([*TORCHRUN, "-m", "captioner.cli", "caption", str(folder), "--weights", str(weights),
-                          "--out", str(out), "--max-len", "5", "--batch-size", "3"],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = two_ranks_ok(caption, tmp_path)
     assert "captioned 1, failed 0, skipped 0 (not image files), already done 23, retried 1" in res.stderr
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["image"] for r in lines) == sorted(paths + [str(folder / "broken.jpg")])

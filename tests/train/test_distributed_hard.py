@@ -1,4 +1,4 @@
-"""Hard attention under torchrun (gloo, two CPU processes): the REINFORCE baseline and the
+"""Hard attention on two ranks (gloo, two CPU processes set up as torchrun sets them up): the REINFORCE baseline and the
 expected-context coin are saved and restored, so a resumed two-rank run matches the
 uninterrupted one exactly."""
 
@@ -7,7 +7,8 @@ import torch
 
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
-from tests.builders import TORCHRUN, one_and_two_ranks, run_ok, tiny_train_config
+from tests.builders import one_and_two_ranks, tiny_train_config
+from tests.ranks import two_ranks_ok
 
 
 @pytest.mark.slow
@@ -18,10 +19,9 @@ def test_two_rank_hard_attention_run_resumes_exactly(tiny_coco, tmp_path):
     path = tmp_path / "cfg.toml"
     path.write_text(to_toml(cfg))
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train = [*TORCHRUN, "-m", "captioner.cli", "train", "--quiet"]
-    run_ok([*train, "--config", str(path), "--run-dir", str(straight)])
-    run_ok([*train, "--config", str(path), "--run-dir", str(split), "--set", "optim.max_steps=3"])
-    run_ok([*train, "--resume", str(split), "--set", "optim.max_steps=6"])
+    two_ranks_ok(["train", "--quiet", "--config", path, "--run-dir", straight], tmp_path)
+    two_ranks_ok(["train", "--quiet", "--config", path, "--run-dir", split, "--set", "optim.max_steps=3"], tmp_path)
+    two_ranks_ok(["train", "--quiet", "--resume", split, "--set", "optim.max_steps=6"], tmp_path)
 
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
     assert a.train_state.step == b.train_state.step == 6

@@ -25,8 +25,9 @@ from captioner.model.encoders import Annotations
 from captioner.train.config import ScstConfig, load_config, model_config, to_toml
 from captioner.train.loop import train
 from captioner.train.scst import ScstObjective, sample_captions, sample_log_probs
-from tests.builders import TORCHRUN, run_ok, tiny_train_config
+from tests.builders import tiny_train_config
 from tests.pretrained import fake_torch_home, forbid_downloads
+from tests.ranks import two_ranks_ok
 from tests.tiny import tiny_config, tiny_image, tiny_vocab
 
 # A corpus of six images' references: words in every image ("a"), in one image only, and
@@ -397,17 +398,17 @@ def test_an_scst_phase_fine_tunes_a_coco_checkpoint_offline(tmp_path, photos, mo
 
 @pytest.mark.slow
 def test_two_ranks_run_an_scst_phase_and_resume_it(tiny_coco, tmp_path):
-    """Under torchrun each rank draws its own samples (its own generator, saved per rank)
+    """On two ranks each draws its own samples (its own generator, saved per rank)
     and the resumed run goes on with both."""
     cfg = tiny_train_config(tiny_coco, **{**SCST, "optim.max_steps": 4, "optim.threads": 1, "model.dropout": 0.0})
     path = tmp_path / "cfg.toml"
     path.write_text(to_toml(cfg))
     run = tmp_path / "run"
-    run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--config", str(path), "--run-dir", str(run), "--quiet"])
+    two_ranks_ok(["train", "--config", path, "--run-dir", run, "--quiet"], tmp_path)
     first = load_checkpoint(run / "last.pt").train_state
     samplers = [s["generator"] for s in first.objective["scst"]]
     assert first.step == 4 and len(samplers) == 2 and not torch.equal(*samplers)
-    run_ok([*TORCHRUN, "-m", "captioner.cli", "train", "--resume", str(run), "--set", "optim.max_steps=6", "--quiet"])
+    two_ranks_ok(["train", "--resume", run, "--set", "optim.max_steps=6", "--quiet"], tmp_path)
     again = load_checkpoint(run / "last.pt").train_state
     assert again.step == 6 and not torch.equal(again.objective["scst"][0]["generator"], samplers[0])
 

@@ -94,6 +94,10 @@ def test_compiled_step_matches_eager_values_and_gradients():
 
 @pytest.mark.slow  # torch.compile
 def test_training_with_a_compiled_step_equals_eager_training(tiny_coco, tmp_path, monkeypatch):
+    """The loop's optim.compile reaches the step, and training through it is training. The
+    compiler's own numbers (AOTAutograd's tracing of the step and its gradients) are
+    test_compiled_step_matches_eager_values_and_gradients'; here the eager backend runs the
+    captured graphs."""
     backends, real_compile = [], Decoder.compile_step
 
     def recording_compile(self, **options):
@@ -102,14 +106,14 @@ def test_training_with_a_compiled_step_equals_eager_training(tiny_coco, tmp_path
 
     monkeypatch.setattr(Decoder, "compile_step", recording_compile)
     weights = []
-    for backend in ("", "aot_eager"):
+    for backend in ("", "eager"):
         run = tmp_path / f"run-{backend or 'eager'}"
         # SGD: Adam turns rounding-level gradient differences near zero into full-size steps.
         train(tiny_train_config(tiny_coco, **{"optim.max_steps": 3, "val.every_epochs": 0, "optim.compile": backend,
                                               "optim.optimizer": "sgd"}),
               run, progress=False)
         weights.append(torch.load(run / "last.pt", weights_only=True)["state_dict"])
-    assert backends == ["aot_eager"]  # only the second run compiled its step, with that backend
+    assert backends == ["eager"]  # only the second run compiled its step, with that backend
     for k in weights[0]:
         torch.testing.assert_close(weights[0][k], weights[1][k], rtol=1e-5, atol=1e-6)
 
@@ -152,7 +156,8 @@ def test_compiled_captioner_gives_the_same_captions():
     cap = tiny_captioner()
     images = torch.rand(3, 3, 32, 32)
     ref = cap.caption_batch(images)
-    assert cap.compile(backend="aot_eager") is cap and cap.model.decoder.compiled
+    # The compiled decoder's own numbers are test_compile_steady's: this is the Captioner's switch.
+    assert cap.compile(backend="eager") is cap and cap.model.decoder.compiled
     got = cap.caption_batch(images)
     for r, g in zip(ref, got):
         assert g.words == r.words

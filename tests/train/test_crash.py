@@ -1,9 +1,9 @@
-"""Killed runs: batch captioning and training, stopped by SIGKILL or SIGTERM, then resumed."""
+"""Killed runs: batch captioning and training, stopped by SIGKILL or SIGTERM, then resumed.
+The runs that are killed are processes of their own, forked with the captioner loaded
+(tests.forked); their reruns run in this process."""
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,18 +13,17 @@ from captioner.cli.main import main
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
 from tests.builders import tiny_train_config
+from tests.forked import Forked
 from tests.tiny import tiny_captioner, tiny_image
 
-CAPTIONER = [sys.executable, "-m", "captioner.cli"]
 
-
-def _wait_for(predicate, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+def _wait_for(predicate, timeout: float = 120.0, proc: Forked | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process ended early with code {proc.returncode}: {proc.stderr.read()}")
+            raise AssertionError(f"process ended early with code {proc.returncode}: {proc.stderr()}")
         time.sleep(0.05)
     raise AssertionError("timed out")
 
@@ -45,9 +44,9 @@ def test_caption_killed_and_rerun_gives_every_image_exactly_once(tmp_path):
         tiny_image(i % 7, size=(24, 24)).save(p)
         paths.append(str(p))
     out = tmp_path / "out.jsonl"
-    args = [*CAPTIONER, "caption", str(folder), "--weights", str(weights), "--out", str(out),
+    args = ["caption", str(folder), "--weights", str(weights), "--out", str(out),
             "--batch-size", "2", "--max-len", "6", "--workers", "0", "--quiet"]
-    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    proc = Forked(args, tmp_path / "killed")
     try:
         _wait_for(lambda: out.exists() and _lines(out) >= 10, proc=proc)
     finally:
@@ -57,14 +56,13 @@ def test_caption_killed_and_rerun_gives_every_image_exactly_once(tmp_path):
     assert done_before < len(paths)  # it really was stopped part way
     with open(out, "ab") as f:
         f.write(b'{"image": "' + paths[-1].encode()[:10])  # as if killed in the middle of a write
-    assert main(args[len(CAPTIONER):]) == 0  # the rerun in this process: only the killed run needs its own
+    assert main(args) == 0  # the rerun in this process: only the killed run needs its own
     images = [json.loads(line)["image"] for line in out.read_text().splitlines()]
     assert sorted(images) == sorted(paths)  # every image exactly once, no torn line left
 
 
-def _start_training(cfg_path, run_dir) -> subprocess.Popen:
-    return subprocess.Popen([*CAPTIONER, "train", "--config", str(cfg_path), "--run-dir", str(run_dir), "--quiet"],
-                            stderr=subprocess.PIPE, text=True)
+def _start_training(cfg_path, run_dir, **kw) -> Forked:
+    return Forked(["train", "--config", cfg_path, "--run-dir", run_dir, "--quiet"], run_dir.parent / "process", **kw)
 
 
 @pytest.mark.slow
@@ -111,7 +109,8 @@ def test_training_stops_cleanly_and_saves_on_signal(tiny_coco, tmp_path, sig):
     _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("nll") >= 3,
               proc=proc)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    err = proc.stderr()
     assert proc.returncode == 130, err
     assert "interrupted" in err
     state = load_checkpoint(run / "last.pt").train_state
@@ -129,12 +128,12 @@ def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
     run = tmp_path / "run"
-    proc = subprocess.Popen([*CAPTIONER, "train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet"],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own process group
+    proc = _start_training(cfg_path, run, new_session=True)  # its own process group, as a terminal's job
     _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("nll") >= 3,
               proc=proc)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole foreground group
-    _, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    err = proc.stderr()
     assert proc.returncode == 130, err
     assert err.count("SIGINT: saving and stopping after this step") == 1, err
     assert load_checkpoint(run / "last.pt").train_state.step >= 3

@@ -1,9 +1,11 @@
 """Killed runs: batch captioning and training, stopped by SIGKILL or SIGTERM, then resumed.
 The runs that are killed are processes of their own, forked with the captioner loaded
-(tests.forked); their reruns run in this process."""
+(tests.forked), but for the terminal's Ctrl-C; their reruns run in this process."""
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -128,12 +130,17 @@ def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
     run = tmp_path / "run"
-    proc = _start_training(cfg_path, run, new_session=True)  # its own process group, as a terminal's job
-    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("nll") >= 3,
-              proc=proc)
+    # A process started as a terminal starts a job, in a process group of its own. (Forked, its
+    # data loader's workers took seconds longer to reach the third step.)
+    proc = subprocess.Popen([sys.executable, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir",
+                             str(run), "--quiet"], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("nll") >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timed out"
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole foreground group
-    proc.wait(timeout=120)
-    err = proc.stderr()
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert err.count("SIGINT: saving and stopping after this step") == 1, err
     assert load_checkpoint(run / "last.pt").train_state.step >= 3

@@ -6,7 +6,6 @@ tiny.py; fixtures in conftest.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -61,13 +60,6 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def run_ok(args, **kw):
-    """Run a command; fail the test with its stderr's end unless it exits 0."""
-    res = subprocess.run(args, capture_output=True, text=True, timeout=600, **kw)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
-
-
 # What lets two ranks train exactly as one process over the same global batch: dropout off
 # (each rank draws its own masks); a frozen encoder read through the feature cache
 # (batch-norm statistics would otherwise be per rank); SGD, because Adam divides by the
@@ -78,21 +70,17 @@ SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0
                "val.every_epochs": 0, "optim.save_every": 0}
 
 
-def one_and_two_ranks(tiny_coco, tmp_path, torchrun: bool = False, **sets):
+def one_and_two_ranks(tiny_coco, tmp_path, **sets):
     """Train the tiny config (SAME_AS_ONE and ``sets``) in one process, this one (run folder
-    tmp_path/single), and on two ranks (tmp_path/multi), forked as tests.ranks sets them up or,
-    with ``torchrun``, under torchrun; check that they end with the same weights; return the
-    config and the two last checkpoints."""
+    tmp_path/single), and on two ranks (tmp_path/multi) set up as torchrun sets them up
+    (tests.ranks); check that they end with the same weights; return the config and the two
+    last checkpoints."""
     cfg = tiny_train_config(tiny_coco, **{**SAME_AS_ONE, **sets})
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(cfg))
     single, multi = tmp_path / "single", tmp_path / "multi"
     assert main(["train", "--config", str(cfg_path), "--run-dir", str(single), "--quiet"]) == 0
-    argv = ["train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"]
-    if torchrun:
-        run_ok([*TORCHRUN, "-m", "captioner.cli", *argv])
-    else:
-        two_ranks_ok(argv, tmp_path)
+    two_ranks_ok(["train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"], tmp_path)
     a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
     assert b.train_state.step == 6 and len(b.train_state.rng_per_rank) == 2
     for k, v in a.state_dict.items():

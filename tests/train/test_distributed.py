@@ -1,7 +1,7 @@
 """torch.distributed on CPU (gloo): two processes train like one over the same global batch,
 and distributed captioning yields every image exactly once. torchrun itself starts the ranks
-of one training and of the tests of its exit codes and messages; the others fork their ranks
-(tests.ranks)."""
+of the tests of its exit codes and messages (and the GPU check's CPU run trains under it,
+tests/project/test_gpu_check.py); the others fork their ranks (tests.ranks)."""
 
 import json
 import subprocess
@@ -18,7 +18,7 @@ from tests.tiny import tiny_captioner, tiny_image
 
 @pytest.mark.slow
 def test_two_ranks_train_like_one_process_over_the_same_global_batch(tiny_coco, tmp_path):
-    cfg, a, _ = one_and_two_ranks(tiny_coco, tmp_path, torchrun=True)  # once under torchrun itself
+    cfg, a, _ = one_and_two_ranks(tiny_coco, tmp_path)
     multi = tmp_path / "multi"
     torch.manual_seed(cfg.optim.seed)  # the weights both runs started from
     start = CaptionModel(a.model_config).state_dict()

@@ -26,8 +26,6 @@ from tests.badtensors import CORRUPTIONS
 from tests.builders import one_line
 from tests.tiny import tiny_captioner, tiny_image
 
-pytestmark = pytest.mark.usefixtures("onnx_registry_once")  # conftest: one exporter table a process
-
 DEMOS = [m.name for m in bundled.installed()]
 
 

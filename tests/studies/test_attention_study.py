@@ -254,6 +254,7 @@ def test_pipeline_trains_scores_tabulates_and_a_rerun_trains_nothing(tmp_path, m
     assert (out / "table.md").read_text() == table
 
 
+@pytest.mark.slow  # trains and scores rows: seconds
 def test_training_one_more_row_keeps_the_rows_already_in_the_table(tmp_path, shapes_test_sets):
     """train --rows B after A's seeds are in the results: the table it writes still holds A
     (every row of the file with results), as `table` alone would write it."""
@@ -323,6 +324,7 @@ checkpoint = "best"
 '''
 
 
+@pytest.mark.slow  # trains and scores rows: seconds
 def test_a_best_row_scores_the_checkpoint_validation_chose_and_its_twin_the_last_step(tmp_path, monkeypatch,
                                                                                      shapes_test_sets):
     """Two rows of one training validated every epoch (the tiny recipe: ten steps an epoch,
@@ -454,6 +456,7 @@ def test_table_against_another_reference_is_written_beside_the_main_table(tmp_pa
 
 # ------------------------------------------------- trained on one machine, scored on another
 
+@pytest.mark.slow  # trains and scores rows: seconds
 def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, monkeypatch, capsys,
                                                                       shapes_test_sets):
     rows = _rows_file(tmp_path)
@@ -501,6 +504,7 @@ def test_trained_on_one_machine_packed_unpacked_and_scored_on_another(tmp_path, 
 
 
 
+@pytest.mark.slow  # trains and scores rows: seconds
 def test_a_validated_training_packs_its_best_checkpoint_and_is_scored_from_it_elsewhere(tmp_path, shapes_test_sets):
     """A "best" row trained on one machine is scored on another from the best.pt chosen there."""
     from captioner.io.checkpoint import load_checkpoint
@@ -649,6 +653,7 @@ def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path,
     assert all(torch.equal(seen[0][k], scored[k]) for k in scored)
 
 
+@pytest.mark.slow  # trains and scores rows: seconds
 def test_a_row_whose_device_this_machine_lacks_is_left_out_not_failed(tmp_path, monkeypatch, capsys,
                                                                       shapes_test_sets):
     rows = _rows_file(tmp_path, '''[[rows]]

@@ -77,6 +77,7 @@ def _flat_grad(model, scalar):
 # b: a baseline far from log p(y|s,a): it must not bias the estimate. Two heads' b leaves the
 # check the power to see half a score-function term (the power is computed exactly, by
 # enumeration: 6.4 standard errors at b = -30).
+@pytest.mark.slow  # every path of attention cells enumerated, in float64: seconds
 @pytest.mark.parametrize("heads, grid, b", [(1, (2, 2), -3.0), (2, (1, 2), -30.0)])
 def test_reinforce_gradient_matches_the_exact_gradient_of_the_lower_bound(heads, grid, b):
     torch.manual_seed(0)

@@ -272,6 +272,7 @@ def _overfit(baseline: str, flip: bool, steps: int = 40) -> list[float]:
     return rewards
 
 
+@pytest.mark.slow  # 40 SCST steps each way: seconds
 @pytest.mark.parametrize("baseline", ["loo", "greedy"])
 def test_scst_raises_the_reward_of_a_fixed_batch_and_the_flipped_sign_lowers_it(baseline, one_thread):
     up = _overfit(baseline, flip=False)

@@ -1,21 +1,19 @@
 """Builders shared by the test modules: a tiny training config, a config for the photo
-fixture, a run's NLL log, JSON Lines read back, and two ranks trained against one
-process. (The tiny model, vocabulary, images and COCO-format data set are in
-tiny.py; fixtures in conftest.py.)"""
+fixture, a run's NLL log, JSON Lines read back, a free local port. (The tiny model,
+vocabulary, images and COCO-format data set are in tiny.py; two ranks in ranks.py; fixtures in
+conftest.py.)"""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-from captioner.cli.main import main
-from captioner.io.checkpoint import load_checkpoint
-from captioner.train.config import load_config, to_toml
-from tests.ranks import two_ranks_ok
+from captioner.train.config import load_config
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -55,37 +53,16 @@ def nll_log(run_dir):
     return [r["nll"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "nll" in r]
 
 
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free at the moment of asking (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_jsonl(path):
     """The records of a JSON Lines file (`captioner caption --out`)."""
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-
-
-# What lets two ranks train exactly as one process over the same global batch: dropout off
-# (each rank draws its own masks); a frozen encoder read through the feature cache
-# (batch-norm statistics would otherwise be per rank); SGD, because Adam divides by the
-# gradient's own size and so turns rounding noise in near-zero gradients (the score's bias,
-# which softmax ignores) into full-size steps.
-SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0, "optim.optimizer": "sgd",
-               "optim.lr": 0.05, "model.freeze_encoder": True, "data.feature_cache": True,
-               "val.every_epochs": 0, "optim.save_every": 0}
-
-
-def one_and_two_ranks(tiny_coco, tmp_path, **sets):
-    """Train the tiny config (SAME_AS_ONE and ``sets``) in one process, this one (run folder
-    tmp_path/single), and on two ranks (tmp_path/multi) set up as torchrun sets them up
-    (tests.ranks); check that they end with the same weights; return the config and the two
-    last checkpoints."""
-    cfg = tiny_train_config(tiny_coco, **{**SAME_AS_ONE, **sets})
-    cfg_path = tmp_path / "cfg.toml"
-    cfg_path.write_text(to_toml(cfg))
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    assert main(["train", "--config", str(cfg_path), "--run-dir", str(single), "--quiet"]) == 0
-    two_ranks_ok(["train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"], tmp_path)
-    a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
-    assert b.train_state.step == 6 and len(b.train_state.rng_per_rank) == 2
-    for k, v in a.state_dict.items():
-        torch.testing.assert_close(b.state_dict[k], v, rtol=1e-4, atol=1e-5)
-    return cfg, a, b
 
 
 def one_line(err: str) -> str:

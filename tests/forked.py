@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 # What the forkserver imports before it forks: what `captioner train` and `caption` load.
@@ -21,8 +20,7 @@ PRELOAD = ["torch", "torchvision", "captioner.cli.main", "captioner.train", "cap
            "captioner.inference"]
 
 
-def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, threads: int | None,
-         new_session: bool) -> None:
+def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, threads: int | None) -> None:
     """The forked process: its output into ``out`` and ``err``, ``main(argv)``'s exit code as
     the process's, as `python -m captioner.cli` gives it."""
     import torch
@@ -32,8 +30,6 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, thr
     os.dup2(ferr.fileno(), 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    if new_session:
-        os.setsid()  # as Popen(start_new_session=True): a process group of its own
     os.environ.update(env)
     os.chdir(cwd)
     if threads is not None:
@@ -61,13 +57,13 @@ class Forked:
     its output is read from files in ``logs`` (``stdout()``, ``stderr()``)."""
 
     def __init__(self, argv: list, logs: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
-                 threads: int | None = None, new_session: bool = False) -> None:
+                 threads: int | None = None) -> None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         logs.mkdir(parents=True, exist_ok=True)
         self._out, self._err = logs / "stdout.txt", logs / "stderr.txt"
         self._proc = ctx.Process(target=_run, args=([str(a) for a in argv], dict(env or {}), str(cwd or Path.cwd()),
-                                                    str(self._out), str(self._err), threads, new_session))
+                                                    str(self._out), str(self._err), threads))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -100,10 +96,3 @@ class Forked:
 
     def stderr(self) -> str:
         return self._err.read_text() if self._err.exists() else ""
-
-
-def logs_folder(tmp_path: Path) -> Path:
-    """A new folder under ``tmp_path`` for one forked process's output."""
-    path = tmp_path / f"forked-{time.monotonic_ns()}"
-    path.mkdir(parents=True)
-    return path

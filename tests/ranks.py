@@ -12,11 +12,16 @@ keep starting it (builders.TORCHRUN).
 from __future__ import annotations
 
 import multiprocessing.connection
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from captioner.cli.main import main
+from captioner.io.checkpoint import load_checkpoint
+from captioner.train.config import to_toml
+from tests.builders import free_port, tiny_train_config
 from tests.forked import Forked
 
 
@@ -29,18 +34,12 @@ class Ranks:
     stderr: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_ranks(argv: list, tmp_path: Path, cwd: Path | None = None, timeout: float = 600) -> Ranks:
     """Run ``captioner ARGV`` on two ranks (gloo on this machine) as ``torchrun --standalone
     --nproc_per_node 2 -m captioner.cli ARGV`` would; their output files go in a folder of
     ``tmp_path``. Once a rank fails, the other gets 5 s to end, then is killed (its code None),
     as torchrun stops it."""
-    port = str(_free_port())
+    port = str(free_port())
     logs = tmp_path / f"ranks-{port}"
     procs = []
     for rank in range(2):
@@ -67,3 +66,30 @@ def two_ranks_ok(argv: list, tmp_path: Path, **kw) -> Ranks:
     res = two_ranks(argv, tmp_path, **kw)
     assert res.codes == [0, 0], res.stderr[-3000:]
     return res
+
+
+# What lets two ranks train exactly as one process over the same global batch: dropout off
+# (each rank draws its own masks); a frozen encoder read through the feature cache
+# (batch-norm statistics would otherwise be per rank); SGD, because Adam divides by the
+# gradient's own size and so turns rounding noise in near-zero gradients (the score's bias,
+# which softmax ignores) into full-size steps.
+SAME_AS_ONE = {"optim.max_steps": 6, "optim.batch_size": 4, "model.dropout": 0.0, "optim.optimizer": "sgd",
+               "optim.lr": 0.05, "model.freeze_encoder": True, "data.feature_cache": True,
+               "val.every_epochs": 0, "optim.save_every": 0}
+
+
+def one_and_two_ranks(tiny_coco, tmp_path, **sets):
+    """Train the tiny config (SAME_AS_ONE and ``sets``) in one process, this one (run folder
+    tmp_path/single), and on two ranks (tmp_path/multi, ``two_ranks``); check that they end with
+    the same weights; return the config and the two last checkpoints."""
+    cfg = tiny_train_config(tiny_coco, **{**SAME_AS_ONE, **sets})
+    cfg_path = tmp_path / "cfg.toml"
+    cfg_path.write_text(to_toml(cfg))
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    assert main(["train", "--config", str(cfg_path), "--run-dir", str(single), "--quiet"]) == 0
+    two_ranks_ok(["train", "--config", str(cfg_path), "--run-dir", str(multi), "--quiet"], tmp_path)
+    a, b = load_checkpoint(single / "last.pt"), load_checkpoint(multi / "last.pt")
+    assert b.train_state.step == 6 and len(b.train_state.rng_per_rank) == 2
+    for k, v in a.state_dict.items():
+        torch.testing.assert_close(b.state_dict[k], v, rtol=1e-4, atol=1e-5)
+    return cfg, a, b

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,6 +22,7 @@ import pytest
 
 from captioner.cli.main import main
 from captioner.io import bundled
+from tests.builders import free_port
 from tests.tiny import tiny_captioner, tiny_image
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -39,12 +39,6 @@ pytestmark = [
     pytest.mark.skipif(not CHROMIUM.is_file(), reason="needs chromium at /usr/bin/chromium"),
 ]
 sync_api = pytest.importorskip("playwright.sync_api")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -86,7 +80,7 @@ def served(weights_dir, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("server")
     log = workdir / "streamlit.log"
-    port = _free_port()
+    port = free_port()
     env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir),
                            "CAPTIONER_APP_RUN_LOG": str(workdir / "runs.log")})
     cmd = streamlit_command(port, "127.0.0.1")
@@ -544,7 +538,7 @@ def slow_server(weights_dir, tmp_path_factory):
                                                           *filter(None, [os.environ.get("PYTHONPATH")])]),
                            "CAPTIONER_TEST_SLOW_RUNS": str(flag)})
     with open(log, "wb") as out:
-        proc = subprocess.Popen(streamlit_command(_free_port(), "127.0.0.1"), cwd=workdir, env=env, stdout=out,
+        proc = subprocess.Popen(streamlit_command(free_port(), "127.0.0.1"), cwd=workdir, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{proc.args[proc.args.index('--server.port') + 1]}"

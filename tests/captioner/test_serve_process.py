@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,17 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import free_port
 from tests.tiny import tiny_image
 
 ROOT = Path(__file__).resolve().parents[2]
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import hold_gate
+from tests.builders import free_port, hold_gate
 from tests.tiny import tiny_captioner, tiny_image
 
 pytest.importorskip("fastapi")
@@ -29,12 +28,6 @@ from captioner.serve.service import Limits, Service  # noqa: E402
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 TEXT = DOC.read_text(encoding="utf-8")
 DOC_URL = "http://127.0.0.1:8000"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

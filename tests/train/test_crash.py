@@ -19,13 +19,14 @@ from tests.forked import Forked
 from tests.tiny import tiny_captioner, tiny_image
 
 
-def _wait_for(predicate, timeout: float = 120.0, proc: Forked | None = None) -> None:
+def _wait_for(predicate, timeout: float = 120.0, proc: Forked | subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process ended early with code {proc.returncode}: {proc.stderr()}")
+            err = proc.stderr() if isinstance(proc, Forked) else proc.stderr.read()
+            raise AssertionError(f"process ended early with code {proc.returncode}: {err}")
         time.sleep(0.05)
     raise AssertionError("timed out")
 
@@ -63,8 +64,8 @@ def test_caption_killed_and_rerun_gives_every_image_exactly_once(tmp_path):
     assert sorted(images) == sorted(paths)  # every image exactly once, no torn line left
 
 
-def _start_training(cfg_path, run_dir, **kw) -> Forked:
-    return Forked(["train", "--config", cfg_path, "--run-dir", run_dir, "--quiet"], run_dir.parent / "process", **kw)
+def _start_training(cfg_path, run_dir) -> Forked:
+    return Forked(["train", "--config", cfg_path, "--run-dir", run_dir, "--quiet"], run_dir.parent / "process")
 
 
 @pytest.mark.slow
@@ -134,11 +135,8 @@ def test_one_ctrl_c_prints_its_notice_once(tiny_coco, tmp_path):
     # data loader's workers took seconds longer to reach the third step.)
     proc = subprocess.Popen([sys.executable, "-m", "captioner.cli", "train", "--config", str(cfg_path), "--run-dir",
                              str(run), "--quiet"], stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("nll") >= 3):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timed out"
-        time.sleep(0.05)
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("nll") >= 3,
+              proc=proc)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the whole foreground group
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

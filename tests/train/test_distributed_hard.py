@@ -7,8 +7,8 @@ import torch
 
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
-from tests.builders import one_and_two_ranks, tiny_train_config
-from tests.ranks import two_ranks_ok
+from tests.builders import tiny_train_config
+from tests.ranks import one_and_two_ranks, two_ranks_ok
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ model) and compiles with torch.compile's eager backend (the compiler's capture a
 code generation), so that a CPU test can run the whole check: every step, in a few minutes.
 ``--fork`` (CPU only) runs each ``python -m`` step in a fork of the check's own process, which
 has imported torch, torchvision and the captioner once: a step then costs its own work, not the
-imports' seconds again (most of a quick step on a CPU). torchrun keeps its own processes.
+imports' seconds again (most of a quick step on a CPU); torchrun's launcher too, whose workers
+are processes of their own.
 
 The whole check is meant to fit ``--budget 480`` on a GPU. To make room for the profile and
 batch 128, bench_precision at batch 32 leaves its compiled variants to them (the profile times
@@ -281,8 +282,8 @@ STEP_ENV = {"TORCH_LOGS": "recompiles", "PYTHONUNBUFFERED": "1"}
 
 
 def forkable(step: Step) -> bool:
-    """A ``python -m MODULE`` step other than torchrun, which starts processes of its own."""
-    return step.argv[:2] == [sys.executable, "-m"] and step.argv[2] != "torch.distributed.run"
+    """A ``python -m MODULE`` step (torchrun's launcher too: its workers are processes of their own)."""
+    return step.argv[:2] == [sys.executable, "-m"]
 
 
 def preload(steps: list[Step]) -> None:
@@ -330,13 +331,25 @@ def _run_forked(step: Step, log) -> int | None:
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            os.waitpid(pid, 0)
+            _stop_group(pid)
             return None
         time.sleep(0.05)
+
+
+def _stop_group(pid: int, grace: float = 5.0) -> None:
+    """End a timed-out fork and its process group: SIGTERM first, which torchrun's launcher
+    passes on to its workers (they run in sessions of their own), then SIGKILL after ``grace``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + grace
+        while time.monotonic() < end:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+            time.sleep(0.05)
+    os.waitpid(pid, 0)
 
 
 def run_step(step: Step, index: int, logs: Path, fork: bool = False) -> Outcome:
@@ -463,17 +476,21 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     data = logs / "data"
     images = data / "caption-images"
-    if not images.exists():  # shapes test images for the captioning steps, made once
-        subprocess.run(captioner_cmd("shapes", "--out", str(data / "gen"), "--train", "0", "--val", "0",
-                                     "--test", "8" if args.quick else "96", "--seed", "4242"), check=True,
-                       stdout=subprocess.DEVNULL)
-        (data / "gen" / "images" / "test").rename(images)
     steps = (train_steps(args.device, args.quick, logs, data / "shapes")
              + caption_steps(args.device, args.quick, logs, images)
              + ([] if args.skip_bench else bench_steps(args.device, args.quick, logs, args.tutorial)))
     steps = select_steps(steps, args.only)
     if args.fork:
         preload(steps)
+    if not images.exists():  # shapes test images for the captioning steps, made once
+        made = run_step(Step("caption-images", captioner_cmd(
+            "shapes", "--out", str(data / "gen"), "--train", "0", "--val", "0",
+            "--test", "8" if args.quick else "96", "--seed", "4242"), 300), 0, logs, args.fork)
+        if not made.ok:
+            print(f"gpu_check: the captioning steps' images could not be made: {logs / '00-caption-images.log'}",
+                  file=sys.stderr)
+            return 1
+        (data / "gen" / "images" / "test").rename(images)
     head = environment_line(args.device)
     print(head, flush=True)
     lines = [head]

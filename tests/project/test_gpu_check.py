@@ -60,8 +60,29 @@ def test_a_forked_step_reports_its_exit_code_output_and_time_box_as_a_process_wo
     slow = run("step_sleep", timeout=1)
     assert slow.code is None and slow.seconds < 10
     assert gpu_check.forkable(gpu_check.Step("x", py + ["captioner.cli"], 1))
-    assert not gpu_check.forkable(gpu_check.Step("x", py + ["torch.distributed.run"], 1))
+    assert gpu_check.forkable(gpu_check.Step("x", py + ["torch.distributed.run"], 1))
     assert not gpu_check.forkable(gpu_check.Step("x", [sys.executable, "-c", "pass"], 1))
+
+
+def test_a_forked_step_out_of_time_stops_the_workers_it_started_in_their_own_sessions(tmp_path, monkeypatch):
+    """As torchrun's launcher does: its workers run in sessions of their own, out of reach of its
+    process group, and it stops them when it is sent SIGTERM. A step out of time is sent that
+    first, so that no worker outlives it."""
+    pid_file = tmp_path / "worker.pid"
+    (tmp_path / "step_launcher.py").write_text(
+        "import signal, subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+        "def stop(*_):\n"
+        "    worker.terminate(); worker.wait(); sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+        "time.sleep(60)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    step = gpu_check.Step("step_launcher", [sys.executable, "-m", "step_launcher"], 3)
+    out = gpu_check.run_step(step, 1, tmp_path, fork=True)
+    assert out.code is None and out.seconds < 10 and pid_file.is_file()
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by the launcher, not left behind
+        os.kill(int(pid_file.read_text()), 0)
 
 
 def test_fork_is_refused_off_the_cpu(tmp_path, capsys):

@@ -78,7 +78,7 @@ def test_a_forked_step_out_of_time_stops_the_workers_it_started_in_their_own_ses
         f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
         "time.sleep(60)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    step = gpu_check.Step("step_launcher", [sys.executable, "-m", "step_launcher"], 3)
+    step = gpu_check.Step("step_launcher", [sys.executable, "-m", "step_launcher"], 1.5)
     out = gpu_check.run_step(step, 1, tmp_path, fork=True)
     assert out.code is None and out.seconds < 10 and pid_file.is_file()
     with pytest.raises(ProcessLookupError):  # stopped and reaped by the launcher, not left behind

@@ -107,7 +107,8 @@ def test_the_readme_s_install_trains_validates_and_evaluates(tmp_path):
                   "--quiet", "--set", "data.shapes_train=12", "--set", "data.shapes_val=3", "--set",
                   "optim.max_steps=2", "--set", "optim.batch_size=4", "--set", "val.limit=3")
     assert "first validation: saved as best.pt" in trained
-    run("captioner", "shapes", "--out", "data/shapes-test", "--train", "0", "--val", "0", "--test", "3")
-    report = run("captioner", "evaluate", "--weights", "runs/readme/best.pt", "--data", "data/shapes-test",
-                 "--split", "test")
+    # On the images the training made (its validation split). METEOR is left out: it is Java's
+    # start and tables, seconds that test_metrics.py spends once; the metrics' packages still load.
+    report = run("captioner", "evaluate", "--weights", "runs/readme/best.pt", "--data", "data/shapes",
+                 "--split", "val", "--no-meteor")
     assert "CIDEr" in report and "pointing game" in report

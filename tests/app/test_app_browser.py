@@ -74,22 +74,27 @@ def weights_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(weights_dir, tmp_path_factory):
-    """(address, server process): the page served as `captioner app` serves it, on a free local port;
-    always stopped afterwards."""
+    """(address, server process, run log, flag file): the page served as `captioner app` serves it,
+    on a free local port; always stopped afterwards. While the flag file exists, its script runs
+    wait before they start (tests/app/slow_runs/sitecustomize.py); without it they run as the
+    app's do."""
     from captioner.app.cli import server_env, streamlit_command
 
     workdir = tmp_path_factory.mktemp("server")
-    log = workdir / "streamlit.log"
+    log, flag = workdir / "streamlit.log", workdir / "slow-runs"
     port = free_port()
     env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir),
-                           "CAPTIONER_APP_RUN_LOG": str(workdir / "runs.log")})
+                           "CAPTIONER_APP_RUN_LOG": str(workdir / "runs.log"),
+                           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_runs"),
+                                                          *filter(None, [os.environ.get("PYTHONPATH")])]),
+                           "CAPTIONER_TEST_SLOW_RUNS": str(flag)})
     cmd = streamlit_command(port, "127.0.0.1")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log)
-        yield url, proc, workdir / "runs.log"
+        yield url, proc, workdir / "runs.log", flag
     finally:
         _stop(proc)
 
@@ -525,37 +530,14 @@ def test_the_head_picker_shows_the_picked_word_s_map_of_the_picked_head(browser)
         page.close()
 
 
-@pytest.fixture(scope="module")
-def slow_server(weights_dir, tmp_path_factory):
-    """(address, flag file): a server as ``served``, whose script runs wait before they start
-    while the flag file exists (tests/app/slow_runs/sitecustomize.py)."""
-    from captioner.app.cli import server_env, streamlit_command
-
-    workdir = tmp_path_factory.mktemp("slow")
-    log, flag = workdir / "streamlit.log", workdir / "slow-runs"
-    env = server_env(base={**os.environ, "CAPTIONER_WEIGHTS_DIR": str(weights_dir),
-                           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "slow_runs"),
-                                                          *filter(None, [os.environ.get("PYTHONPATH")])]),
-                           "CAPTIONER_TEST_SLOW_RUNS": str(flag)})
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(streamlit_command(free_port(), "127.0.0.1"), cwd=workdir, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{proc.args[proc.args.index('--server.port') + 1]}"
-        _wait_healthy(url, proc, log)
-        yield url, flag
-    finally:
-        _stop(proc)
-
-
-def test_an_upload_made_before_the_last_upload_s_run_draws_is_shown(browser, slow_server, tmp_path):
+def test_an_upload_made_before_the_last_upload_s_run_draws_is_shown(browser, served, tmp_path):
     """A person's next upload may land after the last upload's rerun request and before its run
     draws anything, and its file may take longer to send than that run takes to start: here the
     run waits 3 s to start and the browser sends the next file in 5 s. The page kept in the
     uploader then must be the one the file arrives in: an uploader replaced by that run (a new
     key after every upload) dropped the file, no run ever came with it, and the page kept the
     previous picture (the uploads lost in docs/app-serving.md)."""
-    url, flag = slow_server
+    url, flag = served[0], served[3]
     context = browser.new_context(viewport={"width": 1400, "height": 1000}, device_scale_factor=1)
     slow_sends = []
 
@@ -600,4 +582,5 @@ def test_an_upload_made_before_the_last_upload_s_run_draws_is_shown(browser, slo
                             ).count() == 1
         assert page.get_by_test_id("stException").count() == 0
     finally:
+        flag.unlink(missing_ok=True)  # the server's next runs, other tests', start at once
         context.close()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
 
 from captioner.search.decoding import beam_search, greedy
 from captioner.search.options import DecodeOptions
@@ -27,7 +25,19 @@ GRAPHS_TRAINING = 1
 COUNTING_BACKEND = "eager"
 
 
-def _graphs() -> int:
+@pytest.fixture
+def counters():
+    """dynamo's counters, with its caches and counts reset; imported when a test asks, not when
+    the suite is collected (dynamo's import takes seconds)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return counters
+
+
+def _graphs(counters) -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -59,25 +69,21 @@ def _train_steps(cap, steps: int = 5) -> None:
     model.eval()
 
 
-def test_beam_greedy_and_training_compile_a_bounded_number_of_graphs(caplog):
-    torch._dynamo.reset()
-    counters.clear()
+def test_beam_greedy_and_training_compile_a_bounded_number_of_graphs(caplog, counters):
     cap = tiny_captioner(seed=3)
     cap.model.decoder.compile_step(backend=COUNTING_BACKEND)
     _decode_everything(cap)
-    decoding = _graphs()
+    decoding = _graphs(counters)
     _decode_everything(cap)  # steady: nothing new the second time
-    assert _graphs() == decoding <= GRAPHS_DECODING, (decoding, dict(counters["recompiles"]))
+    assert _graphs(counters) == decoding <= GRAPHS_DECODING, (decoding, dict(counters["recompiles"]))
     _train_steps(cap)
-    assert _graphs() - decoding <= GRAPHS_TRAINING, dict(counters["stats"])
+    assert _graphs(counters) - decoding <= GRAPHS_TRAINING, dict(counters["stats"])
     assert "recompile_limit" not in caplog.text and "cache_size_limit" not in caplog.text
 
 
-def test_each_model_compiles_its_own_graphs():
+def test_each_model_compiles_its_own_graphs(counters):
     """Two models (the same code) each get their own compiled functions: the second one's
     recompilations come out of its own budget, not the first one's."""
-    torch._dynamo.reset()
-    counters.clear()
     first, second = tiny_captioner(seed=1), tiny_captioner(seed=2, hidden_dim=20)
     for cap in (first, second):
         cap.model.decoder.compile_step(backend=COUNTING_BACKEND)
@@ -86,7 +92,7 @@ def test_each_model_compiles_its_own_graphs():
     assert one is not two  # a code object each: the compiler's cache and limit are per code object
     for cap in (first, second, first):
         _decode_everything(cap)
-    assert _graphs() <= 2 * GRAPHS_DECODING
+    assert _graphs(counters) <= 2 * GRAPHS_DECODING
 
 
 def test_compiled_decoding_gives_the_eager_captions():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from captioner.train.config import load_config
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+TORCHRUN_ARGS = ["--standalone", "--nproc_per_node", "2"]  # two workers on this machine (ranks.torchrun)
 
 
 def tiny_train_config(data_dir, **sets):

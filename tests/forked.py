@@ -2,8 +2,9 @@
 captioner imported: what `python -m captioner.cli ARGV` does, without its seconds of imports.
 
 Tests that need a process of its own for what they test (a signal, a kill, a rank of two)
-but not a fresh interpreter start it here; the tests of `python -m` itself, of a variable read
-at import, or of torchrun, keep starting real processes. The forkserver is started once per
+but not a fresh interpreter start it here; the tests of `python -m` itself or of a variable read
+at import keep starting real processes. torchrun's launcher is forked here too (``module``),
+its workers are real processes (tests.ranks.torchrun). The forkserver is started once per
 test process, on first use; a forked process gets back Python's own signal handlers.
 """
 
@@ -20,9 +21,11 @@ PRELOAD = ["torch", "torchvision", "captioner.cli.main", "captioner.train", "cap
            "captioner.inference"]
 
 
-def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, threads: int | None) -> None:
+def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, threads: int | None,
+         module: str | None = None) -> None:
     """The forked process: its output into ``out`` and ``err``, ``main(argv)``'s exit code as
-    the process's, as `python -m captioner.cli` gives it."""
+    the process's, as `python -m captioner.cli` gives it; with ``module``, `python -m MODULE
+    ARGV`'s."""
     import torch
 
     fout, ferr = open(out, "w"), open(err, "w")  # noqa: SIM115 (open until the process ends)
@@ -38,7 +41,14 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, thr
 
     code = 1
     try:
-        code = main(argv)
+        if module is None:
+            code = main(argv)
+        else:
+            import runpy
+
+            sys.argv = [module, *argv]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -57,13 +67,13 @@ class Forked:
     its output is read from files in ``logs`` (``stdout()``, ``stderr()``)."""
 
     def __init__(self, argv: list, logs: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, module: str | None = None) -> None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         logs.mkdir(parents=True, exist_ok=True)
         self._out, self._err = logs / "stdout.txt", logs / "stderr.txt"
         self._proc = ctx.Process(target=_run, args=([str(a) for a in argv], dict(env or {}), str(cwd or Path.cwd()),
-                                                    str(self._out), str(self._err), threads))
+                                                    str(self._out), str(self._err), threads, module))
         self._proc.start()
         self.pid = self._proc.pid
 

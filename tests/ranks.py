@@ -6,12 +6,13 @@ A torchrun launch starts three Python processes that each import torch: several 
 start-up for a few seconds of work on the tests' tiny models. Tests of what the ranks do
 (train like one process, caption every image once, resume) start them here instead; the
 tests of torchrun's own part (its exit codes, its stopping of the other ranks, what it prints)
-keep starting it (builders.TORCHRUN).
+keep starting it (``torchrun``): its launcher forked, its workers real processes.
 """
 
 from __future__ import annotations
 
 import multiprocessing.connection
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from captioner.cli.main import main
 from captioner.io.checkpoint import load_checkpoint
 from captioner.train.config import to_toml
-from tests.builders import free_port, tiny_train_config
+from tests.builders import TORCHRUN_ARGS, free_port, tiny_train_config
 from tests.forked import Forked
 
 
@@ -93,3 +94,15 @@ def one_and_two_ranks(tiny_coco, tmp_path, **sets):
     for k, v in a.state_dict.items():
         torch.testing.assert_close(b.state_dict[k], v, rtol=1e-4, atol=1e-5)
     return cfg, a, b
+
+
+def torchrun(args: list, tmp_path: Path, timeout: float = 600) -> tuple[int, str]:
+    """``torchrun --standalone --nproc_per_node 2 ARGS``: (its exit code, its and its workers'
+    error output). The launcher is forked from the forkserver that has torch loaded (its import
+    is seconds); it starts its workers as torchrun does, real Python processes."""
+    launcher = Forked([*TORCHRUN_ARGS, *args], tmp_path / "torchrun", module="torch.distributed.run")
+    try:
+        code = launcher.wait(timeout)
+    finally:
+        launcher.send_signal(signal.SIGTERM)  # still running after ``timeout``: torchrun stops its workers
+    return code, launcher.stderr()

@@ -4,15 +4,13 @@ of the tests of its exit codes and messages (and the GPU check's CPU run trains 
 tests/project/test_gpu_check.py); the others fork their ranks (tests.ranks)."""
 
 import json
-import subprocess
 
 import pytest
 import torch
 
 from captioner.model.decoder import CaptionModel
 from captioner.train.tensorboard import event_files
-from tests.builders import TORCHRUN
-from tests.ranks import one_and_two_ranks, two_ranks, two_ranks_ok
+from tests.ranks import one_and_two_ranks, torchrun, two_ranks, two_ranks_ok
 from tests.tiny import tiny_captioner, tiny_image
 
 
@@ -75,11 +73,11 @@ def test_a_mistake_under_torchrun_is_said_once_on_its_own_line(tmp_path):
     weights = tmp_path / "tiny.pt"
     tiny_captioner(seed=1).save(weights)
     tiny_image(0, size=(24, 24)).save(tmp_path / "a.png")
-    res = subprocess.run([*TORCHRUN, "-m", "captioner.cli", "caption", str(tmp_path / "a.png"), "--weights",
-                          str(weights)], capture_output=True, text=True, timeout=600)
-    errors = [line for line in res.stderr.splitlines() if "captioner caption: error:" in line]
+    _, stderr = torchrun(["-m", "captioner.cli", "caption", str(tmp_path / "a.png"), "--weights", str(weights)],
+                         tmp_path)
+    errors = [line for line in stderr.splitlines() if "captioner caption: error:" in line]
     assert errors == ["captioner caption: error: under torchrun, --out FILE is required (ranks write parts "
-                      "that are merged into it)"], res.stderr[-3000:]
+                      "that are merged into it)"], stderr[-3000:]
 
 
 SLOW_EXIT = '''
@@ -107,11 +105,10 @@ def test_under_torchrun_every_rank_ends_with_its_own_exit_code_none_killed(tmp_p
     (folder / "broken.jpg").write_bytes(b"not an image")
     script = tmp_path / "slow_exit.py"
     script.write_text(SLOW_EXIT)
-    res = subprocess.run([*TORCHRUN, str(script), "caption", str(folder), "--weights", str(weights),
-                          "--out", str(tmp_path / "out.jsonl"), "--max-len", "4"],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 1, res.stderr[-3000:]
-    assert "captioned 4, failed 1" in res.stderr
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", res.stderr)
-    assert codes and set(codes) == {"1"}, res.stderr[-3000:]  # no -15 (SIGTERM) for the slower rank
-    assert "Signal 15" not in res.stderr  # torchrun still logs that it sent one; no rank died of it
+    code, stderr = torchrun([str(script), "caption", str(folder), "--weights", str(weights),
+                             "--out", str(tmp_path / "out.jsonl"), "--max-len", "4"], tmp_path)
+    assert code == 1, stderr[-3000:]
+    assert "captioned 4, failed 1" in stderr
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)
+    assert codes and set(codes) == {"1"}, stderr[-3000:]  # no -15 (SIGTERM) for the slower rank
+    assert "Signal 15" not in stderr  # torchrun still logs that it sent one; no rank died of it

@@ -272,6 +272,7 @@ def test_tiny_model_with_a_grid_layer_trains_and_the_bias_table_learns():
     assert (table.detach() - before).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_training_on_cached_features_trains_the_grid_layers(tiny_coco, tmp_path):
     from captioner.train.loop import train
     from tests.builders import nll_log, tiny_train_config

@@ -81,6 +81,7 @@ def test_the_python_client_captions_an_image_and_a_folder(server, tmp_path, monk
     assert [line.split()[0] for line in lines[2:]] == ["a.jpg", "b.jpg"]
 
 
+@pytest.mark.slow
 def test_the_python_client_waits_and_asks_again_when_the_server_is_busy(server, tmp_path):
     """A 503 (the line is full) is waited out as its Retry-After says, then the image is captioned."""
     url, service = server

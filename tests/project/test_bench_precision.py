@@ -42,6 +42,7 @@ def test_channels_last_gives_the_encoders_output_within_float_tolerance():
     assert torch.allclose(after, before, rtol=1e-4, atol=1e-4 * scale), (after - before).abs().max() / scale
 
 
+@pytest.mark.slow
 def test_a_static_compile_reaches_torch_compile_and_captions_as_the_plain_step(monkeypatch):
     """"+static" compiles the decoder step for fixed shapes (dynamic=False, captioner's own
     compile is dynamic in the batch): the option must reach torch.compile, and the step must

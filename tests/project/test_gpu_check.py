@@ -40,6 +40,7 @@ def test_a_summary_line_counts_tracebacks_and_recompilations(tmp_path):
     assert slow.code is None and not slow.ok and "timeout" in slow.line()
 
 
+@pytest.mark.slow
 def test_a_forked_step_reports_its_exit_code_output_and_time_box_as_a_process_would(tmp_path, monkeypatch):
     (tmp_path / "step_ok.py").write_text("print('RESULT 2/2 fine')\n")
     (tmp_path / "step_exit.py").write_text("import sys\nprint('Recompiling function f')\nsys.exit(3)\n")
@@ -64,6 +65,7 @@ def test_a_forked_step_reports_its_exit_code_output_and_time_box_as_a_process_wo
     assert not gpu_check.forkable(gpu_check.Step("x", [sys.executable, "-c", "pass"], 1))
 
 
+@pytest.mark.slow
 def test_a_forked_step_out_of_time_stops_the_workers_it_started_in_their_own_sessions(tmp_path, monkeypatch):
     """As torchrun's launcher does: its workers run in sessions of their own, out of reach of its
     process group, and it stops them when it is sent SIGTERM. A step out of time is sent that

@@ -9,6 +9,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import pytest
 from torch.autograd import DeviceType
 
 from benchmarks import profile_step
@@ -17,6 +18,7 @@ LINE = re.compile(r"RESULT (\S+) (train|caption): ([\d.]+) ms/(step|batch) wall,
                   r"(ops|kernel launches)/(?:step|batch), ([\d,.]+) host syncs/(?:step|batch): (\S+)$")
 
 
+@pytest.mark.slow
 def test_a_cpu_run_prints_figures_for_training_and_captioning_and_gzipped_traces(tmp_path, capsys):
     assert profile_step.main(["--device", "cpu", "--batch-size", "1", "--variants", "fp32", "--encoder", "small",
                               "--tiny", "--out", str(tmp_path)]) == 0

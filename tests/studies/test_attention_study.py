@@ -273,6 +273,7 @@ def test_training_one_more_row_keeps_the_rows_already_in_the_table(tmp_path, sha
     assert (out / "table.md").read_text() == table
 
 
+@pytest.mark.slow
 def test_a_stopped_training_resumes_to_the_fixed_step_and_is_scored_there(tmp_path, monkeypatch, shapes_test_sets):
     import captioner.train.loop
     from captioner.train.config import load_config
@@ -599,6 +600,7 @@ def _two_checkpoints_and_test_sets(tmp_path: Path, runs: Path, shapes_test_sets)
     return str(runs / "seed0" / "last.pt"), str(runs / "seed1" / "last.pt"), tests
 
 
+@pytest.mark.slow
 def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, capsys, additive_runs,
                                                                        shapes_test_sets):
     a, b, tests = _two_checkpoints_and_test_sets(tmp_path, additive_runs, shapes_test_sets)
@@ -620,6 +622,7 @@ def test_score_against_gives_the_paired_difference_of_two_checkpoints(tmp_path, 
 
 
 
+@pytest.mark.slow
 def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys, additive_runs, shapes_test_sets):
     """A second confirmation on fresh data splits the error rate between the tries: --level
     0.975 gives the wider interval of the same resamples and names its level."""

@@ -1,6 +1,7 @@
 """Length-aware batching (data.length_buckets): batches of about one caption length, every
 caption once per epoch, the same batches for the same (seed, epoch), and exact resume."""
 
+import pytest
 import torch
 
 from captioner.io.checkpoint import load_checkpoint
@@ -40,6 +41,7 @@ def test_batch_order_depends_on_seed_and_epoch_only():
     assert _epoch_batches(len(lengths), 32, seed=4, epoch=1, lengths=lengths) != a
 
 
+@pytest.mark.slow
 def test_resume_with_length_buckets_reproduces_the_uninterrupted_run(tiny_coco, tmp_path):
     sets = {"data.length_buckets": "true", "optim.max_steps": 9}
     straight = tmp_path / "straight"

@@ -299,8 +299,9 @@ SCST = {"scst.enabled": True, "scst.samples": 3, "scst.max_len": 6, "optim.lr": 
         "val.every_epochs": 0}
 
 
-@pytest.mark.parametrize("sets", [{}, {"model.attention": "hard", "scst.baseline": "greedy",
-                                       "model.freeze_encoder": True, "data.feature_cache": True}],
+@pytest.mark.parametrize("sets", [{}, pytest.param({"model.attention": "hard", "scst.baseline": "greedy",
+                                                    "model.freeze_encoder": True, "data.feature_cache": True},
+                                                   marks=pytest.mark.slow)],
                          ids=["soft-loo", "hard-greedy-feature-cache"])
 def test_a_resumed_scst_run_equals_the_uninterrupted_one(tiny_coco, tmp_path, sets, one_thread):
     sets = {**SCST, **sets, "optim.max_steps": 9}

@@ -88,6 +88,7 @@ def test_every_curve_is_at_its_log_lines_and_validations_and_the_figures_decode(
     assert caption.startswith("val_201.png: ")
 
 
+@pytest.mark.slow
 def test_a_crashed_run_resumed_shows_each_step_once_with_the_uninterrupted_run_s_figures(tiny_coco, tmp_path,
                                                                                          monkeypatch):
     sets = {"optim.max_steps": 9, "optim.save_every": 0, "log.tensorboard_images": 1}

@@ -65,7 +65,8 @@ def test_fixture_trains_and_the_loss_falls(tiny_coco, tmp_path):
     assert (run / "config.toml").read_text().startswith('name = "run"')
 
 
-@pytest.mark.parametrize("attention,ema", [("soft", 0.0), ("hard", 0.0), ("soft", 0.9)],
+@pytest.mark.parametrize("attention,ema", [("soft", 0.0), pytest.param("hard", 0.0, marks=pytest.mark.slow),
+                                           pytest.param("soft", 0.9, marks=pytest.mark.slow)],
                          ids=["soft", "hard", "soft-weight-average"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, attention, ema):
     sets = {"model.attention": attention, "optim.max_steps": 9, "optim.ema": ema}
@@ -225,6 +226,7 @@ def test_a_run_stopped_by_its_step_limit_validates_its_final_weights(tiny_coco, 
     assert load_checkpoint(run / "last.pt").train_state.validated_at == 6
 
 
+@pytest.mark.slow
 def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
     """A run validated every epoch ends with the weights (and their average) of the same run
     never validated: validation draws no random numbers and restores the training weights,
@@ -240,6 +242,7 @@ def test_validating_leaves_the_training_as_it_is(tiny_coco, tmp_path):
     assert [r["step"] for r in log if "val" in r] == [4, 8, 9]
 
 
+@pytest.mark.slow
 def test_a_finished_run_records_its_training_images_features_with_each_checkpoint_s_encoder(tiny_coco, tmp_path,
                                                                                              monkeypatch):
     from captioner.data.coco import load_split

@@ -3,6 +3,7 @@ cosine temperature. Short runs on the tiny COCO-format fixture."""
 
 import math
 
+import pytest
 import torch
 
 from captioner.inference import Captioner, DecodeOptions
@@ -11,6 +12,7 @@ from tests.builders import tiny_train_config
 from tests.tiny import tiny_image
 
 
+@pytest.mark.slow
 def test_hard_attention_with_two_heads_and_a_learned_width_trains_and_captions(tiny_coco, tmp_path):
     sets = {"model.attention": "hard", "model.heads": 2, "model.local_window": 1.5, "model.local_width": "learned",
             "optim.max_steps": 12, "val.every_epochs": 0}

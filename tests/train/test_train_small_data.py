@@ -43,6 +43,7 @@ def validated_steps(run) -> list[int]:
     return [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val" in r]
 
 
+@pytest.mark.slow
 def test_the_own_data_recipe_does_not_stop_early_on_two_validation_images(tiny_coco, tmp_path, monkeypatch, capsys):
     """own-soft as shipped (val.patience = 5) on a data set whose validation split has two
     images, validation giving the same figure every epoch: the run trains every epoch; its

@@ -223,6 +223,7 @@ def test_set_data_dir_moves_the_split_file_with_it(tmp_path, photos, capsys, mon
     assert re.search(r"all \d+ images found and decoded", captured.out)
 
 
+@pytest.mark.slow
 def test_loader_workers_are_a_ceiling_of_the_machines_cores(tmp_path, photos, capsys, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a two-core machine, for torch too
     assert DataConfig(workers=8).loader_workers() == 2

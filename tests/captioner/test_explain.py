@@ -75,6 +75,7 @@ def test_an_unknown_kind_is_refused():
         gradient_maps(cap.model.decoder, cap.encode(torch.zeros(1, 3, 32, 32)), [[5]], cap.tokens, ("saliency",))
 
 
+@pytest.mark.slow
 def test_both_kinds_at_once_are_each_kind_alone():
     cap = tiny_captioner(seed=4)
     images = [tiny_image(seed=i) for i in range(2)]

@@ -249,6 +249,7 @@ def test_fast_forward_equals_the_step_by_step_form_with_grid_layers():
     assert grads[0][1].abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_tiny_model_with_a_grid_layer_trains_and_the_bias_table_learns():
     model = _tiny_model(encoder="small8", image_size=(64, 64), grid_heads=4)  # 8x8 cells
     images = torch.randn(4, 3, 64, 64)

@@ -112,6 +112,7 @@ def test_the_bad_folder_loads_and_fails_as_on_the_cpu_path(tmp_path, weights, mo
         assert device[rel]["caption"] == cpu[rel]["caption"] and device[rel]["score"] == cpu[rel]["score"]
 
 
+@pytest.mark.slow
 def test_the_demo_captions_jpeg_shapes_pictures_as_on_the_cpu_path(tmp_path, monkeypatch):
     folder = tmp_path / "jpg"
     folder.mkdir()

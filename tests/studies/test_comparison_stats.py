@@ -237,6 +237,7 @@ def test_each_variant_is_compared_with_the_reference_trained_on_its_own_device()
     assert "sparsemax (mps)" in ct.markdown(summary, None, "h")
 
 
+@pytest.mark.slow
 def test_a_call_that_fails_holms_correction_is_not_in_bold():
     # concat points better by about 2.5 seed sds: Welch's p near 0.01 on its own, but
     # fourteen other comparisons share the table, and Holm's correction keeps it from a call.

@@ -4,6 +4,7 @@ the values in memory, not the run, and a run saved in one layout resumes in the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from captioner.cli.main import main as captioner_main
@@ -68,6 +69,7 @@ def _train(cfg_path, run, *more):
     return captioner_main(["train", "--config", str(cfg_path), "--run-dir", str(run), "--quiet", *more])
 
 
+@pytest.mark.slow
 def test_a_channels_last_run_saves_its_layout_and_resumes_in_either(tiny_coco, tmp_path, monkeypatch):
     cfg_path = tmp_path / "cfg.toml"
     cfg_path.write_text(to_toml(tiny_train_config(tiny_coco, **{"optim.max_steps": 4, "val.every_epochs": 0,

@@ -48,6 +48,7 @@ def test_fp16_scaler_clips_the_true_gradient_not_the_scaled_one():
     assert p.item() == pytest.approx(-1.0)
 
 
+@pytest.mark.slow
 def test_fp16_training_runs_and_resume_restores_the_scaler(tiny_coco, tmp_path):
     run = tmp_path / "run"
     cfg = tiny_train_config(tiny_coco, **{"optim.max_steps": 6, "val.every_epochs": 0, "optim.precision": "fp16"})

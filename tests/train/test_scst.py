@@ -299,9 +299,9 @@ SCST = {"scst.enabled": True, "scst.samples": 3, "scst.max_len": 6, "optim.lr": 
         "val.every_epochs": 0}
 
 
-@pytest.mark.parametrize("sets", [{}, pytest.param({"model.attention": "hard", "scst.baseline": "greedy",
-                                                    "model.freeze_encoder": True, "data.feature_cache": True},
-                                                   marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("sets", [{}, {"model.attention": "hard", "scst.baseline": "greedy",
+                                       "model.freeze_encoder": True, "data.feature_cache": True}],
                          ids=["soft-loo", "hard-greedy-feature-cache"])
 def test_a_resumed_scst_run_equals_the_uninterrupted_one(tiny_coco, tmp_path, sets, one_thread):
     sets = {**SCST, **sets, "optim.max_steps": 9}
@@ -321,6 +321,7 @@ def test_a_resumed_scst_run_equals_the_uninterrupted_one(tiny_coco, tmp_path, se
     assert "baseline" not in logged[0]  # a hard model under SCST runs no REINFORCE of its attention
 
 
+@pytest.mark.slow
 def test_the_evaluation_split_s_captions_do_not_change_the_reward(tiny_coco, tmp_path, one_thread):
     """Two SCST runs whose validation splits say different things train the same weights:
     the rewards' document frequencies are the training split's alone (were the validation

@@ -24,6 +24,7 @@ def test_reinforce_defaults_are_the_authors_settings_averaged_per_caption():
                                                 "expected_context_prob": 0.5}
 
 
+@pytest.mark.slow
 def test_the_encoder_starts_from_a_checkpoint_and_the_decoder_fresh(tiny_coco, tmp_path, capsys):
     """model.encoder_from with freeze_encoder: the paper's set-up of a new decoder over a
     trained encoder that stays fixed (its features read through the cache)."""
@@ -65,8 +66,8 @@ def test_fixture_trains_and_the_loss_falls(tiny_coco, tmp_path):
     assert (run / "config.toml").read_text().startswith('name = "run"')
 
 
-@pytest.mark.parametrize("attention,ema", [("soft", 0.0), pytest.param("hard", 0.0, marks=pytest.mark.slow),
-                                           pytest.param("soft", 0.9, marks=pytest.mark.slow)],
+@pytest.mark.slow
+@pytest.mark.parametrize("attention,ema", [("soft", 0.0), ("hard", 0.0), ("soft", 0.9)],
                          ids=["soft", "hard", "soft-weight-average"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_coco, tmp_path, attention, ema):
     sets = {"model.attention": attention, "optim.max_steps": 9, "optim.ema": ema}

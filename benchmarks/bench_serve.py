@@ -240,14 +240,16 @@ def count(answers: list[tuple[object, float]]) -> dict[str, int]:
 def level(server: Server, jpegs: list[bytes], clients: int, passes: int = 1) -> dict:
     """Each image sent ``passes`` times from ``clients`` concurrent clients: the level's figures."""
     asks = [Ask(j, headers=(("content-type", "image/jpeg"),)) for _ in range(passes) for j in jpegs]
-    cpu0, began = server.cpu(), time.perf_counter()
+    cpu0, mine0, began = server.cpu(), time.process_time(), time.perf_counter()
     answers = asyncio.run(_load(server.url, asks, clients))
-    wall, cpu = time.perf_counter() - began, server.cpu() - cpu0
+    wall, cpu, mine = time.perf_counter() - began, server.cpu() - cpu0, time.process_time() - mine0
     ok = [s for status, s in answers if status == 200]
     return {"clients": clients, "requests": len(answers), "wall_s": wall, "images_per_s": len(ok) / wall,
             "p50_ms": 1000 * percentile(ok, 50), "p95_ms": 1000 * percentile(ok, 95),
             "p99_ms": 1000 * percentile(ok, 99), "by_status": count(answers),
-            "cpu_s_per_image": cpu / max(1, len(ok)), "peak_rss_mib": server.memory("VmHWM") / 2**20}
+            "cpu_s_per_image": cpu / max(1, len(ok)), "peak_rss_mib": server.memory("VmHWM") / 2**20,
+            # the cores the server and this load generator kept busy: on the server's machine, they share them
+            "server_cores": cpu / wall, "client_cores": mine / wall}
 
 
 def median_of_rounds(records: list[dict]) -> dict:
@@ -421,12 +423,13 @@ def print_report(report: dict) -> None:
     print(f"\n{report['images']} images (640x480 JPEG), {report['cores']} cores, load average "
           f"{report['load_average_before']:.1f} before the run (other work on the machine skews every figure); "
           f"server flags: {' '.join(report['server_flags']) or '(defaults)'}")
-    print("\n| clients | images/s | p50 ms | p95 ms | p99 ms | answers | server CPU-s/image | peak RSS MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| clients | images/s | p50 ms | p95 ms | p99 ms | answers | server CPU-s/image | peak RSS MiB "
+          "| cores busy: server + load generator |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in report.get("levels", []):
         print(f"| {r['clients']} | {r['images_per_s']:.1f} | {r['p50_ms']:.0f} | {r['p95_ms']:.0f} | "
               f"{r['p99_ms']:.0f} | {_statuses(r['by_status'])} | {r['cpu_s_per_image']:.3f} | "
-              f"{r['peak_rss_mib']:.0f} |")
+              f"{r['peak_rss_mib']:.0f} | {r['server_cores']:.2f} + {r['client_cores']:.2f} |")
     ref = report.get("reference")
     if ref:
         print(f"\n`captioner caption DIR`: {ref['caption_dir_images_per_s']:.1f} images/s (start-up left out; "

@@ -81,9 +81,9 @@ def test_each_round_s_speed_targets_are_printed_as_checks_reads_them(capsys):
         return {"reference": {"caption_dir_images_per_s": dir_rate, "one_image_in_process_ms": 20.0,
                               "one_image_in_process_p99_ms": 30.0, "caption_dir_wall_s": 3.0, "images": 200},
                 "levels": [{**level, "clients": 1, "images_per_s": 40.0, "p99_ms": p99, "cpu_s_per_image": 0.03,
-                            "peak_rss_mib": 500.0},
+                            "peak_rss_mib": 500.0, "server_cores": 1.2, "client_cores": 0.1},
                            {**level, "clients": 16, "images_per_s": 80.0, "p99_ms": 300.0, "cpu_s_per_image": 0.02,
-                            "peak_rss_mib": 600.0}],
+                            "peak_rss_mib": 600.0, "server_cores": 1.6, "client_cores": 0.35}],
                 "exit_code": 0}
     rounds = [one(100.0, 25.0), one(200.0, 40.0)]
     report = {"images": 200, "cores": 2, "load_average_before": 0.1, "server_flags": [], **rounds[0],
@@ -91,6 +91,7 @@ def test_each_round_s_speed_targets_are_printed_as_checks_reads_them(capsys):
     report["checks"] = bench_serve.checks(report)
     bench_serve.print_report(report)
     out = capsys.readouterr().out
+    assert "| 16 | 80.0 | 10 | 12 | 300 | 200: 200 | 0.020 | 600 | 1.60 + 0.35 |" in out
     assert "round 1: 16 clients / caption DIR: 0.80x (target >= 0.8); 1 client p99 / one image in-process: " \
            "1.25x (target <= 1.5)" in out
     assert "round 2: 16 clients / caption DIR: 0.40x (target >= 0.8); 1 client p99 / one image in-process: " \

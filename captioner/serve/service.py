@@ -164,12 +164,10 @@ class Service:
         try:
             arrived = time.perf_counter() if arrived is None else arrived
             asked = read_options(given, self.captioner.max_len)
-            # Resized to the model's input on this request's thread, not in the batch: a batch's
-            # thread would resize its images one after another while the other core waits.
-            pixels = self.captioner.preprocess.array(self.decode(data))
+            image = self.decode(data)
             left = self.limits.timeout_s - (time.perf_counter() - arrived) - self.gate.last_seconds
             announced = False
-            done = self.gate.run(asked.options, pixels, self._work(asked.options), timeout=max(0.0, left),
+            done = self.gate.run(asked.options, image, self._work(asked.options), timeout=max(0.0, left),
                                  announced=True)
         except QueueFull:
             raise Refused(503, f"the queue is full (--max-queue {self.limits.max_queue}): try again shortly",
@@ -202,27 +200,21 @@ class Service:
             raise Refused(415, f"not an image: {e}") from None
 
     def _work(self, options: DecodeOptions):
-        """The batch's work: the images' 8-bit pixels at the model's input size (``Preprocess.array``)
-        captioned together, as ``Captioner.caption_images`` captions them; should that raise, each
-        alone, so that one image that fails fails its request only (its place holds the exception)."""
-        import numpy as np
+        """The batch's work: the images captioned together; should that raise, each alone, so that
+        one image that fails fails its request only (its place holds the exception)."""
         import torch
 
-        def caption(pixels: list) -> list:
-            batch = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)  # (B, 3, H, W), normalised by the model
-            return self.captioner.caption_batch(batch, options)
-
-        def work(pixels: list) -> list:
+        def work(images: list) -> list:
             torch.set_num_threads(self.gate.threads)
             try:
-                return caption(pixels)
+                return self.captioner.caption_images(images, options)
             except Exception as e:
-                if len(pixels) == 1:
+                if len(images) == 1:
                     return [e]
             out: list = []
-            for one in pixels:
+            for image in images:
                 try:
-                    out.append(caption([one])[0])
+                    out.append(self.captioner.caption_images([image], options)[0])
                 except Exception as e:  # this image's request is told; the others go on
                     out.append(e)
             return out

@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-import torch
 from PIL import Image
 
 from tests.builders import hold_gate
@@ -185,8 +184,8 @@ def test_concurrent_requests_are_captioned_together_each_its_own(tiny, monkeypat
     service, client = serve(tiny, max_batch=4)
     alone = {i: client.post("/v1/captions", content=png(10 + i)).json() for i in range(4)}
     sizes = []
-    original = tiny.caption_batch
-    monkeypatch.setattr(tiny, "caption_batch", lambda images, opt: sizes.append(len(images)) or original(images, opt))
+    original = tiny.caption_images
+    monkeypatch.setattr(tiny, "caption_images", lambda images, opt: sizes.append(len(images)) or original(images, opt))
     release = hold_gate(service.gate)  # the model is busy: the four wait together
     out = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, client.post("/v1/captions",
@@ -204,47 +203,19 @@ def test_concurrent_requests_are_captioned_together_each_its_own(tiny, monkeypat
     assert {i: r.json() for i, r in out.items()} == alone
 
 
-def test_each_image_is_resized_on_its_request_s_thread_not_in_the_batch(tiny, monkeypatch):
-    """A batch's thread gets each image's pixels at the model's input size: resizing them there,
-    one after another, held up the batch while the other core waited (docs/serving.md)."""
-    from captioner.data.images import Preprocess
-
-    service, client = serve(tiny, max_batch=4)
-    resized_on, original = [], Preprocess.array
-    monkeypatch.setattr(Preprocess, "array", lambda self, image: resized_on.append(
-        threading.current_thread().name) or original(self, image))
-    release = hold_gate(service.gate)
-    out = {}
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, client.post("/v1/captions",
-                                                                                   content=png(30 + i))))
-               for i in range(3)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while service.gate.queued < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    release.set()
-    for t in threads:
-        t.join(30)
-    assert all(r.status_code == 200 for r in out.values()) and len(resized_on) == 3
-    assert not any(name.startswith("gate") for name in resized_on), resized_on
-
-
 def test_one_image_that_fails_fails_its_request_alone_not_its_batch(tiny, monkeypatch):
     service, client = serve(tiny, max_batch=4)
     alone = {i: client.post("/v1/captions", content=png(20 + i)).json() for i in range(3)}
-    original = tiny.caption_batch
-    bodies = [png(20), png(21), png(99, (41, 31)), png(22)]
-    # the batch holds each image's 8-bit pixels at the model's input size: the broken one's, as (3, H, W)
-    broken = torch.from_numpy(tiny.preprocess.array(tiny.preprocess.load(bodies[2]))).permute(2, 0, 1)
+    original = tiny.caption_images
 
     def fussy(images, opt):
-        if any(torch.equal(im, broken) for im in images):
+        if any(im.size == (41, 31) for im in images):
             raise RuntimeError("this image breaks the model")
         return original(images, opt)
 
-    monkeypatch.setattr(tiny, "caption_batch", fussy)
+    monkeypatch.setattr(tiny, "caption_images", fussy)
     release = hold_gate(service.gate)
+    bodies = [png(20), png(21), png(99, (41, 31)), png(22)]
     out = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, client.post("/v1/captions", content=bodies[i])))
                for i in range(4)]

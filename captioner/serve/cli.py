@@ -62,6 +62,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=positive, default=d.workers,
                    help="batches captioned at once, in this process (default 1: one batch at a time with every "
                         "core's threads; more processes: run replicas, docs/serving.md)")
+    p.add_argument("--processes", type=positive, default=1, metavar="N",
+                   help="server processes sharing the port, forked once the model is loaded (CPU only; default "
+                        "1). On a CPU one process keeps about 1.2 cores busy: its search and its HTTP loop are "
+                        "Python, one thread at a time; one process a core, each with cores / N threads, keeps "
+                        "them all busy (docs/serving.md). Each process batches its own requests")
     p.add_argument("--max-batch", type=positive, default=None, metavar="B",
                    help="images captioned together at most (default 16 on a CPU, 64 on a GPU)")
     p.add_argument("--max-wait-ms", type=_milliseconds, default=d.max_wait_ms, metavar="T",
@@ -94,17 +99,94 @@ def cmd_serve(args: argparse.Namespace) -> int:
     busy = port_taken(args.host, args.port)
     if busy:
         raise UsageError(f"port {args.port} on {args.host} is taken ({busy}): give another with --port")
+    if args.processes > 1 and str(device) != "cpu":
+        raise UsageError(f"--processes {args.processes} is for a CPU (a process forked after CUDA starts cannot use "
+                         "it): run one replica a GPU, docs/serving.md")
     captioner = load_model("serve", args.weights, device).captioner.use_precision(args.precision)
     max_batch = args.max_batch or (64 if str(device).startswith("cuda") else 16)
     limits = Limits(workers=args.workers, max_batch=max_batch, max_wait_ms=args.max_wait_ms,
                     max_queue=args.max_queue, max_pixels=args.max_pixels, max_body_bytes=args.max_body_bytes,
                     timeout_s=args.timeout_s)
+    if args.processes > 1:
+        return serve_forked(captioner, limits, args.host, args.port, args.processes, quiet=args.quiet)
     return serve(captioner, limits, args.host, args.port, quiet=args.quiet)
 
 
-def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = False) -> int:
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int, *, quiet: bool = False) -> int:
+    """``processes`` servers of ``captioner`` on one port, forked from this process (the model
+    loaded once, its weights shared until written), each with the cores' share of torch threads,
+    in a process group of its own, listening on a socket of its own (SO_REUSEPORT: the kernel
+    spreads the connections evenly; with one shared socket, a few keep-alive connections could
+    all land on one server). SIGTERM or Ctrl-C here is passed to each as
+    SIGTERM (they finish their requests in flight); returns 0 when all end so (130 for Ctrl-C),
+    1 when one fails."""
+    import socket
+
+    def listening() -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        return sock
+
+    listening().close()  # the port is free: each server listens on a socket of its own
+    threads = max(1, _cores() // (processes * limits.workers))
+    children: list[int] = []
+    stopped: list[int] = []
+
+    def stop(signum, frame) -> None:
+        stopped.append(signum)
+        for child in children:
+            try:
+                os.kill(child, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, stop)  # before the forks: a stop that comes meanwhile reaches them
+    signal.signal(signal.SIGINT, stop)
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:  # a server: its own group, so that a terminal's Ctrl-C reaches only the parent
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.setpgid(0, 0)
+                code = serve(captioner, limits, host, port, quiet=quiet, threads=threads, sock=listening())
+            finally:
+                os._exit(code)
+        children.append(pid)
+        if stopped:  # stopped while forking: this one too
+            stop(stopped[0], None)
+    print(f"captioner serve: http://{host}:{port} ({captioner.name}, {processes} processes of {threads} "
+          f"thread{'s' if threads > 1 else ''}; batches of up to {limits.max_batch}, queue {limits.max_queue} "
+          f"each; API at http://{host}:{port}/docs)", file=sys.stderr)
+    codes = []
+    for child in children:
+        while True:
+            try:
+                codes.append(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+                break
+            except InterruptedError:
+                continue
+        if codes[-1] != 0 and not stopped:  # one server failed: the others stop too
+            stop(signal.SIGTERM, None)
+    if any(c != 0 for c in codes):
+        return 1
+    return 130 if signal.SIGINT in stopped else EXIT_OK
+
+
+def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = False, threads: int | None = None,
+          sock=None) -> int:
     """Serve ``captioner`` until SIGTERM or Ctrl-C: then no new connection is taken, the requests
-    in flight are answered, and this returns 0 (130 for Ctrl-C, as the other commands)."""
+    in flight are answered, and this returns 0 (130 for Ctrl-C, as the other commands).
+    ``threads``: torch threads per batch (default the cores' share of each of ``limits.workers``);
+    ``sock``: a listening socket to serve on (serve_forked's) rather than ``host``:``port``."""
     import torch
     import uvicorn
     from PIL import Image
@@ -112,8 +194,7 @@ def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = Fals
     from captioner.serve.http import create_app
     from captioner.serve.service import Service
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    service = Service(captioner, limits, threads=max(1, cores // limits.workers))
+    service = Service(captioner, limits, threads=threads or max(1, _cores() // limits.workers))
     torch.set_num_threads(service.gate.threads)
 
     def warm() -> None:  # the first batch's one-off costs on each thread the batches run on, before any request
@@ -128,9 +209,10 @@ def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = Fals
     # once done, which would end the process with the signal's status: the handler it then restores is
     # this one, so that the process exits 0 as a service manager expects of a clean stop.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    print(f"captioner serve: http://{host}:{port} ({captioner.name}, {captioner.device}; batches of up to "
-          f"{limits.max_batch}, queue {limits.max_queue}; API at http://{host}:{port}/docs)", file=sys.stderr)
-    server.run()
+    if sock is None:
+        print(f"captioner serve: http://{host}:{port} ({captioner.name}, {captioner.device}; batches of up to "
+              f"{limits.max_batch}, queue {limits.max_queue}; API at http://{host}:{port}/docs)", file=sys.stderr)
+    server.run(sockets=None if sock is None else [sock])
     if server.force_exit:
         return 130
     return EXIT_OK

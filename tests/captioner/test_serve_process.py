@@ -89,3 +89,64 @@ def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+@pytest.mark.slow
+def test_processes_share_the_port_and_all_stop_cleanly_on_sigterm(tmp_path):
+    """`--processes 2`: two servers forked once the model is loaded, on one port. Requests sent
+    at once are all captioned; SIGTERM to the parent stops both after their requests in flight,
+    and the parent exits 0 with none left behind."""
+    psutil = pytest.importorskip("psutil")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet",
+                               "--max-batch", "4", "--processes", "2"], stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                                 "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                                                os.environ.get("PYTHONPATH", "")])})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        children = psutil.Process(server.pid).children()
+        assert len(children) == 2
+        buf = io.BytesIO()
+        tiny_image(7, (320, 240)).save(buf, "JPEG")
+        answers: dict[int, object] = {}
+
+        def ask(i: int) -> None:
+            try:
+                answers[i] = httpx.post(f"{url}/v1/captions?beam_size=8", content=buf.getvalue(), timeout=120)
+            except httpx.HTTPError as e:
+                answers[i] = e
+
+        clients = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(120)
+        assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in answers.values()), answers
+        assert len({r.json()["caption"] for r in answers.values()}) == 1
+        more = [threading.Thread(target=ask, args=(i,)) for i in range(8, 14)]
+        for t in more:
+            t.start()
+        time.sleep(0.3)
+        server.send_signal(signal.SIGTERM)
+        for t in more:
+            t.join(120)
+        assert server.wait(120) == 0, server.stderr.read()
+        assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
+        # what was admitted was answered in full; a connection not yet read when they stopped is closed
+        assert all(r.status_code == 200 for r in answers.values() if isinstance(r, httpx.Response)), answers
+        assert "Traceback" not in server.stderr.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)

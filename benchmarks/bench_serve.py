@@ -134,17 +134,34 @@ class Server:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")
 
+    def pids(self) -> list[int]:
+        """The server's process and its children (the servers `--processes N` forks)."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        found = children.read_text().split() if children.exists() else []
+        return [self.proc.pid, *map(int, found)]
+
     def cpu(self) -> float:
-        """The server's user + system CPU seconds so far."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """The server's user + system CPU seconds so far, its forked servers' included."""
+        total = 0
+        for pid in self.pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def memory(self, key: str) -> int:
-        """VmHWM (peak) or VmRSS (now), in bytes."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        return 0
+        """VmHWM (peak) or VmRSS (now), in bytes, summed over the server's processes (forked ones
+        share the model's pages until written: the sum counts them once each)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            total += next((int(line.split()[1]) * 1024 for line in lines if line.startswith(key + ":")), 0)
+        return total
 
     def alive(self) -> bool:
         """Up and answering: /healthz, and a caption of a small image."""

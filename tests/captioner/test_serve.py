@@ -15,7 +15,7 @@ import time
 import pytest
 from PIL import Image
 
-from tests.builders import hold_gate
+from tests.builders import free_port, hold_gate
 from tests.tiny import tiny_captioner, tiny_image
 
 fastapi = pytest.importorskip("fastapi")
@@ -302,9 +302,22 @@ def test_the_command_s_flags_and_its_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     helped = capsys.readouterr().out
-    for flag in ("--weights", "--host", "--port", "--workers", "--max-batch", "--max-wait-ms", "--max-queue",
-                 "--max-pixels", "--timeout-s", "--max-body-bytes"):
+    for flag in ("--weights", "--host", "--port", "--workers", "--processes", "--max-batch", "--max-wait-ms",
+                 "--max-queue", "--max-pixels", "--timeout-s", "--max-body-bytes"):
         assert flag in helped
+    assert args.processes == 1
+
+
+def test_several_processes_are_refused_on_a_gpu_in_one_line(monkeypatch, capsys):
+    """A process forked after CUDA started cannot use it: --processes is for CPUs."""
+    import captioner.serve.cli as serve_cli
+    from captioner.cli.main import main
+
+    monkeypatch.setattr(serve_cli, "check_device", lambda device: "cuda:0")
+    monkeypatch.setattr(serve_cli, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    assert main(["serve", "--processes", "2", "--device", "cuda", "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--processes 2 is for a CPU" in err and "\n" not in err
 
 
 @pytest.mark.slow

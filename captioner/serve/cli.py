@@ -158,6 +158,9 @@ def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.setpgid(0, 0)
                 code = serve(captioner, limits, host, port, quiet=quiet, threads=threads, sock=listening())
+            except Exception as e:  # said in one line; the parent then stops the others and exits 1
+                print(f"captioner serve: server process {os.getpid()} failed: {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
             finally:
                 os._exit(code)
         children.append(pid)

@@ -387,3 +387,26 @@ def test_a_file_name_in_a_form_is_never_opened(tiny):
     assert "not an image" in refusal(r, 415)
     r = client.post("/v1/captions", files={"file": ("../../../etc/hostname", png(8), "image/png")})
     assert r.status_code == 200 and "image" not in r.json()
+
+
+def test_a_forked_server_that_fails_says_so_in_one_line_and_the_parent_exits_1(tiny, monkeypatch, capfd):
+    """`--processes N`: a server process that cannot start (here: its serving raises) says why in one
+    line of its own; the parent stops the others and exits 1, not 0."""
+    import signal
+
+    import captioner.serve.cli as serve_cli
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot listen")
+
+    monkeypatch.setattr(serve_cli, "serve", broken)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = serve_cli.serve_forked(tiny, Limits(), "127.0.0.1", free_port(), 2, quiet=True)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert code == 1
+    failed = [line for line in capfd.readouterr().err.splitlines() if "failed" in line]
+    # each server that failed says so (the other may be stopped first, by the parent)
+    assert failed and all("RuntimeError: cannot listen" in line for line in failed), failed

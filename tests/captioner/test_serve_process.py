@@ -23,16 +23,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 
-@pytest.mark.slow
-def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
-    cwd, home, tmp = tmp_path / "cwd", tmp_path / "home", tmp_path / "tmp"
-    for folder in (cwd, home, tmp):
-        folder.mkdir()
+def _started(flags: list[str], cwd: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    """`captioner serve --quiet FLAGS` on a free 127.0.0.1 port, once /healthz answers: (its
+    process, its address). Killed here if it does not start; the caller stops it otherwise."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet",
-                               "--max-batch", "4"], stderr=subprocess.PIPE, text=True, cwd=cwd,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1", "HOME": str(home), "TMPDIR": str(tmp),
+    server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet", *flags],
+                              stderr=subprocess.PIPE, text=True, cwd=cwd,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **env,
                                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     try:
         deadline = time.monotonic() + 120
@@ -40,11 +38,24 @@ def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
             assert server.poll() is None, server.stderr.read()
             try:
                 if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
+                    return server, url
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
+    except BaseException:
+        server.kill()
+        server.wait(10)
+        raise
+
+
+@pytest.mark.slow
+def test_sigterm_mid_load_finishes_the_requests_in_flight_and_exits_0(tmp_path):
+    cwd, home, tmp = tmp_path / "cwd", tmp_path / "home", tmp_path / "tmp"
+    for folder in (cwd, home, tmp):
+        folder.mkdir()
+    server, url = _started(["--max-batch", "4"], cwd, HOME=str(home), TMPDIR=str(tmp))
+    try:
         buf = io.BytesIO()
         tiny_image(7, (640, 480)).save(buf, "JPEG")
         image = buf.getvalue()
@@ -97,24 +108,8 @@ def test_processes_share_the_port_and_all_stop_cleanly_on_sigterm(tmp_path):
     at once are all captioned; SIGTERM to the parent stops both after their requests in flight,
     and the parent exits 0 with none left behind."""
     psutil = pytest.importorskip("psutil")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet",
-                               "--max-batch", "4", "--processes", "2"], stderr=subprocess.PIPE, text=True,
-                              cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                                 "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                                                os.environ.get("PYTHONPATH", "")])})
+    server, url = _started(["--max-batch", "4", "--processes", "2"], tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
         children = psutil.Process(server.pid).children()
         assert len(children) == 2
         buf = io.BytesIO()

@@ -61,7 +61,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=positive, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--workers", type=positive, default=d.workers,
                    help="batches captioned at once, in this process (default 1: one batch at a time with every "
-                        "core's threads; more processes: run replicas, docs/serving.md)")
+                        "core's threads; several processes: --processes)")
     p.add_argument("--processes", type=positive, default=1, metavar="N",
                    help="server processes sharing the port, forked once the model is loaded (CPU only; default "
                         "1). On a CPU one process keeps about 1.2 cores busy: its search and its HTTP loop are "
@@ -170,13 +170,8 @@ def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int
           f"thread{'s' if threads > 1 else ''}; batches of up to {limits.max_batch}, queue {limits.max_queue} "
           f"each; API at http://{host}:{port}/docs)", file=sys.stderr)
     codes = []
-    for child in children:
-        while True:
-            try:
-                codes.append(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
-                break
-            except InterruptedError:
-                continue
+    for child in children:  # a signal handled meanwhile does not end the wait (PEP 475)
+        codes.append(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
         if codes[-1] != 0 and not stopped:  # one server failed: the others stop too
             stop(signal.SIGTERM, None)
     if any(c != 0 for c in codes):

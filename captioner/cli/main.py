@@ -9,6 +9,7 @@ What every subcommand shares (exit codes, UsageError, the model loader) is in cl
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -718,5 +719,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
+def run() -> None:
+    """The ``captioner`` command and ``python -m captioner.cli``: main(), then an exit that skips
+    most of Python's shutdown work. That shutdown runs several full garbage collections over
+    every object alive, most of them left by torch's and torchvision's imports, where the
+    operating system frees them all at once anyway: seconds a call on a small CPU
+    (docs/benchmarks.md). So the garbage there is is collected first, which runs its finalizers,
+    and what is still alive is frozen, out of the collector's sight. A command that raises is
+    left to the usual shutdown; argparse's exits (--help, --version, a usage error) are not."""
+    try:
+        code = main()
+    except SystemExit as done:
+        code = done.code
+    gc.collect()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

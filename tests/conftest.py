@@ -4,16 +4,16 @@ other."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from captioner.model import kernels
-from tests.tiny import TINY_COCO, tiny_captioner, write_tiny_coco
+# torch, the library and tests.tiny are imported where a fixture needs them: pytest-xdist's
+# controller loads this file too, and starts its workers only once the file is loaded.
 
 
 def _xdist_worker() -> bool:
@@ -25,8 +25,21 @@ def pytest_configure(config):
     one a core: each keeps to one torch thread, and so do the processes it starts, so that the
     threads of one process do not wait on cores another one holds."""
     if _xdist_worker():
+        import torch
+
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """The processes' exits are the run's last wait: pytest-xdist's controller ends only when
+    every worker has, and an interpreter's shutdown runs full garbage collections over all it
+    still holds (torch, the test modules, their fixtures' models). Collected once here and
+    frozen, what is left is out of those collections' sight, as the captioner command does
+    (captioner.cli.main.run)."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -73,6 +86,8 @@ def onnx_registry_once():
 @pytest.fixture
 def tiny_coco(tmp_path: Path) -> Path:
     """A folder with captions_{train,val,test}.json (6/2/2 images, 2-3 captions each) and images/."""
+    from tests.tiny import write_tiny_coco
+
     return write_tiny_coco(tmp_path / "tiny_coco")
 
 
@@ -83,6 +98,8 @@ def tiny_karpathy(tiny_coco: Path) -> Path:
     Splits: the first four COCO-train images are "train", the other two "restval";
     val and test as in tiny_coco. Image paths are ``<its folder>/<filepath>/<filename>``.
     """
+    from tests.tiny import TINY_COCO
+
     split_of = {}
     for image_id, *_ in TINY_COCO["train"]:
         split_of[image_id] = "train" if len(split_of) < 4 else "restval"
@@ -122,6 +139,8 @@ def photos(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> str:
     """A tiny model (tiny.tiny_captioner, seed 1) saved once per test module: its path."""
+    from tests.tiny import tiny_captioner
+
     path = tmp_path_factory.mktemp("w") / "tiny.pt"
     tiny_captioner(seed=1).save(path)
     return str(path)
@@ -162,6 +181,8 @@ def shapes_test_sets(tmp_path_factory):
 def kernels_switch(request) -> bool:
     """Runs a test with captioner.kernels' fast forms on, then with them off (the plain torch
     forms); the switch is put back afterwards. The test gets the setting."""
+    from captioner.model import kernels
+
     before = kernels.set_enabled(request.param)
     yield request.param
     kernels.set_enabled(before)
@@ -170,6 +191,8 @@ def kernels_switch(request) -> bool:
 @pytest.fixture
 def kernels_on():
     """For a test of a fast form itself: the kernels on, whatever the environment says."""
+    from captioner.model import kernels
+
     before = kernels.set_enabled(True)
     yield
     kernels.set_enabled(before)

@@ -15,7 +15,7 @@ import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from captioner.cli.alt_text import add_alt_text_parser
 from captioner.cli.caption_files import FORMATS as CAPTION_FORMATS
@@ -719,16 +719,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
 
-def run() -> None:
-    """The ``captioner`` command and ``python -m captioner.cli``: main(), then an exit that skips
-    most of Python's shutdown work. That shutdown runs several full garbage collections over
-    every object alive, most of them left by torch's and torchvision's imports, where the
-    operating system frees them all at once anyway: seconds a call on a small CPU
-    (docs/benchmarks.md). So the garbage there is is collected first, which runs its finalizers,
-    and what is still alive is frozen, out of the collector's sight. A command that raises is
-    left to the usual shutdown; argparse's exits (--help, --version, a usage error) are not."""
+def run(command: Callable[[], int | None] | None = None) -> None:
+    """The ``captioner`` command and ``python -m captioner.cli`` (``command``: main, or another
+    program's main, such as the studies' subcommands): the command, then an exit that skips most
+    of Python's shutdown work. That shutdown runs several full garbage collections over every
+    object alive, most of them left by torch's and torchvision's imports, where the operating
+    system frees them all at once anyway: seconds a call on a small CPU (docs/benchmarks.md). So
+    the garbage there is is collected first, which runs its finalizers, and what is still alive
+    is frozen, out of the collector's sight. A command that raises is left to the usual
+    shutdown; argparse's exits (--help, --version, a usage error) are not."""
     try:
-        code = main()
+        code = (command or main)()
     except SystemExit as done:
         code = done.code
     gc.collect()

@@ -1,7 +1,8 @@
-"""`python -m studies.attention SUBCOMMAND`: the attention comparison (cli.py)."""
+"""`python -m studies.attention SUBCOMMAND`: the attention comparison (cli.py), with the
+captioner command's quick exit."""
 
-import sys
+from captioner.cli.main import run
 
 from .cli import main
 
-sys.exit(main())
+run(main)

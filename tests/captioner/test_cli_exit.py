@@ -68,10 +68,19 @@ def test_a_command_that_raises_is_not_frozen(monkeypatch, no_automatic_gc):
     assert gc.get_freeze_count() == 0
 
 
+def test_another_program_s_main_exits_the_same_way(no_automatic_gc):
+    with pytest.raises(SystemExit) as done:
+        cli.run(lambda: 4)
+    assert done.value.code == 4 and gc.get_freeze_count() > 0
+
+
 def test_the_installed_command_and_python_m_both_go_through_run(monkeypatch):
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["captioner"] == "captioner.cli.main:run"
     ran = []
-    monkeypatch.setattr(cli, "run", lambda: ran.append(True))
+    monkeypatch.setattr(cli, "run", lambda *command: ran.append(True))
     runpy.run_module("captioner.cli", run_name="__main__")  # what torchrun's `-m captioner.cli` runs
     assert ran == [True]
+    monkeypatch.setattr(cli, "run", lambda command: ran.append(command.__module__))
+    runpy.run_module("studies.attention", run_name="__main__")
+    assert ran == [True, "studies.attention.cli"]

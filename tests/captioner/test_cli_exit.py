@@ -1,5 +1,5 @@
 """The `captioner` command leaves quickly: Python's shutdown walks every object still alive,
-several times over, and torch, torchvision and the library leave about a million of them from
+several times over, and torch, torchvision and the library leave some 340,000 of them from
 their imports alone (docs/benchmarks.md has the seconds)."""
 
 from __future__ import annotations

@@ -111,6 +111,7 @@ def test_no_mention_anywhere_gives_no_chair_i():
     assert summary.chair_s == 0 and summary.chair_i is None and summary.n_mentions == 0
 
 
+@pytest.mark.slow  # 240 captions through the reference code: over a second
 def test_the_reference_implementations_figures_on_240_captions():
     cases = json.loads((FIXTURE / "cases.json").read_text())["images"]
     expected = json.loads((FIXTURE / "expected.json").read_text())

@@ -34,6 +34,7 @@ def test_vgg19_fine_tunes_the_conv5_blocks() -> None:
     assert trainable == [32, 34]  # conv5_3 and conv5_4
 
 
+@pytest.mark.slow  # builds ResNet-18 and loads its weights from a file: seconds
 def test_pretrained_weights_come_from_torch_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     saved = fake_torch_home(tmp_path / "hub", monkeypatch, "resnet18")
     enc = create_encoder("resnet18", pretrained=True)

@@ -93,6 +93,7 @@ def test_the_search_returns_the_plain_search_s_captions_on_random_tiny_models():
     assert early > 500  # most images were done before the last step: their pools were frozen
 
 
+@pytest.mark.slow  # many random tiny models, each searched: seconds
 def test_the_search_knows_the_step_at_which_the_plain_search_lets_each_image_go():
     """done_at: for each image, the step after which the plain search (the reference of
     test_decoding), given that image alone, runs no more, with and without a length penalty."""

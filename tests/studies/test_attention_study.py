@@ -642,6 +642,7 @@ def test_score_level_widens_the_interval_and_says_so(tmp_path, capsys, additive_
         assert e.value.code == 2
 
 
+@pytest.mark.slow  # the additive row's two seeds trained (a module fixture): seconds
 def test_score_reads_a_run_folder_as_the_table_does_its_weight_average(tmp_path, monkeypatch, additive_runs,
                                                                        shapes_test_sets):
     """A run folder is scored at its last.pt's weight average, the weights the table scores."""

@@ -129,6 +129,7 @@ def shapes_images(tmp_path_factory):
     return [load_image(p) for p in sorted((out / "images" / "test").glob("*.png"))]
 
 
+@pytest.mark.slow  # the demo model captions twice, once under autocast: over a second each
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_autocast_captioning_names_the_same_objects_and_returns_fp32_maps(shapes_images, precision):
     cap = Captioner.load("demo-soft")

@@ -83,6 +83,7 @@ def test_val_limit_counts_as_the_validation_s_size(tiny_coco, tmp_path, monkeypa
     assert train(cfg, tmp_path / "run", progress=False).reason == "finished"
 
 
+@pytest.mark.slow  # four trainings: over a second each
 @pytest.mark.parametrize("values,min_images,kept", [
     ([0.9, 0.5, 0.1], 3, -1),  # too few images: the last validated weights, whatever the figure
     ([0.9, 0.5, 0.1], 0, 0),  # enough: the best figure, the first

@@ -33,8 +33,9 @@ model) and compiles with torch.compile's eager backend (the compiler's capture a
 code generation), so that a CPU test can run the whole check: every step, in a few minutes.
 ``--fork`` (CPU only) runs each ``python -m`` step in a fork of the check's own process, which
 has imported torch, torchvision and the captioner once: a step then costs its own work, not the
-imports' seconds again (most of a quick step on a CPU); torchrun's launcher too, whose workers
-are processes of their own.
+imports' seconds again (most of a quick step on a CPU); torchrun's launcher too, which forks
+its workers in turn (benchmarks/forked_workers.py): each a process of its own, in a session of
+its own, as torchrun starts them.
 
 The whole check is meant to fit ``--budget 480`` on a GPU. To make room for the profile and
 batch 128, bench_precision at batch 32 leaves its compiled variants to them (the profile times
@@ -55,15 +56,14 @@ import importlib.util
 import json
 import os
 import re
-import runpy
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.forked_workers import fork_workers, run_as_main
 from captioner.cli.main import default_batch_size  # no torch at import: the package check runs first
 
 # What the steps import; each missing one is named in one line before anything runs.
@@ -311,16 +311,9 @@ def _run_forked(step: Step, log) -> int | None:
             sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             os.setpgid(0, 0)  # its own group: a timeout kills what it started too
-            sys.argv = [step.argv[2], *step.argv[3:]]
-            sys.modules.pop(step.argv[2], None)  # preloaded for its imports: run afresh as __main__
-            runpy.run_module(step.argv[2], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if not isinstance(e.code, int | None):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
+            if step.argv[2] == "torch.distributed.run":
+                fork_workers()  # its workers forked from it too, not new interpreters
+            code = run_as_main(step.argv[1:])
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

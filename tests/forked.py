@@ -4,8 +4,9 @@ captioner imported: what `python -m captioner.cli ARGV` does, without its second
 Tests that need a process of its own for what they test (a signal, a kill, a rank of two)
 but not a fresh interpreter start it here; the tests of `python -m` itself or of a variable read
 at import keep starting real processes. torchrun's launcher is forked here too (``module``),
-its workers are real processes (tests.ranks.torchrun). The forkserver is started once per
-test process, on first use; a forked process gets back Python's own signal handlers.
+and it forks its workers in turn (benchmarks/forked_workers.py, tests.ranks.torchrun). The
+forkserver is started once per test process, on first use; a forked process gets back Python's
+own signal handlers.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, thr
         if module is None:
             code = main(argv)
         else:
-            import runpy
+            from benchmarks.forked_workers import fork_workers, run_as_main
 
-            sys.argv = [module, *argv]
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            code = 0
+            if module == "torch.distributed.run":
+                fork_workers()  # its workers forked from it too, not new interpreters
+            code = run_as_main(["-m", module, *argv])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:

@@ -6,7 +6,8 @@ A torchrun launch starts three Python processes that each import torch: several 
 start-up for a few seconds of work on the tests' tiny models. Tests of what the ranks do
 (train like one process, caption every image once, resume) start them here instead; the
 tests of torchrun's own part (its exit codes, its stopping of the other ranks, what it prints)
-keep starting it (``torchrun``): its launcher forked, its workers real processes.
+keep starting it (``torchrun``): its launcher forked, and its workers forked from the launcher
+by torch's own agent (benchmarks/forked_workers.py), each in a session of its own.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def one_and_two_ranks(tiny_coco, tmp_path, **sets):
 def torchrun(args: list, tmp_path: Path, timeout: float = 600) -> tuple[int, str]:
     """``torchrun --standalone --nproc_per_node 2 ARGS``: (its exit code, its and its workers'
     error output). The launcher is forked from the forkserver that has torch loaded (its import
-    is seconds); it starts its workers as torchrun does, real Python processes."""
+    is seconds); its agent forks its workers in turn, each a process in a session of its own
+    with torchrun's variables (benchmarks/forked_workers.py)."""
     launcher = Forked([*TORCHRUN_ARGS, *args], tmp_path / "torchrun", module="torch.distributed.run")
     try:
         code = launcher.wait(timeout)

@@ -24,9 +24,12 @@ import traceback
 
 def run_as_main(args: list[str]) -> int:
     """``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``, ``-u`` ignored) in this process, as
-    its ``__main__``: the exit code it would give."""
+    its ``__main__``: the exit code it would give. torchrun (``-m torch.distributed.run``) run
+    this way forks its workers from this process too (fork_workers)."""
     args = [a for a in args if a != "-u"]
     try:
+        if args[:2] == ["-m", "torch.distributed.run"]:
+            fork_workers()
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
             sys.modules.pop(args[1], None)  # preloaded for its imports: run afresh as __main__

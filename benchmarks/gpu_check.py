@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.forked_workers import fork_workers, run_as_main
+from benchmarks.forked_workers import run_as_main
 from captioner.cli.main import default_batch_size  # no torch at import: the package check runs first
 
 # What the steps import; each missing one is named in one line before anything runs.
@@ -311,9 +311,7 @@ def _run_forked(step: Step, log) -> int | None:
             sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
             os.setpgid(0, 0)  # its own group: a timeout kills what it started too
-            if step.argv[2] == "torch.distributed.run":
-                fork_workers()  # its workers forked from it too, not new interpreters
-            code = run_as_main(step.argv[1:])
+            code = run_as_main(step.argv[1:])  # torchrun's workers forked from it too
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -45,11 +45,9 @@ def _run(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str, thr
         if module is None:
             code = main(argv)
         else:
-            from benchmarks.forked_workers import fork_workers, run_as_main
+            from benchmarks.forked_workers import run_as_main
 
-            if module == "torch.distributed.run":
-                fork_workers()  # its workers forked from it too, not new interpreters
-            code = run_as_main(["-m", module, *argv])
+            code = run_as_main(["-m", module, *argv])  # torchrun's workers forked from it too
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:

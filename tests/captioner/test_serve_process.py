@@ -109,8 +109,8 @@ def test_processes_share_the_port_and_all_stop_cleanly_on_sigterm(tmp_path):
     and the parent exits 0 with none left behind."""
     psutil = pytest.importorskip("psutil")
     server, url = _started(["--max-batch", "4", "--processes", "2"], tmp_path)
+    children = psutil.Process(server.pid).children()
     try:
-        children = psutil.Process(server.pid).children()
         assert len(children) == 2
         buf = io.BytesIO()
         tiny_image(7, (320, 240)).save(buf, "JPEG")
@@ -145,3 +145,6 @@ def test_processes_share_the_port_and_all_stop_cleanly_on_sigterm(tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait(10)
+        for child in children:  # in groups of their own: a failed test stops them by their PIDs
+            if child.is_running():
+                child.kill()

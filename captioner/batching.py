@@ -19,8 +19,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -242,3 +244,45 @@ def _timed(work: Callable[[list], list], items: list) -> tuple[list, float]:
     """``work(items)`` and the CPU seconds it took on this thread."""
     cpu = time.thread_time()
     return work(items), time.thread_time() - cpu
+
+
+class CoreShare:
+    """The machine's cores, shared among the batches running at once: a batch that starts takes
+    ``cores // running`` compute threads (itself counted, at least one). A batch alone gets every
+    core, so that one request is captioned as fast as the machine allows; batches at once (several
+    server processes, or several slots) get a core or so each rather than two threads a core,
+    which would make each wait on the other's threads. With ``processes`` > 1 the count lives in
+    memory shared with processes forked after this is made (``captioner serve --processes``)."""
+
+    def __init__(self, cores: int, processes: int = 1):
+        self.cores = max(1, int(cores))
+        if processes > 1:
+            import multiprocessing
+
+            self._count = multiprocessing.RawValue("i", 0)
+            self._lock = multiprocessing.Lock()
+        else:
+            self._count = _Count()
+            self._lock = threading.Lock()
+
+    @property
+    def running(self) -> int:
+        """Batches running now, in every process sharing this."""
+        return self._count.value
+
+    @contextmanager
+    def batch(self) -> Iterator[int]:
+        """Count a batch as running while the block runs; the threads it may use."""
+        with self._lock:
+            self._count.value += 1
+            running = self._count.value
+        try:
+            yield max(1, self.cores // running)
+        finally:
+            with self._lock:
+                self._count.value -= 1
+
+
+@dataclass
+class _Count:
+    value: int = 0

@@ -19,6 +19,7 @@ from captioner.cli.common import (
 )
 from captioner.serve.service import MAX_BODY_BYTES, Limits
 
+MAX_AUTO_PROCESSES = 8  # the default's limit: each process holds its own activations and queue
 WEB = ("fastapi", "uvicorn", "multipart")  # what serving needs beyond the library (multipart: python-multipart)
 
 
@@ -60,13 +61,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "behind a reverse proxy)")
     p.add_argument("--port", type=positive, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--workers", type=positive, default=d.workers,
-                   help="batches captioned at once, in this process (default 1: one batch at a time with every "
-                        "core's threads; several processes: --processes)")
-    p.add_argument("--processes", type=positive, default=1, metavar="N",
-                   help="server processes sharing the port, forked once the model is loaded (CPU only; default "
-                        "1). On a CPU one process keeps about 1.2 cores busy: its search and its HTTP loop are "
-                        "Python, one thread at a time; one process a core, each with cores / N threads, keeps "
-                        "them all busy (docs/serving.md). Each process batches its own requests")
+                   help="batches captioned at once, in this process (default 1: one batch at a time, taking the "
+                        "cores other batches leave; several processes: --processes)")
+    p.add_argument("--processes", type=positive, default=None, metavar="N",
+                   help=f"server processes sharing the port, forked once the model is loaded (CPU only; default: "
+                        f"one a core, at most {MAX_AUTO_PROCESSES}, on a CPU; 1 on a GPU). One process keeps about "
+                        "1.2 cores busy: its search and its HTTP loop are Python, one thread at a time. Each "
+                        "process batches its own requests; a batch takes the cores the others leave (every core "
+                        "alone, one while every process captions), so one request is as fast as with one "
+                        "process (docs/serving.md)")
     p.add_argument("--max-batch", type=positive, default=None, metavar="B",
                    help="images captioned together at most (default 16 on a CPU, 64 on a GPU)")
     p.add_argument("--max-wait-ms", type=_milliseconds, default=d.max_wait_ms, metavar="T",
@@ -99,16 +102,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     busy = port_taken(args.host, args.port)
     if busy:
         raise UsageError(f"port {args.port} on {args.host} is taken ({busy}): give another with --port")
-    if args.processes > 1 and str(device) != "cpu":
+    if args.processes is not None and args.processes > 1 and str(device) != "cpu":
         raise UsageError(f"--processes {args.processes} is for a CPU (a process forked after CUDA starts cannot use "
                          "it): run one replica a GPU, docs/serving.md")
+    processes = server_processes(args.processes, device)
     captioner = load_model("serve", args.weights, device).captioner.use_precision(args.precision)
     max_batch = args.max_batch or (64 if str(device).startswith("cuda") else 16)
     limits = Limits(workers=args.workers, max_batch=max_batch, max_wait_ms=args.max_wait_ms,
                     max_queue=args.max_queue, max_pixels=args.max_pixels, max_body_bytes=args.max_body_bytes,
                     timeout_s=args.timeout_s)
-    if args.processes > 1:
-        return serve_forked(captioner, limits, args.host, args.port, args.processes, quiet=args.quiet)
+    if processes > 1:
+        return serve_forked(captioner, limits, args.host, args.port, processes, quiet=args.quiet)
     return serve(captioner, limits, args.host, args.port, quiet=args.quiet)
 
 
@@ -116,26 +120,44 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int, *, quiet: bool = False) -> int:
-    """``processes`` servers of ``captioner`` on one port, forked from this process (the model
-    loaded once, its weights shared until written), each with the cores' share of torch threads,
-    in a process group of its own, listening on a socket of its own (SO_REUSEPORT: the kernel
-    spreads the connections evenly; with one shared socket, a few keep-alive connections could
-    all land on one server). SIGTERM or Ctrl-C here is passed to each as
-    SIGTERM (they finish their requests in flight); returns 0 when all end so (130 for Ctrl-C),
-    1 when one fails."""
+def server_processes(asked: int | None, device, cores: int | None = None) -> int:
+    """The server processes to run: as ``asked``, or by default one a core (at most
+    MAX_AUTO_PROCESSES) on a CPU where the process can fork, one on a GPU."""
+    if asked is not None:
+        return asked
+    if str(device) != "cpu" or not hasattr(os, "fork"):
+        return 1
+    return max(1, min(MAX_AUTO_PROCESSES, _cores() if cores is None else cores))
+
+
+def listening_socket(host: str, port: int):
+    """A TCP socket listening on ``host``:``port`` that other processes may listen on too
+    (SO_REUSEPORT). Its protocol is named: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
+    on sockets whose protocol says TCP, and with it on, an answer written in two parts (headers,
+    then body) waits for the client's delayed acknowledgement, some 40 ms a request."""
     import socket
 
-    def listening() -> socket.socket:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        return sock
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
 
-    listening().close()  # the port is free: each server listens on a socket of its own
-    threads = max(1, _cores() // (processes * limits.workers))
+
+def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int, *, quiet: bool = False) -> int:
+    """``processes`` servers of ``captioner`` on one port, forked from this process (the model
+    loaded once, its weights shared until written), their batches sharing the cores (CoreShare: a
+    batch takes the cores the batches running leave it), each in a process group of its own,
+    listening on a socket of its own (SO_REUSEPORT: the kernel spreads the connections evenly;
+    with one shared socket, a few keep-alive connections could all land on one server). SIGTERM
+    or Ctrl-C here is passed to each as SIGTERM (they finish their requests in flight); returns 0
+    when all end so (130 for Ctrl-C), 1 when one fails."""
+    from captioner.batching import CoreShare
+
+    listening_socket(host, port).close()  # the port is free: each server listens on a socket of its own
+    share = CoreShare(_cores(), processes=processes)
     children: list[int] = []
     stopped: list[int] = []
 
@@ -157,7 +179,8 @@ def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.setpgid(0, 0)
-                code = serve(captioner, limits, host, port, quiet=quiet, threads=threads, sock=listening())
+                code = serve(captioner, limits, host, port, quiet=quiet, share=share,
+                             sock=listening_socket(host, port))
             except Exception as e:  # said in one line; the parent then stops the others and exits 1
                 print(f"captioner serve: server process {os.getpid()} failed: {type(e).__name__}: {e}",
                       file=sys.stderr, flush=True)
@@ -166,8 +189,8 @@ def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int
         children.append(pid)
         if stopped:  # stopped while forking: this one too
             stop(stopped[0], None)
-    print(f"captioner serve: http://{host}:{port} ({captioner.name}, {processes} processes of {threads} "
-          f"thread{'s' if threads > 1 else ''}; batches of up to {limits.max_batch}, queue {limits.max_queue} "
+    print(f"captioner serve: http://{host}:{port} ({captioner.name}, {processes} processes sharing {share.cores} "
+          f"core{'s' if share.cores > 1 else ''}; batches of up to {limits.max_batch}, queue {limits.max_queue} "
           f"each; API at http://{host}:{port}/docs)", file=sys.stderr)
     codes = []
     for child in children:  # a signal handled meanwhile does not end the wait (PEP 475)
@@ -179,12 +202,13 @@ def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int
     return 130 if signal.SIGINT in stopped else EXIT_OK
 
 
-def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = False, threads: int | None = None,
+def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = False, share=None,
           sock=None) -> int:
     """Serve ``captioner`` until SIGTERM or Ctrl-C: then no new connection is taken, the requests
     in flight are answered, and this returns 0 (130 for Ctrl-C, as the other commands).
-    ``threads``: torch threads per batch (default the cores' share of each of ``limits.workers``);
-    ``sock``: a listening socket to serve on (serve_forked's) rather than ``host``:``port``."""
+    ``share``: the CoreShare its batches take their threads from (default: this machine's cores, for
+    this process's batches alone); ``sock``: a listening socket to serve on (serve_forked's) rather
+    than ``host``:``port``."""
     import torch
     import uvicorn
     from PIL import Image
@@ -192,11 +216,11 @@ def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = Fals
     from captioner.serve.http import create_app
     from captioner.serve.service import Service
 
-    service = Service(captioner, limits, threads=threads or max(1, _cores() // limits.workers))
-    torch.set_num_threads(service.gate.threads)
+    service = Service(captioner, limits, threads=_cores(), share=share)
+    torch.set_num_threads(service.share.cores)
 
     def warm() -> None:  # the first batch's one-off costs on each thread the batches run on, before any request
-        torch.set_num_threads(service.gate.threads)
+        torch.set_num_threads(service.share.cores)  # the most threads a batch takes: their pool made now
         captioner.caption_images([Image.new("RGB", (64, 64))] * 2)
 
     service.gate.on_each_thread(warm)

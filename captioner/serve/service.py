@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from captioner.batching import Gate, QueueFull, WaitedTooLong
+from captioner.batching import CoreShare, Gate, QueueFull, WaitedTooLong
 from captioner.data.images import DEFAULT_MAX_PIXELS, ImageLoadError, ImageTooLargeError
 from captioner.search.options import HARD_ATTENTION, UNFAMILIAR_BELOW, DecodeOptions, OptionError, parser
 
@@ -128,12 +128,14 @@ def read_options(given: list[tuple[str, str]], model_max_len: int) -> Asked:
 class Service:
     """A loaded captioner behind the gate, with the server's limits. ``caption`` is called on a
     thread of its own per request (it waits for the batch); ``admit``/``leave`` are called by the
-    event loop around it."""
+    event loop around it. ``threads``: the cores the batches share (``share``: shared with other
+    server processes); a batch takes the threads its share gives when it starts."""
 
-    def __init__(self, captioner, limits: Limits, threads: int = 1):
+    def __init__(self, captioner, limits: Limits, threads: int = 1, share: CoreShare | None = None):
         self.captioner, self.limits = captioner, limits
-        self.gate = Gate(limits.workers, threads=threads, batch=limits.max_batch, max_wait=limits.max_wait_ms / 1000,
-                         max_queue=limits.max_queue, announced=True)
+        self.share = share or CoreShare(threads)
+        self.gate = Gate(limits.workers, threads=self.share.cores, batch=limits.max_batch,
+                         max_wait=limits.max_wait_ms / 1000, max_queue=limits.max_queue, announced=True)
         self.in_flight = 0  # requests admitted and not yet answered
         # One thread per admitted request: it decodes the image, then waits in the gate's line.
         self.pool = ThreadPoolExecutor(limits.admitted + 1, thread_name_prefix="caption")
@@ -205,19 +207,20 @@ class Service:
         import torch
 
         def work(images: list) -> list:
-            torch.set_num_threads(self.gate.threads)
-            try:
-                return self.captioner.caption_images(images, options)
-            except Exception as e:
-                if len(images) == 1:
-                    return [e]
-            out: list = []
-            for image in images:
+            with self.share.batch() as threads:
+                torch.set_num_threads(threads)
                 try:
-                    out.append(self.captioner.caption_images([image], options)[0])
-                except Exception as e:  # this image's request is told; the others go on
-                    out.append(e)
-            return out
+                    return self.captioner.caption_images(images, options)
+                except Exception as e:
+                    if len(images) == 1:
+                        return [e]
+                out: list = []
+                for image in images:
+                    try:
+                        out.append(self.captioner.caption_images([image], options)[0])
+                    except Exception as e:  # this image's request is told; the others go on
+                        out.append(e)
+                return out
 
         return work
 

@@ -4,12 +4,13 @@ and a deadline for waiting in it."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import pytest
 
-from captioner.batching import Gate, QueueFull, WaitedTooLong
+from captioner.batching import CoreShare, Gate, QueueFull, WaitedTooLong
 from tests.builders import hold_gate as _hold
 
 
@@ -344,3 +345,57 @@ def test_a_window_of_a_batch_of_two_waits_for_its_mate_and_ends_on_time():
     waited = time.perf_counter() - began
     assert alone.size == 1 and 0.35 < waited < 0.9  # no mate: the window (0.4 s), then the batch
     assert 0.04 < alone.seconds < 0.4  # the batch's own wall time, not the wait before it
+
+
+def test_a_batch_alone_takes_every_core_and_batches_at_once_share_them():
+    """CoreShare: the threads a batch starting now may use are the cores divided among the
+    batches running then, itself included; a batch that ends gives its share back."""
+    share = CoreShare(4)
+    with share.batch() as alone:
+        assert alone == 4
+        with share.batch() as second:
+            assert second == 2
+            with share.batch() as third:
+                assert third == 1  # never fewer than one, never more than the cores
+            with share.batch() as again:
+                assert again == 1  # 4 // 3 batches running
+        with share.batch() as after:
+            assert after == 2
+    with share.batch() as last:
+        assert last == 4
+    assert share.running == 0
+
+
+def test_a_batch_that_raises_gives_its_share_back():
+    share = CoreShare(2)
+    with pytest.raises(ValueError):
+        with share.batch():
+            raise ValueError("the model failed")
+    assert share.running == 0
+    with share.batch() as threads:
+        assert threads == 2
+
+
+def test_forked_processes_count_each_others_batches():
+    """Across processes forked after it is made (`captioner serve --processes`): a child's batch
+    is counted by the parent's next one."""
+    share = CoreShare(2, processes=2)
+    started, finish = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child holds a batch until told
+        code = 1
+        try:
+            with share.batch() as threads:
+                os.write(started[1], bytes([threads]))
+                os.read(finish[0], 1)
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert os.read(started[0], 1) == bytes([2])
+        with share.batch() as threads:
+            assert threads == 1 and share.running == 2
+    finally:
+        os.write(finish[1], b"x")
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert share.running == 0

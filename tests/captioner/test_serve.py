@@ -305,7 +305,20 @@ def test_the_command_s_flags_and_its_defaults(capsys):
     for flag in ("--weights", "--host", "--port", "--workers", "--processes", "--max-batch", "--max-wait-ms",
                  "--max-queue", "--max-pixels", "--timeout-s", "--max-body-bytes"):
         assert flag in helped
-    assert args.processes == 1
+    assert args.processes is None  # one a core on a CPU (server_processes)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--processes", "0"])
+    assert e.value.code == 2 and "--processes" in capsys.readouterr().err
+
+
+def test_by_default_a_cpu_gets_a_server_process_a_core_and_a_gpu_one():
+    from captioner.serve.cli import MAX_AUTO_PROCESSES, server_processes
+
+    assert server_processes(None, "cpu", cores=2) == 2
+    assert server_processes(None, "cpu", cores=1) == 1
+    assert server_processes(None, "cpu", cores=64) == MAX_AUTO_PROCESSES == 8
+    assert server_processes(None, "cuda:0", cores=16) == 1
+    assert server_processes(3, "cpu", cores=2) == 3  # as asked
 
 
 def test_several_processes_are_refused_on_a_gpu_in_one_line(monkeypatch, capsys):
@@ -410,3 +423,64 @@ def test_a_forked_server_that_fails_says_so_in_one_line_and_the_parent_exits_1(t
     failed = [line for line in capfd.readouterr().err.splitlines() if "failed" in line]
     # each server that failed says so (the other may be stopped first, by the parent)
     assert failed and all("RuntimeError: cannot listen" in line for line in failed), failed
+
+
+def test_a_batch_takes_the_cores_that_other_batches_leave(tiny, monkeypatch):
+    """The server's batches share the cores (CoreShare): one alone runs on every core's threads,
+    one that starts while another batch runs (another process's, here held open) on its share."""
+    import torch
+
+    from captioner.batching import CoreShare
+
+    seen = []
+    real = tiny.caption_images
+
+    def recorded(images, options=None):
+        seen.append(torch.get_num_threads())
+        return real(images, options)
+
+    monkeypatch.setattr(tiny, "caption_images", recorded)
+    share = CoreShare(2)
+    service = Service(tiny, Limits(max_wait_ms=0.0), share=share)
+    before = torch.get_num_threads()
+    try:
+        service.admit()
+        service.caption(png(1), [])
+        service.leave()
+        with share.batch():  # another server's batch
+            service.admit()
+            service.caption(png(2), [])
+            service.leave()
+    finally:
+        service.pool.shutdown()
+        torch.set_num_threads(before)
+    assert seen == [2, 1]
+
+
+def test_the_forked_servers_sockets_answer_without_waiting_for_a_delayed_ack():
+    """`--processes`' listening sockets are made by the server, not by asyncio: each connection
+    they accept must get TCP_NODELAY from asyncio, or every answer written in two parts waits
+    some 40 ms for the client's acknowledgement (a request took twice as long so)."""
+    import asyncio
+    import socket
+
+    from captioner.serve.cli import listening_socket
+
+    async def accepted_nodelay() -> int:
+        sock = listening_socket("127.0.0.1", free_port())
+        seen = asyncio.get_running_loop().create_future()
+
+        def connected(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(connected, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

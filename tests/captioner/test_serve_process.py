@@ -25,7 +25,10 @@ pytest.importorskip("uvicorn")
 
 def _started(flags: list[str], cwd: Path, **env: str) -> tuple[subprocess.Popen, str]:
     """`captioner serve --quiet FLAGS` on a free 127.0.0.1 port, once /healthz answers: (its
-    process, its address). Killed here if it does not start; the caller stops it otherwise."""
+    process, its address). One server process unless FLAGS say otherwise. Killed here if it does
+    not start; the caller stops it otherwise."""
+    if "--processes" not in flags:
+        flags = [*flags, "--processes", "1"]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "captioner.cli", "serve", "--port", str(port), "--quiet", *flags],

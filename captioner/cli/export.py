@@ -72,4 +72,6 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"on {q.images} images ({q.calibration})", file=sys.stderr)
         for timing in q.timings:
             print(timing.line(), file=sys.stderr)
+        if q.agreement_line():
+            print(q.agreement_line(), file=sys.stderr)
     return EXIT_OK

@@ -44,6 +44,7 @@ from captioner.io import folder as fmt
 from captioner.io import quantize, tensorfile
 from captioner.io.quantize import Quantized
 from captioner.model.familiarity import pooled
+from captioner.search.options import Tokens
 
 OPSET = 18
 ENCODER_IO = (["images"], ["annotations", "keys", "h0", "c0", "features"])
@@ -259,7 +260,8 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
             files += [fmt.ENCODER_ONNX, fmt.STEP_ONNX]
         if int8:
             try:
-                quantized = quantize.quantize(tmp, captioner.preprocess, images, said)
+                quantized = quantize.quantize(tmp, captioner.preprocess, images, said, Tokens.of(captioner.vocab),
+                                              captioner.max_len)
             except quantize.CalibrationError as e:
                 raise ExportError(str(e)) from None
             graphs["int8"] = quantized.to_config()

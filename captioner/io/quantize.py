@@ -42,6 +42,7 @@ SHAPES_SEED = 7373  # fresh shapes images for a shapes model's calibration: a se
 TIMED_IMAGES = 4  # images the export times each encoder on, at batch 1
 TIMED_STEPS = 20  # decoder steps it times each step graph on, 3 rows (beam 3 at batch 1)
 BEAMS = 3
+AGREEMENT_IMAGES = 64  # calibration images both forms caption, to say how often int8 changes the caption
 
 
 class CalibrationError(ValueError):
@@ -94,6 +95,16 @@ class Quantized:
     timings: tuple[PartTiming, ...]
     fp32_bytes: dict[str, int]  # graph file -> its size before
     int8_bytes: dict[str, int]
+    same_captions: float | None = None  # the share of the calibration images int8 captions as fp32 does
+    compared: int = 0  # the images that share is over (beam BEAMS)
+
+    def agreement_line(self) -> str | None:
+        """How often int8 keeps fp32's caption, in one line (None: not measured)."""
+        if self.same_captions is None:
+            return None
+        return (f"int8 gives fp32's caption for {self.same_captions:.0%} of {self.compared} calibration images "
+                f"(beam {BEAMS}); the others mostly swap words the model holds nearly equally likely "
+                "(docs/export.md)")
 
     def to_config(self) -> dict:
         return {
@@ -103,6 +114,8 @@ class Quantized:
                             "word embedding, uint8 activations quantised as they come",
             "timing": {t.part: t.to_dict() for t in self.timings},
             "bytes": {"fp32": self.fp32_bytes, "int8": self.int8_bytes},
+            **({} if self.same_captions is None else {"same_captions": {
+                "share": round(self.same_captions, 4), "images": self.compared, "beam_size": BEAMS}}),
         }
 
 
@@ -195,9 +208,34 @@ def time_parts(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.nda
     return encoder, decoder
 
 
-def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], source: str) -> Quantized:
+def agreement(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.ndarray], tokens, max_len: int) -> float:
+    """The share of ``inputs`` (each (1, 3, H, W)) whose caption (beam BEAMS, the runtime's search)
+    is the same token for token through the graphs ``int8`` as through ``fp32``."""
+    import numpy as np
+
+    from captioner.io import folder as fmt
+    from captioner.onnx.search import beam_search
+    from captioner.search.options import DecodeOptions
+
+    options = DecodeOptions(beam_size=BEAMS, max_len=max_len)
+    x = np.concatenate(inputs)
+    ids = []
+    for paths in (fp32, int8):
+        encoder, step = _session(paths[fmt.ENCODER_ONNX]), _session(paths[fmt.STEP_ONNX])
+
+        def run(word, h, c, annotations, keys, step=step):
+            return tuple(step.run(None, {"word": word, "h": h, "c": c, "annotations": annotations, "keys": keys}))
+
+        ann, keys, h0, c0, _ = encoder.run(None, {"images": x})
+        ids.append([d.ids for d in beam_search(run, ann, keys, h0, c0, tokens, options)])
+    return sum(a == b for a, b in zip(*ids)) / len(x)
+
+
+def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], source: str, tokens=None,
+             max_len: int | None = None) -> Quantized:
     """Replace ``folder``'s encoder.onnx and decoder_step.onnx (fp32, as write_onnx made them)
-    by their int8 forms, after timing both forms on this CPU."""
+    by their int8 forms, after timing both forms on this CPU; with the vocabulary's ``tokens``
+    (search.options.Tokens) and ``max_len``, after captioning the calibration images with both."""
     from captioner.io import folder as fmt
 
     try:
@@ -241,8 +279,10 @@ def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], sour
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         op_types_to_quantize=["Conv", "MatMul", "Gemm"])
         timings = time_parts(fp32, int8, inputs)
+        compared = inputs[:AGREEMENT_IMAGES]
+        same = None if tokens is None else agreement(fp32, int8, compared, tokens, max_len)
         done = Quantized(source, len(inputs), timings, {n: fp32[n].stat().st_size for n in names},
-                         {n: int8[n].stat().st_size for n in names})
+                         {n: int8[n].stat().st_size for n in names}, same, len(compared) if same is not None else 0)
         for n in names:
             int8[n].replace(fp32[n])
     return done

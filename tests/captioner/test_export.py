@@ -416,10 +416,41 @@ def test_int8_graphs_hold_int8_weights_and_say_so(int8_folder):
     assert "decoder step quantised to int8" in (folder / fmt.CARD).read_text()
     lines = printed.splitlines()
     assert any(line.startswith("int8 graphs: ") and "x fp32's" in line for line in lines)
+    same = q["same_captions"]
+    assert same["images"] == 6 and same["beam_size"] == 3 and 0 <= same["share"] <= 1
+    assert f"int8 gives fp32's caption for {same['share']:.0%} of 6 calibration images (beam 3)" in printed
     for part in ("encoder", "decoder step"):
         [line] = [x for x in lines if x.startswith(f"int8 {part} is ")]
         ms = q["timing"][part]
         assert ("slower" in line) == (ms["int8_ms"] > ms["fp32_ms"])
+
+
+@pytest.mark.slow  # the module's ONNX export and quantisation
+def test_the_share_of_same_captions_counts_the_captions_that_differ(int8_folder, tmp_path):
+    """quantize.agreement captions the images through both sets of graphs: the same graphs agree
+    on every image; a step that says <end> first (its bias for <end> raised) on none."""
+    import onnx
+    from onnx import numpy_helper
+
+    from captioner.io import quantize
+    from captioner.onnx.runtime import OnnxCaptioner
+
+    cap, folder, _ = int8_folder
+    rt = OnnxCaptioner(folder)
+    inputs = [rt.preprocess.normalize_array(rt.preprocess.array(tiny_image(70 + i, (40, 30))))[None]
+              for i in range(5)]
+    graphs = {n: folder / n for n in (fmt.ENCODER_ONNX, fmt.STEP_ONNX)}
+    assert quantize.agreement(graphs, graphs, inputs, rt.tokens, 8) == 1.0
+    step = onnx.load(str(folder / fmt.STEP_ONNX))
+    [bias] = [i for i in step.graph.initializer if i.name == "decoder.L_o.bias"]
+    raised = numpy_helper.to_array(bias).copy()
+    raised[cap.tokens.end] += 1000.0
+    bias.CopyFrom(numpy_helper.from_array(raised, bias.name))
+    onnx.save(step, str(tmp_path / fmt.STEP_ONNX))
+    ended = {**graphs, fmt.STEP_ONNX: tmp_path / fmt.STEP_ONNX}
+    assert all(c.words for c in rt.caption_arrays(np.stack([rt.preprocess.array(tiny_image(70 + i, (40, 30)))
+                                                            for i in range(5)]), rt.options(max_len=8)))
+    assert quantize.agreement(graphs, ended, inputs, rt.tokens, 8) == 0.0
 
 
 @pytest.mark.slow  # the module's ONNX export and quantisation

@@ -65,7 +65,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "cores other batches leave; several processes: --processes)")
     p.add_argument("--processes", type=positive, default=None, metavar="N",
                    help=f"server processes sharing the port, forked once the model is loaded (CPU only; default: "
-                        f"one a core, at most {MAX_AUTO_PROCESSES}, on a CPU; 1 on a GPU). One process keeps about "
+                        f"one a core, at most {MAX_AUTO_PROCESSES}, on a Linux CPU; else 1). One process keeps about "
                         "1.2 cores busy: its search and its HTTP loop are Python, one thread at a time. Each "
                         "process batches its own requests; a batch takes the cores the others leave (every core "
                         "alone, one while every process captions), so one request is as fast as with one "
@@ -122,10 +122,11 @@ def _cores() -> int:
 
 def server_processes(asked: int | None, device, cores: int | None = None) -> int:
     """The server processes to run: as ``asked``, or by default one a core (at most
-    MAX_AUTO_PROCESSES) on a CPU where the process can fork, one on a GPU."""
+    MAX_AUTO_PROCESSES) on a Linux CPU, one on a GPU or elsewhere (macOS does not spread a port's
+    connections between processes, and forking after torch has started is not safe there)."""
     if asked is not None:
         return asked
-    if str(device) != "cpu" or not hasattr(os, "fork"):
+    if str(device) != "cpu" or not sys.platform.startswith("linux"):
         return 1
     return max(1, min(MAX_AUTO_PROCESSES, _cores() if cores is None else cores))
 

@@ -311,14 +311,17 @@ def test_the_command_s_flags_and_its_defaults(capsys):
     assert e.value.code == 2 and "--processes" in capsys.readouterr().err
 
 
-def test_by_default_a_cpu_gets_a_server_process_a_core_and_a_gpu_one():
+def test_by_default_a_cpu_gets_a_server_process_a_core_and_a_gpu_one(monkeypatch):
     from captioner.serve.cli import MAX_AUTO_PROCESSES, server_processes
 
+    monkeypatch.setattr(sys, "platform", "linux")
     assert server_processes(None, "cpu", cores=2) == 2
     assert server_processes(None, "cpu", cores=1) == 1
     assert server_processes(None, "cpu", cores=64) == MAX_AUTO_PROCESSES == 8
     assert server_processes(None, "cuda:0", cores=16) == 1
     assert server_processes(3, "cpu", cores=2) == 3  # as asked
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert server_processes(None, "cpu", cores=8) == 1
 
 
 def test_several_processes_are_refused_on_a_gpu_in_one_line(monkeypatch, capsys):

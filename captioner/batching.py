@@ -67,8 +67,8 @@ class Gate:
     in one go. Captioning four images together costs a beam search less than half as much an
     image on one core as one at a time (docs/app-serving.md), so when jobs queue up, the queue
     drains faster. With ``max_wait`` seconds, a job handed a slot before its batch is full waits
-    until that long after it asked for others of its key to arrive (the jobs that come meanwhile
-    join it rather than take another slot). ``announced``: callers announce each job as it is on its
+    up to that long from then for others of its key to arrive (the jobs that come meanwhile
+    join it rather than take another slot), whether it asked just now or queued first. ``announced``: callers announce each job as it is on its
     way (``announce``, then ``run(..., announced=True)`` or ``withdraw``), and a window waits only
     while one is, so that a lone job never waits for mates that are not coming.
     ``max_queue``: the most jobs waiting (None: no limit)."""
@@ -163,7 +163,8 @@ class Gate:
 
     def _mates(self, job: _Job) -> list[_Job]:
         """The compatible jobs waiting behind ``job``, which holds a slot, taken out of the line: those
-        there now, or with ``max_wait`` those that arrive until its batch is full or its window ends."""
+        there now, or with ``max_wait`` those that arrive until its batch is full or its window (from
+        now) ends."""
         key = job.key
         with self._lock:
             def waiting() -> list[_Job]:
@@ -171,9 +172,10 @@ class Gate:
 
             if key is not None and self.batch > 1 and self.max_wait > 0:
                 self._gathering.append(key)
+                until = time.perf_counter() + self.max_wait  # from its turn: a job that queued waits too
                 try:
                     while len(waiting()) < self.batch - 1 and (self._coming or not self.announced):
-                        left = job.asked + self.max_wait - time.perf_counter()
+                        left = until - time.perf_counter()
                         if left <= 0:
                             break
                         self._arrived.wait(left)

@@ -399,3 +399,29 @@ def test_forked_processes_count_each_others_batches():
         os.write(finish[1], b"x")
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     assert share.running == 0
+
+
+def test_a_job_handed_the_slot_after_waiting_in_line_waits_for_one_on_its_way():
+    """The window counts from when a job may run, not from when it asked: under load a job that
+    waited in line behind a batch still takes along a request being read when its turn comes
+    (else each batch ran with the few that had finished decoding: batches of 1 to 4 of 16)."""
+    gate = Gate(slots=1, batch=4, max_wait=0.4, announced=True)
+    release, out = threading.Event(), {}
+
+    def held(items):
+        release.wait(10)
+        return items
+
+    gate.announce()
+    first = _arrive(gate, "a", 1, held, out, announced=True)
+    time.sleep(0.1)
+    gate.announce()
+    second = _arrive(gate, "a", 2, lambda items: items, out, announced=True)  # in line behind the held batch
+    time.sleep(0.6)  # longer than the window after it asked
+    gate.announce()  # a third request, still being read when the slot is handed over
+    release.set()
+    first.join(10)
+    time.sleep(0.1)
+    out[3] = gate.run("a", 3, lambda items: items, announced=True)
+    second.join(10)
+    assert out[1].size == 1 and out[2].size == 2 and out[3].size == 2

@@ -425,3 +425,70 @@ def test_a_job_handed_the_slot_after_waiting_in_line_waits_for_one_on_its_way():
     out[3] = gate.run("a", 3, lambda items: items, announced=True)
     second.join(10)
     assert out[1].size == 1 and out[2].size == 2 and out[3].size == 2
+
+
+def _started(gate, key, item, out: dict, running: set, release: threading.Event, **kw) -> threading.Thread:
+    """A job whose work records that it runs, then holds until ``release``."""
+    def work(items):
+        running.update(items)
+        release.wait(10)
+        return items
+    return _arrive(gate, key, item, work, out, **kw)
+
+
+def test_a_slot_given_back_to_an_empty_line_is_one_slot():
+    """After a batch ends with nobody waiting, the gate still runs one batch at a time."""
+    gate = Gate(slots=1)
+    assert gate.run("a", 0, lambda items: items).result == 0
+    out, running, release = {}, set(), threading.Event()
+    threads = [_started(gate, None, i, out, running, release) for i in (1, 2)]
+    time.sleep(0.3)
+    assert len(running) == 1 and gate.queued == 1  # the other waits in line for the slot
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert running == {1, 2}
+
+
+def test_a_slot_handed_to_a_job_that_queued_behind_a_gathering_is_counted():
+    """A job of another key that queued behind a gathering batch gets the free slot when the
+    window ends; that slot is taken: a job that comes next waits in line while both run."""
+    gate = Gate(slots=2, batch=3, max_wait=0.3)
+    out, running, release = {}, set(), threading.Event()
+    threads = [_started(gate, "a", 1, out, running, release)]
+    time.sleep(0.05)
+    threads.append(_started(gate, "a", 2, out, running, release))  # joins 1's batch
+    time.sleep(0.05)
+    threads.append(_started(gate, "b", 3, out, running, release))  # in line behind the gathering one
+    time.sleep(0.6)  # the window has ended: 1 and 2 run, 3 was handed the second slot
+    assert running == {1, 2, 3}
+    threads.append(_started(gate, "c", 4, out, running, release))
+    time.sleep(0.3)
+    assert 4 not in running and gate.queued == 1  # both slots are taken: it waits in line
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert 4 in running and out[1].size == 2 and out[3].size == 1
+
+
+def test_each_job_is_told_how_long_it_waited_and_its_share_of_the_batch_s_cpu():
+    gate = Gate(slots=1, batch=2, max_wait=0.2)
+    out, release = {}, threading.Event()
+
+    def spin(items):  # 0.2 s of this thread's CPU, whatever else runs
+        release.wait(10)
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+        return items
+
+    first = _arrive(gate, "a", 1, spin, out)
+    time.sleep(0.3)  # 1 runs (its window ended), held
+    threads = [_arrive(gate, "a", i, spin, out) for i in (2, 3)]  # in line behind it, then one batch
+    time.sleep(0.3)
+    release.set()
+    for t in (first, *threads):
+        t.join(10)
+    assert out[1].waited < 0.28 and 0.35 < out[2].waited < 5 and 0.35 < out[3].waited < 5  # 1: its window
+    assert out[2].size == out[3].size == 2
+    assert 0.09 < out[2].cpu < 0.15 and 0.18 < out[1].cpu < 0.3  # half the batch's 0.2 s each; 1 alone

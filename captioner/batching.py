@@ -68,9 +68,10 @@ class Gate:
     image on one core as one at a time (docs/app-serving.md), so when jobs queue up, the queue
     drains faster. With ``max_wait`` seconds, a job handed a slot before its batch is full waits
     up to that long from then for others of its key to arrive (the jobs that come meanwhile
-    join it rather than take another slot), whether it asked just now or queued first. ``announced``: callers announce each job as it is on its
-    way (``announce``, then ``run(..., announced=True)`` or ``withdraw``), and a window waits only
-    while one is, so that a lone job never waits for mates that are not coming.
+    join it rather than take another slot), whether it asked just now or queued first.
+    ``announced``: callers announce each job as it is on its way (``announce``, then
+    ``run(..., announced=True)`` or ``withdraw``), and a window waits only while one is, so that
+    a lone job never waits for mates that are not coming.
     ``max_queue``: the most jobs waiting (None: no limit)."""
 
     def __init__(self, slots: int, threads: int = 1, batch: int = 1, *, max_wait: float = 0.0,

@@ -28,7 +28,7 @@ from PIL import Image
 
 from captioner.app import page
 from captioner.app.pictures import Decoded, Picture, data_uri, heads_of, map_layers, seen_by_model
-from captioner.batching import Gate
+from captioner.batching import Gate, usable_cores
 from captioner.data.images import DEFAULT_MAX_PIXELS
 from captioner.inference import Captioner, DecodeOptions
 from captioner.overlay import attention_figure, figure_info
@@ -99,7 +99,7 @@ def forget_upload(upload) -> None:
 
 
 def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
 
 
 def _env_count(name: str, default: int) -> int:

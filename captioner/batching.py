@@ -16,6 +16,8 @@ thread each request builds a new pool each time (a caption took 1.5x as long so,
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 import time
 from collections import deque
@@ -24,7 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
+
+CGROUP = Path("/sys/fs/cgroup")  # where Linux keeps a container's CPU quota
 
 
 class QueueFull(RuntimeError):
@@ -289,3 +294,33 @@ class CoreShare:
 @dataclass
 class _Count:
     value: int = 0
+
+
+def _affinity() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _quota() -> float | None:
+    """The CPUs this process's cgroup may use (a container's ``--cpus``), or None without a quota."""
+    try:
+        quota, period = (CGROUP / "cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" or "200000 100000"
+        if quota == "max":
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:  # cgroup v1
+        quota = int((CGROUP / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((CGROUP / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may keep busy: those it may run on, at most its container's CPU
+    quota (rounded up). Inside a container given 2 CPUs of a 64-core host, the affinity mask
+    alone says 64, and threads or processes sized by it crowd the 2."""
+    cores = _affinity()
+    quota = _quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores

@@ -79,9 +79,12 @@ class DataConfig:
         return Path(self.dir) / self.karpathy if self.karpathy else None
 
     def loader_workers(self) -> int:
-        """``workers``, at most the CPU cores this process may use (under torchrun, its share of
-        the machine's): more processes than cores only compete for them, and torch warns."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        """``workers``, at most the CPU cores this process may use (its container's quota heeded;
+        under torchrun, its share of the machine's): more processes than cores only compete for
+        them, and torch warns."""
+        from captioner.batching import usable_cores
+
+        cores = usable_cores()
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return max(0, min(self.workers, max(1, cores // ranks_here)))
 

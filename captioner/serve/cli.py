@@ -65,11 +65,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                         "cores other batches leave; several processes: --processes)")
     p.add_argument("--processes", type=positive, default=None, metavar="N",
                    help=f"server processes sharing the port, forked once the model is loaded (CPU only; default: "
-                        f"one a core, at most {MAX_AUTO_PROCESSES}, on a Linux CPU; else 1). One process keeps about "
-                        "1.2 cores busy: its search and its HTTP loop are Python, one thread at a time. Each "
-                        "process batches its own requests; a batch takes the cores the others leave (every core "
-                        "alone, one while every process captions), so one request is as fast as with one "
-                        "process (docs/serving.md)")
+                        f"one a core, at most {MAX_AUTO_PROCESSES}, on a Linux CPU, a container's CPU quota "
+                        "heeded; else 1). One process keeps about 1.2 cores busy: its search and its HTTP loop "
+                        "are Python, one thread at a time. Each process batches its own requests; a batch takes "
+                        "the cores the others leave (every core alone, one while every process captions), so one "
+                        "request is as fast as with one process (docs/serving.md)")
     p.add_argument("--max-batch", type=positive, default=None, metavar="B",
                    help="images captioned together at most (default 16 on a CPU, 64 on a GPU)")
     p.add_argument("--max-wait-ms", type=_milliseconds, default=d.max_wait_ms, metavar="T",
@@ -117,7 +117,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from captioner.batching import usable_cores
+
+    return usable_cores()
 
 
 def server_processes(asked: int | None, device, cores: int | None = None) -> int:

@@ -492,3 +492,27 @@ def test_each_job_is_told_how_long_it_waited_and_its_share_of_the_batch_s_cpu():
     assert out[1].waited < 0.28 and 0.35 < out[2].waited < 5 and 0.35 < out[3].waited < 5  # 1: its window
     assert out[2].size == out[3].size == 2
     assert 0.09 < out[2].cpu < 0.15 and 0.18 < out[1].cpu < 0.3  # half the batch's 0.2 s each; 1 alone
+
+
+@pytest.mark.parametrize("files,expected", [
+    ({}, 16),  # no limit found: the CPUs this process may run on
+    ({"cpu.max": "max 100000\n"}, 16),  # cgroup v2, no quota
+    ({"cpu.max": "200000 100000\n"}, 2),  # a container given 2 CPUs (docker --cpus 2)
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu.max": "6400000 100000\n"}, 16),  # a quota above the CPUs it may run on
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 16),
+    ({"cpu.max": "garbage\n"}, 16),
+])
+def test_the_usable_cores_heed_a_container_s_cpu_quota(tmp_path, monkeypatch, files, expected):
+    """A container limited to N CPUs on a larger host sees every CPU in its affinity mask; its
+    quota is in the cgroup files. Servers and loaders sized by the host would crowd N CPUs."""
+    import captioner.batching as batching
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(batching, "CGROUP", tmp_path)
+    monkeypatch.setattr(batching, "_affinity", lambda: 16)
+    assert batching.usable_cores() == expected

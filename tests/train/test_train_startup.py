@@ -226,6 +226,7 @@ def test_set_data_dir_moves_the_split_file_with_it(tmp_path, photos, capsys, mon
 @pytest.mark.slow
 def test_loader_workers_are_a_ceiling_of_the_machines_cores(tmp_path, photos, capsys, monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a two-core machine, for torch too
+    monkeypatch.setattr("captioner.batching.CGROUP", tmp_path / "no-cgroup")  # and no CPU quota
     assert DataConfig(workers=8).loader_workers() == 2
     assert DataConfig(workers=1).loader_workers() == 1 and DataConfig(workers=0).loader_workers() == 0
     assert DataConfig().loader_workers() == 2  # the default: the machine's cores

@@ -98,10 +98,6 @@ def forget_upload(upload) -> None:
         pass
 
 
-def cores() -> int:
-    return usable_cores()
-
-
 def _env_count(name: str, default: int) -> int:
     """A count of at least 1 from the environment, ``default`` when unset or not a number."""
     try:
@@ -130,7 +126,7 @@ def app_precision() -> str:
 def default_workers(device: str) -> int:
     """Captions made at once. On a GPU one: uploads that wait are captioned together in one
     batch, and several workers would only queue on the one device. On the CPU one per core."""
-    return 1 if torch.device(device).type == "cuda" else cores()
+    return 1 if torch.device(device).type == "cuda" else usable_cores()
 
 
 @st.cache_resource
@@ -138,7 +134,7 @@ def caption_gate() -> Gate:
     """The process's one gate. CAPTIONER_APP_WORKERS captions at once (default_workers),
     each with cores / workers torch threads, so that concurrent uploads do not thrash."""
     workers = _env_count("CAPTIONER_APP_WORKERS", default_workers(app_device()))
-    gate = Gate(workers, threads=max(1, cores() // workers), batch=_env_count("CAPTIONER_APP_BATCH", BATCH))
+    gate = Gate(workers, threads=max(1, usable_cores() // workers), batch=_env_count("CAPTIONER_APP_BATCH", BATCH))
     torch.set_num_threads(gate.threads)
     return gate
 

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from captioner.batching import CoreShare, usable_cores
 from captioner.cli.common import (
     EXIT_OK,
     UsageError,
@@ -116,12 +117,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(captioner, limits, args.host, args.port, quiet=args.quiet)
 
 
-def _cores() -> int:
-    from captioner.batching import usable_cores
-
-    return usable_cores()
-
-
 def server_processes(asked: int | None, device, cores: int | None = None) -> int:
     """The server processes to run: as ``asked``, or by default one a core (at most
     MAX_AUTO_PROCESSES) on a Linux CPU, one on a GPU or elsewhere (macOS does not spread a port's
@@ -130,7 +125,7 @@ def server_processes(asked: int | None, device, cores: int | None = None) -> int
         return asked
     if str(device) != "cpu" or not sys.platform.startswith("linux"):
         return 1
-    return max(1, min(MAX_AUTO_PROCESSES, _cores() if cores is None else cores))
+    return max(1, min(MAX_AUTO_PROCESSES, usable_cores() if cores is None else cores))
 
 
 def listening_socket(host: str, port: int):
@@ -157,10 +152,8 @@ def serve_forked(captioner, limits: Limits, host: str, port: int, processes: int
     with one shared socket, a few keep-alive connections could all land on one server). SIGTERM
     or Ctrl-C here is passed to each as SIGTERM (they finish their requests in flight); returns 0
     when all end so (130 for Ctrl-C), 1 when one fails."""
-    from captioner.batching import CoreShare
-
     listening_socket(host, port).close()  # the port is free: each server listens on a socket of its own
-    share = CoreShare(_cores(), processes=processes)
+    share = CoreShare(usable_cores(), processes=processes)
     children: list[int] = []
     stopped: list[int] = []
 
@@ -219,7 +212,7 @@ def serve(captioner, limits: Limits, host: str, port: int, *, quiet: bool = Fals
     from captioner.serve.http import create_app
     from captioner.serve.service import Service
 
-    service = Service(captioner, limits, threads=_cores(), share=share)
+    service = Service(captioner, limits, share=share or CoreShare(usable_cores()))
     torch.set_num_threads(service.share.cores)
 
     def warm() -> None:  # the first batch's one-off costs on each thread the batches run on, before any request

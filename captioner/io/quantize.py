@@ -179,15 +179,20 @@ def _median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def time_parts(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.ndarray]) -> tuple[PartTiming, ...]:
-    """Each graph in fp32 and int8 on this CPU: the encoder per image at batch 1 on ``inputs``
-    (TIMED_IMAGES of them), and one decoder step for 3 rows (beam 3 at batch 1)."""
-    import numpy as np
-
+def load_graphs(paths: dict[str, Path]) -> tuple:
+    """A folder's two graphs, ``paths`` by file name, as onnxruntime sessions: (encoder, step)."""
     from captioner.io import folder as fmt
 
-    enc = {k: _session(paths[fmt.ENCODER_ONNX]) for k, paths in (("fp32", fp32), ("int8", int8))}
-    step = {k: _session(paths[fmt.STEP_ONNX]) for k, paths in (("fp32", fp32), ("int8", int8))}
+    return _session(paths[fmt.ENCODER_ONNX]), _session(paths[fmt.STEP_ONNX])
+
+
+def time_parts(fp32: tuple, int8: tuple, inputs: list[np.ndarray]) -> tuple[PartTiming, ...]:
+    """Each graph in fp32 and int8 (``load_graphs``' sessions) on this CPU: the encoder per image at
+    batch 1 on ``inputs`` (TIMED_IMAGES of them), and one decoder step for 3 rows (beam 3 at batch 1)."""
+    import numpy as np
+
+    enc = {"fp32": fp32[0], "int8": int8[0]}
+    step = {"fp32": fp32[1], "int8": int8[1]}
     images = inputs[:TIMED_IMAGES]
 
     def encode(session):
@@ -208,21 +213,18 @@ def time_parts(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.nda
     return encoder, decoder
 
 
-def agreement(fp32: dict[str, Path], int8: dict[str, Path], inputs: list[np.ndarray], tokens, max_len: int) -> float:
+def agreement(fp32: tuple, int8: tuple, inputs: list[np.ndarray], tokens, max_len: int) -> float:
     """The share of ``inputs`` (each (1, 3, H, W)) whose caption (beam BEAMS, the runtime's search)
-    is the same token for token through the graphs ``int8`` as through ``fp32``."""
+    is the same token for token through the graphs ``int8`` as through ``fp32`` (``load_graphs``)."""
     import numpy as np
 
-    from captioner.io import folder as fmt
     from captioner.onnx.search import beam_search
     from captioner.search.options import DecodeOptions
 
     options = DecodeOptions(beam_size=BEAMS, max_len=max_len)
     x = np.concatenate(inputs)
     ids = []
-    for paths in (fp32, int8):
-        encoder, step = _session(paths[fmt.ENCODER_ONNX]), _session(paths[fmt.STEP_ONNX])
-
+    for encoder, step in (fp32, int8):
         def run(word, h, c, annotations, keys, step=step):
             return tuple(step.run(None, {"word": word, "h": h, "c": c, "annotations": annotations, "keys": keys}))
 
@@ -278,9 +280,10 @@ def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], sour
                         quant_format=QuantFormat.QDQ, per_channel=True, reduce_range=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         op_types_to_quantize=["Conv", "MatMul", "Gemm"])
-        timings = time_parts(fp32, int8, inputs)
+        graphs = load_graphs(fp32), load_graphs(int8)  # read once, for the timings and the captions
+        timings = time_parts(*graphs, inputs)
         compared = inputs[:AGREEMENT_IMAGES]
-        same = None if tokens is None else agreement(fp32, int8, compared, tokens, max_len)
+        same = None if tokens is None else agreement(*graphs, compared, tokens, max_len)
         done = Quantized(source, len(inputs), timings, {n: fp32[n].stat().st_size for n in names},
                          {n: int8[n].stat().st_size for n in names}, same, len(compared) if same is not None else 0)
         for n in names:

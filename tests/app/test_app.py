@@ -334,7 +334,7 @@ def test_app_command_passes_device_and_precision_to_the_server(monkeypatch):
 def test_the_app_takes_one_worker_per_gpu_and_one_per_core_on_the_cpu(monkeypatch):
     from captioner.app import serving
 
-    monkeypatch.setattr(serving, "cores", lambda: 16)
+    monkeypatch.setattr(serving, "usable_cores", lambda: 16)
     assert serving.default_workers("cuda") == 1 and serving.default_workers("cuda:1") == 1
     assert serving.default_workers("cpu") == 16
     monkeypatch.setenv("CAPTIONER_APP_DEVICE", "cpu")

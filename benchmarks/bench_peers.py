@@ -7,7 +7,7 @@ Models, all with random weights (speed does not depend on them; nothing is downl
   captioner at the paper's sizes (224 px, LSTM 512, attention 512, embedding 512, vocabulary
   10,000) with a ResNet-101 and with a VGG-19 encoder, each in torch eager (Captioner), and in the
   torch-free runtime (captioner.onnx) with its fp32 and its int8 graphs (captioner export --onnx
-  [--int8], exported once into --folders, or a temporary folder);
+  [--int8 [weights]], exported once into --folders, or a temporary folder);
   vit-gpt2 (nlpconnect/vit-gpt2-image-captioning's architecture: ViT-B/16 + GPT-2) and BLIP-base
   (Salesforce/blip-image-captioning-base's), built from transformers' default configs, in eager.
 Each generates exactly 20 words with beam 3 (the peers: min_new_tokens = max_new_tokens = 20;
@@ -42,7 +42,7 @@ WORDS, BEAM, IMAGES = 20, 3, 8
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {  # name -> (encoder, form)
     "resnet101 torch": ("resnet101", "torch"), "resnet101 onnx fp32": ("resnet101", "fp32"),
-    "resnet101 onnx int8": ("resnet101", "int8"),
+    "resnet101 onnx int8": ("resnet101", "int8"), "resnet101 onnx int8 weights": ("resnet101", "int8w"),
     "vgg19 torch": ("vgg19", "torch"), "vgg19 onnx fp32": ("vgg19", "fp32"), "vgg19 onnx int8": ("vgg19", "int8"),
 }
 PEERS = ("vit-gpt2", "blip-base")
@@ -127,8 +127,9 @@ def export_folders(out: Path, tiny: bool, only: list[str]) -> None:
             if form == "torch" or name not in only or (folder / "config.json").is_file():
                 continue
             print(f"exporting {folder.name} ...", file=sys.stderr, flush=True)
-            export(paper_captioner(encoder, tiny), folder, onnx=True, int8=form == "int8",
-                   calibration=tmp / "shapes" / "images" if form == "int8" else None)
+            int8 = {"int8": "arithmetic", "int8w": "weights"}.get(form)
+            export(paper_captioner(encoder, tiny), folder, onnx=True, int8=int8,
+                   calibration=tmp / "shapes" / "images" if int8 else None)
 
 
 # ------------------------------------------------------------------ one model's process

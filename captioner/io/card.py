@@ -151,8 +151,10 @@ def model_card(config: dict, *, name: str) -> str:
     if config.get("familiarity"):
         parts.append(f"- `{fmt.FAMILIARITY}`: the training images' feature record (familiarity)")
     if config.get("onnx"):
-        int8 = " quantised to int8 (the encoder calibrated on images, the step dynamically)" \
-            if config["onnx"].get("int8") else ""
+        q = config["onnx"].get("int8")
+        int8 = "" if not q else " with weights stored in int8 and fp16, computed in fp32" \
+            if q.get("form") == "weights" else \
+            " quantised to int8 (the encoder calibrated on images, the step dynamically)"
         parts.append(f"- `{fmt.ENCODER_ONNX}`, `{fmt.STEP_ONNX}`: the encoder and one decoder step{int8} "
                      f"(ONNX opset {config['onnx']['opset']}); the beam search runs outside the graph")
     return "\n".join(parts) + "\n"

@@ -19,8 +19,8 @@ outside, in numpy (captioner.onnx), so that captioning needs no torch:
                            beta (N,)               the gate
 
 N rows are the open beams, each with its image's annotations and keys; B and N are dynamic.
-With ``int8=True`` both graphs are then quantised in place (captioner.io.quantize): same names,
-inputs and outputs.
+With ``int8`` (a form: "arithmetic", "weights") both graphs are then quantised in place
+(captioner.io.quantize): same names, inputs and outputs.
 A hard-attention model's step is its expected context (DecodeOptions.hard_attention
 "expected", the default). The step holds dropout in eval mode: the same numbers as
 ``Decoder.step`` in eval.
@@ -61,7 +61,7 @@ class ExportError(ValueError):
 class Exported:
     folder: Path
     files: tuple[str, ...]  # the names written, in the folder
-    int8: Quantized | None = None  # with int8=True: the timings and sizes of both forms (captioner.io.quantize)
+    int8: Quantized | None = None  # with int8: the timings and sizes of both forms (captioner.io.quantize)
 
 
 class _EncoderGraph(nn.Module):
@@ -217,8 +217,10 @@ def check_target(out: Path) -> None:
                               f"{', ...' if len(others) > 3 else ''}); give an empty or new folder")
 
 
-def check_options(onnx: bool, int8: bool, calibration: str | os.PathLike | None) -> None:
+def check_options(onnx: bool, int8: str | None, calibration: str | os.PathLike | None) -> None:
     """Refuse options that do not go together, before anything is loaded."""
+    if int8 is not None and int8 not in quantize.FORMS:
+        raise ExportError(f"--int8 {int8}: the form is one of {', '.join(quantize.FORMS)}")
     if int8 and not onnx:
         raise ExportError("--int8 quantises the ONNX graphs: give --onnx too")
     if calibration is not None and not int8:
@@ -226,12 +228,15 @@ def check_options(onnx: bool, int8: bool, calibration: str | os.PathLike | None)
 
 
 def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: str = "unknown",
-           source: str | None = None, int8: bool = False, calibration: str | os.PathLike | None = None) -> Exported:
+           source: str | None = None, int8: str | None = None,
+           calibration: str | os.PathLike | None = None) -> Exported:
     """Write ``captioner`` to the folder ``out`` (made if missing; an earlier export there is
     replaced, whole). Written into a temporary folder beside it first, so a failure (an ONNX
     export that breaks half-way) leaves ``out`` as it was. ``int8``: the ONNX graphs quantised
-    (captioner.io.quantize), the encoder calibrated on the images in the folder ``calibration``,
-    or, for a model that knows only the synthetic shapes, on fresh shapes images."""
+    (captioner.io.quantize) in that form, "arithmetic" or "weights". The arithmetic form's encoder
+    is calibrated on the images in the folder ``calibration``, or, for a model that knows only the
+    synthetic shapes, on fresh shapes images; the weights form needs no calibration, and compares
+    its captions with fp32's on those images where there are some."""
     out = Path(out)
     check_options(onnx, int8, calibration)
     check_target(out)
@@ -252,7 +257,8 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
             try:
                 quantize.require_onnxruntime()
                 images, said = quantize.calibration_images(
-                    None if calibration is None else Path(calibration), captioner.shapes_only, tmp / ".calibration")
+                    None if calibration is None else Path(calibration), captioner.shapes_only, tmp / ".calibration",
+                    required=int8 == "arithmetic")
             except quantize.CalibrationError as e:
                 raise ExportError(str(e)) from None
         graphs = write_onnx(captioner, tmp) if onnx else None
@@ -261,7 +267,7 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
         if int8:
             try:
                 quantized = quantize.quantize(tmp, captioner.preprocess, images, said, Tokens.of(captioner.vocab),
-                                              captioner.max_len)
+                                              captioner.max_len, form=int8)
             except quantize.CalibrationError as e:
                 raise ExportError(str(e)) from None
             graphs["int8"] = quantized.to_config()

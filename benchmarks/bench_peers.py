@@ -7,7 +7,8 @@ Models, all with random weights (speed does not depend on them; nothing is downl
   captioner at the paper's sizes (224 px, LSTM 512, attention 512, embedding 512, vocabulary
   10,000) with a ResNet-101 and with a VGG-19 encoder, each in torch eager (Captioner), and in the
   torch-free runtime (captioner.onnx) with its fp32 and its int8 graphs (captioner export --onnx
-  [--int8 [weights]], exported once into --folders, or a temporary folder);
+  [--int8 [weights]], exported once into --folders, or a temporary folder), its threads sleeping
+  between runs as by default, and for fp32 also spinning (``--spin``);
   vit-gpt2 (nlpconnect/vit-gpt2-image-captioning's architecture: ViT-B/16 + GPT-2) and BLIP-base
   (Salesforce/blip-image-captioning-base's), built from transformers' default configs, in eager.
 Each generates exactly 20 words with beam 3 (the peers: min_new_tokens = max_new_tokens = 20;
@@ -42,6 +43,7 @@ WORDS, BEAM, IMAGES = 20, 3, 8
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {  # name -> (encoder, form)
     "resnet101 torch": ("resnet101", "torch"), "resnet101 onnx fp32": ("resnet101", "fp32"),
+    "resnet101 onnx fp32 spinning": ("resnet101", "fp32"),
     "resnet101 onnx int8": ("resnet101", "int8"), "resnet101 onnx int8 weights": ("resnet101", "int8w"),
     "vgg19 torch": ("vgg19", "torch"), "vgg19 onnx fp32": ("vgg19", "fp32"), "vgg19 onnx int8": ("vgg19", "int8"),
 }
@@ -155,7 +157,8 @@ def worker(name: str, folders: Path, tiny: bool, threads: int) -> None:
         from captioner.onnx.runtime import OnnxCaptioner  # no torch in this process
         from captioner.onnx.search import beam_search
 
-        rt = OnnxCaptioner(folders / f"{OURS[name][0]}-{OURS[name][1]}", threads=threads)
+        rt = OnnxCaptioner(folders / f"{OURS[name][0]}-{OURS[name][1]}", threads=threads,
+                           spin=name.endswith(" spinning"))
         pixels = np.stack([rt.preprocess.array(p) for p in pics])  # (8, H, W, 3)
         opts = rt.options(beam_size=BEAM, max_len=WORDS)
 
@@ -299,7 +302,7 @@ def report(names, times, parts, flops, rss, peak, args) -> None:
     print(f"{args.threads} threads, beam {BEAM}, {WORDS} words, {args.rounds} interleaved rounds"
           f"{', TINY SIZES (figures mean nothing)' if args.tiny else ''}; one {2048 if not args.tiny else 256}^2 "
           f"fp32 matrix product: {peak:.1f} GFLOP/s")
-    head = (f"{'model':<22}{'ms/img b1':>10}{'ms/img b8':>10}{'x base b1':>10}{'x base b8':>10}{'GFLOP/img':>10}"
+    head = (f"{'model':<29}{'ms/img b1':>10}{'ms/img b8':>10}{'x base b1':>10}{'x base b8':>10}{'GFLOP/img':>10}"
             f"{'GFLOP/s b1':>11}{'GFLOP/s b8':>11}{'% peak b8':>10}{'RSS MB':>8}  bound")
     print(head)
     base = ms.get(BASELINE)
@@ -312,7 +315,7 @@ def report(names, times, parts, flops, rss, peak, args) -> None:
 
         def cell(x, width: int, spec: str, unit: str = "") -> str:
             return f"{format(x, spec) + unit if x is not None else '-':>{width}}"
-        print(f"{n:<22}{ms[n][1]:>10.1f}{ms[n][IMAGES]:>10.1f}{cell(ratio and ratio[1], 10, '.2f', 'x')}"
+        print(f"{n:<29}{ms[n][1]:>10.1f}{ms[n][IMAGES]:>10.1f}{cell(ratio and ratio[1], 10, '.2f', 'x')}"
               f"{cell(ratio and ratio[IMAGES], 10, '.2f', 'x')}{cell(f and f / 1e9, 10, '.2f')}"
               f"{cell(rate and rate[1], 11, '.1f')}{cell(rate and rate[IMAGES], 11, '.1f')}"
               f"{cell(share and share * 100, 10, '.0f', '%')}{rss[n]:>8.0f}  {bound or '-'}")

@@ -1,7 +1,7 @@
 """Where the torch-free runtime's time goes at a batch size: the encoder, the step's graph, and
 the search's own numpy work, beside the bytes each step's graph reads.
 
-    python benchmarks/runtime_split.py FOLDER [--batch 8] [--rounds 3] [--threads 2] [--words 20]
+    python benchmarks/runtime_split.py FOLDER [--batch 8] [--rounds 3] [--threads 2] [--words 20] [--spin]
 
 FOLDER is an exported model (``captioner export ... --onnx``; bench_peers.py --folders keeps the
 paper-size ones). Each round encodes the same fresh shapes images and runs the runtime's beam
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--words", type=int, default=20)
+    ap.add_argument("--spin", action="store_true", help="the threads spin between runs (the runtime's --spin)")
     args = ap.parse_args(argv)
     if args.batch < 1 or args.rounds < 1:
         ap.error("--batch and --rounds must be at least 1")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from captioner.onnx.runtime import OnnxCaptioner
     from captioner.onnx.search import beam_search
 
-    rt = OnnxCaptioner(args.folder, threads=args.threads)
+    rt = OnnxCaptioner(args.folder, threads=args.threads, spin=args.spin)
     with tempfile.TemporaryDirectory() as tmp:
         generate_split(Path(tmp), "split", args.batch, seed=4242)
         paths = sorted((Path(tmp) / "images" / "split").glob("*.png"))

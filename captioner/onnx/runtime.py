@@ -65,7 +65,11 @@ class OnnxCaptioner:
     """An exported model folder's graphs in onnxruntime sessions, with its preprocessing,
     vocabulary and familiarity record."""
 
-    def __init__(self, folder: str | os.PathLike, threads: int | None = None):
+    def __init__(self, folder: str | os.PathLike, threads: int | None = None, spin: bool = False):
+        """``threads``: each session's threads (default: onnxruntime's, one a core). ``spin``: let
+        them spin between runs rather than sleep. The two sessions take turns, the encoder and
+        then the step once a word, each with threads of its own; those spinning in one take the
+        cores the other runs on (docs/export.md), so by default they sleep."""
         folder = Path(folder)
         config = fmt.read_config(folder)
         if not config.get("onnx"):
@@ -79,6 +83,7 @@ class OnnxCaptioner:
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         providers = ["CPUExecutionProvider"]
         self.encoder = ort.InferenceSession(str(folder / fmt.ENCODER_ONNX), options, providers=providers)
         self.decoder = ort.InferenceSession(str(folder / fmt.STEP_ONNX), options, providers=providers)
@@ -218,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          f"{UNFAMILIAR_BELOW})")
     p.add_argument("--batch-size", type=count, default=16, help="images per batch (default 16)")
     p.add_argument("--threads", type=count, default=None, help="onnxruntime's threads (default: its own)")
+    p.add_argument("--spin", action="store_true",
+                   help="let onnxruntime's threads spin between runs rather than sleep (default: sleep; spinning "
+                        "threads of the encoder and of the step take each other's cores, see docs/export.md)")
     p.add_argument("--out", type=Path, default=None, help="JSON-lines output file (default stdout)")
     return p
 
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m captioner.onnx"
     try:
         DecodeOptions(beam_size=args.beam_size, num_captions=args.num_captions)  # before the model loads
-        model = OnnxCaptioner(args.folder, threads=args.threads)
+        model = OnnxCaptioner(args.folder, threads=args.threads, spin=args.spin)
         options = model.options(beam_size=args.beam_size, max_len=args.max_len, num_captions=args.num_captions,
                                 unfamiliar_below=args.unfamiliar_below, allow_unk=args.allow_unk,
                                 max_chars=args.max_chars)

@@ -402,3 +402,34 @@ def test_a_character_budget_gives_captioner_caption_s_captions_and_names_an_imag
     free = rt.caption_files(images[:1], rt.options(beam_size=3, max_len=6, num_captions=3))[0]
     assert missed.words == [] and missed.no_fit.max_chars == 1
     assert missed.no_fit.shortest == min((text for text, _ in free.alternatives), key=len)
+
+
+def test_onnxruntimes_threads_sleep_between_runs_unless_asked_to_spin(model):
+    """Two sessions take turns (the encoder, then a step per word): threads of one left spinning
+    take the cores the other needs, which on 2 cores made a caption at batch 1 half as slow
+    again (docs/export.md). So each session's threads sleep between runs; --spin lets them spin."""
+    _, folder = model
+    key = "session.intra_op.allow_spinning"
+    for spin, said in ((False, "0"), (True, "1")):
+        rt = OnnxCaptioner(folder, threads=2, spin=spin)
+        for session in (rt.encoder, rt.decoder):
+            assert session.get_session_options().get_session_config_entry(key) == said
+            assert session.get_session_options().intra_op_num_threads == 2
+
+
+def test_the_command_passes_spin_on(model, images, monkeypatch):
+    from captioner.onnx.runtime import build_parser
+
+    _, folder = model
+    made = []
+    real = OnnxCaptioner.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(OnnxCaptioner, "__init__", init)
+    for flags, spin in (([], False), (["--spin"], True)):
+        assert onnx_main([str(folder), images[0], *flags]) == 0
+        assert made.pop()["spin"] is spin
+    assert "--spin" in build_parser().format_help()

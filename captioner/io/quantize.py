@@ -205,9 +205,11 @@ def _batches(paths: list[Path], preprocess: Preprocess) -> list[np.ndarray]:
 
 
 def _session(path: Path):
-    import onnxruntime as ort
+    """A session as the runtime makes them (its threads sleeping between runs), for timings that
+    match what a user of ``python -m captioner.onnx`` gets."""
+    from captioner.onnx.runtime import session
 
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session(path)
 
 
 def _median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:

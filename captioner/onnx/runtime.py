@@ -61,15 +61,26 @@ class Caption:
                               attention=attention, digits=digits)
 
 
+def session(path: str | os.PathLike, threads: int | None = None, spin: bool = False):
+    """An onnxruntime session on the CPU for the graph at ``path``, on ``threads`` threads (default:
+    onnxruntime's, one a core) that sleep between runs unless ``spin``: a caption's sessions take
+    turns, and threads left spinning in one take the cores the other runs on (docs/export.md)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
 class OnnxCaptioner:
     """An exported model folder's graphs in onnxruntime sessions, with its preprocessing,
     vocabulary and familiarity record."""
 
     def __init__(self, folder: str | os.PathLike, threads: int | None = None, spin: bool = False):
-        """``threads``: each session's threads (default: onnxruntime's, one a core). ``spin``: let
-        them spin between runs rather than sleep. The two sessions take turns, the encoder and
-        then the step once a word, each with threads of its own; those spinning in one take the
-        cores the other runs on (docs/export.md), so by default they sleep."""
+        """``threads`` and ``spin``: each session's threads, and whether they spin between runs
+        (``session``; by default they sleep: the encoder and the step take turns)."""
         folder = Path(folder)
         config = fmt.read_config(folder)
         if not config.get("onnx"):
@@ -78,15 +89,8 @@ class OnnxCaptioner:
         fmt.require(folder, fmt.ENCODER_ONNX, fmt.STEP_ONNX)
         words = fmt.read_vocab(folder, config)
         self.familiarity = fmt.read_familiarity(folder, config)
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        providers = ["CPUExecutionProvider"]
-        self.encoder = ort.InferenceSession(str(folder / fmt.ENCODER_ONNX), options, providers=providers)
-        self.decoder = ort.InferenceSession(str(folder / fmt.STEP_ONNX), options, providers=providers)
+        self.encoder = session(folder / fmt.ENCODER_ONNX, threads, spin)
+        self.decoder = session(folder / fmt.STEP_ONNX, threads, spin)
         self.config, self.words, self.name = config, words, folder.name
         self.tokenizer = tokenizer_named(config["tokenizer"])
         self.preprocess = Preprocess.from_dict(config["preprocess"])

@@ -415,6 +415,10 @@ def test_onnxruntimes_threads_sleep_between_runs_unless_asked_to_spin(model):
         for session in (rt.encoder, rt.decoder):
             assert session.get_session_options().get_session_config_entry(key) == said
             assert session.get_session_options().intra_op_num_threads == 2
+    from captioner.io import quantize
+
+    timed = quantize.load_graphs({n: folder / n for n in (fmt.ENCODER_ONNX, fmt.STEP_ONNX)})
+    assert [s.get_session_options().get_session_config_entry(key) for s in timed] == ["0", "0"]  # as the runtime
 
 
 def test_the_command_passes_spin_on(model, images, monkeypatch):

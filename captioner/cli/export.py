@@ -47,8 +47,9 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
                         "activations, about 4x smaller, the encoder's activation ranges calibrated on "
                         "--calibration's images; faster on CPUs with VNNI or AMX, and it changes some captions "
                         "(the share is printed). FORM weights: convolution weights stored in int8 and the rest "
-                        "in fp16, computed in fp32: about 3x smaller at the paper's sizes, fp32's speed, fp32's "
-                        "captions for 98-99%% of the demos' images. Each form is timed against fp32 on this CPU")
+                        "in fp16, computed in fp32: files about 3x smaller at the paper's sizes (more memory once "
+                        "loaded), fp32's speed, fp32's captions for 98-99%% of the demos' images. Each form is timed "
+                        "against fp32 on this CPU")
     p.add_argument("--calibration", type=Path, default=None, metavar="DIR",
                    help=f"with --int8: a folder of images like the model's training images (e.g. its training "
                         f"split's), searched recursively, at most {CALIBRATION_IMAGES} used; a model trained on the "

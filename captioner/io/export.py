@@ -61,7 +61,7 @@ class ExportError(ValueError):
 class Exported:
     folder: Path
     files: tuple[str, ...]  # the names written, in the folder
-    int8: Quantized | None = None  # with int8: the timings and sizes of both forms (captioner.io.quantize)
+    int8: Quantized | None = None  # with int8: the timings and sizes in fp32 and in int8 (captioner.io.quantize)
 
 
 class _EncoderGraph(nn.Module):

@@ -26,9 +26,10 @@ scale per output channel, every other weight of 1,024 values or more in fp16, ea
 to fp32 by a Cast (and a Mul by the scales) that onnxruntime folds once, as the graph loads. The
 graphs then compute in fp32, as the fp32 graphs do, at their speed: smaller files that keep fp32's
 captions. int8 arithmetic rounds every activation too, and on models whose captions hold several
-wordings at nearly equal probability (the demos) that tips one caption in 7 to 12 to another
-wording; rounding the step's weights alone to 8 bits tips one in 18 (docs/results.md), so the
-weights form keeps the step's weights in 16 bits and rounds to 8 only the convolutions'.
+wordings at nearly equal probability (the demos) that tips a share of captions to another
+wording; rounding the step's weights alone to 8 bits already does (docs/results.md gives the
+shares), so the weights form keeps the step's weights in 16 bits and rounds to 8 only the
+convolutions'.
 """
 
 from __future__ import annotations

@@ -664,3 +664,42 @@ def test_the_weights_form_keeps_the_demos_captions(tmp_path, onnx_registry_once)
     pixels = np.stack([pre.array(pre.load(p)) for p in sorted((tmp_path / "s" / "images" / "test").glob("*.png"))])
     texts = {k: [c.text for c in r.caption_arrays(pixels, r.options(beam_size=3))] for k, r in rt.items()}
     assert sum(a == b for a, b in zip(texts["fp32"], texts["w"])) >= 97
+
+
+def test_the_weights_form_takes_no_calibration_images_but_uses_those_given(tmp_path):
+    from captioner.io import quantize
+
+    assert quantize.calibration_images(None, False, tmp_path, required=False) == ([], "none given")
+    with pytest.raises(quantize.CalibrationError, match="give --calibration DIR"):
+        quantize.calibration_images(None, False, tmp_path)
+    (tmp_path / "cal").mkdir()
+    tiny_image(1).save(tmp_path / "cal" / "a.png")
+    paths, said = quantize.calibration_images(tmp_path / "cal", False, tmp_path, required=False)
+    assert paths == [tmp_path / "cal" / "a.png"] and "cal" in said
+
+
+@pytest.mark.slow  # the weights form made from the module's fp32 folder, its captions compared
+def test_the_weights_form_compares_its_captions_on_the_images_given(weights_folder, tmp_path):
+    from captioner.io import quantize
+    from captioner.onnx.runtime import OnnxCaptioner
+
+    cap, root, _ = weights_folder
+    shutil.copytree(root / "fp32", tmp_path / "m")
+    for i in range(3):
+        tiny_image(80 + i, (40, 30)).save(tmp_path / f"im{i}.png")
+    rt = OnnxCaptioner(root / "fp32")
+    done = quantize.quantize(tmp_path / "m", rt.preprocess, sorted(tmp_path.glob("im*.png")), "from three",
+                             rt.tokens, 8, form="weights")
+    assert done.form == "weights" and done.images == 3 and done.compared == 3
+    assert done.same_captions in (0, 1 / 3, 2 / 3, 1)
+    assert f"for {done.same_captions:.0%} of 3 images (from three) (beam 3)" in done.agreement_line()
+    assert done.to_config()["same_captions"] == {"share": round(done.same_captions, 4), "images": 3, "beam_size": 3}
+    assert all(t.form == "weights" and t.line().startswith("weights-form ") for t in done.timings)
+
+
+def test_export_refuses_an_unknown_int8_form_before_anything_is_written(tmp_path):
+    from captioner.io.export import ExportError
+
+    with pytest.raises(ExportError, match=r"--int8 fast: the form is one of arithmetic, weights"):
+        export(tiny_captioner(seed=3), tmp_path / "m", onnx=True, int8="fast")
+    assert not (tmp_path / "m").exists()

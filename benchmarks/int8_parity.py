@@ -40,10 +40,6 @@ from captioner.io.quantize import FORMS
 from captioner.onnx.runtime import OnnxCaptioner
 
 
-def graph_bytes(folder: Path) -> int:
-    return sum((folder / n).stat().st_size for n in (fmt.ENCODER_ONNX, fmt.STEP_ONNX))
-
-
 def caption_all(rt: OnnxCaptioner, pixels: np.ndarray, beam_size: int, batch: int = 16) -> list:
     opts = rt.options(beam_size=beam_size)
     out = []
@@ -96,9 +92,9 @@ def paper_size(tmp: Path, calibration: Path, forms: list[str]) -> dict[str, int]
     cfg = ModelConfig(vocab_size=len(vocab), encoder="resnet101", image_size=(224, 224), embed_dim=512,
                       hidden_dim=512, attention_dim=512, dropout=0.5)
     cap = Captioner(CaptionModel(cfg), vocab, Preprocess(size=(224, 224)))
-    sizes = {"fp32": graph_bytes(export(cap, tmp / "paper-fp32", onnx=True).folder)}
+    sizes = {"fp32": fmt.graph_bytes(export(cap, tmp / "paper-fp32", onnx=True).folder)}
     for form in forms:
-        sizes[form] = graph_bytes(export(cap, tmp / f"paper-{form}", onnx=True, int8=form,
+        sizes[form] = fmt.graph_bytes(export(cap, tmp / f"paper-{form}", onnx=True, int8=form,
                                          calibration=calibration).folder)
     return sizes
 
@@ -137,7 +133,7 @@ def main() -> int:
             for form in args.forms:
                 same = sum(a.text == b.text for a, b in zip(caps["fp32"], caps[form])) / len(paths)
                 obj8, pt8 = grounding(caps[form], objects, crops)
-                size = {k: graph_bytes(folders[k]) for k in ("fp32", form)}
+                size = {k: fmt.graph_bytes(folders[k]) for k in ("fp32", form)}
                 ratio = size[form] / size["fp32"]
                 ok[form] &= same >= 0.98 and abs(obj32 - obj8) <= 0.01 and abs(pt32 - pt8) <= 0.01
                 print(f"{name:<10} {form:<10} {same:>9.1%}  {obj32:>12.3f} {obj8:>6.3f}  {pt32:>13.3f} {pt8:>6.3f}  "

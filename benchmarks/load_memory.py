@@ -5,9 +5,9 @@
 Each folder's two sessions are made as the runtime makes them (captioner.onnx.runtime.session),
 in a fresh process of its own, and the process's resident memory is printed: its peak while the
 sessions loaded (VmHWM) and what it holds once they have (VmRSS), in MB, with the graphs' size
-on disk. Linux only (/proc/self/status). A weights-form folder (--int8 weights) is expanded to
-fp32 as it loads, so what it holds beyond the fp32 folder's is what onnxruntime keeps of the
-stored weights.
+on disk (their weights' files included). Linux only (/proc/self/status). A weights-form folder
+(--int8 weights) is expanded to fp32 as it loads, so what it holds beyond the fp32 folder's is
+what onnxruntime keeps of the stored weights.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ def load(folder: Path) -> dict:
     from captioner.io import folder as fmt
     from captioner.onnx.runtime import session
 
-    graphs = [folder / fmt.ENCODER_ONNX, folder / fmt.STEP_ONNX]
-    sessions = [session(g) for g in graphs]
+    sessions = [session(folder / g) for g in (fmt.ENCODER_ONNX, fmt.STEP_ONNX)]
     return {"folder": str(folder), "sessions": len(sessions), "peak_mb": status_mb("VmHWM"),
-            "held_mb": status_mb("VmRSS"), "graphs_mb": round(sum(g.stat().st_size for g in graphs) / 1e6, 1)}
+            "held_mb": status_mb("VmRSS"), "graphs_mb": round(fmt.graph_bytes(folder) / 1e6, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,9 @@ OPSET = 18
 ENCODER_IO = (["images"], ["annotations", "keys", "h0", "c0", "features"])
 STEP_IO = (["word", "h", "c", "annotations", "keys"], ["log_probs", "h_next", "c_next", "alpha", "beta"])
 # What a folder may hold: written here, or replaced by a new export into it.
-OWN_FILES = (fmt.CONFIG, fmt.WEIGHTS, fmt.VOCAB, fmt.FAMILIARITY, fmt.CARD, fmt.ENCODER_ONNX, fmt.STEP_ONNX)
+OWN_FILES = (fmt.CONFIG, fmt.WEIGHTS, fmt.VOCAB, fmt.FAMILIARITY, fmt.CARD, fmt.ENCODER_ONNX, fmt.STEP_ONNX,
+             fmt.ENCODER_DATA, fmt.STEP_DATA)
+SMALLEST_OUTSIDE = 4096  # weights of at least this many bytes go to the file beside the graph
 
 
 class ExportError(ValueError):
@@ -205,6 +207,19 @@ def write_familiarity(folder: str | os.PathLike, record: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def weights_beside(folder: Path, graph: str, data: str) -> None:
+    """Move the weights of the graph ``folder/graph`` (those of SMALLEST_OUTSIDE bytes or more)
+    into the file ``folder/data`` beside it, which the graph then names. onnxruntime maps such a
+    file and uses the weights where they lie; weights inside the graph it holds twice, once as the
+    parsed graph and once as the session's tensors (docs/export.md, "Memory")."""
+    import onnx
+
+    model = onnx.load(str(folder / graph))
+    (folder / data).unlink(missing_ok=True)  # onnx appends to an existing file
+    onnx.save(model, str(folder / graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+              size_threshold=SMALLEST_OUTSIDE)
+
+
 def check_target(out: Path) -> None:
     """Refuse a folder that holds anything an export would not write: a user's files are never
     mixed with, nor replaced by, a model's."""
@@ -271,6 +286,12 @@ def export(captioner, out: str | os.PathLike, *, onnx: bool = False, license: st
             except quantize.CalibrationError as e:
                 raise ExportError(str(e)) from None
             graphs["int8"] = quantized.to_config()
+        if graphs is not None:  # last: the quantisation above reads and writes whole graphs
+            for part, graph, data in (("encoder", fmt.ENCODER_ONNX, fmt.ENCODER_DATA),
+                                      ("step", fmt.STEP_ONNX, fmt.STEP_DATA)):
+                weights_beside(tmp, graph, data)
+                graphs[part]["data"] = data
+            files += [fmt.ENCODER_DATA, fmt.STEP_DATA]
         config = config_of(captioner, grid, graphs, license, source)
         _write_config_and_card(tmp, config, out.name)
         out.mkdir(exist_ok=True)

@@ -30,9 +30,11 @@ VERSION = 1
 CONFIG, WEIGHTS, VOCAB, FAMILIARITY, CARD = (
     "config.json", "model.safetensors", "vocab.json", "familiarity.safetensors", "README.md")
 ENCODER_ONNX, STEP_ONNX = "encoder.onnx", "decoder_step.onnx"
+ENCODER_DATA, STEP_DATA = f"{ENCODER_ONNX}.data", f"{STEP_ONNX}.data"  # each graph's weights, beside it
 WHAT = {CONFIG: "the model's config", WEIGHTS: "the model's weights", VOCAB: "the vocabulary",
         FAMILIARITY: "the familiarity record its config names", ENCODER_ONNX: "the encoder's ONNX graph",
-        STEP_ONNX: "the decoder step's ONNX graph"}
+        STEP_ONNX: "the decoder step's ONNX graph", ENCODER_DATA: "the encoder graph's weights",
+        STEP_DATA: "the decoder step graph's weights"}
 FAMILIARITY_TENSORS = ("mean", "whiten", "reference")
 
 
@@ -51,6 +53,21 @@ def require(folder: Path, *names: str) -> None:
         if not (folder / name).is_file():
             raise FolderError(f"{folder} lacks {name} ({WHAT.get(name, name)}); export the model again "
                               "(captioner export CHECKPOINT --out FOLDER) or copy the whole folder")
+
+
+def graph_files(config: dict) -> list[str]:
+    """The files of an exported folder's ONNX graphs, as its config names them: each graph, and
+    the file beside it holding its weights where it has one (folders exported before that keep
+    their weights in the graph)."""
+    onnx = config.get("onnx") or {}
+    files = [ENCODER_ONNX, STEP_ONNX]
+    return files + [onnx[part]["data"] for part in ("encoder", "step") if (onnx.get(part) or {}).get("data")]
+
+
+def graph_bytes(folder: str | os.PathLike) -> int:
+    """The bytes on disk of an exported folder's ONNX graphs, their weights' files included."""
+    folder = Path(folder)
+    return sum((folder / name).stat().st_size for name in graph_files(read_config(folder)))
 
 
 def read_config(folder: str | os.PathLike) -> dict:

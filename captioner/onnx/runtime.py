@@ -86,7 +86,7 @@ class OnnxCaptioner:
         if not config.get("onnx"):
             raise fmt.FolderError(f"{folder} has no ONNX graphs: export it with --onnx "
                                   "(captioner export CHECKPOINT --out FOLDER --onnx)")
-        fmt.require(folder, fmt.ENCODER_ONNX, fmt.STEP_ONNX)
+        fmt.require(folder, *fmt.graph_files(config))
         words = fmt.read_vocab(folder, config)
         self.familiarity = fmt.read_familiarity(folder, config)
         self.encoder = session(folder / fmt.ENCODER_ONNX, threads, spin)

@@ -633,7 +633,7 @@ def test_the_weights_form_computes_in_fp32_from_small_weights_and_says_so(weight
     lines = printed.splitlines()
     assert any(line.startswith("int8 graphs (weights form): ") and "computed in fp32" in line for line in lines)
     assert not any("calibrated" in line or "VNNI" in line for line in lines)
-    sizes = {k: sum((root / k / n).stat().st_size for n in (fmt.ENCODER_ONNX, fmt.STEP_ONNX)) for k in ("fp32", "w")}
+    sizes = {k: fmt.graph_bytes(root / k) for k in ("fp32", "w")}
     assert sizes["w"] < 0.6 * sizes["fp32"]
     # Computed in fp32 from weights rounded to int8 (per channel) and fp16: near the fp32 graphs, not equal.
     rt = {k: OnnxCaptioner(root / k) for k in ("fp32", "w")}
@@ -703,3 +703,38 @@ def test_export_refuses_an_unknown_int8_form_before_anything_is_written(tmp_path
     with pytest.raises(ExportError, match=r"--int8 fast: the form is one of arithmetic, weights"):
         export(tiny_captioner(seed=3), tmp_path / "m", onnx=True, int8="fast")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow  # an ONNX export
+def test_the_graphs_keep_their_weights_in_a_file_beside_them(tmp_path, onnx_registry_once):
+    """Each graph's weights of 4 KiB or more go to ``<graph>.data`` beside it: onnxruntime
+    maps that file and uses the weights where they lie, rather than holding them twice (docs/export.md).
+    A second export into the folder leaves no stale data behind; one without --onnx removes it."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    from captioner.onnx.runtime import OnnxCaptioner
+
+    cap = tiny_captioner(seed=5)
+    for _ in range(2):
+        done = export(cap, tmp_path / "m", onnx=True)
+    folder = done.folder
+    assert {fmt.ENCODER_DATA, fmt.STEP_DATA} <= set(done.files) <= {p.name for p in folder.iterdir()}
+    config = json.loads((folder / fmt.CONFIG).read_text())
+    assert config["onnx"]["encoder"]["data"] == fmt.ENCODER_DATA and config["onnx"]["step"]["data"] == fmt.STEP_DATA
+    assert f"`{fmt.ENCODER_DATA}`, `{fmt.STEP_DATA}`: the graphs' weights" in (folder / fmt.CARD).read_text()
+    for graph, data in ((fmt.ENCODER_ONNX, fmt.ENCODER_DATA), (fmt.STEP_ONNX, fmt.STEP_DATA)):
+        bare = onnx.load(str(folder / graph), load_external_data=False)
+        outside = {i.name for i in bare.graph.initializer if uses_external_data(i)}
+        big = {i.name for i in onnx.load(str(folder / graph)).graph.initializer
+               if numpy_helper.to_array(i).nbytes >= 4096}
+        assert outside == big and big  # every weight of 4 KiB or more, and only those
+        assert (folder / data).stat().st_size >= 4096 * len(big)
+    again = OnnxCaptioner(folder)  # reads its weights from beside the graphs
+    x = np.stack([again.preprocess.normalize_array(again.preprocess.array(tiny_image(3, (40, 30))))])
+    with torch.no_grad():
+        ours = cap.model.decoder.annotate(cap.model.encode(torch.from_numpy(x))).vectors.numpy()
+    np.testing.assert_allclose(again.encode(x)[0], ours, atol=1e-5)
+    export(cap, folder)
+    assert not (folder / fmt.ENCODER_DATA).exists() and not (folder / fmt.STEP_DATA).exists()

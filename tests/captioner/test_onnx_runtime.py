@@ -361,6 +361,11 @@ def test_a_folder_without_graphs_or_with_one_missing_is_refused(model, images, t
     assert onnx_main([str(tmp_path / "cut"), images[0]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fmt.STEP_ONNX in err[0]
+    shutil.copytree(folder, tmp_path / "no-data")
+    (tmp_path / "no-data" / fmt.ENCODER_DATA).unlink()  # the graph without the weights it points to
+    assert onnx_main([str(tmp_path / "no-data"), images[0]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fmt.ENCODER_DATA in err[0] and "weights" in err[0]
     with pytest.raises(SystemExit) as e:
         onnx_main([str(folder), images[0], "--beam-size", "0"])
     assert e.value.code == 2

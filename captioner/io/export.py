@@ -214,8 +214,7 @@ def weights_beside(folder: Path, graph: str, data: str) -> None:
     parsed graph and once as the session's tensors (docs/export.md, "Memory")."""
     import onnx
 
-    model = onnx.load(str(folder / graph))
-    (folder / data).unlink(missing_ok=True)  # onnx appends to an existing file
+    model = onnx.load(str(folder / graph))  # ``folder`` is the export's fresh temporary one: no ``data`` yet
     onnx.save(model, str(folder / graph), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
               size_threshold=SMALLEST_OUTSIDE)
 

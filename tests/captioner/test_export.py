@@ -653,11 +653,13 @@ def test_the_weights_form_keeps_the_demos_captions(tmp_path, onnx_registry_once)
     every fresh shapes image (99 of the first 100 of benchmarks/int8_parity.py's images; the int8
     arithmetic form: 85 to 92%, docs/results.md)."""
     from captioner.data.shapes import generate_dataset
+    from captioner.io import quantize
     from captioner.onnx.runtime import OnnxCaptioner
 
-    cap = Captioner.load("demo-soft")
-    folders = {k: export(cap, tmp_path / k, onnx=True, int8=form).folder for k, form in (("fp32", None),
-                                                                                        ("w", "weights"))}
+    folders = {"fp32": export(Captioner.load("demo-soft"), tmp_path / "fp32", onnx=True).folder}
+    folders["w"] = Path(shutil.copytree(folders["fp32"], tmp_path / "w"))  # the form --int8 weights writes
+    for graph in (fmt.ENCODER_ONNX, fmt.STEP_ONNX):
+        quantize.weights_only(folders["fp32"] / graph, folders["w"] / graph)
     generate_dataset(tmp_path / "s", {"test": 100}, seed=5858, progress=False)
     rt = {k: OnnxCaptioner(f) for k, f in folders.items()}
     pre = rt["fp32"].preprocess
@@ -705,22 +707,20 @@ def test_export_refuses_an_unknown_int8_form_before_anything_is_written(tmp_path
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.slow  # an ONNX export
-def test_the_graphs_keep_their_weights_in_a_file_beside_them(tmp_path, onnx_registry_once):
+@pytest.mark.slow  # the module's ONNX export
+def test_the_graphs_keep_their_weights_in_a_file_beside_them(weights_folder, tmp_path):
     """Each graph's weights of 4 KiB or more go to ``<graph>.data`` beside it: onnxruntime
     maps that file and uses the weights where they lie, rather than holding them twice (docs/export.md).
-    A second export into the folder leaves no stale data behind; one without --onnx removes it."""
+    An export without --onnx into the folder removes them."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import uses_external_data
 
     from captioner.onnx.runtime import OnnxCaptioner
 
-    cap = tiny_captioner(seed=5)
-    for _ in range(2):
-        done = export(cap, tmp_path / "m", onnx=True)
-    folder = done.folder
-    assert {fmt.ENCODER_DATA, fmt.STEP_DATA} <= set(done.files) <= {p.name for p in folder.iterdir()}
+    cap, root, _ = weights_folder
+    folder = Path(shutil.copytree(root / "fp32", tmp_path / "m"))  # exported with --onnx
+    assert {fmt.ENCODER_DATA, fmt.STEP_DATA} <= {p.name for p in folder.iterdir()}
     config = json.loads((folder / fmt.CONFIG).read_text())
     assert config["onnx"]["encoder"]["data"] == fmt.ENCODER_DATA and config["onnx"]["step"]["data"] == fmt.STEP_DATA
     assert f"`{fmt.ENCODER_DATA}`, `{fmt.STEP_DATA}`: the graphs' weights" in (folder / fmt.CARD).read_text()

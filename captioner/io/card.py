@@ -157,7 +157,7 @@ def model_card(config: dict, *, name: str) -> str:
             " quantised to int8 (the encoder calibrated on images, the step dynamically)"
         parts.append(f"- `{fmt.ENCODER_ONNX}`, `{fmt.STEP_ONNX}`: the encoder and one decoder step{int8} "
                      f"(ONNX opset {config['onnx']['opset']}); the beam search runs outside the graph")
-        beside = fmt.graph_files(config)[2:]
+        beside = fmt.weight_files(config)
         if beside:
             parts.append(f"- {', '.join(f'`{name}`' for name in beside)}: the graphs' weights, which each graph "
                          "reads from beside it")

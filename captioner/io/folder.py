@@ -55,13 +55,16 @@ def require(folder: Path, *names: str) -> None:
                               "(captioner export CHECKPOINT --out FOLDER) or copy the whole folder")
 
 
-def graph_files(config: dict) -> list[str]:
-    """The files of an exported folder's ONNX graphs, as its config names them: each graph, and
-    the file beside it holding its weights where it has one (folders exported before that keep
-    their weights in the graph)."""
+def weight_files(config: dict) -> list[str]:
+    """The files beside an exported folder's ONNX graphs that hold their weights, as its config
+    names them (none for folders exported before the weights moved out of the graphs)."""
     onnx = config.get("onnx") or {}
-    files = [ENCODER_ONNX, STEP_ONNX]
-    return files + [onnx[part]["data"] for part in ("encoder", "step") if (onnx.get(part) or {}).get("data")]
+    return [onnx[part]["data"] for part in ("encoder", "step") if (onnx.get(part) or {}).get("data")]
+
+
+def graph_files(config: dict) -> list[str]:
+    """The files of an exported folder's ONNX graphs: each graph, and its weights' file."""
+    return [ENCODER_ONNX, STEP_ONNX, *weight_files(config)]
 
 
 def graph_bytes(folder: str | os.PathLike) -> int:

@@ -205,14 +205,6 @@ def _batches(paths: list[Path], preprocess: Preprocess) -> list[np.ndarray]:
     return out
 
 
-def _session(path: Path):
-    """A session as the runtime makes them (its threads sleeping between runs), for timings that
-    match what a user of ``python -m captioner.onnx`` gets."""
-    from captioner.onnx.runtime import session
-
-    return session(path)
-
-
 def _median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Each run's median time in ms over ``rounds`` interleaved rounds, after one warm-up each."""
     for run in runs.values():
@@ -227,15 +219,18 @@ def _median_ms(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
 
 
 def load_graphs(paths: dict[str, Path]) -> tuple:
-    """A folder's two graphs, ``paths`` by file name, as onnxruntime sessions: (encoder, step)."""
+    """A folder's two graphs, ``paths`` by file name, as onnxruntime sessions: (encoder, step),
+    made as the runtime makes them, so that their timings are what ``python -m captioner.onnx`` gets."""
     from captioner.io import folder as fmt
+    from captioner.onnx.runtime import session
 
-    return _session(paths[fmt.ENCODER_ONNX]), _session(paths[fmt.STEP_ONNX])
+    return session(paths[fmt.ENCODER_ONNX]), session(paths[fmt.STEP_ONNX])
 
 
-def time_parts(fp32: tuple, int8: tuple, inputs: list[np.ndarray]) -> tuple[PartTiming, ...]:
-    """Each graph in fp32 and int8 (``load_graphs``' sessions) on this CPU: the encoder per image at
-    batch 1 on ``inputs`` (TIMED_IMAGES of them), and one decoder step for 3 rows (beam 3 at batch 1)."""
+def time_parts(fp32: tuple, int8: tuple, inputs: list[np.ndarray], form: str = "arithmetic") -> tuple[PartTiming, ...]:
+    """Each graph in fp32 and in int8 of ``form`` (``load_graphs``' sessions) on this CPU: the encoder
+    per image at batch 1 on ``inputs`` (TIMED_IMAGES of them), and one decoder step for 3 rows (beam 3
+    at batch 1)."""
     import numpy as np
 
     enc = {"fp32": fp32[0], "int8": int8[0]}
@@ -246,7 +241,7 @@ def time_parts(fp32: tuple, int8: tuple, inputs: list[np.ndarray]) -> tuple[Part
         return lambda: [session.run(None, {"images": x}) for x in images]
 
     ms = _median_ms({k: encode(s) for k, s in enc.items()}, rounds=3)
-    encoder = PartTiming("encoder", ms["fp32"] / len(images), ms["int8"] / len(images), "per image")
+    encoder = PartTiming("encoder", ms["fp32"] / len(images), ms["int8"] / len(images), "per image", form)
     ann, keys, h0, c0, _ = enc["fp32"].run(None, {"images": images[0]})
     feed = {"word": np.full(BEAMS, 1, dtype=np.int64),
             **{k: np.repeat(v, BEAMS, 0) for k, v in (("h", h0), ("c", c0), ("annotations", ann), ("keys", keys))}}
@@ -256,7 +251,7 @@ def time_parts(fp32: tuple, int8: tuple, inputs: list[np.ndarray]) -> tuple[Part
 
     ms = _median_ms({k: steps(s) for k, s in step.items()}, rounds=3)
     decoder = PartTiming("decoder step", ms["fp32"] / TIMED_STEPS, ms["int8"] / TIMED_STEPS,
-                         f"per step of {BEAMS} beams")
+                         f"per step of {BEAMS} beams", form)
     return encoder, decoder
 
 
@@ -406,7 +401,7 @@ def quantize(folder: Path, preprocess: Preprocess, calibration: list[Path], sour
                 quant_pre_process(str(fp32[n]), str(prepared[n]), skip_symbolic_shape=True)
             _arithmetic(prepared, int8, inputs)
         graphs = load_graphs(fp32), load_graphs(int8)  # read once, for the timings and the captions
-        timings = tuple(PartTiming(t.part, t.fp32_ms, t.int8_ms, t.per, form) for t in time_parts(*graphs, inputs))
+        timings = time_parts(*graphs, inputs, form)
         compared = inputs[:AGREEMENT_IMAGES] if calibration else []
         same = None if tokens is None or not compared else agreement(*graphs, compared, tokens, max_len)
         done = Quantized(source, len(inputs) if calibration else 0, timings, {n: fp32[n].stat().st_size for n in names},

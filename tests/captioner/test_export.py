@@ -724,6 +724,8 @@ def test_the_graphs_keep_their_weights_in_a_file_beside_them(weights_folder, tmp
     config = json.loads((folder / fmt.CONFIG).read_text())
     assert config["onnx"]["encoder"]["data"] == fmt.ENCODER_DATA and config["onnx"]["step"]["data"] == fmt.STEP_DATA
     assert f"`{fmt.ENCODER_DATA}`, `{fmt.STEP_DATA}`: the graphs' weights" in (folder / fmt.CARD).read_text()
+    four = [fmt.ENCODER_ONNX, fmt.STEP_ONNX, fmt.ENCODER_DATA, fmt.STEP_DATA]
+    assert fmt.graph_bytes(folder) == sum((folder / n).stat().st_size for n in four)
     for graph, data in ((fmt.ENCODER_ONNX, fmt.ENCODER_DATA), (fmt.STEP_ONNX, fmt.STEP_DATA)):
         bare = onnx.load(str(folder / graph), load_external_data=False)
         outside = {i.name for i in bare.graph.initializer if uses_external_data(i)}
